@@ -1,0 +1,269 @@
+"""offseason: keep an agent improving after it ships, one versioned cycle at a time.
+
+    offseason init        create generation 0, the first champion (demo warm start or --base-model)
+    offseason simulate    write one day of production-like traces to data/inbox/ (the demo's traffic)
+    offseason run         run one cycle: ingest, validate, rollout, reward, train, gate, promote
+    offseason history     one row per generation: scores, verdict, the champion
+    offseason demo        init (if needed), then simulate + run three times, then the history
+    offseason check       check params.yaml and print it with every default filled in
+
+Run from the project folder (where dvc.yaml is). Each command's --help says more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from flows.workspace import (WorkspaceError, configure_env, cycle_lock, dvc, find_root,
+                             generations, git, read_at)
+from stages import config as cfg
+
+
+def benchmark_path(root: Path) -> Path:
+    """The held-out benchmark, as the gate stage in dvc.yaml names it (paths live in dvc.yaml)."""
+    deps = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["gate"]["deps"]
+    return root / next(d for d in deps if str(d).startswith("data/benchmarks/"))
+
+
+def cmd_init(args) -> int:
+    root = find_root()
+    configure_env(root)
+    configs = cfg.load_all(root / "params.yaml")
+    if (root / "models" / "champion.dvc").exists() and not args.force:
+        print(f"already initialised: {root / 'models/champion.dvc'} exists (generation 0 was "
+              f"made). Run `offseason run` for a cycle, or `offseason init --force` to start over.")
+        return 0
+    from flows import tracking
+    from stages import gate, init
+    from stages.environments import ENVIRONMENTS
+
+    with cycle_lock(root, "offseason init"):
+        print("init: building generation 0 ...", flush=True)
+        champion = root / "models" / "champion"
+        metrics = init.run(configs["base"], configs["init"], champion, args.base_model)
+        env = ENVIRONMENTS[configs["base"].environment]
+        from stages import io
+
+        items = io.read_jsonl(benchmark_path(root))
+        scores = gate.score(champion, env, items, configs["base"].seed)
+        metrics["benchmark_score"] = round(sum(s for s, _ in scores) / len(scores), 4)
+        metrics["benchmark_items"] = len(items)
+        (root / "metrics").mkdir(exist_ok=True)
+        (root / "metrics" / "init.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        dvc(root, "add", "--quiet", "models/champion")
+
+        import mlflow
+
+        experiment_id = tracking.experiment(root)
+        client = mlflow.MlflowClient()
+        run = client.create_run(experiment_id, run_name="gen-0",
+                                tags={"offseason.generation": "0", "offseason.stage": "init"})
+        for section in ("base", "init"):
+            for key, value in dataclasses.asdict(configs[section]).items():
+                client.log_param(run.info.run_id, f"{section}.{key}", value)
+        for key, value in tracking.numeric(metrics).items():
+            client.log_metric(run.info.run_id, key, value)
+        name = configs["base"].registered_model
+        version = tracking.register(champion, run.info.run_id, name,
+                                    {"generation": 0, "source": metrics["source"]})
+        record = {"generation": 0, "model_version": version, "promoted": True,
+                  "champion_version": version, "reason": "generation 0 (offseason init)",
+                  "candidate_score": metrics["benchmark_score"], "champion_score": None}
+        (root / "metrics" / "promotion.json").write_text(json.dumps(record, indent=2) + "\n")
+        git(root, "add", "--", "models/champion.dvc", "models/.gitignore", "metrics",
+            "params.yaml")
+        git(root, "commit", "--quiet", "-m",
+            f"gen-0: first champion ({metrics['source']}), benchmark pass@1 "
+            f"{metrics['benchmark_score']:.3f}")
+        git(root, "tag", "-f", "gen-0")
+        dvc(root, "push", "--quiet")
+        tracking.set_champion(name, version)
+        client.set_tag(run.info.run_id, "offseason.git_commit", git(root, "rev-parse", "HEAD"))
+        client.set_terminated(run.info.run_id)
+    print(f"init: generation 0 is the champion (MLflow model '{name}' version {version}, alias "
+          f"'champion'; git tag gen-0); benchmark pass@1 {metrics['benchmark_score']:.3f}")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    root = find_root()
+    configure_env(root)
+    configs = cfg.load_all(root / "params.yaml")
+    if not (root / "models" / "champion").exists():
+        raise WorkspaceError("no champion to answer the traffic; run `offseason init` first")
+    from stages import simulate
+
+    for _ in range(args.days):
+        out = simulate.run(configs["base"], configs["simulate"], root / "models" / "champion",
+                           root / "data" / "inbox", benchmark_path(root))
+        print(f"simulate: day {out['day']}: {out['lines']} lines in {out['file']} (the champion "
+              f"answered {out['champion_correct']:.1%} correctly)")
+    return 0
+
+
+def cmd_run(args) -> int:
+    root = find_root()
+    configure_env(root)
+    cfg.load_all(root / "params.yaml")  # fail before any stage (or Prefect) starts
+    from flows.cycle import cycle
+
+    with cycle_lock(root, "offseason run"):
+        result = cycle(str(root))
+    print(f"run: {result['message']}")
+    return 0
+
+
+def history_rows(root: Path) -> list[dict]:
+    rows = []
+    for generation in generations(root):
+        tag = f"gen-{generation}"
+        promotion = read_at(root, tag, "metrics/promotion.json") or {}
+        if generation == 0:
+            init = read_at(root, tag, "metrics/init.json") or {}
+            score, champ, interval, traces = init.get("benchmark_score"), None, None, None
+            verdict = "initial"
+        else:
+            gate = read_at(root, tag, "metrics/gate.json") or {}
+            ingest = read_at(root, tag, "metrics/ingest.json") or {}
+            score, champ = gate.get("candidate_score"), gate.get("champion_score")
+            interval, traces = gate.get("interval"), ingest.get("accepted")
+            verdict = "promoted" if promotion.get("promoted") else "rejected"
+        date = git(root, "log", "-1", "--format=%cs", tag)
+        rows.append({"tag": tag, "date": date, "new_traces": traces, "score": score,
+                     "champion_score": champ, "difference_interval": interval,
+                     "verdict": verdict, "model_version": promotion.get("model_version"),
+                     "promoted": promotion.get("promoted", False)})
+    current = max((i for i, r in enumerate(rows) if r["promoted"]), default=None)
+    for i, row in enumerate(rows):
+        row["champion"] = i == current
+    return rows
+
+
+def print_history(rows: list[dict]) -> None:
+    header = f"{'generation':<11}{'date':<12}{'traces':>7}{'pass@1':>8}{'vs champ':>10}" \
+             f"{'interval of difference':>26}  {'verdict':<10}{'version':>8}  champion"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        interval = "-" if not r["difference_interval"] else \
+            f"[{r['difference_interval'][0]:+.3f}, {r['difference_interval'][1]:+.3f}]"
+        print(f"{r['tag']:<11}{r['date']:<12}{r['new_traces'] if r['new_traces'] is not None else '-':>7}"
+              f"{fmt(r['score']):>8}{fmt(r['champion_score']):>10}{interval:>26}  "
+              f"{r['verdict']:<10}{str(r['model_version']):>8}  {'*' if r['champion'] else ''}")
+
+
+def cmd_history(args) -> int:
+    root = find_root()
+    rows = history_rows(root)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print("no generations yet; run `offseason init`")
+    else:
+        print_history(rows)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    root = find_root()
+    started = time.time()
+    if not (root / "models" / "champion.dvc").exists():
+        cmd_init(argparse.Namespace(base_model=None, force=False))
+    for i in range(args.cycles):
+        print(f"\n=== demo: day {i + 1} of {args.cycles}: new traffic, then a cycle ===", flush=True)
+        cmd_simulate(argparse.Namespace(days=1))
+        cmd_run(argparse.Namespace())
+    rows = history_rows(root)
+    print(f"\n=== demo finished in {time.time() - started:.0f} s ===\n")
+    print_history(rows)
+    first = rows[0]["score"]
+    champion = next(r for r in rows if r["champion"])
+    print(f"\nThe champion ({champion['tag']}) scores {champion['score']:.1%} pass@1 on the held-out "
+          f"benchmark, {100 * (champion['score'] - first):+.1f} points over generation 0.")
+    print(f"""
+Where to look next:
+  offseason history                     this table again (--json for scripts)
+  dvc metrics diff gen-1 gen-{rows[-1]['tag'][4:]}          how two generations' metrics differ
+  git log --oneline --decorate          one commit and tag per cycle
+  .venv/bin/mlflow ui --backend-store-uri sqlite:///{root}/mlflow.db --host 127.0.0.1
+                                        the MLflow UI: runs per cycle and stage, registered models
+  PREFECT_HOME={root}/.prefect .venv/bin/prefect server start --host 127.0.0.1
+                                        the Prefect UI: flow runs, logs, the cycle report artifacts""")
+    return 0
+
+
+def cmd_check(args) -> int:
+    root = find_root()
+    configs = cfg.load_all(root / "params.yaml")
+    print(yaml.safe_dump({k: dataclasses.asdict(v) for k, v in configs.items()}, sort_keys=False))
+    print("params.yaml is valid")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="offseason", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = sub.add_parser("init", help="create generation 0, the first champion",
+                       description="Create generation 0: for the demo a tiny GPT-2 built from "
+                       "params.yaml's `init:` section and warm-started on demonstrations; with "
+                       "--base-model, a local Hugging Face model folder imported as is. Registers "
+                       "it in MLflow with the alias 'champion', `dvc add`s models/champion, "
+                       "commits and tags gen-0.")
+    s.add_argument("--base-model", type=Path, metavar="PATH",
+                   help="a local Hugging Face model folder (config.json, safetensors, tokenizer)")
+    s.add_argument("--force", action="store_true", help="replace an existing generation 0")
+    s.set_defaults(func=cmd_init)
+    s = sub.add_parser("simulate", help="write a day of production-like traces to data/inbox/",
+                       description="Write one day of traffic to data/inbox/traffic-NNN.jsonl: the "
+                       "champion answering requests from a task mix that shifts each day, as "
+                       "OpenAI chat JSONL with tool calls and feedback, plus the junk real logs "
+                       "carry (a malformed line, a duplicate, an e-mail address, small talk).")
+    s.add_argument("--days", type=int, default=1, help="how many days of traffic (default 1)")
+    s.set_defaults(func=cmd_simulate)
+    s = sub.add_parser("run", help="run one cycle (a Prefect flow over the DVC stages)",
+                       description="Run one cycle: ingest, validate, rollout, reward, train and "
+                       "gate through DVC (up-to-date stages are skipped), then promote on a pass, "
+                       "commit and tag gen-N. Logged to MLflow (one run per cycle, a child run per "
+                       "stage) and to Prefect (flow run log, report artifacts). Nothing new in "
+                       "the inbox and nothing changed: nothing reruns.")
+    s.set_defaults(func=cmd_run)
+    s = sub.add_parser("history", help="one row per generation: scores, verdict, champion",
+                       description="One row per generation (git tag gen-N): new traces, the "
+                       "candidate's and champion's pass@1 on the held-out benchmark, the interval "
+                       "of their difference, the verdict, the MLflow model version, and a * on "
+                       "the current champion.")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=cmd_history)
+    s = sub.add_parser("demo", help="init, then simulate + run a few times, then the history",
+                       description="The built-in demo: create generation 0 if there is none, then "
+                       "for each cycle simulate a day of traffic and run a cycle, and print the "
+                       "table of generations. Commits and tags into this repository.")
+    s.add_argument("--cycles", type=int, default=3, help="number of cycles (default 3)")
+    s.set_defaults(func=cmd_demo)
+    s = sub.add_parser("check", help="check params.yaml",
+                       description="Check params.yaml (unknown keys, wrong types, missing "
+                       "sections) and print it with every default filled in.")
+    s.set_defaults(func=cmd_check)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (cfg.ParamsError, WorkspaceError, FileNotFoundError) as err:
+        print(f"offseason {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

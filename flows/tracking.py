@@ -1,0 +1,98 @@
+"""MLflow records: one run per cycle with a child run per stage, and the model registry.
+
+The tracking URI comes from the environment (`MLFLOW_TRACKING_URI`, set by `configure_env` to the
+repo's SQLite file by default). Artifacts go to `<repo>/mlartifacts`, always as an absolute URI:
+MLflow's own default follows the working directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow
+import yaml
+from mlflow import MlflowClient
+
+EXPERIMENT = "offseason"
+ALIAS = "champion"
+
+
+def experiment(root: Path) -> str:
+    found = mlflow.get_experiment_by_name(EXPERIMENT)
+    if found is None:
+        return mlflow.create_experiment(EXPERIMENT,
+                                        artifact_location=(root / "mlartifacts").as_uri())
+    return found.experiment_id
+
+
+def flat(prefix: str, value, out: dict) -> dict:
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            flat(f"{prefix}.{key}" if prefix else str(key), inner, out)
+    else:
+        out[prefix] = value
+    return out
+
+
+def numeric(metrics: dict) -> dict[str, float]:
+    return {k.replace("/", "_"): float(v) for k, v in flat("", metrics, {}).items()
+            if isinstance(v, (int, float))}
+
+
+def dvc_hashes(root: Path, stage: str) -> dict[str, str]:
+    """The md5 of each dep and out of a stage, as recorded in dvc.lock."""
+    lock = yaml.safe_load((root / "dvc.lock").read_text()) if (root / "dvc.lock").exists() else {}
+    entry = (lock or {}).get("stages", {}).get(stage, {})
+    hashes = {}
+    for kind in ("deps", "outs"):
+        for item in entry.get(kind, []):
+            hashes[f"dvc.{kind[:-1]}.{item['path']}"] = item.get("md5", "")
+    return hashes
+
+
+def log_stage(root: Path, parent_id: str, experiment_id: str, stage: str, params: dict,
+              metrics: dict, ran: bool) -> str:
+    """A child run of the cycle's run: the stage's params, metrics and DVC hashes."""
+    client = MlflowClient()
+    run = client.create_run(experiment_id, run_name=stage, tags={
+        "mlflow.parentRunId": parent_id, "offseason.stage": stage,
+        "offseason.reran": str(ran).lower()})
+    run_id = run.info.run_id
+    for key, value in flat("", params, {}).items():
+        client.log_param(run_id, key, value)
+    for key, value in numeric(metrics).items():
+        client.log_metric(run_id, key, value)
+    for key, value in dvc_hashes(root, stage).items():
+        client.set_tag(run_id, key, value)
+    client.log_dict(run_id, metrics, f"{stage}.json")
+    client.set_terminated(run_id)
+    return run_id
+
+
+def register(model_dir: Path, run_id: str, name: str, tags: dict) -> str:
+    """Log a model folder to a run and register it as a new version; returns the version."""
+    client = MlflowClient()
+    client.log_artifacts(run_id, str(model_dir), "model")
+    if not client.search_registered_models(filter_string=f"name = '{name}'"):
+        client.create_registered_model(name, description="offseason agent generations")
+    source = f"{client.get_run(run_id).info.artifact_uri}/model"
+    version = client.create_model_version(name, source=source, run_id=run_id,
+                                          tags={k: str(v) for k, v in tags.items()})
+    return version.version
+
+
+def set_champion(name: str, version: str) -> None:
+    MlflowClient().set_registered_model_alias(name, ALIAS, version)
+
+
+def champion_version(name: str) -> str | None:
+    try:
+        return MlflowClient().get_model_version_by_alias(name, ALIAS).version
+    except mlflow.exceptions.MlflowException:
+        return None
+
+
+def metrics_file(root: Path, stage: str) -> dict:
+    path = root / "metrics" / f"{stage}.json"
+    return json.loads(path.read_text()) if path.exists() else {}

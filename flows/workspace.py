@@ -1,0 +1,131 @@
+"""The project folder as a workspace: its root, git, DVC, the cycle lock and the embedded defaults.
+
+Everything local lives inside the repo and is git-ignored: MLflow at `sqlite:///<repo>/mlflow.db`
+with artifacts in `<repo>/mlartifacts`, Prefect's local database in `<repo>/.prefect`, the DVC
+remote in `<repo>/.dvcstore`. Each is one environment variable away from a real server
+(`MLFLOW_TRACKING_URI`, `PREFECT_API_URL`, `dvc remote modify`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+# Privacy by default: a pipeline that reads production traces sends nothing anywhere unasked.
+TELEMETRY_OFF = {
+    "DO_NOT_TRACK": "true",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DVC_NO_ANALYTICS": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "GX_ANALYTICS_ENABLED": "False",
+}
+
+
+class WorkspaceError(RuntimeError):
+    """Something about the project folder is wrong; the message says what to do."""
+
+
+def find_root(start: str | Path = ".") -> Path:
+    here = Path(start).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "dvc.yaml").exists() and (folder / "params.yaml").exists():
+            return folder
+    raise WorkspaceError(f"{here} is not inside an offseason project (no dvc.yaml and params.yaml "
+                         f"here or above); cd into the project folder")
+
+
+def configure_env(root: Path) -> None:
+    """Telemetry off and the embedded defaults, unless the user set them already."""
+    for key, value in TELEMETRY_OFF.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    os.environ.setdefault("PREFECT_HOME", str(root / ".prefect"))
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    # DVC runs `python -m stages...`: make that the interpreter offseason itself runs in
+    bin_dir = str(Path(sys.executable).parent)
+    if not os.environ.get("PATH", "").startswith(bin_dir + os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+def run(cmd: list[str], root: Path, check: bool = True, on_line: Callable[[str], None] | None = None
+        ) -> subprocess.CompletedProcess:
+    """Run a command in the repo root; stream its output line by line to `on_line` if given."""
+    if on_line is None:
+        result = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+    else:
+        lines = []
+        with subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, bufsize=1) as proc:
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                lines.append(line)
+                on_line(line)
+        result = subprocess.CompletedProcess(cmd, proc.returncode, "\n".join(lines), "")
+    if check and result.returncode != 0:
+        output = (result.stdout + result.stderr).strip().splitlines()[-15:]
+        raise WorkspaceError(f"`{' '.join(cmd)}` failed (exit {result.returncode}):\n"
+                             + "\n".join(output))
+    return result
+
+
+def git(root: Path, *args: str, check: bool = True) -> str:
+    identity = []
+    if args and args[0] in ("commit", "tag") and not run(["git", "config", "user.email"], root,
+                                                          check=False).stdout.strip():
+        identity = ["-c", "user.name=offseason", "-c", "user.email=offseason@localhost"]
+    return run(["git", *identity, *args], root, check=check).stdout.strip()
+
+
+def dvc(root: Path, *args: str, on_line=None) -> str:
+    return run([str(Path(sys.executable).parent / "dvc"), *args], root, on_line=on_line).stdout
+
+
+def generations(root: Path) -> list[int]:
+    tags = git(root, "tag", "--list", "gen-*").split()
+    return sorted(int(t[4:]) for t in tags if t[4:].isdigit())
+
+
+def read_at(root: Path, ref: str, path: str) -> dict | None:
+    """A JSON file as committed at `ref`, or None."""
+    out = run(["git", "show", f"{ref}:{path}"], root, check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+@contextmanager
+def cycle_lock(root: Path, label: str):
+    """One cycle at a time per workspace; a lock left by a dead process is cleared."""
+    path = root / ".offseason" / "cycle.lock"
+    path.parent.mkdir(exist_ok=True)
+    info = {"pid": os.getpid(), "what": label,
+            "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            try:
+                held = json.loads(path.read_text())
+                os.kill(held["pid"], 0)
+            except (ProcessLookupError, ValueError, KeyError, json.JSONDecodeError):
+                path.unlink(missing_ok=True)  # stale: its process is gone
+                continue
+            raise WorkspaceError(
+                f"another cycle is running in {root}: {held['what']} (pid {held['pid']}, started "
+                f"{held['started']}); wait for it, or stop that process") from None
+    else:
+        raise WorkspaceError(f"could not take the cycle lock {path}; remove it if no cycle runs")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(info, handle)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)

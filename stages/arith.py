@@ -1,0 +1,194 @@
+"""The demo environment: integer arithmetic that an agent may answer with a calculator tool.
+
+One episode, in the model's own text (each tag is a single token of the demo tokenizer):
+
+    Q:47*38<calc>47*38</calc><result>1786</result>answer:1786<eos>
+
+The agent writes `<calc>EXPR</calc>`; the environment evaluates EXPR and injects
+`<result>VALUE</result>`; the agent then writes `answer:VALUE`. A tiny model cannot multiply
+three-digit numbers in its head but can learn to copy into and out of the tool, so tool use visibly
+pays off. Verification is an exact integer match against the answer computed from the question.
+
+In production traces the same episode is OpenAI chat messages: the user's question, an assistant
+message with a `calculator` tool call, the tool's reply, and the assistant's final answer.
+`task_from_messages` and `messages_from_completion` translate between the two.
+
+This module is pure Python (no torch), so ingestion and validation stay light.
+    python -m stages.arith --write-benchmark data/benchmarks/arith.jsonl   # the held-out suite
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+from pathlib import Path
+
+NAME = "arith"
+QUESTION, ANSWER = "Q:", "answer:"
+TOOL_OPEN, TOOL_CLOSE = "<calc>", "</calc>"
+RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
+TOOL_NAME = "calculator"
+TAGS = [QUESTION, ANSWER, TOOL_OPEN, TOOL_CLOSE, RESULT_OPEN, RESULT_CLOSE]
+CHARS = list("0123456789+-*?")
+OPS = "+-*"
+TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": "Evaluate one integer expression a OP b with OP in + - *.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+
+_EXPR = re.compile(r"(-?\d{1,6})\s*([+\-*x×])\s*(-?\d{1,6})")
+
+
+def evaluate(expression: str) -> int | None:
+    """The calculator: `a OP b` with integers; None for anything else (never eval())."""
+    match = re.fullmatch(r"\s*(-?\d{1,6})\s*([+\-*])\s*(-?\d{1,6})\s*", expression)
+    if not match:
+        return None
+    a, op, b = int(match[1]), match[2], int(match[3])
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def tool_result(expression: str) -> str:
+    value = evaluate(expression)
+    return "?" if value is None else str(value)
+
+
+def mix_for_day(day: int, shift: float) -> list[float]:
+    """Weights of (+, -, *) on a given day: traffic drifts from sums towards products."""
+    start, end = [0.5, 0.35, 0.15], [0.2, 0.2, 0.6]
+    t = min(1.0, max(0.0, day * shift))
+    return [s + (e - s) * t for s, e in zip(start, end)]
+
+
+def sample_question(rng: random.Random, weights: list[float] | None = None) -> str:
+    op = rng.choices(OPS, weights=weights or [1, 1, 1])[0]
+    a, b = (rng.randint(0, 10 ** rng.randint(1, 3) - 1) for _ in range(2))
+    return f"{a}{op}{b}"
+
+
+def question_from_text(text: str) -> str | None:
+    """The expression a user asked about, from free text ('what is 47 * 38?'); None if there is none."""
+    match = _EXPR.search(text or "")
+    if not match:
+        return None
+    op = "*" if match[2] in "x×" else match[2]
+    return f"{int(match[1])}{op}{int(match[3])}"
+
+
+def gold_answer(question: str) -> int | None:
+    return evaluate(question)
+
+
+def prompt(question: str) -> str:
+    return f"{QUESTION}{question}"
+
+
+def demonstration(question: str, use_tool: bool) -> str:
+    """A correct completion, with or without the tool (for the warm start)."""
+    answer = gold_answer(question)
+    if use_tool:
+        return f"{TOOL_OPEN}{question}{TOOL_CLOSE}{RESULT_OPEN}{answer}{RESULT_CLOSE}{ANSWER}{answer}"
+    return f"{ANSWER}{answer}"
+
+
+def on_tool_close(text: str) -> str:
+    """What the environment injects after the agent closed a tool call in `text`."""
+    expression = text.rsplit(TOOL_OPEN, 1)[-1].removesuffix(TOOL_CLOSE) if TOOL_OPEN in text else ""
+    return f"{RESULT_OPEN}{tool_result(expression)}{RESULT_CLOSE}"
+
+
+def final_answer(completion: str) -> str | None:
+    """The text after the last `answer:` tag, or None if the agent never answered."""
+    if ANSWER not in completion:
+        return None
+    return completion.rsplit(ANSWER, 1)[-1].strip()
+
+
+def verify(question: str, completion: str) -> float | None:
+    """1.0 if the final answer is exactly right, 0.0 if wrong or missing, None if unjudgeable."""
+    gold = gold_answer(question)
+    if gold is None:
+        return None
+    answer = final_answer(completion)
+    if answer is None or not re.fullmatch(r"-?\d+", answer):
+        return 0.0
+    return 1.0 if int(answer) == gold else 0.0
+
+
+def tool_calls(completion: str) -> list[str]:
+    return re.findall(re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE), completion)
+
+
+def messages_from_completion(user_text: str, completion: str, call_prefix: str) -> list[dict]:
+    """An episode as OpenAI chat messages: user, assistant tool calls, tool replies, final answer."""
+    messages = [{"role": "user", "content": user_text}]
+    pattern = re.compile(
+        re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE)
+        + r"(?:" + re.escape(RESULT_OPEN) + r"(.*?)" + re.escape(RESULT_CLOSE) + r")?"
+    )
+    pos = 0
+    for i, match in enumerate(pattern.finditer(completion)):
+        call_id = f"{call_prefix}-{i}"
+        messages.append({
+            "role": "assistant",
+            "content": completion[pos:match.start()] or None,
+            "tool_calls": [{
+                "id": call_id,
+                "type": "function",
+                "function": {"name": TOOL_NAME,
+                             "arguments": json.dumps({"expression": match[1]})},
+            }],
+        })
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": match[2] or ""})
+        pos = match.end()
+    rest = completion[pos:]
+    answer = final_answer(rest)
+    messages.append({"role": "assistant", "content": answer if answer is not None else rest})
+    return messages
+
+
+def task_from_messages(messages: list[dict]) -> dict | None:
+    """The task behind a trace: the first user message's arithmetic question, or None."""
+    for message in messages:
+        if message.get("role") == "user":
+            question = question_from_text(str(message.get("content") or ""))
+            if question is None:
+                return None
+            return {"question": question, "answer": gold_answer(question)}
+    return None
+
+
+def write_benchmark(path: Path, size: int = 200, seed: int = 1234) -> None:
+    """The held-out suite: uniform over operations and operand sizes, fixed by its seed."""
+    rng = random.Random(seed)
+    seen, rows = set(), []
+    while len(rows) < size:
+        question = sample_question(rng)
+        if question not in seen:
+            seen.add(question)
+            rows.append({"id": f"{NAME}-{len(rows):04d}", "question": question,
+                         "answer": gold_answer(question)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="The arithmetic demo environment.")
+    parser.add_argument("--write-benchmark", type=Path, required=True,
+                        help="write the 200-item held-out benchmark (seed 1234) to this JSONL file")
+    args = parser.parse_args(argv)
+    write_benchmark(args.write_benchmark)
+
+
+if __name__ == "__main__":
+    main()

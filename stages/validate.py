@@ -1,0 +1,165 @@
+"""Validate: Great Expectations checks on the ingested traces; failing traces go to quarantine.
+
+Reads `data/ingested.parquet`. GE does not validate nested data, so the traces are flattened into
+three tables first: one row per trace, one per message, one per tool call. Each failed expectation
+sends the trace it came from to `data/quarantine/validate.jsonl` with the expectation, the source
+file and line; the rest go to `data/validated.parquet` with the task the environment derived from
+each (`question`, `answer`). Writes `metrics/validate.json`. The stage fails only when the valid
+fraction falls below `validate.min_valid_fraction`.
+
+    python -m stages.validate data/ingested.parquet data/validated.parquet data/quarantine/validate.jsonl metrics/validate.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from stages import config as cfg
+from stages import io
+from stages.environments import ENVIRONMENTS
+
+ROLES = ["system", "user", "assistant", "tool", "developer"]
+
+
+class ValidationFailed(RuntimeError):
+    """Too few valid traces to go on; the message says how many and where the reasons are."""
+
+
+def flatten(traces: pd.DataFrame, env) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """One row per trace, per message and per tool call, each keyed by the trace's row number."""
+    per_trace, per_message, per_call = [], [], []
+    for row, trace in enumerate(traces.itertuples(index=False)):
+        messages = json.loads(trace.messages)
+        task = env.task_from_messages(messages)
+        per_trace.append({"row": row, "trace_id": trace.trace_id, "n_messages": trace.n_messages,
+                          "user_text": trace.user_text,
+                          "question": task["question"] if task else None})
+        for index, message in enumerate(messages):
+            per_message.append({"row": row, "index": index, "role": message.get("role")})
+            for call in message.get("tool_calls") or []:
+                arguments = call["function"].get("arguments")
+                per_call.append({"row": row, "name": call["function"]["name"],
+                                 "arguments": arguments if isinstance(arguments, str)
+                                 else json.dumps(arguments)})
+    frames = (pd.DataFrame(per_trace, columns=["row", "trace_id", "n_messages", "user_text",
+                                               "question"]),
+              pd.DataFrame(per_message, columns=["row", "index", "role"]),
+              pd.DataFrame(per_call, columns=["row", "name", "arguments"]))
+    return frames
+
+
+def suites() -> dict[str, list]:
+    import great_expectations as gx
+
+    e = gx.expectations
+    return {
+        "traces": [
+            e.ExpectColumnValuesToNotBeNull(column="trace_id"),
+            e.ExpectColumnValuesToNotBeNull(column="user_text"),
+            # a question and at least one answer
+            e.ExpectColumnValuesToBeBetween(column="n_messages", min_value=2),
+            # the environment must be able to derive a task it can verify
+            e.ExpectColumnValuesToNotBeNull(column="question"),
+        ],
+        "messages": [e.ExpectColumnValuesToBeInSet(column="role", value_set=ROLES)],
+        "tool_calls": [e.ExpectColumnValuesToBeJsonParseable(column="arguments")],
+    }
+
+
+def check(frames: dict[str, pd.DataFrame]) -> dict[int, list[str]]:
+    """Run the suites; returns {trace row: [failed expectation, ...]}."""
+    import great_expectations as gx
+
+    context = gx.get_context(mode="ephemeral")
+    source = context.data_sources.add_pandas("ingested")
+    failures: dict[int, list[str]] = {}
+    for name, expectations in suites().items():
+        frame = frames[name]
+        if frame.empty:
+            continue
+        batch = source.add_dataframe_asset(name).add_batch_definition_whole_dataframe(name) \
+            .get_batch(batch_parameters={"dataframe": frame})
+        suite = context.suites.add(gx.ExpectationSuite(name=name, expectations=expectations))
+        result = batch.validate(suite, result_format={"result_format": "COMPLETE",
+                                                      "unexpected_index_column_names": ["row"]})
+        for outcome in result.results:
+            if outcome.success:
+                continue
+            if outcome.exception_info and outcome.exception_info.get("raised_exception"):
+                raise RuntimeError(f"Great Expectations could not run {outcome.expectation_config.type}"
+                                   f" on {name}: {outcome.exception_info['exception_message']}")
+            config = outcome.expectation_config
+            label = f"{name}: {config.type}({config.kwargs.get('column')})"
+            for item in outcome.result.get("unexpected_index_list") or []:
+                failures.setdefault(int(item["row"]), []).append(label)
+    return failures
+
+
+def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
+        quarantine: Path) -> dict:
+    """Split the ingested traces into valid and quarantined; returns the stage metrics."""
+    env = ENVIRONMENTS[base.environment]
+    traces = pq.read_table(ingested).to_pandas()
+    per_trace, per_message, per_call = flatten(traces, env)
+    failures = check({"traces": per_trace, "messages": per_message, "tool_calls": per_call}
+                     ) if len(traces) else {}
+    bad = sorted(failures)
+    quarantined = [{"trace_id": traces.trace_id.iloc[r], "source_file": traces.source_file.iloc[r],
+                    "source_line": int(traces.source_line.iloc[r]), "stage": "validate",
+                    "reason": "; ".join(failures[r])} for r in bad]
+    good = traces.drop(index=bad).reset_index(drop=True)
+    questions = per_trace.drop(index=bad).reset_index(drop=True).question
+    good["question"] = questions.astype("string")
+    good["answer"] = [str(env.gold_answer(q)) for q in questions]
+    io.write_parquet(validated, pa.Table.from_pandas(good, preserve_index=False))
+    io.write_jsonl(quarantine, quarantined)
+    total = len(traces)
+    valid_fraction = len(good) / total if total else 1.0
+    metrics = {"rows_read": total, "accepted": len(good), "quarantined": len(bad),
+               "duplicates": 0, "valid_fraction": round(valid_fraction, 4),
+               "failed_expectations": _count(failures)}
+    if valid_fraction < config.min_valid_fraction:
+        raise ValidationFailed(
+            f"only {len(good)} of {total} traces passed validation ({valid_fraction:.1%}), below "
+            f"validate.min_valid_fraction={config.min_valid_fraction}; the reasons are in "
+            f"{quarantine}. Fix the source or lower the threshold in params.yaml"
+        )
+    return metrics
+
+
+def _count(failures: dict[int, list[str]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for labels in failures.values():
+        for label in labels:
+            counts[label] = counts.get(label, 0) + 1
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name in ("ingested", "validated", "quarantine", "metrics"):
+        parser.add_argument(name, type=Path)
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    try:
+        metrics = run(cfg.load("base", args.params), cfg.load("validate", args.params),
+                      args.ingested, args.validated, args.quarantine)
+    except ValidationFailed as err:
+        print(f"validate: error: {err}", file=sys.stderr)
+        sys.exit(1)
+    io.write_json(args.metrics, metrics)
+    print(f"validate: {metrics['accepted']} of {metrics['rows_read']} traces valid, "
+          f"{metrics['quarantined']} quarantined", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

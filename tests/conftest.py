@@ -1,0 +1,73 @@
+"""Shared fixtures: a throwaway copy of the project with a tiny configuration."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = ["flows", "stages", "dvc.yaml", "params.yaml", "data/benchmarks", ".dvc/config",
+           ".dvc/.gitignore", ".dvcignore", ".gitignore"]
+BIN = Path(sys.executable).parent
+
+# Small enough for seconds on 2 cores, big enough that every stage has real work.
+TINY = {
+    "init": {"n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 64, "warmup_steps": 40,
+             "batch_size": 32, "lr": 0.01, "tool_fraction": 0.5},
+    "simulate": {"traces_per_day": 48},
+    "rollout": {"samples_per_task": 2, "batch_size": 256},
+    "train": {"epochs": 1, "min_examples": 1},
+    "gate": {"benchmark_size": 40, "bootstrap_samples": 200},
+}
+
+os.environ.update({"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
+                   "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                   "HF_HUB_OFFLINE": "1", "GX_ANALYTICS_ENABLED": "False"})
+
+
+def write_params(root: Path, overrides: dict) -> None:
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    for section, values in overrides.items():
+        params.setdefault(section, {}).update(values)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def make_project(path: Path, overrides: dict | None = None) -> Path:
+    """A fresh git + DVC project holding offseason's sources, committed, ready for `init`."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in SOURCES:
+        source, target = REPO / name, path / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, target)
+    write_params(path, TINY if overrides is None else overrides)
+    for cmd in (["git", "init", "-q", "-b", "main"], ["git", "add", "-A"],
+                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "start"]):
+        subprocess.run(cmd, cwd=path, check=True)
+    return path
+
+
+def offseason(root: Path, *args: str, check: bool = True, env: dict | None = None
+              ) -> subprocess.CompletedProcess:
+    """The real CLI, as a user runs it, in the project folder."""
+    run_env = {**os.environ, "PREFECT_HOME": str(root / ".prefect"), **(env or {})}
+    run_env.pop("MLFLOW_TRACKING_URI", None)
+    result = subprocess.run([str(BIN / "offseason"), *args], cwd=root, capture_output=True,
+                            text=True, env=run_env)
+    if check and result.returncode != 0:
+        raise AssertionError(f"offseason {' '.join(args)} failed ({result.returncode}):\n"
+                             f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    return result
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    return make_project(tmp_path / "project")

@@ -1,0 +1,53 @@
+import json
+import random
+
+from stages import arith
+
+
+def test_verify_right_wrong_malformed_unjudgeable():
+    assert arith.verify("47*38", "<calc>47*38</calc><result>1786</result>answer:1786") == 1.0
+    assert arith.verify("47*38", "answer:1787") == 0.0
+    assert arith.verify("47*38", "answer:17x6") == 0.0  # malformed answer
+    assert arith.verify("47*38", "<calc>47*38</calc>") == 0.0  # never answered
+    assert arith.verify("hello", "answer:1") is None  # no gold answer: cannot judge
+
+
+def test_calculator_never_evals():
+    assert arith.evaluate("12-30") == -18
+    assert arith.evaluate("__import__('os')") is None
+    assert arith.tool_result("1+") == "?"
+
+
+def test_question_from_free_text():
+    assert arith.question_from_text("What is 47 x 38? thanks") == "47*38"
+    assert arith.question_from_text("compute 5-12") == "5-12"
+    assert arith.question_from_text("hello there") is None
+
+
+def test_on_tool_close_uses_last_call():
+    assert arith.on_tool_close("<calc>1+1</calc><result>2</result><calc>3*4</calc>") == \
+        "<result>12</result>"
+
+
+def test_messages_round_trip():
+    completion = "<calc>47*38</calc><result>1786</result>answer:1786"
+    messages = arith.messages_from_completion("what is 47*38?", completion, "c")
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+    call = messages[1]["tool_calls"][0]
+    assert json.loads(call["function"]["arguments"]) == {"expression": "47*38"}
+    assert messages[2]["tool_call_id"] == call["id"] and messages[2]["content"] == "1786"
+    assert messages[3]["content"] == "1786"
+    assert arith.task_from_messages(messages) == {"question": "47*38", "answer": 1786}
+
+
+def test_mix_shifts_towards_products():
+    assert arith.mix_for_day(0, 0.15)[2] < arith.mix_for_day(3, 0.15)[2]
+    rng = random.Random(0)
+    questions = [arith.sample_question(rng, arith.mix_for_day(6, 0.15)) for _ in range(500)]
+    assert sum("*" in q for q in questions) > 250
+
+
+def test_benchmark_is_fixed(tmp_path):
+    arith.write_benchmark(tmp_path / "b.jsonl")
+    committed = (arith.Path(__file__).parents[1] / "data/benchmarks/arith.jsonl").read_text()
+    assert (tmp_path / "b.jsonl").read_text() == committed

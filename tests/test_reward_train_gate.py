@@ -1,0 +1,113 @@
+import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stages import arith, config as cfg, gate, reward, rollout, sft, tinylm, train
+from stages.init import demonstrations, encode_completion
+
+
+def rollouts_file(tmp_path, rows):
+    tokenizer = tinylm.build_tokenizer(arith)
+    full = []
+    for i, (question, completion) in enumerate(rows):
+        ids, mask = encode_completion(tokenizer, arith, arith.prompt(question), completion)
+        full.append({"task_id": f"t{i // 2}", "trace_id": f"t{i // 2}", "sample": i % 2,
+                     "question": question, "answer": str(arith.gold_answer(question)),
+                     "prompt": arith.prompt(question), "completion": completion,
+                     "token_ids": ids, "model_mask": mask, "logprobs": [0.0] * len(ids),
+                     "finish": "eos", "tool_calls": completion.count("<calc>")})
+    path = tmp_path / "rollouts.parquet"
+    pq.write_table(pa.Table.from_pylist(full, schema=rollout.SCHEMA), path)
+    return path
+
+
+def test_reward_scores_each_rollout(tmp_path):
+    path = rollouts_file(tmp_path, [("2*3", "answer:6"), ("2*3", "answer:7"),
+                                    ("4+4", "<calc>4+4</calc><result>8</result>answer:8"),
+                                    ("4+4", "<calc>4+4</calc>")])
+    m = reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards.parquet")
+    scored = pq.read_table(tmp_path / "rewards.parquet").to_pylist()
+    assert [r["correct"] for r in scored] == [1.0, 0.0, 1.0, 0.0]
+    assert m["mean_reward"] == 0.5 and m["pass_at_k"] == 1.0 and m["errors"] == 0
+    assert all(r["verifier"] == "arith/exact-match@1" for r in scored)
+
+
+def test_broken_verifier_is_an_error_not_a_zero(tmp_path, monkeypatch):
+    path = rollouts_file(tmp_path, [("2*3", "answer:6"), ("2*3", "answer:7")])
+    calls = {"n": 0}
+
+    def flaky(question, completion):
+        calls["n"] += 1
+        if completion == "answer:7":
+            raise TimeoutError("sandbox timed out")
+        return 1.0
+
+    monkeypatch.setattr(arith, "verify", flaky)
+    m = reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards.parquet")
+    scored = pq.read_table(tmp_path / "rewards.parquet").to_pylist()
+    assert scored[1]["reward"] is None and "TimeoutError: sandbox timed out" in scored[1]["error"]
+    assert m["errors"] == 1 and m["mean_reward"] == 1.0
+
+    monkeypatch.setattr(arith, "verify", lambda q, c: 1 / 0 if c else 1.0)
+    with pytest.raises(reward.VerifierBroken, match="failed on every rollout"):
+        reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards2.parquet")
+
+
+@pytest.fixture(scope="module")
+def champion(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models") / "champion"
+    tokenizer = tinylm.build_tokenizer(arith)
+    model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
+    sft.train(model, demonstrations(tokenizer, arith, random.Random(0), 0.5, 16), steps=10,
+              lr=1e-2, tokenizer=tokenizer, seed=0)
+    tinylm.save(model, tokenizer, folder)
+    return folder
+
+
+def test_too_little_data_keeps_the_champion(tmp_path, champion):
+    path = rollouts_file(tmp_path, [("2*3", "answer:7"), ("2*3", "answer:8")])
+    reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards.parquet")
+    m = train.run(cfg.Base(), cfg.Train(min_examples=1), tmp_path / "rewards.parquet", champion,
+                  tmp_path / "candidate")
+    assert m["trained"] is False and "train.min_examples" in m["reason"]
+    assert gate.weights_hash(tmp_path / "candidate") == gate.weights_hash(champion)
+
+
+def test_train_learns_from_verified_rollouts_only(tmp_path, champion):
+    rows = [("2*3", "<calc>2*3</calc><result>6</result>answer:6"), ("2*3", "answer:5")] * 4
+    path = rollouts_file(tmp_path, rows)
+    reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards.parquet")
+    assert len(train.examples_from(tmp_path / "rewards.parquet")) == 4  # 4 tasks, 1 correct each
+    m = train.run(cfg.Base(), cfg.Train(min_examples=2, epochs=8, batch_size=4),
+                  tmp_path / "rewards.parquet", champion, tmp_path / "candidate")
+    assert m["trained"] is True and m["examples"] == 4 and m["steps"] == 8
+    assert gate.weights_hash(tmp_path / "candidate") != gate.weights_hash(champion)
+
+
+def test_paired_interval_contains_the_difference():
+    rng = np.random.default_rng(0)
+    a = (rng.random(400) < 0.6).astype(float)
+    b = (rng.random(400) < 0.3).astype(float)
+    low, high = gate.paired_interval(a, b, 1000, 0.9, 0)
+    assert low < (a - b).mean() < high and low > 0
+    low, high = gate.paired_interval(a, a, 1000, 0.9, 0)
+    assert low == high == 0
+
+
+def test_gate_never_passes_an_unchanged_candidate(tmp_path, champion):
+    arith.write_benchmark(tmp_path / "bench.jsonl", size=20)
+    verdict = gate.run(cfg.Base(), cfg.Gate(min_improvement=-1.0, bootstrap_samples=100),
+                       champion, champion, tmp_path / "bench.jsonl", tmp_path / "items.parquet")
+    assert verdict["passed"] is False and "unchanged" in verdict["reason"]
+    assert verdict["candidate_score"] == verdict["champion_score"]
+    assert pq.read_table(tmp_path / "items.parquet").num_rows == 20
+
+
+def test_gate_names_an_empty_benchmark(tmp_path, champion):
+    (tmp_path / "bench.jsonl").write_text("")
+    with pytest.raises(ValueError, match="bench.jsonl: the benchmark is empty"):
+        gate.run(cfg.Base(), cfg.Gate(), champion, champion, tmp_path / "bench.jsonl",
+                 tmp_path / "items.parquet")

@@ -1,0 +1,107 @@
+import random
+
+import pytest
+import torch
+
+from stages import arith, generate, sft, tinylm
+from stages.init import demonstrations, encode_completion
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A very small model that has seen tool demonstrations, so it calls the tool."""
+    tokenizer = tinylm.build_tokenizer(arith)
+    model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
+    sft.train(model, demonstrations(tokenizer, arith, random.Random(0), 1.0, 32), steps=60,
+              lr=1e-2, tokenizer=tokenizer, seed=0)
+    return model, tokenizer
+
+
+def test_tokenizer_tags_are_single_tokens():
+    tokenizer = tinylm.build_tokenizer(arith)
+    text = "Q:47*38<calc>47*38</calc><result>1786</result>answer:1786"
+    tokens = tokenizer.tokenize(text)
+    assert "<calc>" in tokens and "answer:" in tokens and len(tokens) == 24
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_saved_folder_is_standard_hf(tmp_path, trained):
+    model, tokenizer = trained
+    tinylm.save(model, tokenizer, tmp_path / "m")
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "m" / name).exists()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert loaded.config.model_type == "gpt2"
+    assert AutoTokenizer.from_pretrained(tmp_path / "m").encode("Q:1+2") == \
+        tokenizer.encode("Q:1+2")
+    assert sum(p.numel() for p in loaded.parameters()) < 5_000_000
+
+
+def test_load_names_a_broken_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing config.json"):
+        tinylm.load(tmp_path)
+
+
+def test_encode_completion_masks_tool_results():
+    tokenizer = tinylm.build_tokenizer(arith)
+    ids, mask = encode_completion(tokenizer, arith, "Q:2*3",
+                                  "<calc>2*3</calc><result>6</result>answer:6")
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    chosen = [t for t, m in zip(tokens, mask) if m]
+    assert chosen == ["<calc>", "2", "*", "3", "</calc>", "answer:", "6"]
+
+
+def test_generation_injects_tool_results_and_is_seeded(trained):
+    model, tokenizer = trained
+    prompts = [arith.prompt(q) for q in ["12*34", "5+6", "300-7", "8*9"]] * 8
+    run = lambda seed: generate.generate(model, tokenizer, arith, prompts, temperature=1.0,  # noqa
+                                         max_new_tokens=40, seed=seed, batch_size=16,
+                                         progress=False)
+    episodes = run(3)
+    assert [e.completion for e in episodes] == [e.completion for e in run(3)]
+    assert [e.completion for e in episodes] != [e.completion for e in run(4)]
+    with_tool = [e for e in episodes if e.tool_calls]
+    assert with_tool, "a model trained only on tool demonstrations should call the tool"
+    close = tokenizer.convert_tokens_to_ids("</calc>")
+    result_open = tokenizer.convert_tokens_to_ids("<result>")
+    for episode in episodes:
+        assert len(episode.token_ids) == len(episode.model_mask) == len(episode.logprobs)
+        assert all(lp <= 0 for lp, m in zip(episode.logprobs, episode.model_mask) if m)
+        for i, token in enumerate(episode.token_ids[:-1]):
+            if token == close and episode.model_mask[i]:
+                # the environment's reply follows, forced (mask 0), with the calculator's value
+                assert episode.token_ids[i + 1] == result_open
+                assert episode.model_mask[i + 1] == 0
+    checked = 0
+    for episode in with_tool:
+        text = episode.completion
+        if "<calc>" in text and "</result>" in text and text.index("<calc>") < text.index("</calc>"):
+            expression = text.split("</calc>")[0].rsplit("<calc>", 1)[-1]
+            injected = text.split("<result>")[1].split("</result>")[0]
+            assert injected == arith.tool_result(expression)
+            checked += 1
+    assert checked
+
+
+def test_greedy_is_deterministic(trained):
+    model, tokenizer = trained
+    prompts = [arith.prompt("12*34")] * 3
+    episodes = generate.generate(model, tokenizer, arith, prompts, temperature=0.0,
+                                 max_new_tokens=40, seed=0, batch_size=8, progress=False)
+    assert len({e.completion for e in episodes}) == 1
+
+
+def test_sft_loss_goes_down():
+    tokenizer = tinylm.build_tokenizer(arith)
+    model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
+    examples = [encode_completion(tokenizer, arith, arith.prompt(q), arith.demonstration(q, True))
+                for q in ["1+2", "3*4", "10-5", "7*8"]]
+    inputs, attention, labels = sft.collate(examples[:2], tokenizer.bos_token_id,
+                                            tokenizer.eos_token_id, tokenizer.pad_token_id)
+    before = float(model(input_ids=inputs, attention_mask=attention, labels=labels).loss)
+    sft.train(model, sft.epoch_batches(examples, 4, 0), steps=30, lr=1e-2, tokenizer=tokenizer,
+              seed=0)
+    with torch.no_grad():
+        after = float(model(input_ids=inputs, attention_mask=attention, labels=labels).loss)
+    assert after < before * 0.7

@@ -1,0 +1,62 @@
+import json
+
+import pytest
+
+from stages import arith, config as cfg, ingest, validate
+
+
+def ingested(tmp_path, records):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    ingest.run(cfg.Ingest(), inbox, tmp_path / "traces", tmp_path / "ingested.parquet",
+               tmp_path / "qi.jsonl")
+    return tmp_path / "ingested.parquet"
+
+
+def good(trace_id, question):
+    return {"id": trace_id, "messages": arith.messages_from_completion(
+        f"what is {question}", "<calc>1+1</calc><result>2</result>answer:2", trace_id)}
+
+
+def test_ge_quarantines_failing_traces_with_reason(tmp_path):
+    bad_role = good("r", "2+2")
+    bad_role["messages"][1]["role"] = "robot"
+    bad_args = good("j", "3+3")
+    bad_args["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{not json"
+    records = [good(f"g{i}", f"{i}+1") for i in range(6)] + [
+        {"id": "chat", "messages": [{"role": "user", "content": "hi"},
+                                    {"role": "assistant", "content": "hello"}]},
+        {"id": "short", "messages": [{"role": "user", "content": "what is 1+1"}]},
+        bad_role, bad_args]
+    path = ingested(tmp_path, records)
+    m = validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.5), path,
+                     tmp_path / "valid.parquet", tmp_path / "q.jsonl")
+    assert (m["rows_read"], m["accepted"], m["quarantined"]) == (10, 6, 4)
+    assert m["rows_read"] == m["accepted"] + m["quarantined"]
+    bad = {b["trace_id"]: b for b in map(json.loads, (tmp_path / "q.jsonl").read_text().splitlines())}
+    assert set(bad) == {"chat", "short", "r", "j"}
+    assert "expect_column_values_to_not_be_null(question)" in bad["chat"]["reason"]
+    assert "expect_column_values_to_be_between(n_messages)" in bad["short"]["reason"]
+    assert "expect_column_values_to_be_in_set(role)" in bad["r"]["reason"]
+    assert "expect_column_values_to_be_json_parseable(arguments)" in bad["j"]["reason"]
+    assert bad["r"]["source_file"] == "d.jsonl" and bad["r"]["source_line"] == 9
+    import pyarrow.parquet as pq
+    valid = pq.read_table(tmp_path / "valid.parquet").to_pylist()
+    assert [v["question"] for v in valid] == [f"{i}+1" for i in range(6)]
+    assert [v["answer"] for v in valid] == [str(i + 1) for i in range(6)]
+
+
+def test_below_threshold_fails_the_stage(tmp_path):
+    records = [good("g", "1+1"), {"id": "x", "messages": [{"role": "user", "content": "hi"},
+                                                         {"role": "assistant", "content": "?"}]}]
+    path = ingested(tmp_path, records)
+    with pytest.raises(validate.ValidationFailed, match=r"1 of 2 traces .*min_valid_fraction=0.9"):
+        validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.9), path,
+                     tmp_path / "valid.parquet", tmp_path / "q.jsonl")
+
+
+def test_empty_input_is_not_an_error(tmp_path):
+    path = ingested(tmp_path, [])
+    m = validate.run(cfg.Base(), cfg.Validate(), path, tmp_path / "v.parquet", tmp_path / "q.jsonl")
+    assert m["rows_read"] == 0 and m["accepted"] == 0
