@@ -8,11 +8,14 @@ MLflow's own default follows the working directory.
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 import mlflow
 import yaml
 from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
 
 EXPERIMENT = "offseason"
 ALIAS = "champion"
@@ -36,8 +39,9 @@ def flat(prefix: str, value, out: dict) -> dict:
 
 
 def numeric(metrics: dict) -> dict[str, float]:
-    return {k.replace("/", "_"): float(v) for k, v in flat("", metrics, {}).items()
-            if isinstance(v, (int, float))}
+    """The numeric leaves of a metrics file, under names MLflow accepts."""
+    return {re.sub(r"[^\w\-. :/]", "_", k).strip("_"): float(v)
+            for k, v in flat("", metrics, {}).items() if isinstance(v, (int, float))}
 
 
 def dvc_hashes(root: Path, stage: str) -> dict[str, str]:
@@ -59,12 +63,13 @@ def log_stage(root: Path, parent_id: str, experiment_id: str, stage: str, params
         "mlflow.parentRunId": parent_id, "offseason.stage": stage,
         "offseason.reran": str(ran).lower()})
     run_id = run.info.run_id
-    for key, value in flat("", params, {}).items():
-        client.log_param(run_id, key, value)
-    for key, value in numeric(metrics).items():
-        client.log_metric(run_id, key, value)
-    for key, value in dvc_hashes(root, stage).items():
-        client.set_tag(run_id, key, value)
+    now = int(time.time() * 1000)
+    client.log_batch(
+        run_id,
+        metrics=[Metric(k, v, now, 0) for k, v in numeric(metrics).items()],
+        params=[Param(k, str(v)) for k, v in flat("", params, {}).items()],
+        tags=[RunTag(k, v) for k, v in dvc_hashes(root, stage).items()],
+    )
     client.log_dict(run_id, metrics, f"{stage}.json")
     client.set_terminated(run_id)
     return run_id

@@ -49,6 +49,8 @@ def configure_env(root: Path) -> None:
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     os.environ.setdefault("PREFECT_HOME", str(root / ".prefect"))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    # the temporary local server migrates its database on first start: slow on 2 busy cores
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     # DVC runs `python -m stages...`: make that the interpreter offseason itself runs in
     bin_dir = str(Path(sys.executable).parent)
     if not os.environ.get("PATH", "").startswith(bin_dir + os.pathsep):

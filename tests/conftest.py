@@ -55,11 +55,16 @@ def make_project(path: Path, overrides: dict | None = None) -> Path:
     return path
 
 
-def offseason(root: Path, *args: str, check: bool = True, env: dict | None = None
-              ) -> subprocess.CompletedProcess:
+def cli_env(root: Path) -> dict:
+    """The environment a user has; Prefect's local database is shared by the tests for speed."""
+    env = {**os.environ, "PREFECT_HOME": str(root.parent.parent / "prefect-home")}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def offseason(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """The real CLI, as a user runs it, in the project folder."""
-    run_env = {**os.environ, "PREFECT_HOME": str(root / ".prefect"), **(env or {})}
-    run_env.pop("MLFLOW_TRACKING_URI", None)
+    run_env = cli_env(root)
     result = subprocess.run([str(BIN / "offseason"), *args], cwd=root, capture_output=True,
                             text=True, env=run_env)
     if check and result.returncode != 0:

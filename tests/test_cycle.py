@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import BIN, make_project, offseason, write_params
+from conftest import BIN, cli_env, make_project, offseason, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -83,10 +83,10 @@ def test_init_simulate_and_one_cycle(project):
         o["md5"] for o in lock["ingest"]["outs"] if o["path"] == "data/ingested.parquet")
     versions = client.search_model_versions("name = 'offseason-agent'")
     assert sorted(int(v.version) for v in versions) == [1, 2]
-    new = next(v for v in versions if v.version == "2")
+    new = next(v for v in versions if str(v.version) == "2")
     assert new.run_id == parent.info.run_id and new.tags["generation"] == "1"
     champion = client.get_model_version_by_alias("offseason-agent", "champion")
-    assert champion.version == ("2" if verdict["passed"] else "1")
+    assert str(champion.version) == ("2" if verdict["passed"] else "1")
     promotion = json.loads((project / "metrics/promotion.json").read_text())
     assert promotion["promoted"] == verdict["passed"]
 
@@ -109,8 +109,7 @@ def test_init_simulate_and_one_cycle(project):
 def test_killed_cycle_redoes_only_unfinished_stages(project):
     offseason(project, "init")
     offseason(project, "simulate")
-    env = {**os.environ, "PREFECT_HOME": str(project / ".prefect")}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    env = cli_env(project)
     proc = subprocess.Popen([str(BIN / "offseason"), "run"], cwd=project, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -134,8 +133,8 @@ def test_killed_cycle_redoes_only_unfinished_stages(project):
 
 
 def test_bad_params_fail_before_any_stage(project):
-    offseason(project, "init")
-    offseason(project, "simulate")
+    (project / "data/inbox").mkdir(parents=True)
+    (project / "data/inbox/t.jsonl").write_text('{"messages": []}\n')
     write_params(project, {"train": {"epochz": 3}})
     result = offseason(project, "run", check=False)
     assert result.returncode == 2
@@ -148,10 +147,12 @@ def test_bad_params_fail_before_any_stage(project):
     (project / "params.yaml").write_text(yaml.safe_dump(params))
     result = offseason(project, "run", check=False)
     assert "rollout.temperature: expected a number" in result.stderr
+    params["rollout"]["temperature"] = 0.7
     del params["gate"]
     (project / "params.yaml").write_text(yaml.safe_dump(params))
     result = offseason(project, "check", check=False)
     assert result.returncode == 2 and "missing section 'gate:'" in result.stderr
+    assert not (project / "data/ingested.parquet").exists()
 
 
 def test_empty_inbox_ends_early_with_a_message(project):
