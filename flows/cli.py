@@ -21,8 +21,16 @@ from pathlib import Path
 
 import yaml
 
-from flows.workspace import (WorkspaceError, configure_env, cycle_lock, dvc, find_root,
-                             generations, git, read_at)
+from flows.workspace import (
+    WorkspaceError,
+    configure_env,
+    cycle_lock,
+    dvc,
+    find_root,
+    generations,
+    git,
+    read_at,
+)
 from stages import config as cfg
 
 

@@ -25,7 +25,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows import tracking
-from flows.workspace import configure_env, dvc, find_root, generations, git, run
+from flows.workspace import configure_env, dvc, find_root, generations, git
 from stages import config as cfg
 
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "gate"]

@@ -148,15 +148,18 @@ class Train:
     """Supervised fine-tuning of the champion on its verified-correct rollouts."""
 
     algorithm: str = "sft"
-    epochs: float = 4.0
+    epochs: float = 8.0  # passes over this cycle's examples plus the replayed ones
     lr: float = 1e-3
     batch_size: int = 64
     min_examples: int = 8  # fewer verified-correct rollouts than this: the champion is kept as is
+    replay_fraction: float = 1.0  # share of earlier cycles' examples trained on again
 
     def __post_init__(self):
         if self.algorithm != "sft":
             raise ParamsError(f"train.algorithm: {self.algorithm!r} is not available yet; use 'sft'")
         _positive("train", epochs=self.epochs, lr=self.lr, batch_size=self.batch_size)
+        if not 0.0 <= self.replay_fraction <= 1.0:
+            raise ParamsError("train.replay_fraction: must be between 0 and 1")
 
 
 @dataclass(frozen=True)

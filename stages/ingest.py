@@ -107,7 +107,7 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
     io.write_jsonl(quarantine, bad_rows)
     assert totals["rows_read"] == totals["accepted"] + totals["quarantined"] + totals["duplicates"]
     return {**totals, "new_files": len(per_file), "files_seen_before": len(earlier),
-            "per_file": per_file, "per_format": {"openai-chat": totals},
+            "per_format": {"openai-chat": totals},
             "pii_redactions": redactions, "total_traces": sum(
                 e["accepted"] for e in manifest.values())}
 

@@ -61,7 +61,7 @@ def train(model, batches: Iterator[list[tuple[list[int], list[int]]]], *, steps:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         optimizer.step()
         tokens += int(attention.sum())
-        losses.append(float(loss))
+        losses.append(loss.item())
         if log is not None:
             log({"step": step, "loss": losses[-1], "lr": optimizer.param_groups[0]["lr"],
                  "grad_norm": grad_norm})

@@ -12,9 +12,15 @@ import json
 from pathlib import Path
 
 import torch
+import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel,
-                          PreTrainedTokenizerFast)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedTokenizerFast,
+)
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
@@ -40,7 +46,7 @@ def build_model(tokenizer, n_layer: int, n_embd: int, n_head: int, n_positions: 
         vocab_size=len(tokenizer), n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
         n_head=n_head, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, loss_type="ForCausalLM",
     )
     return GPT2LMHeadModel(config)
 
@@ -69,6 +75,15 @@ def save(model, tokenizer, path: str | Path, card: dict | None = None) -> None:
         (path / "offseason.json").write_text(json.dumps(card, indent=2, sort_keys=True) + "\n")
 
 
+def quiet() -> None:
+    """Our stages print their own progress; transformers' bars and padding hints are noise there
+    (generation feeds no padding into attention: every row advances in lockstep).
+    """
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
 def set_threads(threads: int) -> None:
+    quiet()
     if threads:
         torch.set_num_threads(threads)

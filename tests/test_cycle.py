@@ -7,7 +7,6 @@ import subprocess
 
 import pytest
 import yaml
-
 from conftest import BIN, cli_env, make_project, offseason, write_params
 
 pytestmark = pytest.mark.slow

@@ -2,7 +2,8 @@ import json
 
 import pyarrow.parquet as pq
 
-from stages import arith, config as cfg, ingest
+from stages import arith, ingest
+from stages import config as cfg
 
 
 def chat(trace_id, question, answer="answer", email=None):

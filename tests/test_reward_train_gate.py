@@ -5,7 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages import arith, config as cfg, gate, reward, rollout, sft, tinylm, train
+from stages import arith, gate, reward, rollout, sft, tinylm, train
+from stages import config as cfg
 from stages.init import demonstrations, encode_completion
 
 
@@ -71,7 +72,7 @@ def test_too_little_data_keeps_the_champion(tmp_path, champion):
     path = rollouts_file(tmp_path, [("2*3", "answer:7"), ("2*3", "answer:8")])
     reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards.parquet")
     m = train.run(cfg.Base(), cfg.Train(min_examples=1), tmp_path / "rewards.parquet", champion,
-                  tmp_path / "candidate")
+                  tmp_path / "candidate", tmp_path / "replay")
     assert m["trained"] is False and "train.min_examples" in m["reason"]
     assert gate.weights_hash(tmp_path / "candidate") == gate.weights_hash(champion)
 
@@ -82,9 +83,37 @@ def test_train_learns_from_verified_rollouts_only(tmp_path, champion):
     reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards.parquet")
     assert len(train.examples_from(tmp_path / "rewards.parquet")) == 4  # 4 tasks, 1 correct each
     m = train.run(cfg.Base(), cfg.Train(min_examples=2, epochs=8, batch_size=4),
-                  tmp_path / "rewards.parquet", champion, tmp_path / "candidate")
+                  tmp_path / "rewards.parquet", champion, tmp_path / "candidate",
+                  tmp_path / "replay")
     assert m["trained"] is True and m["examples"] == 4 and m["steps"] == 8
+    assert m["replayed"] == 0
     assert gate.weights_hash(tmp_path / "candidate") != gate.weights_hash(champion)
+
+
+def test_later_cycles_replay_earlier_examples_once(tmp_path, champion):
+    first = tmp_path / "one"
+    first.mkdir()
+    rollouts_file(first, [("2*3", "<calc>2*3</calc><result>6</result>answer:6")] * 4)
+    reward.run(cfg.Base(), cfg.Reward(), first / "rollouts.parquet", first / "rewards.parquet")
+    config = cfg.Train(min_examples=1, epochs=1, batch_size=4)
+    train.run(cfg.Base(), config, first / "rewards.parquet", champion, tmp_path / "cand",
+              tmp_path / "replay")
+    second = tmp_path / "two"
+    second.mkdir()
+    rollouts_file(second, [("7+1", "answer:8"), ("7+1", "answer:9")] * 3)
+    reward.run(cfg.Base(), cfg.Reward(), second / "rollouts.parquet", second / "rewards.parquet")
+    m = train.run(cfg.Base(), config, second / "rewards.parquet", champion, tmp_path / "cand",
+                  tmp_path / "replay")
+    assert (m["examples"], m["replayed"], m["replay_available"]) == (3, 2, 2)
+    # run again (a killed stage): the same part, nothing counted twice
+    again = train.run(cfg.Base(), config, second / "rewards.parquet", champion, tmp_path / "cand",
+                      tmp_path / "replay")
+    assert (again["examples"], again["replayed"]) == (3, 2)
+    assert len(list((tmp_path / "replay").glob("part-*.parquet"))) == 2
+    half = cfg.Train(min_examples=1, epochs=1, batch_size=4, replay_fraction=0.5)
+    m = train.run(cfg.Base(), half, second / "rewards.parquet", champion, tmp_path / "cand",
+                  tmp_path / "replay")
+    assert m["replayed"] == 1
 
 
 def test_paired_interval_contains_the_difference():

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from stages import arith, config as cfg, ingest, validate
+from stages import arith, ingest, validate
+from stages import config as cfg
 
 
 def ingested(tmp_path, records):
