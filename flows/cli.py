@@ -29,6 +29,7 @@ from flows.workspace import (
     find_root,
     generations,
     git,
+    inputs_fingerprint,
     read_at,
 )
 from stages import config as cfg
@@ -83,7 +84,8 @@ def cmd_init(args) -> int:
                                     {"generation": 0, "source": metrics["source"]})
         record = {"generation": 0, "model_version": version, "promoted": True,
                   "champion_version": version, "reason": "generation 0 (offseason init)",
-                  "candidate_score": metrics["benchmark_score"], "champion_score": None}
+                  "candidate_score": metrics["benchmark_score"], "champion_score": None,
+                  "inputs": inputs_fingerprint(root)}
         (root / "metrics" / "promotion.json").write_text(json.dumps(record, indent=2) + "\n")
         git(root, "add", "--", "models/champion.dvc", "models/.gitignore", "metrics",
             "params.yaml")

@@ -25,21 +25,27 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows import tracking
-from flows.workspace import configure_env, dvc, find_root, generations, git
+from flows.workspace import (
+    configure_env,
+    dvc,
+    find_root,
+    generations,
+    git,
+    inputs_fingerprint,
+    read_at,
+)
 from stages import config as cfg
 
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "gate"]
-WATCHED = ["params.yaml", "dvc.yaml", "stages"]  # a change here is a reason to run without traffic
 
 
 def changed_since_last_cycle(root: Path) -> list[str]:
-    """What differs from the last commit: new traffic (the inbox snapshot), params or stage code."""
-    reasons = []
-    if git(root, "status", "--porcelain", "--", "data/inbox.dvc"):
-        reasons.append("new traces in data/inbox")
-    if git(root, "status", "--porcelain", "--", *WATCHED):
-        reasons.append("params or stage code changed")
-    return reasons
+    """Which inputs differ from the last committed cycle's, in words."""
+    last = (read_at(root, "HEAD", "metrics/promotion.json") or {}).get("inputs", {})
+    now = inputs_fingerprint(root)
+    words = {"inbox": "new traces in data/inbox", "params": "params.yaml changed",
+             "code": "stage code or dvc.yaml changed"}
+    return [words[key] for key in now if now[key] != last.get(key)]
 
 
 @task(task_run_name="{stage}")
@@ -77,7 +83,7 @@ def promote(root: Path, generation: int, verdict: dict, run_id: str, model_name:
         "candidate_score": verdict["candidate_score"]})
     record = {"generation": generation, "model_version": version, "promoted": verdict["passed"],
               "reason": verdict["reason"], "candidate_score": verdict["candidate_score"],
-              "champion_score": verdict["champion_score"],
+              "champion_score": verdict["champion_score"], "inputs": inputs_fingerprint(root),
               "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     if verdict["passed"]:
         tmp = root / "models" / "champion.next"
@@ -149,7 +155,7 @@ def cycle(repo: str = ".") -> dict:
     last = generations(root)
     if not reasons:
         message = (f"nothing changed since gen-{last[-1] if last else 0} (no new traces, same "
-                   f"champion, same params): every stage is up to date, none reran")
+                   f"params, same code): nothing to learn from, no stage reran")
         logger.info(message)
         return {"status": "nothing-changed", "message": message}
     generation = (last[-1] + 1) if last else 1

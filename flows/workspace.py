@@ -9,6 +9,7 @@ remote in `<repo>/.dvcstore`. Each is one environment variable away from a real 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 import subprocess
@@ -131,3 +132,22 @@ def cycle_lock(root: Path, label: str):
         yield
     finally:
         path.unlink(missing_ok=True)
+
+
+def inputs_fingerprint(root: Path) -> dict[str, str]:
+    """What a cycle learns from, hashed: the inbox snapshot, the params, the pipeline's code.
+
+    Recorded with every committed cycle. A run whose fingerprint equals the last cycle's has
+    nothing new to learn from. A promotion changes the champion but not this, so promoting does
+    not by itself start another cycle on the same traces.
+    """
+    def digest(paths: list[Path]) -> str:
+        h = hashlib.sha256()
+        for path in paths:
+            h.update(path.relative_to(root).as_posix().encode() + b"\0")
+            h.update(path.read_bytes() if path.exists() else b"-")
+        return h.hexdigest()[:16]
+
+    return {"inbox": digest([root / "data" / "inbox.dvc"]),
+            "params": digest([root / "params.yaml"]),
+            "code": digest([root / "dvc.yaml", *sorted((root / "stages").glob("*.py"))])}

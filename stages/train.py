@@ -29,7 +29,6 @@ import pyarrow.parquet as pq
 from stages import config as cfg
 from stages import io, sft, tinylm
 
-
 REPLAY = pa.schema([("task_id", pa.string()), ("completion", pa.string()),
                     ("token_ids", pa.list_(pa.int32())), ("model_mask", pa.list_(pa.int8()))])
 

@@ -96,7 +96,7 @@ def test_init_simulate_and_one_cycle(project):
 
     # nothing changed: nothing reruns, and it says so
     again = offseason(project, "run")
-    assert "nothing changed since gen-1" in again.stdout and "none reran" in again.stdout
+    assert "nothing changed since gen-1" in again.stdout and "no stage reran" in again.stdout
     assert git(project, "tag", "--list").split() == ["gen-0", "gen-1"]
 
     # `dvc repro` alone agrees that the cycle is complete
