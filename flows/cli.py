@@ -74,9 +74,8 @@ def cmd_init(args) -> int:
         client = mlflow.MlflowClient()
         run = client.create_run(experiment_id, run_name="gen-0",
                                 tags={"offseason.generation": "0", "offseason.stage": "init"})
-        for section in ("base", "init"):
-            for key, value in dataclasses.asdict(configs[section]).items():
-                client.log_param(run.info.run_id, f"{section}.{key}", value)
+        tracking.log_params(run.info.run_id, {s: dataclasses.asdict(configs[s])
+                                              for s in ("base", "init")})
         for key, value in tracking.numeric(metrics).items():
             client.log_metric(run.info.run_id, key, value)
         name = configs["base"].registered_model

@@ -26,6 +26,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows import tracking
 from flows.workspace import (
+    WorkspaceError,
     configure_env,
     dvc,
     find_root,
@@ -143,8 +144,8 @@ def cycle(repo: str = ".") -> dict:
     configure_env(root)
     configs = cfg.load_all(root / "params.yaml")
     if not (root / "models" / "champion.dvc").exists():
-        raise RuntimeError("no champion yet (models/champion.dvc is missing); run `offseason "
-                           "init` first")
+        raise WorkspaceError("no champion yet (models/champion.dvc is missing); run "
+                             "`offseason init` first")
     files = snapshot_inbox(root)
     if files == 0:
         message = ("the inbox is empty (no *.jsonl in data/inbox): nothing to learn from. Put "
@@ -169,9 +170,7 @@ def cycle(repo: str = ".") -> dict:
         "offseason.parent_commit": git(root, "rev-parse", "HEAD")})
     run_id = parent.info.run_id
     client = mlflow.MlflowClient()
-    for section, values in configs.items():
-        for key, value in asdict(values).items():
-            client.log_param(run_id, f"{section}.{key}", value)
+    tracking.log_params(run_id, {section: asdict(values) for section, values in configs.items()})
     metrics, reran = {}, {}
     try:
         for stage in STAGES:

@@ -44,6 +44,11 @@ def numeric(metrics: dict) -> dict[str, float]:
             for k, v in flat("", metrics, {}).items() if isinstance(v, (int, float))}
 
 
+def log_params(run_id: str, params: dict) -> None:
+    """Nested params as flat `section.key` MLflow params, in one request."""
+    MlflowClient().log_batch(run_id, params=[Param(k, str(v)) for k, v in flat("", params, {}).items()])
+
+
 def dvc_hashes(root: Path, stage: str) -> dict[str, str]:
     """The md5 of each dep and out of a stage, as recorded in dvc.lock."""
     lock = yaml.safe_load((root / "dvc.lock").read_text()) if (root / "dvc.lock").exists() else {}
