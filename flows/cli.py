@@ -169,9 +169,49 @@ def print_history(rows: list[dict]) -> None:
               f"{r['verdict']:<10}{str(r['model_version']):>8}  {'*' if r['champion'] else ''}")
 
 
+def plot_history(rows: list[dict], path: Path) -> None:
+    """Pass@1 per generation: each candidate (filled if promoted) and the champion it faced."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = list(range(len(rows)))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    champion, line = None, []
+    for row in rows:
+        if row["promoted"]:
+            champion = row["score"]
+        line.append(champion)
+    ax.step(x, line, where="post", color="tab:gray", label="champion after the cycle")
+    for i, row in enumerate(rows):
+        low_high = row["difference_interval"]
+        if low_high and row["champion_score"] is not None:
+            # the interval of the difference, drawn around the champion it was measured against
+            ax.vlines(i, row["champion_score"] + low_high[0], row["champion_score"] + low_high[1],
+                      color="tab:blue", alpha=0.4, linewidth=6)
+        ax.plot(i, row["score"], "o", color="tab:blue",
+                fillstyle="full" if row["promoted"] else "none", markersize=9)
+    ax.plot([], [], "o", color="tab:blue", label="candidate (hollow: rejected)")
+    ax.plot([], [], color="tab:blue", alpha=0.4, linewidth=6,
+            label="gate interval, champion + difference")
+    ax.set_xticks(x, [r["tag"] for r in rows])
+    ax.set_ylabel("pass@1 on the held-out benchmark")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def cmd_history(args) -> int:
     root = find_root()
     rows = history_rows(root)
+    if args.plot and rows:
+        plot_history(rows, args.plot)
+        print(f"history: plot written to {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
     elif not rows:
@@ -193,13 +233,16 @@ def cmd_demo(args) -> int:
     rows = history_rows(root)
     print(f"\n=== demo finished in {time.time() - started:.0f} s ===\n")
     print_history(rows)
+    plot = root / "reports" / "history.png"
+    plot_history(rows, plot)
     first = rows[0]["score"]
     champion = next(r for r in rows if r["champion"])
     print(f"\nThe champion ({champion['tag']}) scores {champion['score']:.1%} pass@1 on the held-out "
           f"benchmark, {100 * (champion['score'] - first):+.1f} points over generation 0.")
     print(f"""
 Where to look next:
-  offseason history                     this table again (--json for scripts)
+  {plot.relative_to(root)}                    pass@1 per generation, with the gate's intervals
+  offseason history                     this table again (--json for scripts, --plot PNG)
   dvc metrics diff gen-1 gen-{rows[-1]['tag'][4:]}          how two generations' metrics differ
   git log --oneline --decorate          one commit and tag per cycle
   .venv/bin/mlflow ui --backend-store-uri sqlite:///{root}/mlflow.db --host 127.0.0.1
@@ -251,6 +294,8 @@ def parser() -> argparse.ArgumentParser:
                        "of their difference, the verdict, the MLflow model version, and a * on "
                        "the current champion.")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--plot", type=Path, metavar="PNG",
+                   help="also draw pass@1 per generation, with the gate's intervals, to this file")
     s.set_defaults(func=cmd_history)
     s = sub.add_parser("demo", help="init, then simulate + run a few times, then the history",
                        description="The built-in demo: create generation 0 if there is none, then "

@@ -90,7 +90,8 @@ def test_init_simulate_and_one_cycle(project):
     assert promotion["promoted"] == verdict["passed"]
 
     # history shows both generations and marks the champion
-    rows = json.loads(offseason(project, "history", "--json").stdout)
+    rows = json.loads(offseason(project, "history", "--json", "--plot", "h.png").stdout)
+    assert (project / "h.png").read_bytes()[:4] == b"\x89PNG"
     assert [r["tag"] for r in rows] == ["gen-0", "gen-1"]
     assert [r["champion"] for r in rows] == ([False, True] if verdict["passed"] else [True, False])
 

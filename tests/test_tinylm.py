@@ -99,7 +99,8 @@ def test_sft_loss_goes_down():
                 for q in ["1+2", "3*4", "10-5", "7*8"]]
     inputs, attention, labels = sft.collate(examples[:2], tokenizer.bos_token_id,
                                             tokenizer.eos_token_id, tokenizer.pad_token_id)
-    before = float(model(input_ids=inputs, attention_mask=attention, labels=labels).loss)
+    with torch.no_grad():
+        before = float(model(input_ids=inputs, attention_mask=attention, labels=labels).loss)
     sft.train(model, sft.epoch_batches(examples, 4, 0), steps=30, lr=1e-2, tokenizer=tokenizer,
               seed=0)
     with torch.no_grad():
