@@ -90,11 +90,16 @@ class Simulate:
 class Ingest:
     """Reading traces from the inbox."""
 
+    scrub_secrets: bool = True  # API keys and tokens of the common providers, JWTs, Bearer tokens
     scrub_emails: bool = True
+    scrub_cards: bool = True  # payment card numbers that pass the Luhn check
+    scrub_ips: bool = True
+    scrub_phones: bool = True
     max_messages: int = 64  # a trace with more messages is quarantined
+    max_line_bytes: int = 10_000_000  # a longer line is quarantined unread (JSON documents: 10x)
 
     def __post_init__(self):
-        _positive("ingest", max_messages=self.max_messages)
+        _positive("ingest", max_messages=self.max_messages, max_line_bytes=self.max_line_bytes)
 
 
 @dataclass(frozen=True)

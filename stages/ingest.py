@@ -1,15 +1,30 @@
 """Ingest: new traces from the inbox into a normalized, deduplicated, scrubbed Parquet dataset.
 
-Reads `data/inbox/*.jsonl` (OpenAI chat JSONL; raw files are never modified) and the dataset of
-earlier cycles in `data/traces/` (a persistent DVC output: one Parquet part per inbox file plus a
-manifest). Writes the new part(s), `data/ingested.parquet` (this cycle's new traces, in the schema
-of `stages/traces.py`), `data/quarantine/ingest.jsonl` (lines that are not traces, with file, line
-and reason) and `metrics/ingest.json`. Every line read ends up accepted, quarantined or counted as
-a duplicate (of a line in this batch or of a trace ingested in an earlier cycle), and the counts add
-up. A file ingested in an earlier cycle is not read again.
+Reads every file in `data/inbox/` (plain or gzip; raw files are never modified), detects its
+format from its first readable record, maps each trace onto the schema of `stages/traces.py`,
+scrubs PII and secrets (`stages/pii.py`) and drops duplicates (by content hash, against this batch
+and every trace ingested in an earlier cycle). Formats, each a reader in `stages/sources/`:
 
-Idempotent: each part records the inbox snapshot it was ingested from, so a stage killed midway and
-run again produces the same outputs.
+| format           | unit of a "row"                         | reader                          |
+|------------------|-----------------------------------------|---------------------------------|
+| openai-chat      | a line: `{"messages": [...]}`           | `sources/openai_chat.py`        |
+| openai-responses | a line: a Responses API response        | `sources/openai_responses.py`   |
+| openinference    | a trace: Phoenix/Arize spans of one trace id | `sources/openinference.py` |
+| otel-genai       | a trace: OTLP JSON GenAI spans of one trace id | `sources/otel_genai.py`   |
+| langfuse         | a trace: Langfuse traces, observations, scores | `sources/langfuse.py`     |
+| langsmith        | a trace: LangSmith runs of one trace id | `sources/langsmith.py`          |
+
+A file is JSONL, or one JSON document (an array of records, or an OTLP object). Every row ends up
+accepted, quarantined (`data/quarantine/ingest.jsonl`: file, line, format, reason, and the raw
+text, scrubbed) or counted as a duplicate, and `metrics/ingest.json` adds up, overall and per
+format. A line that cannot be read at all (invalid JSON, not UTF-8, over `ingest.max_line_bytes`)
+is a row of its own.
+
+Writes `data/traces/` (a persistent DVC output: one Parquet part per inbox file, plus a manifest;
+the history that duplicates are checked against), `data/ingested.parquet` (this cycle's new traces)
+and `metrics/ingest.json`. Rows stream to Parquet in batches, so memory does not grow with the
+number of traces of a line format. Idempotent: each part records the inbox snapshot it came from,
+so a stage killed midway and run again gives the same outputs.
 
     python -m stages.ingest data/inbox data/traces data/ingested.parquet data/quarantine/ingest.jsonl metrics/ingest.json
 """
@@ -17,9 +32,13 @@ run again produces the same outputs.
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
+import os
 import sys
+from collections.abc import Iterator
+from itertools import chain
 from pathlib import Path
 
 import pyarrow as pa
@@ -27,20 +46,220 @@ import pyarrow.parquet as pq
 
 from stages import config as cfg
 from stages import io
-from stages.traces import SCHEMA, BadRecord, parse_openai_chat
+from stages.pii import KINDS, Scrubber
+from stages.sources import (
+    langfuse,
+    langsmith,
+    openai_chat,
+    openai_responses,
+    openinference,
+    otel_genai,
+)
+from stages.traces import SCHEMA, BadRecord, make_row
 
 MANIFEST = "manifest.json"
+BATCH = 5000
+# Detection order matters: OpenInference exports are OTLP too, but carry its span kinds.
+LINE_FORMATS = {m.NAME: m for m in (openai_chat, openai_responses)}
+TRACE_FORMATS = {m.NAME: m for m in (openinference, otel_genai, langfuse, langsmith)}
+FORMATS = [openai_chat, openai_responses, openinference, otel_genai, langfuse, langsmith]
+
+
+class Unreadable:
+    """A line that is not a JSON value; `reason` says why."""
+
+    def __init__(self, reason: str, raw: str):
+        self.reason, self.raw = reason, raw
+
+
+def _open(path: Path):
+    with path.open("rb") as handle:
+        magic = handle.read(2)
+    return gzip.open(path, "rb") if magic == b"\x1f\x8b" else path.open("rb")
+
+
+def read_records(path: Path, max_line_bytes: int) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON value or Unreadable) for each non-blank line of a JSONL file; for
+    a file that is one JSON document spread over lines, its items ("line" is the item number).
+    """
+    try:
+        with _open(path) as handle:
+            head = handle.read(1 << 16).lstrip()
+    except (OSError, EOFError):  # a truncated gzip stream: read the lines before the cut
+        head = b""
+    if head[:1] in (b"[", b"{") and not _is_json(head.split(b"\n", 1)[0]):
+        document = _read_document(path, max_line_bytes * 10)
+        if document is not None:
+            yield from _items(1, document, numbered=True)
+            return
+    number = 0
+    try:
+        with _open(path) as handle:
+            for number, raw in enumerate(handle, start=1):
+                if raw.strip():
+                    yield from _items(number, _parse_line(raw, max_line_bytes))
+    except (OSError, EOFError) as err:
+        yield number + 1, Unreadable(f"file cut off after line {number}: {err}", "")
+
+
+def _items(number: int, value, numbered: bool = False) -> Iterator[tuple[int, object]]:
+    """A JSON array holds records; anything else is one record."""
+    if isinstance(value, list):
+        for i, item in enumerate(value, start=1):
+            yield (i if numbered else number), item
+    else:
+        yield number, value
+
+
+def _is_json(raw: bytes) -> bool:
+    try:
+        json.loads(raw)
+    except ValueError:
+        return False
+    return True
+
+
+def _parse_line(raw: bytes, max_line_bytes: int):
+    if len(raw) > max_line_bytes:
+        return Unreadable(f"line of {len(raw):,} bytes is longer than ingest.max_line_bytes="
+                          f"{max_line_bytes:,}", raw[:2000].decode("utf-8", "replace"))
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return Unreadable(f"not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})",
+                          raw[:2000].decode("utf-8", "replace"))
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        return Unreadable(f"not valid JSON ({err.msg} at column {err.colno})", text[:2000])
+
+
+def _read_document(path: Path, limit: int):
+    """The file as one JSON value, or None if it is not one (then it is read line by line)."""
+    with _open(path) as handle:
+        raw = handle.read(limit + 1)
+    if len(raw) > limit:
+        return None
+    value = _parse_line(raw, limit + 1)
+    return None if isinstance(value, Unreadable) else value
+
+
+def detect(record) -> str | None:
+    return next((m.NAME for m in FORMATS if m.detect(record)), None)
+
+
+def _keys(record) -> str:
+    return (f"keys {sorted(record)[:8]}" if isinstance(record, dict)
+            else f"a JSON {type(record).__name__}")
+
+
+def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, object]]:
+    """(line, format, normalized trace or a quarantine reason with its raw text) for one file."""
+    records = read_records(path, config.max_line_bytes)  # a generator: line formats stream
+    fmt, held = None, []
+    for number, record in records:
+        if isinstance(record, Unreadable):
+            held.append((number, record))
+            continue
+        fmt = detect(record)
+        held.append((number, record))
+        break
+    if fmt is None:
+        expected = ", ".join(m.NAME for m in FORMATS)
+        for number, record in chain(held, records):
+            reason = record.reason if isinstance(record, Unreadable) else \
+                f"unknown format (first record has {_keys(held[-1][1])}); expected one of {expected}"
+            yield number, "unknown", (reason, _raw(record))
+        return
+    if fmt in LINE_FORMATS:
+        module = LINE_FORMATS[fmt]
+        for number, record in chain(held, records):
+            if isinstance(record, Unreadable):
+                yield number, fmt, (record.reason, record.raw)
+                continue
+            try:
+                if not isinstance(record, dict):
+                    raise BadRecord(f"a line must be a JSON object, got {type(record).__name__}")
+                if record.get("id") is None:
+                    record = {**record, "id": f"{path.name}:{number}"}
+                yield number, fmt, module.parse(record)
+            except BadRecord as err:
+                yield number, fmt, (str(err), _raw(record))
+        return
+    # Span-based formats: the spans of one trace can be anywhere in the file, so it is read whole.
+    stream = list(chain(held, records))
+    good = [(n, r) for n, r in stream if not isinstance(r, Unreadable)]
+    for number, record in stream:
+        if isinstance(record, Unreadable):
+            yield number, fmt, (record.reason, record.raw)
+    module = TRACE_FORMATS[fmt]
+    try:
+        traces = module.parse(_as_input(fmt, [r for _, r in good]))
+    except BadRecord as err:
+        for number, record in good:
+            yield number, fmt, (f"{err} (the file's {len(good)} records are quarantined together)",
+                                _raw(record))
+        return
+    lines = [(n, json.dumps(r)) for n, r in good]
+    for trace in traces:
+        needle = str(trace.get("trace_id"))
+        start = next((n for n, text in lines if needle in text), good[0][0] if good else 1)
+        yield start, fmt, trace
+
+
+def _as_input(fmt: str, records: list):
+    if fmt == otel_genai.NAME:  # one OTLP document; a JSONL export holds one per line
+        return {"resourceSpans": [rs for r in records for rs in r.get("resourceSpans", [])]}
+    return records
+
+
+def _raw(record) -> str:
+    if isinstance(record, Unreadable):
+        return record.raw
+    return json.dumps(record, ensure_ascii=False)[:2000]
 
 
 def inbox_files(inbox: Path) -> list[Path]:
-    return sorted(p for p in inbox.iterdir() if p.is_file() and p.suffix == ".jsonl")
+    return sorted(p for p in inbox.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
 def inbox_key(files: list[Path]) -> str:
     digest = hashlib.sha256()
     for path in files:
-        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as handle:
+            digest.update(hashlib.file_digest(handle, "sha256").digest())
     return digest.hexdigest()
+
+
+class Writer:
+    """Rows to a Parquet file in batches, renamed into place when closed."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.writer = pq.ParquetWriter(self.tmp, SCHEMA)
+        self.rows: list[dict] = []
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.rows:
+            self.writer.write_table(pa.Table.from_pylist(self.rows, schema=SCHEMA))
+            self.rows = []
+
+    def close(self) -> None:
+        self.flush()
+        self.writer.close()
+        os.replace(self.tmp, self.path)
+
+
+def _counts() -> dict:
+    return {"rows_read": 0, "accepted": 0, "quarantined": 0, "duplicates": 0}
 
 
 def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantine: Path) -> dict:
@@ -56,60 +275,65 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
     # Parts from earlier cycles are history: their hashes are the duplicate set. Parts written from
     # this same inbox snapshot (a killed run) are recomputed, which gives the same result.
     earlier = {name: entry for name, entry in manifest.items() if entry["inbox_key"] != key}
-    seen = set()
-    for name in earlier:
-        seen.update(pq.read_table(traces / earlier[name]["part"], columns=["content_hash"])
-                    .column("content_hash").to_pylist())
+    seen: set[bytes] = set()
+    for entry in earlier.values():
+        column = pq.read_table(traces / entry["part"], columns=["content_hash"]).column(0)
+        seen.update(bytes.fromhex(h) for h in column.to_pylist())
 
-    totals = {"rows_read": 0, "accepted": 0, "quarantined": 0, "duplicates": 0}
-    redactions = {"email": 0}
-    bad_rows, new_tables, per_file = [], [], {}
+    kinds = {kind for kind in KINDS if getattr(config, f"scrub_{kind}s")}
+    totals, per_format = _counts(), {}
+    redactions = dict.fromkeys(KINDS, 0)
+    bad_rows, new_files = [], 0
+    out = Writer(ingested)
     for path in files:
         if path.name in earlier:
             continue
-        rows, counts = [], {"rows_read": 0, "accepted": 0, "quarantined": 0, "duplicates": 0}
-        with path.open(encoding="utf-8", errors="replace") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                counts["rows_read"] += 1
-                try:
-                    row, found = parse_openai_chat(line, path.name, number, config.scrub_emails)
-                    if row["n_messages"] > config.max_messages:
-                        raise BadRecord(f"{row['n_messages']} messages, more than "
-                                        f"ingest.max_messages={config.max_messages}")
-                except BadRecord as err:
-                    counts["quarantined"] += 1
-                    bad_rows.append({"source_file": path.name, "source_line": number,
-                                     "stage": "ingest", "reason": str(err),
-                                     "raw": line.strip()[:2000]})
-                    continue
-                if row["content_hash"] in seen:
-                    counts["duplicates"] += 1
-                    continue
-                seen.add(row["content_hash"])
-                for kind, n in found.items():
-                    redactions[kind] += n
-                counts["accepted"] += 1
-                rows.append(row)
-        table = pa.Table.from_pylist(rows, schema=SCHEMA)
-        part = f"part-{path.stem}.parquet"
-        io.write_parquet(traces / part, table)
+        new_files += 1
+        part = f"part-{path.name.split('.')[0]}.parquet"
+        writer, counts = Writer(traces / part), _counts()
+        for number, fmt, item in traces_of_file(path, config):
+            fmt_counts = per_format.setdefault(fmt, _counts())
+            for bucket in (counts, fmt_counts):
+                bucket["rows_read"] += 1
+            scrubber = Scrubber(kinds)
+            try:
+                if isinstance(item, tuple):
+                    raise BadRecord(item[0])
+                row = make_row(item, path.name, number, fmt, scrubber)
+                if row["n_messages"] > config.max_messages:
+                    raise BadRecord(f"{row['n_messages']} messages, more than "
+                                    f"ingest.max_messages={config.max_messages}")
+            except BadRecord as err:
+                raw = item[1] if isinstance(item, tuple) else json.dumps(item, default=str)[:2000]
+                for bucket in (counts, fmt_counts):
+                    bucket["quarantined"] += 1
+                bad_rows.append({"source_file": path.name, "source_line": number, "format": fmt,
+                                 "stage": "ingest", "reason": str(err),
+                                 "raw": Scrubber(kinds).text(raw)})
+                continue
+            digest = bytes.fromhex(row["content_hash"])
+            if digest in seen:
+                for bucket in (counts, fmt_counts):
+                    bucket["duplicates"] += 1
+                continue
+            seen.add(digest)
+            for kind, n in scrubber.counts.items():
+                redactions[kind] += n
+            for bucket in (counts, fmt_counts):
+                bucket["accepted"] += 1
+            writer.add(row)
+            out.add(row)
+        writer.close()
         manifest[path.name] = {"part": part, "inbox_key": key, **counts}
-        new_tables.append(table)
-        per_file[path.name] = counts
         for name, value in counts.items():
             totals[name] += value
+    out.close()
     io.write_json(manifest_path, manifest)  # last: the parts it names are whole
-
-    table = pa.concat_tables(new_tables) if new_tables else SCHEMA.empty_table()
-    io.write_parquet(ingested, table)
     io.write_jsonl(quarantine, bad_rows)
     assert totals["rows_read"] == totals["accepted"] + totals["quarantined"] + totals["duplicates"]
-    return {**totals, "new_files": len(per_file), "files_seen_before": len(earlier),
-            "per_format": {"openai-chat": totals},
-            "pii_redactions": redactions, "total_traces": sum(
-                e["accepted"] for e in manifest.values())}
+    return {**totals, "new_files": new_files, "files_seen_before": len(earlier),
+            "per_format": per_format, "pii_redactions": redactions,
+            "total_traces": sum(e["accepted"] for e in manifest.values())}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,10 +345,11 @@ def main(argv: list[str] | None = None) -> None:
     metrics = run(cfg.load("ingest", args.params), args.inbox, args.traces, args.ingested,
                   args.quarantine)
     io.write_json(args.metrics, metrics)
-    print(f"ingest: {metrics['rows_read']} lines read from {metrics['new_files']} new file(s): "
+    print(f"ingest: {metrics['rows_read']} rows read from {metrics['new_files']} new file(s): "
           f"{metrics['accepted']} accepted, {metrics['quarantined']} quarantined, "
-          f"{metrics['duplicates']} duplicates; {metrics['pii_redactions']['email']} e-mail "
-          f"address(es) scrubbed", file=sys.stderr)
+          f"{metrics['duplicates']} duplicates; PII scrubbed: "
+          f"{', '.join(f'{k} {v}' for k, v in metrics['pii_redactions'].items() if v) or 'none'}",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -30,12 +30,15 @@ def test_junk_is_quarantined_or_counted_and_nothing_is_lost(tmp_path):
              chat("f", "5-6")]
     (inbox / "day-0.jsonl").write_text("\n".join(lines) + "\n")
     m = run(tmp_path)
-    assert (m["rows_read"], m["accepted"], m["quarantined"], m["duplicates"]) == (8, 3, 4, 1)
+    # the array on line 5 holds two records, each a row of its own
+    assert (m["rows_read"], m["accepted"], m["quarantined"], m["duplicates"]) == (9, 3, 5, 1)
     assert counts_add_up(m)
     bad = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
-    assert [b["source_line"] for b in bad] == [4, 5, 6, 7]
+    assert [b["source_line"] for b in bad] == [4, 5, 5, 6, 7]
     assert all(b["source_file"] == "day-0.jsonl" and b["reason"] for b in bad)
-    assert "not valid JSON" in bad[0]["reason"] and "no 'role'" in bad[3]["reason"]
+    assert "not valid JSON" in bad[0]["reason"] and "no 'role'" in bad[4]["reason"]
+    assert "must be a JSON object, got int" in bad[1]["reason"]
+    assert "unknown" not in {b["format"] for b in bad}
     rows = pq.read_table(tmp_path / "ingested.parquet").to_pylist()
     assert [r["trace_id"] for r in rows] == ["a", "b", "f"]
     assert rows[1]["source_line"] == 2

@@ -1,0 +1,1 @@
+"""Readers that map agent-trace export formats onto the normalized trace form."""

@@ -1,0 +1,573 @@
+"""OpenTelemetry GenAI traces, as OTLP JSON, mapped onto the normalized trace form.
+
+The file is what the OpenTelemetry Collector's file exporter writes (one `TracesData` JSON object,
+or one a line): `resourceSpans[].scopeSpans[].spans[]`, each span with hex `traceId` / `spanId` /
+`parentSpanId`, `startTimeUnixNano` (a decimal string), `status` and `attributes` as
+`[{"key": ..., "value": {"stringValue" | "intValue" | "doubleValue" | "boolValue" | "arrayValue" |
+"kvlistValue": ...}}]`. Spans are grouped by `traceId`; each trace that holds GenAI content
+becomes one normalized trace whose `trace_id` is the OTel trace id. Traces with no GenAI span at
+all (health checks, plain HTTP) are skipped.
+
+Span attributes read (GenAI semantic conventions, `docs/gen-ai/gen-ai-spans.md`):
+
+- `gen_ai.input.messages` / `gen_ai.output.messages`: JSON strings, or structured values, per the
+  input/output messages JSON schemas: `[{"role", "parts": [{"type": "text", "content"},
+  {"type": "tool_call", "id", "name", "arguments"}, {"type": "tool_call_response", "id",
+  "response"}, {"type": "reasoning", "content"}, ...], "finish_reason"}]`.
+- `gen_ai.system_instructions` (a list of text parts) -> a leading `system` message.
+- `gen_ai.tool.definitions` (flat `{"type": "function", "name", "description", "parameters"}`)
+  -> chat `tools`.
+- `gen_ai.response.model`, else `gen_ai.request.model` -> `model`.
+- `gen_ai.usage.input_tokens` / `output_tokens` / `cache_read.input_tokens` /
+  `reasoning.output_tokens` -> `usage` (summed over the model calls of the trace).
+- `gen_ai.operation.name`: `chat` / `text_completion` / `generate_content` spans are the model
+  calls; `invoke_agent` spans may repeat the agent's input and final answer, so they are read
+  only when a trace has no model-call span with content.
+- the `status` of the root span (else of the last model call) -> `feedback["error"]`, and
+  `gen_ai.evaluation.result` span events (`gen_ai.evaluation.name`,
+  `gen_ai.evaluation.score.value` / `.label`) -> `feedback["scores"]`.
+
+Older names are accepted too: `gen_ai.system` (for `gen_ai.provider.name`),
+`gen_ai.usage.prompt_tokens` / `completion_tokens`, and `gen_ai.prompt` / `gen_ai.completion`,
+either as JSON strings of chat-style messages (also when carried by the `gen_ai.content.prompt`
+/ `gen_ai.content.completion` span events of semconv 1.26) or flattened by index the way
+OpenLLMetry writes them (`gen_ai.prompt.0.role`, `gen_ai.prompt.0.content`,
+`gen_ai.prompt.2.tool_call_id`, `gen_ai.completion.0.tool_calls.0.name` / `.id` /
+`.arguments`), with OpenLLMetry's `llm.request.functions.N.*` for the tools offered.
+
+Every model-call span repeats the conversation so far in its input, so the conversation is
+assembled by prefix matching: a span whose input starts with a conversation already seen
+extends it with the new input and its output (keeping reasoning the earlier output carried,
+which inputs do not echo); a span that shares only part of one (a retry, a rewritten history)
+forks it, and a span sharing nothing with any (a sub-agent, a side call) starts another. The
+longest conversation is the trace (the latest on a tie); the others are dropped.
+Only the first output message is used: the spec makes each one a separate choice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timedelta, timezone
+
+from stages.traces import BadRecord
+
+NAME = "otel-genai"
+
+_INFERENCE_OPS = ("chat", "text_completion", "generate_content")
+_AGENT_OPS = ("invoke_agent", "create_agent", "invoke_workflow")
+_CONTENT_KEYS = ("gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.prompt",
+                 "gen_ai.completion")
+_INDEXED = re.compile(r"^gen_ai\.(prompt|completion)\.(\d+)\.(.+)$")
+_FUNCTIONS = re.compile(r"^llm\.request\.functions\.(\d+)\.(name|description|parameters)$")
+# Parts that carry content a chat message cannot hold; other unknown part types are the
+# spec's provider-specific "generic" parts (e.g. redacted thinking, cache markers) and are skipped.
+_UNMAPPABLE_PARTS = ("blob", "file", "file_data", "uri", "server_tool_call",
+                     "server_tool_call_response")
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+_ROLE_ALIASES = {"model": "assistant"}  # Gemini's name for the assistant
+
+
+def detect(record: dict) -> bool:
+    """True for an OTLP JSON traces document (it has a `resourceSpans` list)."""
+    return isinstance(record, dict) and isinstance(record.get("resourceSpans"), list)
+
+
+def parse(document: dict) -> list[dict]:
+    """One OTLP JSON document to its normalized traces, one per GenAI trace id, in file order.
+
+    Raises BadRecord, naming the trace and span, for a span that cannot be mapped.
+    """
+    if not detect(document):
+        raise BadRecord("not an OTLP JSON traces document: no 'resourceSpans' list")
+    by_trace: dict[str, list[dict]] = {}
+    for i, resource in enumerate(document["resourceSpans"]):
+        if not isinstance(resource, dict):
+            raise BadRecord(f"resourceSpans[{i}] is not an object")
+        # instrumentationLibrarySpans: the name before OTLP 0.15, still seen in old exports
+        scopes = resource.get("scopeSpans") or resource.get("instrumentationLibrarySpans") or []
+        for j, scope in enumerate(scopes):
+            spans = scope.get("spans") if isinstance(scope, dict) else None
+            for k, raw in enumerate(spans or []):
+                span = _span(raw, f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]")
+                by_trace.setdefault(span["trace_id"], []).append(span)
+    traces = []
+    for trace_id, spans in by_trace.items():
+        spans.sort(key=lambda s: s["start"])  # stable: file order breaks ties
+        trace = _trace(trace_id, spans)
+        if trace is not None:
+            traces.append(trace)
+    return traces
+
+
+# --- OTLP JSON -------------------------------------------------------------------------------
+
+def _span(raw: object, where: str) -> dict:
+    if not isinstance(raw, dict):
+        raise BadRecord(f"{where} is not an object")
+    trace_id, span_id = raw.get("traceId"), raw.get("spanId")
+    if not isinstance(trace_id, str) or not trace_id:
+        raise BadRecord(f"{where} has no 'traceId'")
+    if not isinstance(span_id, str) or not span_id:
+        raise BadRecord(f"{where} (trace {trace_id}) has no 'spanId'")
+    label = f"trace {trace_id} span {span_id}"
+    try:
+        start = int(raw.get("startTimeUnixNano") or 0)
+        attrs = _attributes(raw.get("attributes"))
+        events = [{"name": e.get("name"), "attrs": _attributes(e.get("attributes"))}
+                  for e in raw.get("events") or []]
+    except (TypeError, ValueError, AttributeError, KeyError) as err:
+        raise BadRecord(f"{label}: malformed OTLP span ({err})") from None
+    # semconv 1.26 put prompt and completion on span events; read them as attributes
+    for event in events:
+        for name, key in (("gen_ai.content.prompt", "gen_ai.prompt"),
+                          ("gen_ai.content.completion", "gen_ai.completion")):
+            if event["name"] == name and key in event["attrs"]:
+                attrs.setdefault(key, event["attrs"][key])
+    status = raw.get("status") if isinstance(raw.get("status"), dict) else {}
+    return {"trace_id": trace_id, "span_id": span_id, "label": label,
+            "parent": raw.get("parentSpanId") or "", "start": start, "attrs": attrs,
+            "events": events, "status": status}
+
+
+def _attributes(pairs: object) -> dict:
+    return {pair["key"]: _value(pair.get("value")) for pair in pairs or []}
+
+
+def _value(value: object) -> object:
+    """An OTLP AnyValue as a plain Python value (int64s come as strings in OTLP JSON)."""
+    if not isinstance(value, dict):
+        return value
+    if "stringValue" in value:
+        return value["stringValue"]
+    if "boolValue" in value:
+        return bool(value["boolValue"])
+    if "intValue" in value:
+        return int(value["intValue"])
+    if "doubleValue" in value:
+        return float(value["doubleValue"])
+    if "arrayValue" in value:
+        return [_value(v) for v in (value["arrayValue"] or {}).get("values") or []]
+    if "kvlistValue" in value:
+        return _attributes((value["kvlistValue"] or {}).get("values"))
+    if "bytesValue" in value:
+        return value["bytesValue"]
+    return None
+
+
+# --- one trace -------------------------------------------------------------------------------
+
+def _trace(trace_id: str, spans: list[dict]) -> dict | None:
+    with_content = [s for s in spans if _has_content(s["attrs"])]
+    calls = [s for s in with_content if _op(s) not in _AGENT_OPS] or with_content
+    if not calls:
+        if any(_op(s) in _INFERENCE_OPS + ("invoke_agent",) for s in spans):
+            raise BadRecord(f"trace {trace_id}: its GenAI spans record no messages (is content "
+                            "capture off? set OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT)")
+        return None  # not a GenAI trace
+
+    threads: list[list[dict]] = []
+    touched: list[int] = []  # when each thread was last extended
+    for n, span in enumerate(calls):
+        inputs, outputs = _span_messages(span)
+        keys = [_key(m) for m in inputs]
+        best, best_k = -1, 0
+        for t, thread in enumerate(threads):
+            k = _common_prefix([_key(m) for m in thread], keys)
+            if k > best_k or (k == best_k and k > 0):
+                best, best_k = t, k
+        if best < 0:
+            threads.append(inputs + outputs)
+            touched.append(n)
+            continue
+        thread = threads[best]
+        # keep the thread's copy of the shared prefix: it has the reasoning inputs don't echo
+        if best_k == len(thread):
+            thread += inputs[best_k:] + outputs
+            touched[best] = n
+        else:  # a retry or a branch from an earlier point: a new thread, the old one stays
+            threads.append(thread[:best_k] + inputs[best_k:] + outputs)
+            touched.append(n)
+    messages = threads[max(range(len(threads)), key=lambda t: (len(threads[t]), touched[t]))]
+    if not messages:
+        raise BadRecord(f"trace {trace_id}: its GenAI spans hold no messages")
+
+    return {
+        "trace_id": trace_id,
+        "model": _model(calls),
+        "created_at": _iso(min(s["start"] for s in spans)),
+        "messages": messages,
+        "tools": _tools(calls),
+        "feedback": _feedback(spans, calls),
+        "usage": _usage(calls),
+    }
+
+
+def _op(span: dict) -> str | None:
+    return span["attrs"].get("gen_ai.operation.name")
+
+
+def _has_content(attrs: dict) -> bool:
+    return any(k in attrs for k in _CONTENT_KEYS) or any(_INDEXED.match(k) for k in attrs)
+
+
+def _common_prefix(a: list[str], b: list[str]) -> int:
+    k = 0
+    while k < len(a) and k < len(b) and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def _key(message: dict) -> str:
+    """What must agree for a message echoed in a later input to count as the same message."""
+    calls = [{"id": c["id"], "name": c["function"]["name"],
+              "arguments": json.loads(c["function"]["arguments"])}
+             for c in message.get("tool_calls") or []]
+    content = " ".join((message.get("content") or "").split())
+    return json.dumps([message["role"], content, calls, message.get("tool_call_id")],
+                      sort_keys=True, ensure_ascii=False)
+
+
+def _iso(nanos: int) -> str | None:
+    if nanos <= 0:
+        return None
+    stamp = datetime.fromtimestamp(nanos // 10**9, tz=timezone.utc)
+    stamp += timedelta(microseconds=nanos % 10**9 // 1000)
+    return stamp.isoformat().replace("+00:00", "Z")
+
+
+def _model(calls: list[dict]) -> str | None:
+    for key in ("gen_ai.response.model", "gen_ai.request.model"):
+        for span in reversed(calls):
+            if isinstance(span["attrs"].get(key), str) and span["attrs"][key]:
+                return span["attrs"][key]
+    return None
+
+
+def _usage(calls: list[dict]) -> dict:
+    names = {"input_tokens": ("gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens"),
+             "output_tokens": ("gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens"),
+             "cached_input_tokens": ("gen_ai.usage.cache_read.input_tokens",),
+             "reasoning_tokens": ("gen_ai.usage.reasoning.output_tokens",)}
+    usage: dict[str, int] = {}
+    for span in calls:
+        for name, keys in names.items():
+            value = next((span["attrs"][k] for k in keys if k in span["attrs"]), None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                usage[name] = usage.get(name, 0) + value
+    return usage
+
+
+def _tools(calls: list[dict]) -> list[dict]:
+    tools: dict[str, dict] = {}
+    for span in calls:
+        attrs = span["attrs"]
+        defined = attrs.get("gen_ai.tool.definitions")
+        if defined is not None:
+            defined = _json(defined, "gen_ai.tool.definitions", span["label"])
+        indexed: dict[int, dict] = {}
+        for key, value in attrs.items():
+            match = _FUNCTIONS.match(key)
+            if match:
+                indexed.setdefault(int(match[1]), {})[match[2]] = value
+        for tool in (defined if isinstance(defined, list) else []) + [
+                indexed[i] for i in sorted(indexed)]:
+            if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+                continue  # provider-hosted tools have no chat schema
+            function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+            name = function.get("name")
+            if not isinstance(name, str) or name in tools:
+                continue
+            entry = {"name": name}
+            if function.get("description"):
+                entry["description"] = function["description"]
+            parameters = function.get("parameters")
+            if isinstance(parameters, str):  # OpenLLMetry records the schema as a JSON string
+                parameters = _json(parameters, "llm.request.functions parameters", span["label"])
+            if parameters:
+                entry["parameters"] = parameters
+            tools[name] = {"type": "function", "function": entry}
+    return list(tools.values())
+
+
+def _feedback(spans: list[dict], calls: list[dict]) -> dict:
+    feedback: dict = {}
+    ids = {s["span_id"] for s in spans}
+    roots = [s for s in spans if s["parent"] not in ids]
+    for span in roots + calls[-1:]:
+        code = span["status"].get("code")
+        if code in (2, "2", "STATUS_CODE_ERROR"):
+            feedback["error"] = (span["status"].get("message")
+                                 or span["attrs"].get("error.type") or "error")
+            break
+    scores = {}
+    for span in spans:
+        for event in span["events"]:
+            attrs = event["attrs"]
+            if event["name"] == "gen_ai.evaluation.result" and attrs.get("gen_ai.evaluation.name"):
+                value = attrs.get("gen_ai.evaluation.score.value")
+                if value is None:
+                    value = attrs.get("gen_ai.evaluation.score.label")
+                scores[attrs["gen_ai.evaluation.name"]] = value
+    if scores:
+        feedback["scores"] = scores
+    return feedback
+
+
+# --- one span's messages ---------------------------------------------------------------------
+
+class _Calls:
+    """Tool calls seen in one span's messages, so that every tool reply names a call before it."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.known: set[str] = set()
+        self.waiting: list[str] = []  # calls not yet answered, in order
+        self.count = 0
+
+    def call(self, call_id: object, name: object, arguments: object, where: str) -> dict:
+        if not isinstance(name, str) or not name:
+            raise BadRecord(f"{self.label}: {where}: tool call has no 'name'")
+        # The spec lets the id be null; number the call by its place in the history, so the
+        # same call gets the same id in every later span that repeats it.
+        call_id = str(call_id).strip() if call_id not in (None, "") else f"call_{self.count}"
+        self.count += 1
+        self.known.add(call_id)
+        self.waiting.append(call_id)
+        return {"id": call_id, "type": "function",
+                "function": {"name": name, "arguments": self.arguments(arguments, call_id, where)}}
+
+    def arguments(self, value: object, call_id: str, where: str) -> str:
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return "{}"
+        if not isinstance(value, str):  # the current conventions record an object
+            return json.dumps(value, ensure_ascii=False)
+        try:
+            json.loads(value)
+        except json.JSONDecodeError as err:
+            raise BadRecord(f"{self.label}: {where}: tool call {call_id!r} arguments are not "
+                            f"valid JSON ({err.msg} at column {err.colno})") from None
+        return value
+
+    def reply(self, call_id: object, response: object, where: str) -> dict:
+        if call_id not in (None, ""):
+            call_id = str(call_id).strip()
+            if call_id not in self.known:
+                raise BadRecord(f"{self.label}: {where}: tool_call_response id {call_id!r} has "
+                                "no matching tool_call")
+            if call_id in self.waiting:
+                self.waiting.remove(call_id)
+        elif self.waiting:
+            call_id = self.waiting.pop(0)  # no id: it answers the oldest open call
+        else:
+            raise BadRecord(f"{self.label}: {where}: tool_call_response has no id and no tool "
+                            "call is waiting for one")
+        if response is None:
+            content = ""
+        elif isinstance(response, str):
+            content = response
+        else:
+            content = json.dumps(response, ensure_ascii=False)
+        return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+def _span_messages(span: dict) -> tuple[list[dict], list[dict]]:
+    """A model-call span's input and (first) output as chat messages."""
+    attrs, label = span["attrs"], span["label"]
+    calls = _Calls(label)
+    inputs: list[dict] = []
+    system = attrs.get("gen_ai.system_instructions")
+    if system is not None:
+        text = _system_text(_json(system, "gen_ai.system_instructions", label, text=True))
+        if text:
+            inputs.append({"role": "system", "content": text})
+
+    if "gen_ai.input.messages" in attrs:
+        raw_in = _json(attrs["gen_ai.input.messages"], "gen_ai.input.messages", label)
+        inputs += _messages(raw_in, "gen_ai.input.messages", calls, "user", current=True)
+    elif "gen_ai.prompt" in attrs:
+        raw_in = _json(attrs["gen_ai.prompt"], "gen_ai.prompt", label, text=True)
+        inputs += _messages(raw_in, "gen_ai.prompt", calls, "user")
+    else:
+        inputs += _messages(_indexed(attrs, "prompt"), "gen_ai.prompt", calls, "user")
+
+    if "gen_ai.output.messages" in attrs:
+        raw_out = _json(attrs["gen_ai.output.messages"], "gen_ai.output.messages", label)
+        name = "gen_ai.output.messages"
+    elif "gen_ai.completion" in attrs:
+        raw_out = _json(attrs["gen_ai.completion"], "gen_ai.completion", label, text=True)
+        name = "gen_ai.completion"
+    else:
+        raw_out, name = _indexed(attrs, "completion"), "gen_ai.completion"
+    current = name == "gen_ai.output.messages"
+    if isinstance(raw_out, list):
+        raw_out = raw_out[:1]  # each output message is a separate choice: keep the first
+    return inputs, _messages(raw_out, name, calls, "assistant", current)
+
+
+def _json(value: object, name: str, label: str, text: bool = False) -> object:
+    """A structured attribute, decoded if it was recorded as a JSON string."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as err:
+        # The older attributes sometimes hold the bare prompt or completion text.
+        if text and not value.lstrip().startswith(("[", "{")):
+            return value
+        raise BadRecord(f"{label}: {name} is not valid JSON ({err.msg} at line {err.lineno} "
+                        f"column {err.colno})") from None
+
+
+def _system_text(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):  # an early draft: {"role": ..., "message": {text part}}
+        value = [value.get("message") or value]
+    texts = [p.get("content") for p in value or [] if isinstance(p, dict)
+             and p.get("type", "text") == "text" and isinstance(p.get("content"), str)]
+    return "\n".join(texts)
+
+
+def _messages(raw: object, name: str, calls: _Calls, default_role: str,
+              current: bool = False) -> list[dict]:
+    """Messages of the current conventions (`current`: parts required) or the older ones."""
+    if raw is None:
+        return []
+    if not current and isinstance(raw, str):  # bare text
+        return [{"role": default_role, "content": raw}]
+    if not current and isinstance(raw, dict):  # a single message or choice
+        raw = [raw]
+    if not isinstance(raw, list):
+        raise BadRecord(f"{calls.label}: {name} must be a list of messages, got "
+                        f"{type(raw).__name__}")
+    out: list[dict] = []
+    for i, message in enumerate(raw):
+        where = f"{name}[{i}]"
+        if isinstance(message, dict) and isinstance(message.get("message"), dict):
+            message = message["message"]  # a chat completions choice
+        if not isinstance(message, dict):
+            raise BadRecord(f"{calls.label}: {where} is not an object")
+        role = message.get("role", default_role)
+        role = _ROLE_ALIASES.get(role, role)
+        if role not in _ROLES:
+            raise BadRecord(f"{calls.label}: {where} has role {role!r}, not one of "
+                            f"{', '.join(_ROLES)}")
+        if current or "parts" in message:
+            out += _from_parts(role, message.get("parts"), calls, where)
+        else:
+            out += _from_chat(role, message, calls, where)
+    return out
+
+
+def _from_parts(role: str, parts: object, calls: _Calls, where: str) -> list[dict]:
+    """A message in the current conventions' parts form."""
+    if not isinstance(parts, list):
+        raise BadRecord(f"{calls.label}: {where} has no 'parts' list")
+    texts, reasoning, tool_calls, replies = [], [], [], []
+    for j, part in enumerate(parts):
+        at = f"{where}.parts[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            texts.append(str(part.get("content") or ""))
+        elif kind == "reasoning":
+            reasoning.append(str(part.get("content") or ""))
+        elif kind == "tool_call":
+            tool_calls.append(calls.call(part.get("id"), part.get("name"),
+                                         part.get("arguments"), at))
+        elif kind == "tool_call_response":
+            # "response" per the JSON schema; one spec example says "result"
+            response = part["response"] if "response" in part else part.get("result")
+            replies.append(calls.reply(part.get("id"), response, at))
+        elif kind in _UNMAPPABLE_PARTS:
+            raise BadRecord(f"{calls.label}: {at}: part type {kind!r} cannot be mapped to a "
+                            "chat message (only text, reasoning and tool parts can)")
+        elif not isinstance(kind, str):
+            raise BadRecord(f"{calls.label}: {at} has no 'type'")
+    text = "\n".join(texts)
+    if role == "assistant":
+        message: dict = {"role": "assistant", "content": text or None}
+        if reasoning:
+            message["reasoning_content"] = "\n\n".join(reasoning)
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return [message] + replies
+    if role == "tool" and not replies:  # a tool message carrying its reply as text
+        return [calls.reply(None, text, where)]
+    # Tool replies can sit in a user message (Anthropic's tool_result blocks): chat needs
+    # them as tool messages, ahead of any text the user turn adds.
+    rest = [{"role": role, "content": text}] if texts or not replies else []
+    return replies + rest
+
+
+def _from_chat(role: str, message: dict, calls: _Calls, where: str) -> list[dict]:
+    """A message in the chat-completions form the older attributes carry."""
+    content = _chat_content(message.get("content"))
+    if role == "tool":
+        return [calls.reply(message.get("tool_call_id") or message.get("id"), content or "",
+                            where)]
+    out: dict = {"role": role, "content": content}
+    if role == "assistant":
+        tool_calls = list(message.get("tool_calls") or [])
+        if isinstance(message.get("function_call"), dict):  # the pre-tools function calling
+            tool_calls.append(message["function_call"])
+        entries = []
+        for j, call in enumerate(tool_calls):
+            function = call.get("function") if isinstance(call.get("function"), dict) else call
+            entries.append(calls.call(call.get("id"), function.get("name"),
+                                      function.get("arguments"), f"{where}.tool_calls[{j}]"))
+        if entries:
+            out["tool_calls"] = entries
+        if isinstance(message.get("reasoning_content"), str):
+            out["reasoning_content"] = message["reasoning_content"]
+    elif content is None:
+        out["content"] = ""
+    return [out]
+
+
+def _chat_content(content: object) -> str | None:
+    if isinstance(content, str):
+        # OpenLLMetry JSON-encodes list content into the flattened attribute
+        if content.startswith("[{"):
+            try:
+                decoded = json.loads(content)
+            except json.JSONDecodeError:
+                return content
+            if all(isinstance(p, dict) and "type" in p for p in decoded):
+                content = decoded
+            else:
+                return content
+        else:
+            return content
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text") or p.get("content") or "") for p in content
+                         if isinstance(p, dict) and p.get("type") in ("text", "input_text"))
+    return None if content is None else json.dumps(content, ensure_ascii=False)
+
+
+def _indexed(attrs: dict, kind: str) -> list[dict] | None:
+    """OpenLLMetry's flattened messages (`gen_ai.prompt.0.role`, ...) as chat-style dicts."""
+    rows: dict[int, dict] = {}
+    for key, value in attrs.items():
+        match = _INDEXED.match(key)
+        if not match or match[1] != kind:
+            continue
+        row = rows.setdefault(int(match[2]), {})
+        field = match[3]
+        nested = re.match(r"^tool_calls\.(\d+)\.(id|name|arguments)$", field)
+        if nested:
+            row.setdefault("_calls", {}).setdefault(int(nested[1]), {})[nested[2]] = value
+        elif field.startswith("function_call."):
+            row.setdefault("function_call", {})[field.split(".", 1)[1]] = value
+        else:
+            row[field] = value
+    if not rows:
+        return None
+    out = []
+    for i in sorted(rows):
+        row = rows[i]
+        calls = row.pop("_calls", {})
+        if calls:
+            row["tool_calls"] = [calls[j] for j in sorted(calls)]
+        out.append(row)
+    return out
