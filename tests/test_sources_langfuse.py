@@ -1,0 +1,166 @@
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from stages.sources import langfuse, langsmith, openinference
+from stages.traces import BadRecord
+
+FIXTURES = Path(__file__).parent / "fixtures" / "traces"
+LF1 = "c2a1e0d4-5b6f-4e3a-9d2c-7f8e1a0b3c4d"
+LF2 = "7d9e3b1f-2a4c-4f6e-8b0d-1c3e5a7f9b2d"
+
+
+def records():
+    return json.loads((FIXTURES / "langfuse.json").read_text())
+
+
+def by_id(traces):
+    return {t["trace_id"]: t for t in traces}
+
+
+def generation(trace_id, id_, start, input_, output, **more):
+    return {"id": id_, "traceId": trace_id, "type": "GENERATION", "name": "llm",
+            "startTime": start, "input": input_, "output": output, "level": "DEFAULT", **more}
+
+
+def test_trace_with_nested_observations_and_scores():
+    traces = langfuse.parse(records())
+    assert [t["trace_id"] for t in traces] == [LF1, LF2]
+    trace = traces[0]
+    assert trace["messages"] == [
+        {"role": "system",
+         "content": "You are the ShopCo support assistant. Look orders up before answering."},
+        {"role": "user", "content": "Where is my order #A1043?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "call_8sJd0", "type": "function",
+                         "function": {"name": "lookup_order",
+                                      "arguments": '{"order_id": "A1043"}'}}]},
+        {"role": "tool", "content": '{"status": "shipped", "carrier": "UPS", "eta": "2025-03-07"}',
+         "tool_call_id": "call_8sJd0"},
+        {"role": "assistant",
+         "content": "Your order #A1043 has shipped with UPS and should arrive on March 7."},
+    ]
+    assert trace["model"] == "gpt-4o-mini-2024-07-18"
+    assert trace["created_at"] == "2025-03-05T09:00:00.000Z"
+    assert trace["usage"] == {"input_tokens": 96 + 151, "output_tokens": 19 + 21}
+    assert trace["feedback"] == {"scores": {"user-feedback": True, "helpfulness": 0.9}}
+    assert [t["function"]["name"] for t in trace["tools"]] == ["lookup_order"]
+
+
+def test_separate_records_from_the_langchain_handler():
+    # Trace list item (observation and score ids only), observations and a score as records;
+    # LangChain-style tool calls ({"name", "args", "id"}) and the handler's tool-schema
+    # pseudo-messages ({"role": "tool", "content": <schema>}) at the end of each input.
+    trace = by_id(langfuse.parse(records()))[LF2]
+    assert trace["messages"] == [
+        {"role": "system",
+         "content": "You are a finance helper. Use convert_currency for any conversion."},
+        {"role": "user", "content": "Convert 250 USD to EUR."},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "call_Zp41", "type": "function",
+                         "function": {"name": "convert_currency", "arguments":
+                                      '{"amount": 250, "from": "USD", "to": "EUR"}'}}]},
+        {"role": "tool", "content": "230.15 EUR", "tool_call_id": "call_Zp41"},
+        {"role": "assistant", "content": "250 USD is about 230.15 EUR at today's rate."},
+    ]
+    assert [t["function"]["name"] for t in trace["tools"]] == ["convert_currency"]
+    assert trace["feedback"] == {"scores": {"resolution": "resolved"}}
+    assert trace["usage"] == {"input_tokens": 88 + 131, "output_tokens": 24 + 15}
+
+
+def test_jsonl_order_and_duplicates_do_not_matter():
+    # The same observations nested in the trace and again as records, in reverse order.
+    recs = records()
+    shuffled = list(reversed(recs)) + [copy.deepcopy(o) for o in recs[0]["observations"]]
+    assert by_id(langfuse.parse(shuffled)) == by_id(langfuse.parse(recs))
+
+
+def test_detect_only_its_own_format():
+    assert all(langfuse.detect(r) for r in records())
+    others = [json.loads(line) for name in ("langsmith.jsonl", "openinference.jsonl")
+              for line in (FIXTURES / name).read_text().splitlines()]
+    assert not any(langfuse.detect(r) for r in others)
+    assert not langfuse.detect({"messages": [{"role": "user", "content": "hi"}]})
+    assert not any(openinference.detect(r) or langsmith.detect(r) for r in records())
+
+
+def test_anthropic_blocks_streamed_output_and_errors():
+    # Anthropic-style content blocks in the input; the OpenAI integration's streamed output
+    # (no role, tool call without id: the next input's copy of the message supplies it, and the
+    # thinking the input echoes); a root generation at level ERROR.
+    first = generation("t1", "g1", "2025-01-01T00:00:00Z",
+                       [{"role": "user",
+                         "content": [{"type": "text", "text": "Weather in Oslo?"}]}],
+                       {"tool_calls": [{"function": {"name": "weather",
+                                                     "arguments": '{"city": "Oslo"}'}}]},
+                       usage={"promptTokens": 10, "completionTokens": 5})
+    second = generation("t1", "g2", "2025-01-01T00:00:02Z", [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Need the tool."},
+            {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Oslo"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "text", "text": "-3 C, snow"}]}]},
+    ], None, level="ERROR", statusMessage="overloaded_error: Overloaded", model="claude-x")
+    [trace] = langfuse.parse([first, second])
+    assert trace["messages"] == [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "toolu_1", "type": "function",
+                         "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}],
+         "reasoning_content": "Need the tool."},
+        {"role": "tool", "content": "-3 C, snow", "tool_call_id": "toolu_1"},
+    ]
+    assert trace["feedback"] == {"error": "llm: overloaded_error: Overloaded"}
+    assert trace["usage"] == {"input_tokens": 10, "output_tokens": 5}
+    assert trace["created_at"] == "2025-01-01T00:00:00Z"  # no trace record: first observation
+
+
+def test_usage_details_parts_add_up_and_tool_output_objects_become_json():
+    # The LangChain handler moves cached and reasoning tokens out of input/output into keys
+    # of their own; a Vercel AI SDK tool result carries {"type": "json", "value": ...}.
+    gen = generation("t", "g", "2025-01-01T00:00:00Z", [
+        {"role": "user", "content": "Stock of SKU 7?"},
+        {"role": "assistant", "content": [
+            {"type": "tool-call", "toolCallId": "c7", "toolName": "stock", "input": {"sku": 7}}]},
+        {"role": "tool", "content": [{"type": "tool-result", "toolCallId": "c7",
+                                      "toolName": "stock",
+                                      "output": {"type": "json", "value": {"left": 3}}}]},
+    ], "3 left.", usageDetails={"input": 46, "input_cache_read": 50, "output": 10,
+                                "output_reasoning": 5, "total": 111})
+    [trace] = langfuse.parse([gen])
+    assert trace["usage"] == {"input_tokens": 96, "output_tokens": 15}
+    assert trace["messages"][1:] == [
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c7", "type": "function",
+                         "function": {"name": "stock", "arguments": '{"sku": 7}'}}]},
+        {"role": "tool", "content": '{"left": 3}', "tool_call_id": "c7"},
+        {"role": "assistant", "content": "3 left."},
+    ]
+
+
+@pytest.mark.parametrize("recs, reason", [
+    ([{"id": "t", "timestamp": "2025-01-01T00:00:00Z", "name": "x", "input": "hi",
+       "observations": []}], "trace t: no GENERATION observation among its 0 observation"),
+    ([{"traceId": "t", "name": "thumbs", "value": 1, "dataType": "BOOLEAN"}],
+     "trace t: the file has scores for it but not the trace or its observations"),
+    ([{"id": "o", "type": "GENERATION", "startTime": "2025-01-01T00:00:00Z"}],
+     "record 1: observation 'o' has no traceId"),
+    ([{"messages": [{"role": "user", "content": "hi"}]}],
+     r"record 1 is not a Langfuse trace, observation or score \(keys: messages\)"),
+    ([generation("t", "g", "2025-01-01T00:00:00Z", {"prompt": "hi"}, "yo")],
+     r"trace t: generation g: input is an object without 'messages' \(keys: prompt\)"),
+    ([generation("t", "g", "2025-01-01T00:00:00Z",
+                 [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "ok")],
+     r"trace t: generation g input\[0\] content\[0\] is a 'image_url' part"),
+    ([generation("t", "g", "2025-01-01T00:00:00Z", [{"role": "critic", "content": "x"}], "y")],
+     r"input\[0\] has role 'critic'; expected one of"),
+    ([generation("t", "g", "2025-01-01T00:00:00Z", [{"role": "user", "content": "x"}],
+                 {"usage": {"input": 3}})],
+     r"output is an object with no message in it \(keys: usage\)"),
+])
+def test_broken_records_say_what_is_wrong(recs, reason):
+    with pytest.raises(BadRecord, match=reason):
+        langfuse.parse(recs)
