@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import pyarrow as pa
+
+from stages.pii import maybe_pii
 
 SCHEMA = pa.schema([
     ("trace_id", pa.string()), ("source_file", pa.string()), ("source_line", pa.int64()),
@@ -45,28 +48,33 @@ class BadRecord(ValueError):
     """A line that cannot become a trace; the message is the quarantine reason."""
 
 
-def content_hash(messages: list[dict]) -> str:
-    """Key for duplicates: the messages with whitespace collapsed and call ids left out, so a
-    re-sent trace whose ids were regenerated still counts as the same trace.
+_IDS = re.compile(r'"(?:id|tool_call_id)": "(?:[^"\\]|\\.)*"(?:, )?')
+_SPACE = re.compile(r"(?:\s|\\[nrt])+")
+
+
+def content_hash(messages_json: str) -> str:
+    """Key for duplicates: the serialized messages (keys sorted) with call ids left out and runs
+    of whitespace collapsed, so a re-sent trace whose ids were regenerated counts as the same.
     """
-    def norm(value):
-        if isinstance(value, str):
-            return " ".join(value.split())
-        if isinstance(value, list):
-            return [norm(v) for v in value]
-        if isinstance(value, dict):
-            return {k: norm(v) for k, v in value.items() if k not in ("id", "tool_call_id")}
-        return value
-    canonical = json.dumps(norm(messages), sort_keys=True, ensure_ascii=False)
+    canonical = _SPACE.sub(" ", _IDS.sub("", messages_json))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _dump(value) -> str:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True)
 
 
 def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber) -> dict:
     """A normalized trace as one row of SCHEMA, every string scrubbed by `scrubber` first."""
-    messages = scrubber.walk(trace["messages"])
-    if not messages:
+    if not trace["messages"]:
         raise BadRecord("the trace has no messages")
-    feedback = scrubber.walk(trace.get("feedback") or {})
+    parts = {"messages": trace["messages"], "tools": trace.get("tools") or [],
+             "feedback": trace.get("feedback") or {}}
+    text = {key: _dump(value) for key, value in parts.items()}
+    if any(maybe_pii(t) for t in text.values()):  # most traces hold no PII: skip the walk
+        parts = {key: scrubber.walk(value) for key, value in parts.items()}
+        text = {key: _dump(value) for key, value in parts.items()}
+    messages, feedback = parts["messages"], parts["feedback"]
     thumbs = feedback.get("thumbs_up")
     user_text = next((str(m.get("content") or "") for m in messages if m.get("role") == "user"),
                      None)
@@ -76,12 +84,12 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
         "source_file": source_file,
         "source_line": source_line,
         "format": fmt,
-        "content_hash": content_hash(messages),
+        "content_hash": content_hash(text["messages"]),
         "model": trace.get("model"),
         "created_at": trace.get("created_at"),
-        "messages": json.dumps(messages, ensure_ascii=False),
-        "tools": json.dumps(scrubber.walk(trace.get("tools") or []), ensure_ascii=False),
-        "feedback": json.dumps(feedback, ensure_ascii=False),
+        "messages": text["messages"],
+        "tools": text["tools"],
+        "feedback": text["feedback"],
         "usage": json.dumps(trace.get("usage") or {}),
         "user_text": user_text,
         "n_messages": len(messages),

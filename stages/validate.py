@@ -26,6 +26,7 @@ from stages import config as cfg
 from stages import io
 from stages.environments import ENVIRONMENTS
 
+BATCH = 100_000  # traces checked at a time
 ROLES = ["system", "user", "assistant", "tool", "developer"]
 
 
@@ -74,73 +75,107 @@ def suites() -> dict[str, list]:
     }
 
 
-def check(frames: dict[str, pd.DataFrame]) -> dict[int, list[str]]:
-    """Run the suites; returns {trace row: [failed expectation, ...]}."""
-    import great_expectations as gx
+class Checker:
+    """The GE context, data assets and suites, built once and run on batch after batch."""
 
-    context = gx.get_context(mode="ephemeral")
-    source = context.data_sources.add_pandas("ingested")
-    failures: dict[int, list[str]] = {}
-    for name, expectations in suites().items():
-        frame = frames[name]
-        if frame.empty:
-            continue
-        batch = source.add_dataframe_asset(name).add_batch_definition_whole_dataframe(name) \
-            .get_batch(batch_parameters={"dataframe": frame})
-        suite = context.suites.add(gx.ExpectationSuite(name=name, expectations=expectations))
-        result = batch.validate(suite, result_format={"result_format": "COMPLETE",
-                                                      "unexpected_index_column_names": ["row"]})
-        for outcome in result.results:
-            if outcome.success:
+    def __init__(self):
+        import great_expectations as gx
+        from great_expectations.data_context.types.base import ProgressBarsConfig
+
+        context = gx.get_context(mode="ephemeral")
+        # the stage logs its own summary; per-metric bars would flood the Prefect log
+        context.variables.progress_bars = ProgressBarsConfig(globally=False,
+                                                             metric_calculations=False)
+        source = context.data_sources.add_pandas("ingested")
+        self.tables = {}
+        for name, expectations in suites().items():
+            definition = source.add_dataframe_asset(name) \
+                .add_batch_definition_whole_dataframe(name)
+            suite = context.suites.add(gx.ExpectationSuite(name=name, expectations=expectations))
+            self.tables[name] = (definition, suite)
+
+    def check(self, frames: dict[str, pd.DataFrame]) -> dict[int, list[str]]:
+        """Run the suites; returns {trace row: [failed expectation, ...]}."""
+        failures: dict[int, list[str]] = {}
+        for name, (definition, suite) in self.tables.items():
+            frame = frames[name]
+            if frame.empty:
                 continue
-            if outcome.exception_info and outcome.exception_info.get("raised_exception"):
-                raise RuntimeError(f"Great Expectations could not run {outcome.expectation_config.type}"
-                                   f" on {name}: {outcome.exception_info['exception_message']}")
-            config = outcome.expectation_config
-            label = f"{name}: {config.type}({config.kwargs.get('column')})"
-            for item in outcome.result.get("unexpected_index_list") or []:
-                failures.setdefault(int(item["row"]), []).append(label)
-    return failures
+            batch = definition.get_batch(batch_parameters={"dataframe": frame})
+            result = batch.validate(suite, result_format={
+                "result_format": "COMPLETE", "unexpected_index_column_names": ["row"]})
+            for outcome in result.results:
+                if outcome.success:
+                    continue
+                config = outcome.expectation_config
+                if outcome.exception_info and outcome.exception_info.get("raised_exception"):
+                    raise RuntimeError(f"Great Expectations could not run {config.type} on "
+                                       f"{name}: {outcome.exception_info['exception_message']}")
+                label = f"{name}: {config.type}({config.kwargs.get('column')})"
+                for item in outcome.result.get("unexpected_index_list") or []:
+                    failures.setdefault(int(item["row"]), []).append(label)
+        return failures
+
+
+def _empty_counts() -> dict:
+    return {"rows_read": 0, "accepted": 0, "quarantined": 0, "duplicates": 0}
 
 
 def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
         quarantine: Path) -> dict:
-    """Split the ingested traces into valid and quarantined; returns the stage metrics."""
+    """Split the ingested traces into valid and quarantined; returns the stage metrics.
+
+    Reads and checks `BATCH` traces at a time, so memory does not grow with their number.
+    """
     env = ENVIRONMENTS[base.environment]
-    traces = pq.read_table(ingested).to_pandas()
-    per_trace, per_message, per_call = flatten(traces, env)
-    failures = check({"traces": per_trace, "messages": per_message, "tool_calls": per_call}
-                     ) if len(traces) else {}
-    bad = sorted(failures)
-    quarantined = [{"trace_id": traces.trace_id.iloc[r], "source_file": traces.source_file.iloc[r],
-                    "source_line": int(traces.source_line.iloc[r]), "stage": "validate",
-                    "reason": "; ".join(failures[r])} for r in bad]
-    good = traces.drop(index=bad).reset_index(drop=True)
-    questions = per_trace.drop(index=bad).reset_index(drop=True).question
-    good["question"] = questions.astype("string")
-    good["answer"] = [str(env.gold_answer(q)) for q in questions]
-    io.write_parquet(validated, pa.Table.from_pandas(good, preserve_index=False))
+    source = pq.ParquetFile(ingested)
+    checker = Checker() if source.metadata.num_rows else None
+    schema = source.schema_arrow.append(pa.field("question", pa.string())) \
+        .append(pa.field("answer", pa.string()))
+    tmp = validated.with_name(f".{validated.name}.tmp")
+    writer = pq.ParquetWriter(tmp, schema)
+    quarantined, failed, per_format = [], {}, {}
+    for table in source.iter_batches(batch_size=BATCH):
+        traces = table.to_pandas()
+        per_trace, per_message, per_call = flatten(traces, env)
+        failures = checker.check({"traces": per_trace, "messages": per_message,
+                                  "tool_calls": per_call})
+        for labels in failures.values():
+            for label in labels:
+                failed[label] = failed.get(label, 0) + 1
+        bad = sorted(failures)
+        quarantined += [{"trace_id": traces.trace_id.iloc[r],
+                         "source_file": traces.source_file.iloc[r],
+                         "source_line": int(traces.source_line.iloc[r]),
+                         "format": traces.format.iloc[r], "stage": "validate",
+                         "reason": "; ".join(failures[r])} for r in bad]
+        bad_formats = traces.format.iloc[bad].value_counts().to_dict() if bad else {}
+        for fmt, n in traces.format.value_counts().items():
+            counts = per_format.setdefault(fmt, _empty_counts())
+            counts["rows_read"] += int(n)
+            counts["quarantined"] += int(bad_formats.get(fmt, 0))
+            counts["accepted"] += int(n - bad_formats.get(fmt, 0))
+        good = traces.drop(index=bad).reset_index(drop=True)
+        questions = per_trace.drop(index=bad).reset_index(drop=True).question
+        good["question"] = questions.astype("string")
+        good["answer"] = [str(env.gold_answer(q)) for q in questions]
+        writer.write_table(pa.Table.from_pandas(good, schema=schema, preserve_index=False))
+    writer.close()
+    os.replace(tmp, validated)
     io.write_jsonl(quarantine, quarantined)
-    total = len(traces)
-    valid_fraction = len(good) / total if total else 1.0
-    metrics = {"rows_read": total, "accepted": len(good), "quarantined": len(bad),
+    total = source.metadata.num_rows
+    accepted = total - len(quarantined)
+    valid_fraction = accepted / total if total else 1.0
+    metrics = {"rows_read": total, "accepted": accepted, "quarantined": len(quarantined),
                "duplicates": 0, "valid_fraction": round(valid_fraction, 4),
-               "failed_expectations": _count(failures)}
+               "per_format": per_format, "failed_expectations": failed}
     if valid_fraction < config.min_valid_fraction:
         raise ValidationFailed(
-            f"only {len(good)} of {total} traces passed validation ({valid_fraction:.1%}), below "
+            f"only {accepted} of {total} traces passed validation ({valid_fraction:.1%}), below "
             f"validate.min_valid_fraction={config.min_valid_fraction}; the reasons are in "
             f"{quarantine}. Fix the source or lower the threshold in params.yaml"
         )
     return metrics
-
-
-def _count(failures: dict[int, list[str]]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for labels in failures.values():
-        for label in labels:
-            counts[label] = counts.get(label, 0) + 1
-    return counts
 
 
 def main(argv: list[str] | None = None) -> None:

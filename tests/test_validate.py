@@ -20,7 +20,9 @@ def good(trace_id, question):
         f"what is {question}", "<calc>1+1</calc><result>2</result>answer:2", trace_id)}
 
 
-def test_ge_quarantines_failing_traces_with_reason(tmp_path):
+@pytest.mark.parametrize("batch", [100_000, 3])  # 3: rows of later batches map back correctly
+def test_ge_quarantines_failing_traces_with_reason(tmp_path, monkeypatch, batch):
+    monkeypatch.setattr(validate, "BATCH", batch)
     bad_role = good("r", "2+2")
     bad_role["messages"][1]["role"] = "robot"
     bad_args = good("j", "3+3")
@@ -46,6 +48,8 @@ def test_ge_quarantines_failing_traces_with_reason(tmp_path):
     valid = pq.read_table(tmp_path / "valid.parquet").to_pylist()
     assert [v["question"] for v in valid] == [f"{i}+1" for i in range(6)]
     assert [v["answer"] for v in valid] == [str(i + 1) for i in range(6)]
+    assert m["per_format"] == {"openai-chat": {"rows_read": 10, "accepted": 6, "quarantined": 4,
+                                               "duplicates": 0}}
 
 
 def test_below_threshold_fails_the_stage(tmp_path):

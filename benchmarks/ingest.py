@@ -1,0 +1,91 @@
+"""Ingest and validate throughput and peak memory on synthetic OpenAI chat traces.
+
+    .venv/bin/python benchmarks/ingest.py --traces 1000000     # the issue's target: < 2 min, < 2 GB
+
+Writes N traces of six messages each (user, assistant tool call, tool, assistant, user, assistant;
+about 600 bytes a line, some with an e-mail address or a phone number) to a temporary inbox, then
+times, each in a fresh process so peak memory is its own: a plain `json.loads` loop over the file
+(the baseline), the ingest stage, and the validate stage. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_traces(path: Path, n: int) -> None:
+    rng = random.Random(0)
+    with path.open("w") as out:
+        for i in range(n):
+            a, b = rng.randint(1, 999), rng.randint(1, 999)
+            extra = " reply to ann.lee@example.com" if i % 50 == 0 else (
+                " or call +1 415 555 0134" if i % 70 == 0 else "")
+            out.write(json.dumps({"id": f"bench-{i:08d}", "model": "agent-v3",
+                                  "created_at": "2026-11-30T12:00:00Z", "messages": [
+                {"role": "user", "content": f"Hi! What is {a} * {b}? I need it for an invoice.{extra}"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": f"call_{i}", "type": "function",
+                    "function": {"name": "calculator",
+                                 "arguments": json.dumps({"expression": f"{a}*{b}"})}}]},
+                {"role": "tool", "tool_call_id": f"call_{i}", "content": str(a * b)},
+                {"role": "assistant", "content": f"{a} times {b} is {a * b}."},
+                {"role": "user", "content": "Thanks, and can you round it to hundreds?"},
+                {"role": "assistant", "content": f"About {round(a * b, -2)}."}],
+                "feedback": {"thumbs_up": i % 3 != 0}}) + "\n")
+
+
+def timed(code: str) -> tuple[float, float]:
+    """Seconds and peak RSS (MB) of a child Python running `code` (imports included)."""
+    started = time.time()
+    code += "\nimport resource\nprint('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout
+    seconds = time.time() - started
+    peak = int(out.rsplit("PEAK ", 1)[1]) / 1024
+    return seconds, peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", type=int, default=100_000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "inbox").mkdir()
+        data = tmp / "inbox" / "traces.jsonl"
+        write_traces(data, args.traces)
+        size = data.stat().st_size / 1e6
+        rows = []
+        seconds, peak = timed(f"import json\nfor line in open({str(data)!r}): json.loads(line)")
+        rows.append(("plain json.loads loop (baseline)", seconds, peak))
+        seconds, peak = timed(
+            "from pathlib import Path\nfrom stages import ingest, config\n"
+            f"t = Path({str(tmp)!r})\n"
+            "m = ingest.run(config.Ingest(), t / 'inbox', t / 'traces', t / 'ingested.parquet', "
+            "t / 'q.jsonl')\nassert m['accepted'] + m['duplicates'] + m['quarantined'] == "
+            "m['rows_read']\nprint(m['accepted'], m['duplicates'], m['pii_redactions'])")
+        rows.append(("ingest stage", seconds, peak))
+        seconds, peak = timed(
+            "from pathlib import Path\nfrom stages import validate, config\n"
+            f"t = Path({str(tmp)!r})\n"
+            "m = validate.run(config.Base(), config.Validate(), t / 'ingested.parquet', "
+            "t / 'validated.parquet', t / 'qv.jsonl')\nprint(m['accepted'], m['quarantined'])")
+        rows.append(("validate stage (Great Expectations)", seconds, peak))
+    print(f"\n{args.traces:,} traces, {size:.0f} MB of JSONL\n")
+    print("| step | seconds | traces/s | peak memory (MB) |")
+    print("|---|---|---|---|")
+    for name, seconds, peak in rows:
+        print(f"| {name} | {seconds:.1f} | {args.traces / seconds:,.0f} | {peak:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
