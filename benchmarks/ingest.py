@@ -47,8 +47,11 @@ def timed(code: str) -> tuple[float, float]:
     """Seconds and peak RSS (MB) of a child Python running `code` (imports included)."""
     started = time.time()
     code += "\nimport resource\nprint('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True,
-                         text=True).stdout
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True)
+    if result.returncode:
+        raise SystemExit(f"benchmark step failed:\n{result.stderr[-3000:]}")
+    out = result.stdout
     seconds = time.time() - started
     peak = int(out.rsplit("PEAK ", 1)[1]) / 1024
     return seconds, peak
@@ -78,7 +81,7 @@ def main() -> None:
             "from pathlib import Path\nfrom stages import validate, config\n"
             f"t = Path({str(tmp)!r})\n"
             "m = validate.run(config.Base(), config.Validate(), t / 'ingested.parquet', "
-            "t / 'validated.parquet', t / 'qv.jsonl')\nprint(m['accepted'], m['quarantined'])")
+            "t / 'validated.parquet', t / 'qv.jsonl', t / 'profiles')\nprint(m['accepted'], m['quarantined'])")
         rows.append(("validate stage (Great Expectations)", seconds, peak))
     print(f"\n{args.traces:,} traces, {size:.0f} MB of JSONL\n")
     print("| step | seconds | traces/s | peak memory (MB) |")

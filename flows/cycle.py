@@ -123,6 +123,10 @@ def report(root: Path, generation: int, metrics: dict, record: dict) -> str:
         f"- **Traces**: {ingest.get('rows_read', 0)} read, {ingest.get('accepted', 0)} accepted, "
         f"{ingest.get('quarantined', 0)} quarantined at ingest, {ingest.get('duplicates', 0)} "
         f"duplicates; {validate.get('quarantined', 0)} quarantined by validation",
+        f"- **Drift** from the previous cycle: task mix distance "
+        f"{validate.get('drift', {}).get('task_mix_distance')}, new tools "
+        f"{validate.get('drift', {}).get('new_tools')}; PII scrubbed "
+        f"{ingest.get('pii_redactions')}",
         f"- **Rewards**: mean {reward.get('mean_reward')}, pass@k {reward.get('pass_at_k')} over "
         f"{reward.get('episodes')} episodes",
         f"- **Training**: {train.get('examples')} examples, final loss {train.get('final_loss')}"

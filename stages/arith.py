@@ -85,6 +85,12 @@ def question_from_text(text: str) -> str | None:
     return f"{int(match[1])}{op}{int(match[3])}"
 
 
+def task_kind(question: str) -> str:
+    """The task's category, for the drift report: which operation it asks for."""
+    return {"+": "sum", "-": "difference", "*": "product"}.get(
+        next((c for c in question[1:] if c in OPS), ""), "other")
+
+
 def gold_answer(question: str) -> int | None:
     return evaluate(question)
 

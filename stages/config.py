@@ -107,10 +107,15 @@ class Validate:
     """Great Expectations checks on the ingested traces."""
 
     min_valid_fraction: float = 0.9  # below this share of valid traces the stage fails
+    # stop the cycle when the task mix moved more than this from the previous cycle's (total
+    # variation distance, 0 to 1); 1.0 never stops
+    max_drift: float = 1.0
 
     def __post_init__(self):
         if not 0.0 <= self.min_valid_fraction <= 1.0:
             raise ParamsError("validate.min_valid_fraction: must be between 0 and 1")
+        if not 0.0 <= self.max_drift <= 1.0:
+            raise ParamsError("validate.max_drift: must be between 0 and 1 (1 never stops)")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ fraction falls below `validate.min_valid_fraction`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -23,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages import config as cfg
-from stages import io
+from stages import drift, io
 from stages.environments import ENVIRONMENTS
 
 BATCH = 100_000  # traces checked at a time
@@ -122,7 +123,7 @@ def _empty_counts() -> dict:
 
 
 def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
-        quarantine: Path) -> dict:
+        quarantine: Path, profiles: Path) -> dict:
     """Split the ingested traces into valid and quarantined; returns the stage metrics.
 
     Reads and checks `BATCH` traces at a time, so memory does not grow with their number.
@@ -134,7 +135,7 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
         .append(pa.field("answer", pa.string()))
     tmp = validated.with_name(f".{validated.name}.tmp")
     writer = pq.ParquetWriter(tmp, schema)
-    quarantined, failed, per_format = [], {}, {}
+    quarantined, failed, per_format, profile = [], {}, {}, drift.Profile()
     for table in source.iter_batches(batch_size=BATCH):
         traces = table.to_pandas()
         per_trace, per_message, per_call = flatten(traces, env)
@@ -159,6 +160,8 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
         questions = per_trace.drop(index=bad).reset_index(drop=True).question
         good["question"] = questions.astype("string")
         good["answer"] = [str(env.gold_answer(q)) for q in questions]
+        for messages, feedback, question in zip(good.messages, good.feedback, questions):
+            profile.add(json.loads(messages), json.loads(feedback), env.task_kind(question))
         writer.write_table(pa.Table.from_pandas(good, schema=schema, preserve_index=False))
     writer.close()
     os.replace(tmp, validated)
@@ -166,28 +169,53 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
     total = source.metadata.num_rows
     accepted = total - len(quarantined)
     valid_fraction = accepted / total if total else 1.0
+    summary = profile.summary()
+    changes = drift.compare(summary, save_profile(profiles, ingested, summary))
     metrics = {"rows_read": total, "accepted": accepted, "quarantined": len(quarantined),
                "duplicates": 0, "valid_fraction": round(valid_fraction, 4),
-               "per_format": per_format, "failed_expectations": failed}
+               "per_format": per_format, "failed_expectations": failed,
+               "profile": summary, "drift": changes}
     if valid_fraction < config.min_valid_fraction:
         raise ValidationFailed(
             f"only {accepted} of {total} traces passed validation ({valid_fraction:.1%}), below "
             f"validate.min_valid_fraction={config.min_valid_fraction}; the reasons are in "
             f"{quarantine}. Fix the source or lower the threshold in params.yaml"
         )
+    if changes["task_mix_distance"] > config.max_drift:
+        raise ValidationFailed(
+            f"the task mix moved {changes['task_mix_distance']:.2f} (total variation) from the "
+            f"previous cycle's, above validate.max_drift={config.max_drift}: "
+            f"{summary['task_mix']} now. Check the traffic before training on it, or raise "
+            f"validate.max_drift in params.yaml"
+        )
     return metrics
+
+
+def save_profile(profiles: Path, ingested: Path, summary: dict) -> dict | None:
+    """Keep this cycle's profile; returns the previous cycle's. Keyed by the input's hash, so a
+    rerun of the same cycle replaces its own profile instead of comparing against it.
+    """
+    profiles.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(ingested.read_bytes()).hexdigest()[:16]
+    index_path = profiles / "index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else []
+    index = [k for k in index if k != key]
+    before = json.loads((profiles / f"{index[-1]}.json").read_text()) if index else None
+    io.write_text(profiles / f"{key}.json", drift.dumps(summary))
+    io.write_json(index_path, index + [key])
+    return before
 
 
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name in ("ingested", "validated", "quarantine", "metrics"):
+    for name in ("ingested", "validated", "quarantine", "profiles", "metrics"):
         parser.add_argument(name, type=Path)
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     try:
         metrics = run(cfg.load("base", args.params), cfg.load("validate", args.params),
-                      args.ingested, args.validated, args.quarantine)
+                      args.ingested, args.validated, args.quarantine, args.profiles)
     except ValidationFailed as err:
         print(f"validate: error: {err}", file=sys.stderr)
         sys.exit(1)
