@@ -81,7 +81,7 @@ def main() -> None:
             "from pathlib import Path\nfrom stages import validate, config\n"
             f"t = Path({str(tmp)!r})\n"
             "m = validate.run(config.Base(), config.Validate(), t / 'ingested.parquet', "
-            "t / 'validated.parquet', t / 'qv.jsonl', t / 'profiles')\nprint(m['accepted'], m['quarantined'])")
+            "t / 'validated.parquet', t / 'qv.jsonl', t / 'profiles', t / 'docs')\nprint(m['accepted'], m['quarantined'])")
         rows.append(("validate stage (Great Expectations)", seconds, peak))
     print(f"\n{args.traces:,} traces, {size:.0f} MB of JSONL\n")
     print("| step | seconds | traces/s | peak memory (MB) |")

@@ -127,6 +127,8 @@ def report(root: Path, generation: int, metrics: dict, record: dict) -> str:
         f"{validate.get('drift', {}).get('task_mix_distance')}, new tools "
         f"{validate.get('drift', {}).get('new_tools')}; PII scrubbed "
         f"{ingest.get('pii_redactions')}",
+        f"- **Data Docs** (Great Expectations): [{root / 'data/docs/index.html'}]"
+        f"({(root / 'data/docs/index.html').as_uri()})",
         f"- **Rewards**: mean {reward.get('mean_reward')}, pass@k {reward.get('pass_at_k')} over "
         f"{reward.get('episodes')} episodes",
         f"- **Training**: {train.get('examples')} examples, final loss {train.get('final_loss')}"

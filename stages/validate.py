@@ -1,21 +1,26 @@
-"""Validate: Great Expectations checks on the ingested traces; failing traces go to quarantine.
+r"""Validate: Great Expectations checks on the ingested traces; failing traces go to quarantine.
 
 Reads `data/ingested.parquet`. GE does not validate nested data, so the traces are flattened into
 three tables first: one row per trace, one per message, one per tool call. Each failed expectation
 sends the trace it came from to `data/quarantine/validate.jsonl` with the expectation, the source
 file and line; the rest go to `data/validated.parquet` with the task the environment derived from
-each (`question`, `answer`). Writes `metrics/validate.json`. The stage fails only when the valid
+each (`question`, `answer`). Writes `metrics/validate.json` (counts, per format, the traffic
+profile and its drift from the previous cycle's, kept in `data/profiles/`) and GE's Data Docs
+(`data/docs/index.html`). The stage fails only when the valid
 fraction falls below `validate.min_valid_fraction`.
 
-    python -m stages.validate data/ingested.parquet data/validated.parquet data/quarantine/validate.jsonl metrics/validate.json
+    python -m stages.validate data/ingested.parquet data/validated.parquet \
+        data/quarantine/validate.jsonl data/profiles data/docs metrics/validate.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import hashlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -28,6 +33,7 @@ from stages import drift, io
 from stages.environments import ENVIRONMENTS
 
 BATCH = 100_000  # traces checked at a time
+EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)
 ROLES = ["system", "user", "assistant", "tool", "developer"]
 
 
@@ -77,44 +83,65 @@ def suites() -> dict[str, list]:
 
 
 class Checker:
-    """The GE context, data assets and suites, built once and run on batch after batch."""
+    """The GE context, suites and checkpoints, built once and run on batch after batch.
 
-    def __init__(self):
+    Each run also renders GE's Data Docs (HTML: the suites and every batch's results) into
+    `docs`. Run ids carry a fixed time, so the same input renders the same pages.
+    """
+
+    def __init__(self, docs: Path):
         import great_expectations as gx
+        from great_expectations.checkpoint import UpdateDataDocsAction
         from great_expectations.data_context.types.base import ProgressBarsConfig
 
         context = gx.get_context(mode="ephemeral")
         # the stage logs its own summary; per-metric bars would flood the Prefect log
         context.variables.progress_bars = ProgressBarsConfig(globally=False,
                                                              metric_calculations=False)
+        context.add_data_docs_site("offseason", {
+            "class_name": "SiteBuilder",
+            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+            "store_backend": {"class_name": "TupleFilesystemStoreBackend",
+                              "base_directory": str(docs.resolve())}})
         source = context.data_sources.add_pandas("ingested")
-        self.tables = {}
+        self.checkpoints = {}
         for name, expectations in suites().items():
             definition = source.add_dataframe_asset(name) \
                 .add_batch_definition_whole_dataframe(name)
             suite = context.suites.add(gx.ExpectationSuite(name=name, expectations=expectations))
-            self.tables[name] = (definition, suite)
+            validation = context.validation_definitions.add(
+                gx.ValidationDefinition(name=name, data=definition, suite=suite))
+            self.checkpoints[name] = context.checkpoints.add(gx.Checkpoint(
+                name=name, validation_definitions=[validation],
+                actions=[UpdateDataDocsAction(name="data_docs", site_names=["offseason"])],
+                result_format={"result_format": "COMPLETE",
+                               "unexpected_index_column_names": ["row"]}))
+        self.batches = 0
 
     def check(self, frames: dict[str, pd.DataFrame]) -> dict[int, list[str]]:
         """Run the suites; returns {trace row: [failed expectation, ...]}."""
+        from great_expectations.core.run_identifier import RunIdentifier
+
+        self.batches += 1
+        run_id = RunIdentifier(run_name=f"batch-{self.batches}", run_time=EPOCH)
         failures: dict[int, list[str]] = {}
-        for name, (definition, suite) in self.tables.items():
+        for name, checkpoint in self.checkpoints.items():
             frame = frames[name]
             if frame.empty:
                 continue
-            batch = definition.get_batch(batch_parameters={"dataframe": frame})
-            result = batch.validate(suite, result_format={
-                "result_format": "COMPLETE", "unexpected_index_column_names": ["row"]})
-            for outcome in result.results:
-                if outcome.success:
-                    continue
-                config = outcome.expectation_config
-                if outcome.exception_info and outcome.exception_info.get("raised_exception"):
-                    raise RuntimeError(f"Great Expectations could not run {config.type} on "
-                                       f"{name}: {outcome.exception_info['exception_message']}")
-                label = f"{name}: {config.type}({config.kwargs.get('column')})"
-                for item in outcome.result.get("unexpected_index_list") or []:
-                    failures.setdefault(int(item["row"]), []).append(label)
+            run = checkpoint.run(batch_parameters={"dataframe": frame}, run_id=run_id)
+            for result in run.run_results.values():
+                for outcome in result.results:
+                    if outcome.success:
+                        continue
+                    config = outcome.expectation_config
+                    if outcome.exception_info and outcome.exception_info.get("raised_exception"):
+                        raise RuntimeError(
+                            f"Great Expectations could not run {config.type} on {name}: "
+                            f"{outcome.exception_info['exception_message']}")
+                    label = f"{name}: {config.type}({config.kwargs.get('column')})"
+                    for item in outcome.result.get("unexpected_index_list") or []:
+                        failures.setdefault(int(item["row"]), []).append(label)
         return failures
 
 
@@ -123,14 +150,17 @@ def _empty_counts() -> dict:
 
 
 def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
-        quarantine: Path, profiles: Path) -> dict:
+        quarantine: Path, profiles: Path, docs: Path) -> dict:
     """Split the ingested traces into valid and quarantined; returns the stage metrics.
 
     Reads and checks `BATCH` traces at a time, so memory does not grow with their number.
     """
     env = ENVIRONMENTS[base.environment]
     source = pq.ParquetFile(ingested)
-    checker = Checker() if source.metadata.num_rows else None
+    docs_tmp = docs.with_name(f".{docs.name}.tmp")
+    shutil.rmtree(docs_tmp, ignore_errors=True)
+    docs_tmp.mkdir(parents=True)
+    checker = Checker(docs_tmp) if source.metadata.num_rows else None
     schema = source.schema_arrow.append(pa.field("question", pa.string())) \
         .append(pa.field("answer", pa.string()))
     tmp = validated.with_name(f".{validated.name}.tmp")
@@ -165,6 +195,7 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
         writer.write_table(pa.Table.from_pandas(good, schema=schema, preserve_index=False))
     writer.close()
     os.replace(tmp, validated)
+    io.replace_dir(docs_tmp, docs)
     io.write_jsonl(quarantine, quarantined)
     total = source.metadata.num_rows
     accepted = total - len(quarantined)
@@ -209,13 +240,13 @@ def save_profile(profiles: Path, ingested: Path, summary: dict) -> dict | None:
 def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name in ("ingested", "validated", "quarantine", "profiles", "metrics"):
+    for name in ("ingested", "validated", "quarantine", "profiles", "docs", "metrics"):
         parser.add_argument(name, type=Path)
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     try:
         metrics = run(cfg.load("base", args.params), cfg.load("validate", args.params),
-                      args.ingested, args.validated, args.quarantine, args.profiles)
+                      args.ingested, args.validated, args.quarantine, args.profiles, args.docs)
     except ValidationFailed as err:
         print(f"validate: error: {err}", file=sys.stderr)
         sys.exit(1)

@@ -34,7 +34,7 @@ def test_ge_quarantines_failing_traces_with_reason(tmp_path, monkeypatch, batch)
         bad_role, bad_args]
     path = ingested(tmp_path, records)
     m = validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.5), path,
-                     tmp_path / "valid.parquet", tmp_path / "q.jsonl", tmp_path / "profiles")
+                     tmp_path / "valid.parquet", tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs")
     assert (m["rows_read"], m["accepted"], m["quarantined"]) == (10, 6, 4)
     assert m["rows_read"] == m["accepted"] + m["quarantined"]
     bad = {b["trace_id"]: b for b in map(json.loads, (tmp_path / "q.jsonl").read_text().splitlines())}
@@ -48,6 +48,9 @@ def test_ge_quarantines_failing_traces_with_reason(tmp_path, monkeypatch, batch)
     valid = pq.read_table(tmp_path / "valid.parquet").to_pylist()
     assert [v["question"] for v in valid] == [f"{i}+1" for i in range(6)]
     assert [v["answer"] for v in valid] == [str(i + 1) for i in range(6)]
+    assert (tmp_path / "docs" / "index.html").exists()
+    assert "role" in (tmp_path / "docs" / "expectations" / "messages.html").read_text()
+    assert list((tmp_path / "docs" / "validations" / "messages").rglob("*.html"))
     assert m["per_format"] == {"openai-chat": {"rows_read": 10, "accepted": 6, "quarantined": 4,
                                                "duplicates": 0}}
 
@@ -58,13 +61,13 @@ def test_below_threshold_fails_the_stage(tmp_path):
     path = ingested(tmp_path, records)
     with pytest.raises(validate.ValidationFailed, match=r"1 of 2 traces .*min_valid_fraction=0.9"):
         validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.9), path,
-                     tmp_path / "valid.parquet", tmp_path / "q.jsonl", tmp_path / "profiles")
+                     tmp_path / "valid.parquet", tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs")
 
 
 def test_empty_input_is_not_an_error(tmp_path):
     path = ingested(tmp_path, [])
     m = validate.run(cfg.Base(), cfg.Validate(), path, tmp_path / "v.parquet", tmp_path / "q.jsonl",
-                     tmp_path / "profiles")
+                     tmp_path / "profiles", tmp_path / "docs")
     assert m["rows_read"] == 0 and m["accepted"] == 0
 
 
@@ -72,19 +75,19 @@ def test_drift_against_the_previous_cycle(tmp_path):
     sums = [good(f"s{i}", f"{i}+1") for i in range(8)]
     first = ingested(tmp_path / "one", sums)
     one = validate.run(cfg.Base(), cfg.Validate(), first, tmp_path / "v.parquet",
-                       tmp_path / "q.jsonl", tmp_path / "profiles")
+                       tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs")
     assert one["drift"]["baseline"] is True and one["profile"]["task_mix"] == {"sum": 1.0}
     products = [good(f"p{i}", f"{i}*3") for i in range(6)] + sums[:2]
     for record in products[:6]:
         record["messages"][1]["tool_calls"][0]["function"]["name"] = "multiplier"
     second = ingested(tmp_path / "two", products)
     two = validate.run(cfg.Base(), cfg.Validate(), second, tmp_path / "v.parquet",
-                       tmp_path / "q.jsonl", tmp_path / "profiles")
+                       tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs")
     assert two["drift"]["task_mix_distance"] == 0.75 and two["drift"]["new_tools"] == ["multiplier"]
     # the same cycle run again compares against the cycle before, not against itself
     again = validate.run(cfg.Base(), cfg.Validate(), second, tmp_path / "v.parquet",
-                         tmp_path / "q.jsonl", tmp_path / "profiles")
+                         tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs")
     assert again["drift"] == two["drift"]
     with pytest.raises(validate.ValidationFailed, match=r"task mix moved 0.75 .*max_drift=0.5"):
         validate.run(cfg.Base(), cfg.Validate(max_drift=0.5), second, tmp_path / "v.parquet",
-                     tmp_path / "q.jsonl", tmp_path / "profiles")
+                     tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs")
