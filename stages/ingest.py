@@ -249,7 +249,9 @@ class Writer:
 
     def flush(self) -> None:
         if self.rows:
-            self.writer.write_table(pa.Table.from_pylist(self.rows, schema=SCHEMA))
+            # column by column: several times faster than Table.from_pylist on dicts
+            columns = {name: [row[name] for row in self.rows] for name in SCHEMA.names}
+            self.writer.write_table(pa.Table.from_pydict(columns, schema=SCHEMA))
             self.rows = []
 
     def close(self) -> None:

@@ -56,7 +56,10 @@ def content_hash(messages_json: str) -> str:
     """Key for duplicates: the serialized messages (keys sorted) with call ids left out and runs
     of whitespace collapsed, so a re-sent trace whose ids were regenerated counts as the same.
     """
-    canonical = _SPACE.sub(" ", _IDS.sub("", messages_json))
+    canonical = _IDS.sub("", messages_json) if '"id": "' in messages_json or \
+        '"tool_call_id": "' in messages_json else messages_json
+    if "  " in canonical or "\\" in canonical or "\t" in canonical:  # the regex only if needed
+        canonical = _SPACE.sub(" ", canonical)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -71,7 +74,7 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
     parts = {"messages": trace["messages"], "tools": trace.get("tools") or [],
              "feedback": trace.get("feedback") or {}}
     text = {key: _dump(value) for key, value in parts.items()}
-    if any(maybe_pii(t) for t in text.values()):  # most traces hold no PII: skip the walk
+    if maybe_pii("\n".join(text.values())):  # most traces hold no PII: skip the walk
         parts = {key: scrubber.walk(value) for key, value in parts.items()}
         text = {key: _dump(value) for key, value in parts.items()}
     messages, feedback = parts["messages"], parts["feedback"]

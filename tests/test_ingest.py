@@ -82,3 +82,13 @@ def test_too_many_messages_is_quarantined(tmp_path):
     (inbox / "d.jsonl").write_text(chat("a", "1+2") + "\n")
     m = run(tmp_path, max_messages=1)
     assert m["quarantined"] == 1 and "ingest.max_messages=1" in (tmp_path / "q.jsonl").read_text()
+
+
+def test_normalized_duplicates_share_a_hash():
+    from stages.traces import content_hash
+    assert content_hash('[{"content": "a  b", "role": "user"}]') == \
+        content_hash('[{"content": "a\\nb", "role": "user"}]')
+    assert content_hash('[{"id": "call_1", "role": "tool", "tool_call_id": "c1"}]') == \
+        content_hash('[{"id": "call_9", "role": "tool", "tool_call_id": "c9"}]')
+    assert content_hash('[{"content": "a b", "role": "user"}]') != \
+        content_hash('[{"content": "a c", "role": "user"}]')
