@@ -113,3 +113,18 @@ def test_quarantined_raw_text_is_scrubbed(tmp_path):
     run(tmp_path)
     text = (tmp_path / "q.jsonl").read_text()
     assert "bob@corp.example" not in text and "<EMAIL_1>" in text and "sk-proj-" not in text
+
+
+def test_a_50_mb_line_is_quarantined_unread_and_the_file_goes_on(tmp_path):
+    (tmp_path / "inbox").mkdir()
+    with (tmp_path / "inbox" / "big.jsonl").open("w") as out:
+        out.write(chat_line(1) + "\n")
+        out.write('{"id": "huge", "messages": [{"role": "user", "content": "' + "x" * 50_000_000
+                  + '"}]}\n')
+        out.write(chat_line(2) + "\n")
+    m = run(tmp_path)  # the default ingest.max_line_bytes (10 MB)
+    adds_up(m)
+    assert (m["rows_read"], m["accepted"], m["quarantined"]) == (3, 2, 1)
+    bad = json.loads((tmp_path / "q.jsonl").read_text())
+    assert bad["source_line"] == 2 and "longer than ingest.max_line_bytes" in bad["reason"]
+    assert len(bad["raw"]) <= 2000
