@@ -14,6 +14,7 @@ as JSON strings, since Parquet readers and Great Expectations handle flat column
 | content_hash   | str         | sha256 of the normalized, scrubbed messages: the duplicate key   |
 | model          | str or null | the model that answered                                           |
 | created_at     | str or null | timestamp, ISO 8601 where the source allowed                      |
+| conversation_id| str or null | the session or conversation the trace belongs to, if the source says |
 | messages       | str (JSON)  | OpenAI chat messages, scrubbed (see `stages/sources/openai_chat.py`) |
 | tools          | str (JSON)  | tool schemas offered (chat `tools` shape), or `[]`                |
 | feedback       | str (JSON)  | outcome and feedback signals: `thumbs_up`, `scores`, `error`; `{}` if none |
@@ -37,7 +38,8 @@ from stages.pii import maybe_pii
 SCHEMA = pa.schema([
     ("trace_id", pa.string()), ("source_file", pa.string()), ("source_line", pa.int64()),
     ("format", pa.string()), ("content_hash", pa.string()), ("model", pa.string()),
-    ("created_at", pa.string()), ("messages", pa.string()), ("tools", pa.string()),
+    ("created_at", pa.string()), ("conversation_id", pa.string()), ("messages", pa.string()),
+    ("tools", pa.string()),
     ("feedback", pa.string()), ("usage", pa.string()), ("user_text", pa.string()),
     ("n_messages", pa.int64()),
     ("n_tool_calls", pa.int64()), ("thumbs_up", pa.bool_()),
@@ -90,6 +92,7 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
         "content_hash": content_hash(text["messages"]),
         "model": trace.get("model"),
         "created_at": trace.get("created_at"),
+        "conversation_id": trace.get("conversation_id"),
         "messages": text["messages"],
         "tools": text["tools"],
         "feedback": text["feedback"],
