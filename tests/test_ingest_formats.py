@@ -47,6 +47,8 @@ def test_each_format_is_detected_and_ingested(tmp_path, name, fmt):
         messages = json.loads(row["messages"])
         assert messages and all("role" in m for m in messages)
         assert not row["trace_id"].startswith(name)  # the source's own id is kept
+    if name != "otel_genai_legacy.json":  # the older conventions had no conversation id
+        assert any(row["conversation_id"] for row in rows)
 
 
 def test_gzip_files_are_read(tmp_path):

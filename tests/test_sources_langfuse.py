@@ -47,6 +47,17 @@ def test_trace_with_nested_observations_and_scores():
     assert trace["usage"] == {"input_tokens": 96 + 151, "output_tokens": 19 + 21}
     assert trace["feedback"] == {"scores": {"user-feedback": True, "helpfulness": 0.9}}
     assert [t["function"]["name"] for t in trace["tools"]] == ["lookup_order"]
+    assert trace["conversation_id"] == "chat-4411"  # the trace's sessionId
+    assert traces[1]["conversation_id"] is None  # "sessionId": null
+
+
+def test_observations_without_their_trace_record_have_no_conversation_id():
+    recs = [r for r in records() if r.get("id") != LF1 or "traceId" in r]
+    nested = next(r for r in records() if r.get("id") == LF1)
+    recs += [{"traceId": LF1, **o} for o in nested["observations"]]
+    trace = by_id(langfuse.parse(recs))[LF1]
+    assert trace["conversation_id"] is None
+    assert len(trace["messages"]) == 5
 
 
 def test_separate_records_from_the_langchain_handler():

@@ -48,6 +48,22 @@ def test_langgraph_agent_with_serialized_langchain_messages():
     assert trace["usage"] == {"input_tokens": 142 + 201, "output_tokens": 17 + 31}
     assert trace["feedback"] == {"scores": {"user_score": 1.0, "correctness": 0.8}}
     assert [t["function"]["name"] for t in trace["tools"]] == ["search_docs"]
+    assert trace["conversation_id"] == "th-55"  # extra.metadata.thread_id
+    assert traces[1]["conversation_id"] is None  # no thread metadata
+
+
+@pytest.mark.parametrize(("metadata", "expected"), [
+    ({"thread_id": "t1", "session_id": "s1", "conversation_id": "c1"}, "t1"),
+    ({"session_id": "s1", "conversation_id": "c1"}, "s1"),
+    ({"conversation_id": "c1"}, "c1"),
+    ({"ls_model_name": "m"}, None),
+])
+def test_thread_id_metadata_keys_in_langsmith_order(metadata, expected):
+    run = {"id": "r1", "trace_id": "r1", "run_type": "llm", "start_time": "2025-01-01T00:00:00",
+           "inputs": {"messages": [{"role": "user", "content": "hi"}]},
+           "outputs": {"choices": [{"message": {"role": "assistant", "content": "hello"}}]},
+           "extra": {"metadata": metadata}}
+    assert langsmith.parse([run])[0]["conversation_id"] == expected
 
 
 def test_openai_wrapper_run_with_an_error_and_categorical_feedback():

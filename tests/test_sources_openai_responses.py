@@ -55,6 +55,7 @@ def test_response_object_with_parallel_tool_calls_and_reasoning():
     assert trace["usage"] == {"input_tokens": 328, "output_tokens": 96, "total_tokens": 424,
                               "cached_input_tokens": 192, "reasoning_tokens": 64}
     assert trace["feedback"] == {}
+    assert trace["conversation_id"] == "conv_68ccd2b9a4e88190a0f2e1c7d3b5a6f40bb6a6b452d3795b"
 
 
 def test_bare_input_output_record_joins_text_and_call_into_one_turn():
@@ -71,6 +72,7 @@ def test_bare_input_output_record_joins_text_and_call_into_one_turn():
     ]
     assert trace["feedback"] == {"thumbs_up": False}
     assert trace["tools"] == [] and trace["usage"] == {}
+    assert trace["conversation_id"] is None  # the record names no conversation
 
 
 def test_incomplete_response_keeps_raw_reasoning_and_reports_the_error():
@@ -87,6 +89,19 @@ def test_incomplete_response_keeps_raw_reasoning_and_reports_the_error():
     ]
     assert trace["feedback"] == {"error": "incomplete: max_output_tokens"}
     assert trace["usage"]["output_tokens"] == 256 and trace["usage"]["reasoning_tokens"] == 38
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ({"conversation": "conv_abc"}, "conv_abc"),  # the request's form: a bare id
+    ({"conversation": {"id": "conv_abc"}}, "conv_abc"),  # the Response object's form
+    ({"conversation": None}, None),
+    # a chain of responses is not a Conversation object: no conversation id
+    ({"previous_response_id": "resp_prev"}, None),
+])
+def test_conversation_id_comes_from_the_conversation_field_only(extra, expected):
+    record = {"id": "r1", "input": "hi", "output": [
+        {"type": "message", "role": "assistant", "content": "hello"}], **extra}
+    assert responses.parse(record)["conversation_id"] == expected
 
 
 def test_every_tool_reply_follows_its_call_and_arguments_are_json_strings():

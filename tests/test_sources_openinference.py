@@ -61,6 +61,7 @@ def test_the_tool_calling_trace_maps_to_exact_chat_messages():
     assert [t["function"]["name"] for t in trace["tools"]] == ["get_weather"]
     assert trace["tools"][0]["type"] == "function"
     assert trace["tools"][0]["function"]["parameters"]["required"] == ["city"]
+    assert trace["conversation_id"] == "sess-7f3e"  # session.id
 
 
 def test_nested_client_span_repeating_the_call_is_not_duplicated_nor_double_counted():
@@ -85,6 +86,7 @@ def test_otlp_json_with_reasoning_and_a_failed_root_span():
     assert trace["feedback"] == {
         "error": "tutor.answer: OutputParserException: final answer is missing the worked steps"}
     assert trace["tools"] == []
+    assert trace["conversation_id"] == "sess-91ac"  # session.id of an OTLP span
 
 
 def test_detect_only_its_own_format():

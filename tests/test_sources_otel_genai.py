@@ -107,10 +107,27 @@ def test_structured_attributes_reasoning_and_a_failed_root_span():
     assert trace["feedback"] == {
         "error": "OutputGuardrailTripwireTriggered: summary cites no sources"}
     assert trace["created_at"] == "2025-05-15T12:01:00Z"
+    assert trace["conversation_id"] is None  # no span names a conversation
+
+
+def test_conversation_id_is_the_first_one_in_start_order_of_any_span():
+    assert otel.parse(document())[0]["conversation_id"] == "conv_5j66UpCpwteGg4YSxUnt7lPY"
+    user = text("user", "hi")
+    later = chat_span("02", 200, [user], [text("assistant", "hello")])
+    first = chat_span("01", 100, [user], [text("assistant", "hey")])
+    set_attribute(later, "gen_ai.conversation.id", {"stringValue": "conv_b"})
+    tool = {"traceId": "ab" * 16, "spanId": "03", "name": "execute_tool",
+            "startTimeUnixNano": "50", "attributes": []}
+    set_attribute(tool, "gen_ai.conversation.id", {"stringValue": "conv_a"})
+    # file order is not start order; a non-model span's id counts too
+    assert otel.parse(otlp(later, first, tool))[0]["conversation_id"] == "conv_a"
+    assert otel.parse(otlp(later, first))[0]["conversation_id"] == "conv_b"
+    assert otel.parse(otlp(first))[0]["conversation_id"] is None
 
 
 def test_legacy_flattened_openllmetry_attributes():
     traces = otel.parse(document("otel_genai_legacy.json"))
+    assert [t["conversation_id"] for t in traces] == [None, None]
     assert [t["trace_id"] for t in traces] == ["8a3c60f7d188f8fa79d48a391a778fa6",
                                                "d4cda95b652f4a1592b449d5929fda1b"]
     trace = traces[0]

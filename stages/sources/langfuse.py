@@ -27,8 +27,9 @@ generations; the `model` of the
 last generation in the conversation -> `model`; scores -> `feedback["scores"]` (`{name: value}`,
 BOOLEAN as bool, CATEGORICAL as its label); the `statusMessage` of a root observation (no parent
 in the trace) at level ERROR -> `feedback["error"]`. Scores of sessions or dataset runs (no
-`traceId`) are not about one trace and are skipped; `sessionId` / `userId` have no place in the
-normalized form.
+`traceId`) are not about one trace and are skipped. The trace's `sessionId` ->
+`conversation_id` (None when the file has no trace record for it, or it has no session);
+`userId` has no place in the normalized form.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def _trace(trace_id: str, trace: dict | None, observations: list[dict],
     if created is None:
         created = min(observations, key=lambda o: _start(o, where)).get("startTime")
     return make_trace(trace_id, calls, created_at=iso_time(created), feedback=feedback,
-                      where=where)
+                      where=where, conversation_id=(trace or {}).get("sessionId"))
 
 
 def _start(observation: dict, where: str) -> tuple[bool, float]:

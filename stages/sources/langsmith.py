@@ -25,6 +25,9 @@ response's `usage` or the message's `usage_metadata`) -> `usage`, summed over th
 first line of a root run's `error` (a root: no parent in the trace) -> `feedback["error"]`;
 `feedback_stats` (`{key: {"n", "avg", "values"}}`, of any run, the root's winning) ->
 `feedback["scores"]` as `{key: avg}`, or the label when a categorical key has a single one.
+The thread the trace belongs to (LangSmith groups runs into threads by the metadata key
+`thread_id`, `session_id` or `conversation_id`, read from `extra.metadata` in that order, of a
+root run first, else of the other runs in start order) -> `conversation_id`.
 """
 
 from __future__ import annotations
@@ -110,8 +113,19 @@ def _trace(trace_id: str, runs: list[dict]) -> dict:
         # The error field holds the whole traceback; its first line names the exception.
         first = str(error["error"]).strip().splitlines()[0]
         feedback["error"] = f"{error['name']}: {first}" if error.get("name") else first
+    thread = next((t for t in (_thread_id(r) for r in roots + ordered) if t is not None), None)
     return make_trace(trace_id, calls, created_at=iso_time(ordered[0].get("start_time")),
-                      feedback=feedback, where=where)
+                      feedback=feedback, where=where, conversation_id=thread)
+
+
+def _thread_id(run: dict) -> str | None:
+    """The thread id in a run's metadata (LangSmith's keys for it, in its order), or None."""
+    extra = run.get("extra") if isinstance(run.get("extra"), dict) else {}
+    metadata = extra.get("metadata") if isinstance(extra.get("metadata"), dict) else {}
+    for key in ("thread_id", "session_id", "conversation_id"):
+        if metadata.get(key) not in (None, ""):
+            return str(metadata[key])
+    return None
 
 
 def _start(run: dict, where: str) -> tuple[bool, float, str]:

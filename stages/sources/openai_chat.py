@@ -3,8 +3,9 @@
 A line is an object with `messages` (roles system/developer/user/assistant/tool; assistant
 `tool_calls` with `function.arguments` as a JSON string; tool replies with `tool_call_id`;
 optional `reasoning_content`) and optionally `id`, `model`, `created_at` (or `created`, unix
-seconds), `tools` (JSON schemas), `feedback` and `usage`. Tool-call ids may be missing: they are
-filled in as `call_<n>` so that tool replies still pair with their call.
+seconds), `tools` (JSON schemas), `feedback`, `usage` and `conversation_id` (or `session_id`):
+the conversation the trace belongs to. Tool-call ids may be missing: they are filled in as
+`call_<n>` so that tool replies still pair with their call.
 """
 
 from __future__ import annotations
@@ -70,4 +71,13 @@ def parse(record: dict) -> dict:
         "tools": record.get("tools") if isinstance(record.get("tools"), list) else [],
         "feedback": record.get("feedback") if isinstance(record.get("feedback"), dict) else {},
         "usage": record.get("usage") if isinstance(record.get("usage"), dict) else {},
+        "conversation_id": _conversation_id(record),
     }
+
+
+def _conversation_id(record: dict) -> str | None:
+    for key in ("conversation_id", "session_id"):
+        value = record.get(key)
+        if value is not None and value != "" and not isinstance(value, (dict, list, bool)):
+            return str(value)
+    return None

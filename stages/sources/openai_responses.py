@@ -26,7 +26,9 @@ completions equivalent, so a record holding one is refused rather than silently 
 shape, hosted tools are dropped. `usage` keeps `input_tokens`, `output_tokens`, `total_tokens`
 and the `input_tokens_details.cached_tokens` / `output_tokens_details.reasoning_tokens` details
 as `cached_input_tokens` / `reasoning_tokens`. A failed or incomplete response is recorded as
-`feedback["error"]`, next to any `feedback` object the export carries.
+`feedback["error"]`, next to any `feedback` object the export carries. The `conversation` the
+response belongs to (a `conv_...` id, or an object with `id`) -> `conversation_id`, else None;
+`previous_response_id` links responses, not a conversation, and is not read.
 """
 
 from __future__ import annotations
@@ -94,7 +96,15 @@ def parse(record: dict) -> dict:
         "tools": _tools(record.get("tools")),
         "feedback": _feedback(record),
         "usage": _usage(record.get("usage")),
+        "conversation_id": _conversation_id(record.get("conversation")),
     }
+
+
+def _conversation_id(value: object) -> str | None:
+    """A Response's `conversation`: an id string or `{"id": ...}` (what the API returns)."""
+    if isinstance(value, dict):
+        value = value.get("id")
+    return value if isinstance(value, str) and value else None
 
 
 class _State:

@@ -32,7 +32,8 @@ json_schema` -> `tools`; `llm.model_name` -> `model`; `llm.token_count.prompt` /
 -> `usage` (summed over all LLM calls but the repeats); `annotations.<i>.annotation.*` and
 `evaluations.<i>.evaluation.*` (also `trace.`-prefixed) and annotation records -> `feedback
 ["scores"]` (score, else label); an `ERROR` status on a root span (one whose parent is not in the
-trace) -> `feedback["error"]`. `session.id` / `user.id` have no place in the normalized form.
+trace) -> `feedback["error"]`. `session.id` (of the first span in start order that has one)
+-> `conversation_id`; `user.id` has no place in the normalized form.
 
 Reasoning parts (`message_content.type == "reasoning"`) become the assistant message's
 `reasoning_content`. Image, audio and video parts raise `BadRecord`: the normalized content is
@@ -146,8 +147,10 @@ def _trace(trace_id: str, spans: list[dict], extra_scores: dict[str, Any]) -> di
     if error:
         feedback["error"] = error
     first = min(spans, key=_start_key)
+    session = next((s["attributes"]["session.id"] for s in sorted(spans, key=_start_key)
+                    if s["attributes"].get("session.id") not in (None, "")), None)
     return make_trace(trace_id, calls, created_at=iso_time(first["start"]), feedback=feedback,
-                      where=where)
+                      where=where, conversation_id=session)
 
 
 def _start_key(span: dict) -> tuple[bool, float]:
@@ -416,8 +419,11 @@ class Call:
 
 
 def make_trace(trace_id: str, calls: list[Call], *, created_at: str | None, feedback: dict,
-               where: str) -> dict:
-    """The normalized trace from a trace's LLM calls; raises BadRecord if no conversation."""
+               where: str, conversation_id: Any = None) -> dict:
+    """The normalized trace from a trace's LLM calls; raises BadRecord if no conversation.
+
+    `conversation_id` is the session or thread the trace belongs to (kept as a string).
+    """
     calls = sorted(calls, key=lambda c: (c.start is None, c.start or 0.0))  # stable on ties
     messages, used = join_calls(calls)
     if not messages:
@@ -435,7 +441,8 @@ def make_trace(trace_id: str, calls: list[Call], *, created_at: str | None, feed
     return {"trace_id": str(trace_id),
             "model": next((c.model for c in reversed(used) if c.model), None),
             "created_at": created_at, "messages": messages, "tools": tools,
-            "feedback": feedback, "usage": usage}
+            "feedback": feedback, "usage": usage,
+            "conversation_id": None if conversation_id in (None, "") else str(conversation_id)}
 
 
 class _Thread:

@@ -26,6 +26,8 @@ Span attributes read (GenAI semantic conventions, `docs/gen-ai/gen-ai-spans.md`)
 - the `status` of the root span (else of the last model call) -> `feedback["error"]`, and
   `gen_ai.evaluation.result` span events (`gen_ai.evaluation.name`,
   `gen_ai.evaluation.score.value` / `.label`) -> `feedback["scores"]`.
+- `gen_ai.conversation.id` (of any span of the trace, the first in start order that has one)
+  -> `conversation_id`.
 
 Older names are accepted too: `gen_ai.system` (for `gen_ai.provider.name`),
 `gen_ai.usage.prompt_tokens` / `completion_tokens`, and `gen_ai.prompt` / `gen_ai.completion`,
@@ -200,7 +202,17 @@ def _trace(trace_id: str, spans: list[dict]) -> dict | None:
         "tools": _tools(calls),
         "feedback": _feedback(spans, calls),
         "usage": _usage(calls),
+        "conversation_id": _conversation_id(spans),
     }
+
+
+def _conversation_id(spans: list[dict]) -> str | None:
+    """The first `gen_ai.conversation.id` of the spans (in start order), as a string."""
+    for span in spans:
+        value = span["attrs"].get("gen_ai.conversation.id")
+        if value is not None and value != "":
+            return str(value)
+    return None
 
 
 def _op(span: dict) -> str | None:
