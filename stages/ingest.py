@@ -63,6 +63,7 @@ BATCH = 5000
 LINE_FORMATS = {m.NAME: m for m in (openai_chat, openai_responses)}
 TRACE_FORMATS = {m.NAME: m for m in (openinference, otel_genai, langfuse, langsmith)}
 FORMATS = [openai_chat, openai_responses, openinference, otel_genai, langfuse, langsmith]
+READER_ERRORS = (BadRecord, ValueError, TypeError, KeyError, AttributeError, IndexError)
 
 
 class Unreadable:
@@ -183,8 +184,8 @@ def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, o
                 if record.get("id") is None:
                     record = {**record, "id": f"{path.name}:{number}"}
                 yield number, fmt, module.parse(record)
-            except BadRecord as err:
-                yield number, fmt, (str(err), _raw(record))
+            except READER_ERRORS as err:
+                yield number, fmt, (_reason(fmt, err), _raw(record))
         return
     # Span-based formats: the spans of one trace can be anywhere in the file, so it is read whole.
     stream = list(chain(held, records))
@@ -195,16 +196,23 @@ def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, o
     module = TRACE_FORMATS[fmt]
     try:
         traces = module.parse(_as_input(fmt, [r for _, r in good]))
-    except BadRecord as err:
+    except READER_ERRORS as err:
         for number, record in good:
-            yield number, fmt, (f"{err} (the file's {len(good)} records are quarantined together)",
-                                _raw(record))
+            yield number, fmt, (f"{_reason(fmt, err)} (the file's {len(good)} records are "
+                                f"quarantined together)", _raw(record))
         return
     lines = [(n, json.dumps(r)) for n, r in good]
     for trace in traces:
         needle = str(trace.get("trace_id"))
         start = next((n for n, text in lines if needle in text), good[0][0] if good else 1)
         yield start, fmt, trace
+
+
+def _reason(fmt: str, err: Exception) -> str:
+    if isinstance(err, BadRecord):
+        return str(err)
+    # a record shaped in a way the reader did not foresee: quarantined and named, never a crash
+    return f"the {fmt} reader could not map this record ({type(err).__name__}: {err})"
 
 
 def _as_input(fmt: str, records: list):

@@ -130,3 +130,34 @@ def test_a_50_mb_line_is_quarantined_unread_and_the_file_goes_on(tmp_path):
     bad = json.loads((tmp_path / "q.jsonl").read_text())
     assert bad["source_line"] == 2 and "longer than ingest.max_line_bytes" in bad["reason"]
     assert len(bad["raw"]) <= 2000
+
+
+def test_a_record_the_reader_did_not_foresee_is_quarantined_not_a_crash(tmp_path, monkeypatch):
+    (tmp_path / "inbox").mkdir()
+    doc = json.loads((FIXTURES / "otel_genai.json").read_text())
+    span = doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    span["attributes"].append({"key": "gen_ai.usage.input_tokens",
+                               "value": {"intValue": "not a number"}})
+    (tmp_path / "inbox" / "otel.json").write_text(json.dumps(doc))
+    (tmp_path / "inbox" / "weird.jsonl").write_text(
+        json.dumps({"id": "w", "messages": [{"role": "user", "content": "hi"}],
+                    "created": "yesterday"}) + "\n")
+    m = run(tmp_path)
+    adds_up(m)
+    assert m["accepted"] == 1 and m["quarantined"] == 1
+    bad = json.loads((tmp_path / "q.jsonl").read_text())
+    assert bad["source_file"] == "otel.json" and "'not a number'" in bad["reason"]
+
+    # a reader bug on input nobody foresaw: the row is quarantined with the error named
+    from stages.sources import openai_chat
+
+    def broken(record):
+        raise KeyError("function")
+
+    monkeypatch.setattr(openai_chat, "parse", broken)
+    (tmp_path / "inbox" / "later.jsonl").write_text(chat_line(9) + "\n")
+    m = run(tmp_path)
+    adds_up(m)
+    assert m["quarantined"] == 1
+    assert "the openai-chat reader could not map this record (KeyError" in \
+        (tmp_path / "q.jsonl").read_text()
