@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from stages.sources import otlp
 from stages.traces import BadRecord
 
 NAME = "openinference"
@@ -315,26 +316,8 @@ def _otlp_attributes(attributes: Any, where: str) -> dict:
         return {}
     if not isinstance(attributes, list):
         raise BadRecord(f"{where}: span attributes are not a list of key/value pairs")
-    return {kv["key"]: _any_value(kv.get("value") or {}) for kv in attributes
+    return {kv["key"]: otlp.any_value(kv.get("value")) for kv in attributes
             if isinstance(kv, dict) and "key" in kv}
-
-
-def _any_value(value: dict) -> Any:
-    """An OTLP AnyValue (int64 comes as a decimal string in OTLP JSON)."""
-    if "stringValue" in value:
-        return value["stringValue"]
-    if "intValue" in value:
-        return int(value["intValue"])
-    if "doubleValue" in value:
-        return float(value["doubleValue"])
-    if "boolValue" in value:
-        return bool(value["boolValue"])
-    if "arrayValue" in value:
-        return [_any_value(v) for v in (value["arrayValue"] or {}).get("values") or []]
-    if "kvlistValue" in value:
-        return {kv["key"]: _any_value(kv.get("value") or {})
-                for kv in (value["kvlistValue"] or {}).get("values") or []}
-    return value.get("bytesValue")
 
 
 def _exception(events: Any) -> str | None:

@@ -52,6 +52,7 @@ import json
 import re
 from datetime import datetime, timedelta, timezone
 
+from stages.sources import otlp
 from stages.traces import BadRecord
 
 NAME = "otel-genai"
@@ -133,28 +134,7 @@ def _span(raw: object, where: str) -> dict:
 
 
 def _attributes(pairs: object) -> dict:
-    return {pair["key"]: _value(pair.get("value")) for pair in pairs or []}
-
-
-def _value(value: object) -> object:
-    """An OTLP AnyValue as a plain Python value (int64s come as strings in OTLP JSON)."""
-    if not isinstance(value, dict):
-        return value
-    if "stringValue" in value:
-        return value["stringValue"]
-    if "boolValue" in value:
-        return bool(value["boolValue"])
-    if "intValue" in value:
-        return int(value["intValue"])
-    if "doubleValue" in value:
-        return float(value["doubleValue"])
-    if "arrayValue" in value:
-        return [_value(v) for v in (value["arrayValue"] or {}).get("values") or []]
-    if "kvlistValue" in value:
-        return _attributes((value["kvlistValue"] or {}).get("values"))
-    if "bytesValue" in value:
-        return value["bytesValue"]
-    return None
+    return {pair["key"]: otlp.any_value(pair.get("value")) for pair in pairs or []}
 
 
 # --- one trace -------------------------------------------------------------------------------
