@@ -201,11 +201,33 @@ def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, o
             yield number, fmt, (f"{_reason(fmt, err)} (the file's {len(good)} records are "
                                 f"quarantined together)", _raw(record))
         return
-    lines = [(n, json.dumps(r)) for n, r in good]
+    starts = first_lines({str(t.get("trace_id")) for t in traces}, good)
     for trace in traces:
-        needle = str(trace.get("trace_id"))
-        start = next((n for n, text in lines if needle in text), good[0][0] if good else 1)
-        yield start, fmt, trace
+        yield starts.get(str(trace.get("trace_id")), good[0][0] if good else 1), fmt, trace
+
+
+def first_lines(ids: set[str], records: list[tuple[int, object]]) -> dict[str, int]:
+    """The first line on which each trace id appears as a value: one pass over the records
+    (searching each id in each line's text would be quadratic in a file of many traces).
+    """
+    found: dict[str, int] = {}
+
+    def walk(value, number: int) -> None:
+        if isinstance(value, str):
+            if value in ids and value not in found:
+                found[value] = number
+        elif isinstance(value, list):
+            for item in value:
+                walk(item, number)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item, number)
+
+    for number, record in records:
+        if len(found) == len(ids):
+            break
+        walk(record, number)
+    return found
 
 
 def _reason(fmt: str, err: Exception) -> str:

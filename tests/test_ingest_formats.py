@@ -161,3 +161,9 @@ def test_a_record_the_reader_did_not_foresee_is_quarantined_not_a_crash(tmp_path
     assert m["quarantined"] == 1
     assert "the openai-chat reader could not map this record (KeyError" in \
         (tmp_path / "q.jsonl").read_text()
+
+
+def test_a_span_trace_starts_on_the_first_line_holding_its_id():
+    records = [(1, {"trace_id": "a", "x": ["b-not-it"]}), (2, {"nested": {"trace_id": "b"}}),
+               (3, {"trace_id": "a"})]
+    assert ingest.first_lines({"a", "b"}, records) == {"a": 1, "b": 2}
