@@ -21,14 +21,13 @@ class Profile:
         self.tools: Counter = Counter()
         self.messages = self.tool_calls = self.with_feedback = self.thumbs_up = self.errors = 0
 
-    def add(self, messages: list[dict], feedback: dict, kind: str | None) -> None:
+    def add(self, n_messages: int, tool_names: list[str], feedback: dict, kind: str | None
+            ) -> None:
         self.traces += 1
         self.kinds[kind or "none"] += 1
-        self.messages += len(messages)
-        for message in messages:
-            for call in message.get("tool_calls") or []:
-                self.tool_calls += 1
-                self.tools[call["function"]["name"]] += 1
+        self.messages += n_messages
+        self.tool_calls += len(tool_names)
+        self.tools.update(tool_names)
         thumbs = feedback.get("thumbs_up")
         self.with_feedback += isinstance(thumbs, bool)
         self.thumbs_up += thumbs is True

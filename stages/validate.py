@@ -190,8 +190,13 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
         questions = per_trace.drop(index=bad).reset_index(drop=True).question
         good["question"] = questions.astype("string")
         good["answer"] = [str(env.gold_answer(q)) for q in questions]
-        for messages, feedback, question in zip(good.messages, good.feedback, questions):
-            profile.add(json.loads(messages), json.loads(feedback), env.task_kind(question))
+        # from the flattened tables: the messages were parsed once already
+        tools_of = per_call.groupby("row")["name"].apply(list).to_dict()
+        kept = [r for r in range(len(traces)) if r not in failures]
+        for r, n_messages, feedback, question in zip(
+                kept, good.n_messages.tolist(), good.feedback.tolist(), questions.tolist()):
+            profile.add(n_messages, tools_of.get(r, []), json.loads(feedback),
+                        env.task_kind(question))
         writer.write_table(pa.Table.from_pandas(good, schema=schema, preserve_index=False))
     writer.close()
     os.replace(tmp, validated)
