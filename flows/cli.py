@@ -50,7 +50,7 @@ def cmd_init(args) -> int:
               f"made). Run `offseason run` for a cycle, or `offseason init --force` to start over.")
         return 0
     from flows import tracking
-    from stages import gate, init
+    from stages import gate, init, io
     from stages.environments import ENVIRONMENTS
 
     with cycle_lock(root, "offseason init"):
@@ -58,14 +58,11 @@ def cmd_init(args) -> int:
         champion = root / "models" / "champion"
         metrics = init.run(configs["base"], configs["init"], champion, args.base_model)
         env = ENVIRONMENTS[configs["base"].environment]
-        from stages import io
-
         items = io.read_jsonl(benchmark_path(root))
         scores = gate.score(champion, env, items, configs["base"].seed)
         metrics["benchmark_score"] = round(sum(s for s, _ in scores) / len(scores), 4)
         metrics["benchmark_items"] = len(items)
-        (root / "metrics").mkdir(exist_ok=True)
-        (root / "metrics" / "init.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        io.write_json(root / "metrics" / "init.json", metrics)
         dvc(root, "add", "--quiet", "models/champion")
 
         import mlflow
@@ -85,7 +82,7 @@ def cmd_init(args) -> int:
                   "champion_version": version, "reason": "generation 0 (offseason init)",
                   "candidate_score": metrics["benchmark_score"], "champion_score": None,
                   "inputs": inputs_fingerprint(root)}
-        (root / "metrics" / "promotion.json").write_text(json.dumps(record, indent=2) + "\n")
+        io.write_json(root / "metrics" / "promotion.json", record)
         git(root, "add", "--", "models/champion.dvc", "models/.gitignore", "metrics",
             "params.yaml")
         git(root, "commit", "--quiet", "-m",

@@ -36,6 +36,7 @@ from flows.workspace import (
     read_at,
 )
 from stages import config as cfg
+from stages import io
 
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "gate"]
 
@@ -96,7 +97,7 @@ def promote(root: Path, generation: int, verdict: dict, run_id: str, model_name:
         record["champion_version"] = version
     else:
         record["champion_version"] = tracking.champion_version(model_name)
-    (root / "metrics" / "promotion.json").write_text(json.dumps(record, indent=2) + "\n")
+    io.write_json(root / "metrics" / "promotion.json", record)
     return record
 
 
