@@ -7,7 +7,9 @@ One episode, in the model's own text (each tag is a single token of the demo tok
 The agent writes `<calc>EXPR</calc>`; the environment evaluates EXPR and injects
 `<result>VALUE</result>`; the agent then writes `answer:VALUE`. A tiny model cannot multiply
 three-digit numbers in its head but can learn to copy into and out of the tool, so tool use visibly
-pays off. Verification is an exact integer match against the answer computed from the question.
+pays off. A task's `answer` is the integer as text; verification is an exact integer match against
+it. `score` adds `format` (every `<calc>` closed and answered, and a final integer answer) and
+`tool_ok` (no calculator call came back `?`).
 
 In production traces the same episode is OpenAI chat messages: the user's question, an assistant
 message with a `calculator` tool call, the tool's reply, and the assistant's final answer.
@@ -26,6 +28,8 @@ import re
 from pathlib import Path
 
 NAME = "arith"
+VERSION = "exact-match@2"  # 2: the answer comes from the task, not recomputed from the question
+MAX_TURNS = 4  # calculator calls per episode
 QUESTION, ANSWER = "Q:", "answer:"
 TOOL_OPEN, TOOL_CLOSE = "<calc>", "</calc>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
@@ -120,15 +124,48 @@ def final_answer(completion: str) -> str | None:
     return completion.rsplit(ANSWER, 1)[-1].strip()
 
 
-def verify(question: str, completion: str) -> float | None:
-    """1.0 if the final answer is exactly right, 0.0 if wrong or missing, None if unjudgeable."""
-    gold = gold_answer(question)
+def _gold(answer) -> int | None:
+    text = str(answer).strip() if answer is not None else ""
+    return int(text) if re.fullmatch(r"-?\d+", text) else None
+
+
+def verify(question: str, answer: str, completion: str) -> float | None:
+    """1.0 if the final answer is exactly `answer`, 0.0 if wrong or missing, None if the task has
+    no integer answer (cannot judge).
+    """
+    gold = _gold(answer)
     if gold is None:
         return None
-    answer = final_answer(completion)
-    if answer is None or not re.fullmatch(r"-?\d+", answer):
+    final = final_answer(completion)
+    if final is None or not re.fullmatch(r"-?\d+", final):
         return 0.0
-    return 1.0 if int(answer) == gold else 0.0
+    return 1.0 if int(final) == gold else 0.0
+
+
+_CALL = re.compile(re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE) + r"(?:"
+                   + re.escape(RESULT_OPEN) + r"(.*?)" + re.escape(RESULT_CLOSE) + r")?", re.S)
+
+
+def score(question: str, answer: str, completion: str) -> dict[str, float] | None:
+    """The reward components: `correct` (== verify), `format` (every call closed and answered,
+    then `answer:` and an integer) and `tool_ok` (no call came back `?`); None if unjudgeable.
+    """
+    correct = verify(question, answer, completion)
+    if correct is None:
+        return None
+    calls = _CALL.findall(completion)
+    rest = _CALL.sub("", completion)
+    final = final_answer(rest)
+    well_formed = (TOOL_OPEN not in rest and TOOL_CLOSE not in rest and RESULT_OPEN not in rest
+                   and all(result != "" for _, result in calls)
+                   and final is not None and re.fullmatch(r"-?\d+", final) is not None)
+    tool_ok = all(evaluate(expr) is not None for expr, _ in calls)
+    return {"correct": correct, "format": float(well_formed), "tool_ok": float(tool_ok)}
+
+
+def gold(question: str, answer: str) -> str:
+    """A completion that must score full marks: the final answer, no tool."""
+    return f"{ANSWER}{answer}"
 
 
 def tool_calls(completion: str) -> list[str]:
@@ -163,14 +200,18 @@ def messages_from_completion(user_text: str, completion: str, call_prefix: str) 
     return messages
 
 
-def task_from_messages(messages: list[dict]) -> dict | None:
-    """The task behind a trace: the first user message's arithmetic question, or None."""
+def task_from_messages(messages: list[dict], tools: list[dict] | None = None) -> dict | None:
+    """The task behind a trace: the first user message's arithmetic question, or None.
+
+    The answer is computed from the question (the calculator's own arithmetic), not taken from
+    the trace, whose answer may be wrong; `tools` is not needed here.
+    """
     for message in messages:
         if message.get("role") == "user":
             question = question_from_text(str(message.get("content") or ""))
             if question is None:
                 return None
-            return {"question": question, "answer": gold_answer(question)}
+            return {"question": question, "answer": str(gold_answer(question))}
     return None
 
 

@@ -5,11 +5,33 @@ from stages import arith
 
 
 def test_verify_right_wrong_malformed_unjudgeable():
-    assert arith.verify("47*38", "<calc>47*38</calc><result>1786</result>answer:1786") == 1.0
-    assert arith.verify("47*38", "answer:1787") == 0.0
-    assert arith.verify("47*38", "answer:17x6") == 0.0  # malformed answer
-    assert arith.verify("47*38", "<calc>47*38</calc>") == 0.0  # never answered
-    assert arith.verify("hello", "answer:1") is None  # no gold answer: cannot judge
+    assert arith.verify("47*38", "1786",
+                        "<calc>47*38</calc><result>1786</result>answer:1786") == 1.0
+    assert arith.verify("47*38", "1786", "answer:1787") == 0.0
+    assert arith.verify("47*38", "1786", "answer:17x6") == 0.0  # malformed answer
+    assert arith.verify("47*38", "1786", "<calc>47*38</calc>") == 0.0  # never answered
+    assert arith.verify("hello", "None", "answer:1") is None  # no gold answer: cannot judge
+    assert arith.verify("47*38", "", "answer:1786") is None
+
+
+def test_score_components():
+    full = {"correct": 1.0, "format": 1.0, "tool_ok": 1.0}
+    assert arith.score("47*38", "1786", "<calc>47*38</calc><result>1786</result>answer:1786") == full
+    assert arith.score("47*38", "1786", "answer:1786") == full  # no tool call: tool_ok holds
+    assert arith.score("47*38", "1786", "answer:1787") == {**full, "correct": 0.0}
+    # a call the calculator could not evaluate is a tool error, even if the answer is right
+    assert arith.score("47*38", "1786", "<calc>47 x 38</calc><result>?</result>answer:1786") == \
+        {**full, "tool_ok": 0.0}
+    # a call that was never answered, and no final answer: not the protocol
+    assert arith.score("47*38", "1786", "<calc>47*38</calc>") == \
+        {"correct": 0.0, "format": 0.0, "tool_ok": 1.0}
+    assert arith.score("47*38", "1786", "<calc>47*38answer:1786") == {**full, "format": 0.0}
+    assert arith.score("hello", "None", "answer:1") is None
+
+
+def test_gold_scores_full_marks():
+    assert arith.gold("47*38", "1786") == "answer:1786"
+    assert set(arith.score("47*38", "1786", arith.gold("47*38", "1786")).values()) == {1.0}
 
 
 def test_calculator_never_evals():
@@ -37,7 +59,7 @@ def test_messages_round_trip():
     assert json.loads(call["function"]["arguments"]) == {"expression": "47*38"}
     assert messages[2]["tool_call_id"] == call["id"] and messages[2]["content"] == "1786"
     assert messages[3]["content"] == "1786"
-    assert arith.task_from_messages(messages) == {"question": "47*38", "answer": 1786}
+    assert arith.task_from_messages(messages) == {"question": "47*38", "answer": "1786"}
 
 
 def test_mix_shifts_towards_products():
