@@ -6,6 +6,7 @@
     offseason history     one row per generation: scores, verdict, the champion
     offseason demo        init (if needed), then simulate + run three times, then the history
     offseason check       check params.yaml and print it with every default filled in
+    offseason rescore     re-score stored rollouts after the verifier changed (a new VERSION)
 
 Run from the project folder (where dvc.yaml is). Each command's --help says more.
 """
@@ -257,6 +258,31 @@ def cmd_check(args) -> int:
     return 0
 
 
+def cmd_rescore(args) -> int:
+    root = find_root()
+    configs = cfg.load_all(root / "params.yaml")
+    from stages import io, reward
+
+    source = args.rewards or root / "data" / "rewards.parquet"
+    if not source.exists():
+        raise FileNotFoundError(f"{source}: no stored rewards to re-score; run a cycle first "
+                                f"(`offseason run`) or name a rewards or rollouts parquet file")
+    out = args.output or root / "data" / "rescored.parquet"
+    try:
+        summary = reward.rescore(configs["base"], configs["reward"], source, out,
+                                 everything=args.all)
+    except reward.VerifierBroken as err:
+        print(f"offseason rescore: error: {err}", file=sys.stderr)
+        return 1
+    io.write_json(out.with_suffix(".json"), summary)
+    print(json.dumps(summary, indent=2))
+    print(f"rescore: {summary['rescored']} of {summary['rows']} rollouts re-scored with "
+          f"{summary['verifier']}, {summary['changed']} rewards changed (mean "
+          f"{summary['mean_reward_before']} -> {summary['mean_reward_after']}); written to {out}, "
+          f"summary in {out.with_suffix('.json')}", file=sys.stderr)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="offseason", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -304,6 +330,19 @@ def parser() -> argparse.ArgumentParser:
                        description="Check params.yaml (unknown keys, wrong types, missing "
                        "sections) and print it with every default filled in.")
     s.set_defaults(func=cmd_check)
+    s = sub.add_parser("rescore", help="re-score stored rollouts with the current verifier",
+                       description="Re-score stored rollouts whose `verifier` column is not the "
+                       "current environment's verifier version (after a change of its VERSION), "
+                       "with the gold check, components and weights of the reward stage. Writes "
+                       "the whole table to --output and a summary of changed scores beside it "
+                       "(.json). The input is left as it is.")
+    s.add_argument("rewards", type=Path, nargs="?", metavar="PARQUET",
+                   help="rewards (or rollouts) parquet to re-score (default data/rewards.parquet)")
+    s.add_argument("--output", type=Path, metavar="PARQUET",
+                   help="where to write the re-scored table (default data/rescored.parquet)")
+    s.add_argument("--all", action="store_true",
+                   help="re-score every rollout, not only those of another verifier version")
+    s.set_defaults(func=cmd_rescore)
     return p
 
 

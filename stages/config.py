@@ -150,7 +150,27 @@ class Rollout:
 class Reward:
     """Verification of each rollout."""
 
-    correct_weight: float = 1.0  # weight of the verified-correct component in the reward
+    # weight of each reward component (see stages/environments.py); a component not named weighs 0
+    weights: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {"correct": 1.0, "format": 0.0, "tool_ok": 0.0})
+    workers: int = 0  # verifier processes; 0 = one per core, 1 = in the stage's own process
+    ray_address: str = ""  # "" = a local process pool; "auto" or "host:port" = that Ray cluster
+
+    def __post_init__(self):
+        from stages.environments import COMPONENTS
+
+        for name, weight in self.weights.items():
+            if name not in COMPONENTS:
+                near = difflib.get_close_matches(str(name), COMPONENTS, n=1)
+                hint = f" (did you mean 'reward.weights.{near[0]}'?)" if near else ""
+                raise ParamsError(f"reward.weights.{name}: unknown reward component{hint}; "
+                                  f"valid components: {', '.join(COMPONENTS)}")
+            if weight < 0:
+                raise ParamsError(f"reward.weights.{name}: must be >= 0, got {weight}")
+        # every component, in a fixed order, so the params print and log complete
+        object.__setattr__(self, "weights", {c: self.weights.get(c, 0.0) for c in COMPONENTS})
+        if self.workers < 0:
+            raise ParamsError("reward.workers: must be >= 0 (0 uses every core)")
 
 
 @dataclass(frozen=True)
@@ -209,6 +229,11 @@ def _positive(section: str, **values):
 
 
 def _check_type(where: str, key: str, value, expected: type):
+    if typing.get_origin(expected) is dict:  # a mapping section field, e.g. reward.weights
+        if not isinstance(value, dict):
+            _fail(where, f"{key}: expected a mapping like {{correct: 1.0}}, got {value!r}")
+        inner = typing.get_args(expected)[1]
+        return {str(k): _check_type(where, f"{key}.{k}", v, inner) for k, v in value.items()}
     if expected is float and isinstance(value, str):
         try:  # PyYAML reads `1e-3` (no dot) as a string
             value = float(value)

@@ -50,6 +50,29 @@ class VerifierError(RuntimeError):
     """The verifier or its infrastructure broke: an error with its cause, never a score of zero."""
 
 
+def score_job(env_name: str, question: str, answer: str, completion: str | None
+              ) -> tuple[dict | None, str | None]:
+    """One verification (of the task's gold completion when `completion` is None):
+    (components or None, None), or (None, the cause) when the verifier raised. Here, not in
+    stages/reward.py, so that the reward stage's worker processes import only the environments.
+    """
+    env = ENVIRONMENTS[env_name]
+    try:
+        if completion is None:
+            completion = env.gold(question, answer)
+        components = env.score(question, answer, completion)
+    except Exception as err:  # the verifier broke: an error with its cause, never a zero
+        return None, f"{type(err).__name__}: {err}"
+    missing = [c for c in COMPONENTS if components is not None and c not in components]
+    if missing:
+        return None, f"VerifierError: {env.NAME}.score() returned no {', '.join(missing)}"
+    return components, None
+
+
+def score_chunk(env_name: str, jobs: list[tuple]) -> list[tuple[dict | None, str | None]]:
+    return [score_job(env_name, *job) for job in jobs]
+
+
 class TaskFileError(ValueError):
     """A task suite line that is not a task; the message names the file and line."""
 

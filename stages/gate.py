@@ -35,7 +35,7 @@ def score(model_dir: Path, env, items: list[dict], seed: int) -> list[tuple[floa
     episodes = generate.generate(model, tokenizer, env, [env.prompt(i["question"]) for i in items],
                                  temperature=0.0, max_new_tokens=48, seed=seed, batch_size=1024,
                                  progress=False)
-    return [(env.verify(i["question"], e.completion) or 0.0, e.completion)
+    return [(env.verify(i["question"], str(i["answer"]), e.completion) or 0.0, e.completion)
             for i, e in zip(items, episodes)]
 
 

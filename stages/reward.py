@@ -1,18 +1,36 @@
-"""Reward: the environment's verifier scores each rollout.
+"""Reward: the environment's verifier scores each rollout, component by component.
 
-Reads `data/rollouts.parquet`; writes `data/rewards.parquet` (the rollouts with `correct`,
-`reward`, `verifier` and `error` columns) and `metrics/reward.json`. A verifier returns 1.0, 0.0 or
-None ("cannot judge": counted and left out of the reward); one that raises is an error, recorded
-with its cause and never turned into a zero. Before scoring, the verifier must give the gold answer
-full marks on every task, or that task is set aside and counted.
+Reads `data/rollouts.parquet`; writes `data/rewards.parquet` (every rollout column plus `correct`,
+`reward`, `verifier`, `error` and one `score_<component>` column per reward component) and
+`metrics/reward.json`.
+
+- A verifier's `score()` returns its components, or None ("cannot judge": counted, left out of
+  the reward). One that raises is an error: its cause goes to the `error` column and is counted,
+  never turned into a zero. If every rollout errors, the stage fails.
+- Before scoring, each task's gold completion (`env.gold`) must score full marks on every
+  component, or the task is set aside (its rollouts get no reward; the reason is in `error`) and
+  counted.
+- `reward = sum(reward.weights[c] * component c)` over the components every environment has
+  (correct, format, tool_ok); the others are kept as columns. `verifier` records the environment
+  and its verifier's version (`arith/exact-match@2`), so `rescore` can re-score stored rollouts
+  after the verifier changed.
+- Fan-out: `reward.workers` local processes (0 = one per core, 1 = in this process), or the Ray
+  cluster at `reward.ray_address` (`auto` or `host:port`; its workers need offseason installed,
+  as any Ray job's dependencies). Same results, in the same order, either way.
 
     python -m stages.reward data/rollouts.parquet data/rewards.parquet metrics/reward.json
+    offseason rescore [data/rewards.parquet] [--output data/rescored.parquet]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,65 +38,219 @@ import pyarrow.parquet as pq
 
 from stages import config as cfg
 from stages import io
-from stages.environments import ENVIRONMENTS
+from stages.environments import COMPONENTS, ENVIRONMENTS, score_chunk
+
+COLUMNS = ("correct", "reward", "verifier", "error")  # plus score_<component>
 
 
 class VerifierBroken(RuntimeError):
     """Every score failed: the verifier itself is broken, not the rollouts."""
 
 
-def _gold_problem(env, question: str) -> str | None:
-    """None if the verifier gives the gold answer full marks, else why the task is set aside."""
-    try:
-        gold = env.verify(question, env.demonstration(question, use_tool=False))
-    except Exception as err:
-        return f"verifier raised {type(err).__name__} on the gold answer: {err}"
-    return None if gold == 1.0 else f"gold answer scores {gold}, not 1.0: task set aside"
+def verifier_id(env) -> str:
+    return f"{env.NAME}/{env.VERSION}"
+
+
+def _chunks(jobs: list, parts: int) -> list[list]:
+    size = max(1, -(-len(jobs) // parts))
+    return [jobs[i:i + size] for i in range(0, len(jobs), size)]
+
+
+@contextmanager
+def verifier_pool(workers: int = 0, ray_address: str = ""):
+    """(map, parts): `map(env_name, chunks)` yields score_chunk's result for each chunk, in order,
+    on the Ray cluster at `ray_address`, in this process (`workers` 1) or in a local process pool
+    of `workers` (0 = one per core); `parts` is how many chunks keep it busy.
+    """
+    if ray_address:
+        import ray
+
+        connect = not ray.is_initialized()
+        if connect:
+            ray.init(address=ray_address, log_to_driver=False)
+        try:
+            remote = ray.remote(score_chunk)
+            # submitted all at once, collected in submission order: the order of the jobs
+            yield (lambda env_name, chunks: (ray.get(ref) for ref in
+                                             [remote.remote(env_name, c) for c in chunks]),
+                   max(1, int(ray.cluster_resources().get("CPU", 1))) * 4)
+        finally:
+            if connect:
+                ray.shutdown()
+        return
+    workers = workers or os.cpu_count() or 1
+    if workers == 1:
+        yield (lambda env_name, chunks: (score_chunk(env_name, c) for c in chunks)), 10
+        return
+    # spawn: a fresh interpreter per worker, safe whatever threads this process runs
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield (lambda env_name, chunks: pool.map(score_chunk, [env_name] * len(chunks), chunks),
+               workers * 4)
+
+
+def fan_out(env_name: str, jobs: list[tuple], pool, progress: bool = True
+            ) -> list[tuple[dict | None, str | None]]:
+    """score_job over every job on a verifier_pool, results in the order of the jobs."""
+    mapper, parts = pool
+    started, results = time.time(), []
+    for chunk in mapper(env_name, _chunks(jobs, parts)):
+        results.extend(chunk)
+        if progress:
+            rate = len(results) / max(time.time() - started, 1e-9)
+            print(f"reward: {len(results)}/{len(jobs)} verified ({rate:.0f}/s)", file=sys.stderr,
+                  flush=True)
+    return results
+
+
+def _full_marks(components: dict | None) -> bool:
+    return components is not None and all(value == 1.0 for value in components.values())
+
+
+def _set_aside(tasks: dict, gold: list) -> tuple[dict[str, str], set[str]]:
+    """{task id: why it is set aside}, and the tasks whose gold check raised."""
+    set_aside, gold_errors = {}, set()
+    for task_id, (components, cause) in zip(tasks, gold):
+        if cause is not None:
+            set_aside[task_id] = f"verifier raised on the gold completion: {cause}"
+            gold_errors.add(task_id)
+        elif components is None:
+            set_aside[task_id] = "task set aside: the verifier cannot judge its gold completion"
+        elif not _full_marks(components):
+            set_aside[task_id] = f"task set aside: its gold completion scores {components}, " \
+                                 f"not full marks"
+    return set_aside, gold_errors
+
+
+def score_table(env_name: str, config: cfg.Reward, table: pa.Table, progress: bool = True
+                ) -> tuple[pa.Table, dict]:
+    """The rollouts with the reward columns appended, and the metrics."""
+    env = ENVIRONMENTS[env_name]
+    rows = table.select(["task_id", "question", "answer", "completion"]).to_pylist()
+    tasks = {}
+    for row in rows:
+        tasks.setdefault(row["task_id"], (row["question"], row["answer"]))
+    # Before scoring: each task's gold completion must score full marks, or it is set aside.
+    with verifier_pool(config.workers, config.ray_address) as pool:
+        gold = fan_out(env_name, [(q, a, None) for q, a in tasks.values()], pool, progress=False)
+        set_aside, gold_errors = _set_aside(tasks, gold)
+        todo = [i for i, row in enumerate(rows) if row["task_id"] not in set_aside]
+        scored = dict(zip(todo, fan_out(
+            env_name, [(rows[i]["question"], rows[i]["answer"], rows[i]["completion"])
+                       for i in todo], pool, progress)))
+    names = list(COMPONENTS)
+    for components, _ in scored.values():
+        names += [n for n in components or {} if n not in names]
+    columns = {name: [] for name in ("correct", "reward", "error")}
+    parts = {name: [] for name in names}
+    unjudged = errors = 0
+    for i, row in enumerate(rows):
+        components, cause = scored.get(i, (None, set_aside.get(row["task_id"])))
+        errors += cause is not None and (i in scored or row["task_id"] in gold_errors)
+        unjudged += i in scored and cause is None and components is None
+        columns["correct"].append(None if components is None else components["correct"])
+        columns["reward"].append(None if components is None else
+                                 sum(w * components[c] for c, w in config.weights.items()))
+        columns["error"].append(cause)
+        for name in names:
+            parts[name].append(None if components is None else components.get(name))
+    judged = [i for i, r in enumerate(columns["reward"]) if r is not None]
+    if rows and not judged and unjudged == 0:
+        example = next(e for e in columns["error"] if e)
+        raise VerifierBroken(
+            f"the {env_name} verifier ({verifier_id(env)}) scored none of {len(rows)} rollouts: "
+            f"{errors} errors, {len(set_aside)} of {len(tasks)} tasks set aside, e.g. {example}; "
+            f"fix the verifier (or its tasks) before training on its scores")
+    out = table
+    for name in ("correct", "reward"):
+        out = out.append_column(name, pa.array(columns[name], pa.float64()))
+    out = out.append_column("verifier", pa.array([verifier_id(env)] * len(rows), pa.string())) \
+        .append_column("error", pa.array(columns["error"], pa.string()))
+    for name in names:
+        out = out.append_column(f"score_{name}", pa.array(parts[name], pa.float64()))
+    solved = {}
+    for i, row in enumerate(rows):
+        if row["task_id"] not in set_aside:
+            solved[row["task_id"]] = solved.get(row["task_id"], False) \
+                or columns["correct"][i] == 1.0
+    mean = lambda values: round(sum(values) / len(values), 4) if values else 0.0  # noqa: E731
+    metrics = {"episodes": len(rows), "judged": len(judged), "unjudgeable": unjudged,
+               "errors": errors, "tasks": len(tasks), "tasks_set_aside": len(set_aside),
+               "episodes_set_aside": sum(row["task_id"] in set_aside for row in rows),
+               "verifier": verifier_id(env),
+               "mean_reward": mean([columns["reward"][i] for i in judged]),
+               "correct_episodes": int(sum(columns["correct"][i] for i in judged)),
+               "pass_at_k": mean([float(s) for s in solved.values()]),
+               "components": {name: mean([parts[name][i] for i in judged
+                                          if parts[name][i] is not None]) for name in names}}
+    return out, metrics
 
 
 def run(base: cfg.Base, config: cfg.Reward, rollouts: Path, rewards: Path) -> dict:
     """Score every rollout; returns the stage metrics."""
-    env = ENVIRONMENTS[base.environment]
-    table = pq.read_table(rollouts)
-    rows = table.to_pylist()
-    # Before scoring: the gold answer must score full marks, or the task is set aside.
-    set_aside: dict[str, str | None] = {}
-    for row in rows:
-        if row["task_id"] not in set_aside:
-            set_aside[row["task_id"]] = _gold_problem(env, row["question"])
-    correct, reward, error, unjudged, errors = [], [], [], 0, 0
-    for row in rows:
-        problem = set_aside[row["task_id"]]
-        score = None
-        if problem is None:
-            try:
-                score = env.verify(row["question"], row["completion"])
-            except Exception as err:  # the verifier broke: an error with its cause, never a zero
-                problem = f"verifier raised {type(err).__name__}: {err}"
-                errors += 1
-        else:
-            errors += problem.startswith("verifier raised")
-        unjudged += problem is None and score is None
-        correct.append(score)
-        reward.append(None if score is None else config.correct_weight * score)
-        error.append(problem)
-    if rows and errors == len(rows):
-        raise VerifierBroken(f"the {base.environment} verifier failed on every rollout, e.g. "
-                             f"{error[0]}; fix the verifier before training on its scores")
-    out = table.append_column("correct", pa.array(correct, pa.float64())) \
-        .append_column("reward", pa.array(reward, pa.float64())) \
-        .append_column("verifier", pa.array([f"{env.NAME}/exact-match@1"] * len(rows))) \
-        .append_column("error", pa.array(error, pa.string()))
+    out, metrics = score_table(base.environment, config, pq.read_table(rollouts))
     io.write_parquet(rewards, out)
-    judged = [c for c in correct if c is not None]
-    tasks = {}
-    for row, score in zip(rows, correct):
-        tasks[row["task_id"]] = tasks.get(row["task_id"], False) or score == 1.0
-    return {"episodes": len(rows), "judged": len(judged), "unjudgeable": unjudged,
-            "errors": errors, "tasks_set_aside": sum(p is not None for p in set_aside.values()),
-            "mean_reward": round(sum(judged) / len(judged), 4) if judged else 0.0,
-            "correct_episodes": int(sum(judged)),
-            "pass_at_k": round(sum(tasks.values()) / len(tasks), 4) if tasks else 0.0}
+    return metrics
+
+
+def _same(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and abs(a - b) < 1e-12)
+
+
+def rescore(base: cfg.Base, config: cfg.Reward, rewards: Path, out: Path,
+            everything: bool = False) -> dict:
+    """Re-score stored rewards whose verifier version is not the current one (all with
+    `everything`); writes the result to `out` and returns a summary of what changed.
+    """
+    env = ENVIRONMENTS[base.environment]
+    table = pq.read_table(rewards)
+    missing = [c for c in ("task_id", "question", "answer", "completion") if c not in table.schema.names]
+    if missing:
+        raise ValueError(f"{rewards}: not a rollouts or rewards table (no {', '.join(missing)} "
+                         f"column); give data/rewards.parquet or data/rollouts.parquet")
+    old_names = [n for n in table.schema.names if n in COLUMNS or n.startswith("score_")]
+    old = {n: table.column(n).to_pylist() for n in old_names}
+    rollouts = table.drop_columns(old_names)
+    current = verifier_id(env)
+    before = old.get("verifier", [None] * len(table))
+    stale = [i for i, v in enumerate(before) if everything or v != current]
+    new_cols = {}
+    if stale:
+        scored, _ = score_table(base.environment, config, rollouts.take(stale))
+        new_cols = {n: scored.column(n).to_pylist() for n in scored.schema.names
+                    if n in COLUMNS or n.startswith("score_")}
+    names = list(dict.fromkeys([*COLUMNS, *[n for n in new_cols if n.startswith("score_")],
+                                *[n for n in old_names if n.startswith("score_")]]))
+    merged = {n: list(old.get(n, [None] * len(table))) for n in names}
+    for j, i in enumerate(stale):
+        for n in names:
+            merged[n][i] = new_cols[n][j] if n in new_cols else None
+    result = rollouts
+    for n in names:
+        kind = pa.string() if n in ("verifier", "error") else pa.float64()
+        result = result.append_column(n, pa.array(merged[n], kind))
+    io.write_parquet(out, result)
+    old_reward = old.get("reward", [None] * len(table))
+    old_correct = old.get("correct", [None] * len(table))
+    changed = [i for i in stale if not _same(old_reward[i], merged["reward"][i])]
+    judged = lambda values: [v for v in values if v is not None]  # noqa: E731
+    mean = lambda values: round(sum(values) / len(values), 4) if values else None  # noqa: E731
+    from_versions = {}
+    for i in stale:
+        from_versions[str(before[i])] = from_versions.get(str(before[i]), 0) + 1
+    return {"input": str(rewards), "output": str(out), "rows": len(table),
+            "rescored": len(stale), "verifier": current, "from_verifiers": from_versions,
+            "changed": len(changed),
+            "became_correct": sum(merged["correct"][i] == 1.0 and old_correct[i] != 1.0
+                                  for i in changed),
+            "became_incorrect": sum(merged["correct"][i] != 1.0 and old_correct[i] == 1.0
+                                    for i in changed),
+            "mean_reward_before": mean(judged(old_reward)),
+            "mean_reward_after": mean(judged(merged["reward"])),
+            "examples": [{"task_id": table.column("task_id")[i].as_py(),
+                          "sample": table.column("sample")[i].as_py()
+                          if "sample" in table.schema.names else None,
+                          "reward_before": old_reward[i], "reward_after": merged["reward"][i],
+                          "error": merged["error"][i]} for i in changed[:5]]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,11 +259,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(name, type=Path)
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    metrics = run(cfg.load("base", args.params), cfg.load("reward", args.params), args.rollouts,
-                  args.rewards)
+    try:
+        metrics = run(cfg.load("base", args.params), cfg.load("reward", args.params),
+                      args.rollouts, args.rewards)
+    except VerifierBroken as err:
+        print(f"reward: error: {err}", file=sys.stderr)
+        sys.exit(1)
     io.write_json(args.metrics, metrics)
     print(f"reward: mean {metrics['mean_reward']} over {metrics['judged']} judged episodes, "
-          f"pass@k {metrics['pass_at_k']}", file=sys.stderr)
+          f"pass@k {metrics['pass_at_k']}, {metrics['errors']} errors, "
+          f"{metrics['tasks_set_aside']} tasks set aside", file=sys.stderr)
 
 
 if __name__ == "__main__":

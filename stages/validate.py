@@ -46,10 +46,11 @@ def flatten(traces: pd.DataFrame, env) -> tuple[pd.DataFrame, pd.DataFrame, pd.D
     per_trace, per_message, per_call = [], [], []
     for row, trace in enumerate(traces.itertuples(index=False)):
         messages = json.loads(trace.messages)
-        task = env.task_from_messages(messages)
+        task = env.task_from_messages(messages, tools=json.loads(trace.tools or "[]"))
         per_trace.append({"row": row, "trace_id": trace.trace_id, "n_messages": trace.n_messages,
                           "user_text": trace.user_text,
-                          "question": task["question"] if task else None})
+                          "question": task["question"] if task else None,
+                          "answer": task["answer"] if task else None})
         for index, message in enumerate(messages):
             per_message.append({"row": row, "index": index, "role": message.get("role")})
             for call in message.get("tool_calls") or []:
@@ -58,7 +59,7 @@ def flatten(traces: pd.DataFrame, env) -> tuple[pd.DataFrame, pd.DataFrame, pd.D
                                  "arguments": arguments if isinstance(arguments, str)
                                  else json.dumps(arguments)})
     frames = (pd.DataFrame(per_trace, columns=["row", "trace_id", "n_messages", "user_text",
-                                               "question"]),
+                                               "question", "answer"]),
               pd.DataFrame(per_message, columns=["row", "index", "role"]),
               pd.DataFrame(per_call, columns=["row", "name", "arguments"]))
     return frames
@@ -187,9 +188,10 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
             counts["quarantined"] += int(bad_formats.get(fmt, 0))
             counts["accepted"] += int(n - bad_formats.get(fmt, 0))
         good = traces.drop(index=bad).reset_index(drop=True)
-        questions = per_trace.drop(index=bad).reset_index(drop=True).question
+        tasks = per_trace.drop(index=bad).reset_index(drop=True)
+        questions = tasks.question
         good["question"] = questions.astype("string")
-        good["answer"] = [str(env.gold_answer(q)) for q in questions]
+        good["answer"] = tasks.answer.astype("string")  # the environment's, from its trace
         # from the flattened tables: the messages were parsed once already
         tools_of = per_call.groupby("row")["name"].apply(list).to_dict()
         kept = [r for r in range(len(traces)) if r not in failures]

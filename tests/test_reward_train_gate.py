@@ -32,29 +32,30 @@ def test_reward_scores_each_rollout(tmp_path):
     m = reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards.parquet")
     scored = pq.read_table(tmp_path / "rewards.parquet").to_pylist()
     assert [r["correct"] for r in scored] == [1.0, 0.0, 1.0, 0.0]
+    assert [r["score_format"] for r in scored] == [1.0, 1.0, 1.0, 0.0]
     assert m["mean_reward"] == 0.5 and m["pass_at_k"] == 1.0 and m["errors"] == 0
-    assert all(r["verifier"] == "arith/exact-match@1" for r in scored)
+    assert all(r["verifier"] == "arith/exact-match@2" for r in scored)
 
 
 def test_broken_verifier_is_an_error_not_a_zero(tmp_path, monkeypatch):
     path = rollouts_file(tmp_path, [("2*3", "answer:6"), ("2*3", "answer:7")])
-    calls = {"n": 0}
+    score = arith.score
 
-    def flaky(question, completion):
-        calls["n"] += 1
+    def flaky(question, answer, completion):
         if completion == "answer:7":
             raise TimeoutError("sandbox timed out")
-        return 1.0
+        return score(question, answer, completion)
 
-    monkeypatch.setattr(arith, "verify", flaky)
-    m = reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards.parquet")
+    monkeypatch.setattr(arith, "score", flaky)  # in this process: workers=1
+    m = reward.run(cfg.Base(), cfg.Reward(workers=1), path, tmp_path / "rewards.parquet")
     scored = pq.read_table(tmp_path / "rewards.parquet").to_pylist()
     assert scored[1]["reward"] is None and "TimeoutError: sandbox timed out" in scored[1]["error"]
-    assert m["errors"] == 1 and m["mean_reward"] == 1.0
+    assert scored[1]["correct"] is None and scored[1]["score_correct"] is None
+    assert m["errors"] == 1 and m["mean_reward"] == 1.0 and m["judged"] == 1
 
-    monkeypatch.setattr(arith, "verify", lambda q, c: 1 / 0 if c else 1.0)
-    with pytest.raises(reward.VerifierBroken, match="failed on every rollout"):
-        reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards2.parquet")
+    monkeypatch.setattr(arith, "score", lambda q, a, c: 1 / 0)
+    with pytest.raises(reward.VerifierBroken, match="scored none of 2 rollouts.*ZeroDivisionError"):
+        reward.run(cfg.Base(), cfg.Reward(workers=1), path, tmp_path / "rewards2.parquet")
 
 
 @pytest.fixture(scope="module")

@@ -143,3 +143,19 @@ def test_messages_from_completion():
     assert json.loads(messages[1]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
     assert messages[2] == {"role": "tool", "tool_call_id": "c-0", "content": '{"ok": true}'}
     assert messages[3]["content"] == "Done."
+
+
+def test_validate_derives_tool_call_tasks_from_trace_rows():
+    import pandas as pd
+
+    from stages import validate
+
+    traces = pd.DataFrame([
+        {"trace_id": "a", "n_messages": 4, "user_text": "weather in Oslo please",
+         "messages": json.dumps(trace([WEATHER])), "tools": json.dumps([WEATHER, TIMER])},
+        {"trace_id": "b", "n_messages": 4, "user_text": "weather in Oslo please",
+         "messages": json.dumps(trace([])), "tools": "[]"}])
+    per_trace, _, calls = validate.flatten(traces, toolcall)
+    assert json.loads(per_trace.answer[0])["tools"] == [WEATHER]
+    assert pd.isna(per_trace.question[1])  # no schema in the trace: quarantined by validate
+    assert list(calls.name) == ["get_weather", "get_weather"]

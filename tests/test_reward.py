@@ -1,0 +1,221 @@
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from flows import cli
+from stages import arith, reward, rollout, toolcall
+from stages import config as cfg
+from stages.environments import load_tasks
+
+TOOLCALL = cfg.Base(environment="toolcall")
+INLINE = cfg.Reward(workers=1)
+
+
+def table(rows: list[tuple[str, str, str, str]]) -> pa.Table:
+    """Rollouts (task_id, question, answer, completion), the rollout stage's schema."""
+    return pa.Table.from_pylist([
+        {"task_id": task_id, "trace_id": task_id, "sample": i, "question": question,
+         "answer": answer, "prompt": question, "completion": completion, "token_ids": [],
+         "model_mask": [], "logprobs": [], "finish": "eos", "tool_calls": 0}
+        for i, (task_id, question, answer, completion) in enumerate(rows)], schema=rollout.SCHEMA)
+
+
+def write(tmp_path, rows, name="rollouts.parquet"):
+    path = tmp_path / name
+    pq.write_table(table(rows), path)
+    return path
+
+
+def call(name, arguments):
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def toolcall_rows():
+    """Every suite task, answered right, with the wrong tool, malformed and with bad arguments."""
+    rows = []
+    for task in load_tasks("data/tasks/toolcall.jsonl"):
+        expected = json.loads(task["answer"])["expected"]
+        args = expected["arguments"] or {}
+        rows += [(task["task_id"], task["question"], task["answer"], c) for c in (
+            toolcall.gold(task["question"], task["answer"]), call("no_such_tool", args),
+            '<tool_call>{"name": ' + expected["name"], call(expected["name"], {"bogus": 1}))]
+    return rows
+
+
+def test_components_are_kept_and_weighted(tmp_path):
+    path = write(tmp_path, [("t0", "2*3", "6", "<calc>2*3</calc><result>6</result>answer:6"),
+                            ("t0", "2*3", "6", "<calc>2 x 3</calc><result>?</result>answer:6"),
+                            ("t0", "2*3", "6", "<calc>2*3</calc>"),
+                            ("t0", "2*3", "6", "answer:5")])
+    config = cfg.Reward(weights={"correct": 0.5, "format": 0.25, "tool_ok": 0.25}, workers=1)
+    m = reward.run(cfg.Base(), config, path, tmp_path / "rewards.parquet")
+    out = pq.read_table(tmp_path / "rewards.parquet").to_pylist()
+    assert [r["score_correct"] for r in out] == [1.0, 1.0, 0.0, 0.0]
+    assert [r["score_format"] for r in out] == [1.0, 1.0, 0.0, 1.0]
+    assert [r["score_tool_ok"] for r in out] == [1.0, 0.0, 1.0, 1.0]
+    assert [r["reward"] for r in out] == [1.0, 0.75, 0.25, 0.5]
+    assert [r["correct"] for r in out] == [r["score_correct"] for r in out]
+    assert m["components"] == {"correct": 0.5, "format": 0.75, "tool_ok": 0.75}
+    assert m["mean_reward"] == 0.625 and m["pass_at_k"] == 1.0
+
+
+def test_toolcall_rewards_and_extra_components(tmp_path):
+    path = write(tmp_path, toolcall_rows())
+    m = reward.run(TOOLCALL, INLINE, path, tmp_path / "rewards.parquet")
+    out = pq.read_table(tmp_path / "rewards.parquet").to_pylist()
+    assert m["tasks"] == 20 and m["tasks_set_aside"] == 0 and m["errors"] == 0
+    assert [r["correct"] for r in out[:4]] == [1.0, 0.0, 0.0, 0.0]
+    assert [r["score_right_tool"] for r in out[:4]] == [1.0, 0.0, 0.0, 1.0]
+    assert [r["score_arguments_valid"] for r in out[:4]] == [1.0, 0.0, 0.0, 0.0]
+    assert all(r["verifier"] == "toolcall/json-schema@1" for r in out)
+    assert m["pass_at_k"] == 1.0 and m["mean_reward"] == 0.25
+
+
+def test_gold_check_sets_tasks_aside(tmp_path):
+    good = json.loads(load_tasks("data/tasks/toolcall.jsonl")[0]["answer"])
+    # expected arguments its own schema rejects: the gold call cannot score full marks
+    broken = {**good, "expected": {"name": "get_weather", "arguments": {"city": 3}}}
+    path = write(tmp_path, [
+        ("ok", "weather in Paris?", json.dumps(good), call("get_weather", {"city": "Paris"})),
+        ("bad", "weather in Paris?", json.dumps(broken), call("get_weather", {"city": 3})),
+        ("bad", "weather in Paris?", json.dumps(broken), call("get_weather", {"city": "Paris"})),
+        ("junk", "weather in Paris?", "not json", call("get_weather", {"city": "Paris"}))])
+    m = reward.run(TOOLCALL, INLINE, path, tmp_path / "rewards.parquet")
+    out = pq.read_table(tmp_path / "rewards.parquet").to_pylist()
+    assert (m["tasks_set_aside"], m["episodes_set_aside"], m["judged"], m["errors"]) == (2, 3, 1, 0)
+    assert out[0]["reward"] == 1.0 and out[0]["error"] is None
+    assert all(r["reward"] is None and r["correct"] is None for r in out[1:])
+    assert "gold completion scores" in out[1]["error"] and "not full marks" in out[1]["error"]
+    assert "cannot judge its gold" in out[3]["error"]
+
+
+def test_a_verifier_that_raises_is_an_error_with_its_cause(tmp_path):
+    task = json.loads(load_tasks("data/tasks/toolcall.jsonl")[0]["answer"])
+    remote = {**task, "tools": [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"$ref": "https://schemas.example.com/w.json"}}}]}
+    rows = [("ok", "weather?", json.dumps(task), call("get_weather", {"city": "Paris"})),
+            ("remote", "weather?", json.dumps(remote), call("get_weather", {"city": "Paris"}))]
+    # the default local process pool: the error crosses the process boundary as text
+    m = reward.run(TOOLCALL, cfg.Reward(workers=2), write(tmp_path, rows),
+                   tmp_path / "rewards.parquet")
+    out = pq.read_table(tmp_path / "rewards.parquet").to_pylist()
+    assert m["errors"] == 1 and m["judged"] == 1 and out[0]["reward"] == 1.0
+    assert out[1]["reward"] is None and out[1]["correct"] is None  # never a zero
+    assert "VerifierError: the schema of tool 'get_weather'" in out[1]["error"]
+    with pytest.raises(reward.VerifierBroken, match="scored none of 1 rollouts.*VerifierError"):
+        reward.run(TOOLCALL, INLINE, write(tmp_path, rows[1:], "only.parquet"),
+                   tmp_path / "rewards2.parquet")
+
+
+def test_unjudgeable_rollouts_are_counted_and_dropped(tmp_path, monkeypatch):
+    score = arith.score
+    monkeypatch.setattr(arith, "score", lambda q, a, c: None if "?" in c else score(q, a, c))
+    path = write(tmp_path, [("t0", "2*3", "6", "answer:6"), ("t0", "2*3", "6", "answer:?")])
+    m = reward.run(cfg.Base(), INLINE, path, tmp_path / "rewards.parquet")
+    assert (m["judged"], m["unjudgeable"], m["errors"], m["mean_reward"]) == (1, 1, 0, 1.0)
+    out = pq.read_table(tmp_path / "rewards.parquet").to_pylist()
+    assert out[1]["reward"] is None and out[1]["error"] is None
+
+
+def test_weights_in_params(tmp_path):
+    def load(reward_section):
+        path = tmp_path / "params.yaml"
+        path.write_text(yaml.safe_dump({"reward": reward_section}))
+        return cfg.load("reward", path)
+
+    assert load({"weights": {"format": 1}}).weights == \
+        {"correct": 0.0, "format": 1.0, "tool_ok": 0.0}
+    with pytest.raises(cfg.ParamsError, match=r"reward\.weights\.corect: unknown reward component "
+                                              r"\(did you mean 'reward\.weights\.correct'\?\)"):
+        load({"weights": {"corect": 1.0}})
+    with pytest.raises(cfg.ParamsError, match=r"reward\.weights\.format: expected a number"):
+        load({"weights": {"format": "high"}})
+    with pytest.raises(cfg.ParamsError, match=r"reward\.weights: expected a mapping"):
+        load({"weights": [1.0]})
+    with pytest.raises(cfg.ParamsError, match=r"reward\.weights\.tool_ok: must be >= 0"):
+        load({"weights": {"tool_ok": -1}})
+
+
+@pytest.fixture
+def ray_cluster():
+    """A local Ray cluster of 2 CPUs, started by this test process, stopped after."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024 ** 2,
+             log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def test_process_pool_and_ray_give_identical_rewards(tmp_path, ray_cluster):
+    rows = toolcall_rows() + [(f"x{i}", "2*3", "6", f"answer:{i}") for i in range(4)]
+    rows += [("remote", "weather?", json.dumps({"tools": [{"type": "function", "function": {
+        "name": "w", "parameters": {"$ref": "https://example.com/w.json"}}}],
+        "expected": {"name": "w", "arguments": None}}), call("w", {}))]
+    path = write(tmp_path, rows)
+    pooled, m_pool = reward.score_table("toolcall", cfg.Reward(workers=2), pq.read_table(path))
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"base": {"environment": "toolcall"},
+                                      "reward": {"ray_address": ray_cluster}}))
+    # the stage as DVC runs it, connecting to the cluster by its address
+    subprocess.run([sys.executable, "-m", "stages.reward", str(path), str(tmp_path / "ray.parquet"),
+                    str(tmp_path / "ray.json"), "--params", str(params)], check=True)
+    assert pq.read_table(tmp_path / "ray.parquet").equals(pooled)
+    assert json.loads((tmp_path / "ray.json").read_text()) == m_pool
+    assert m_pool["errors"] == 1 and m_pool["episodes"] == len(rows)
+
+
+def rewards_file(tmp_path):
+    path = write(tmp_path, [("t0", "2*3", "6", "answer:6"), ("t0", "2*3", "6", "answer: +6"),
+                            ("t1", "4+4", "8", "answer:+8"), ("t1", "4+4", "8", "answer:9")])
+    reward.run(cfg.Base(), INLINE, path, tmp_path / "rewards.parquet")
+    return tmp_path / "rewards.parquet"
+
+
+def lenient(monkeypatch):
+    """A new verifier version that accepts a leading '+' on the final answer."""
+    score = arith.score
+    monkeypatch.setattr(arith, "VERSION", "exact-match@3")
+    monkeypatch.setattr(arith, "score", lambda q, a, c: score(q, a, c.replace("+", "")))
+
+
+def test_rescore_after_a_verifier_change(tmp_path, monkeypatch):
+    stored = rewards_file(tmp_path)
+    assert [r["correct"] for r in pq.read_table(stored).to_pylist()] == [1.0, 0.0, 0.0, 0.0]
+    same = reward.rescore(cfg.Base(), INLINE, stored, tmp_path / "same.parquet")
+    assert same["rescored"] == 0 and same["changed"] == 0
+    assert pq.read_table(tmp_path / "same.parquet").equals(pq.read_table(stored))
+    lenient(monkeypatch)
+    summary = reward.rescore(cfg.Base(), INLINE, stored, tmp_path / "rescored.parquet")
+    out = pq.read_table(tmp_path / "rescored.parquet").to_pylist()
+    assert [r["correct"] for r in out] == [1.0, 1.0, 1.0, 0.0]
+    assert all(r["verifier"] == "arith/exact-match@3" for r in out)
+    assert summary["rescored"] == 4 and summary["changed"] == 2 and summary["became_correct"] == 2
+    assert summary["from_verifiers"] == {"arith/exact-match@2": 4}
+    assert (summary["mean_reward_before"], summary["mean_reward_after"]) == (0.25, 0.75)
+    assert [(e["task_id"], e["sample"]) for e in summary["examples"]] == [("t0", 1), ("t1", 2)]
+    assert pq.read_table(stored).column("verifier")[0].as_py() == "arith/exact-match@2"  # kept
+
+
+def test_rescore_command(tmp_path, monkeypatch, capsys):
+    rewards_file(tmp_path)
+    for name in ("dvc.yaml", "params.yaml"):
+        (tmp_path / name).write_text((cli.find_root() / name).read_text())
+    monkeypatch.chdir(tmp_path)
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    params["reward"]["workers"] = 1  # the patched verifier lives in this process
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    lenient(monkeypatch)
+    assert cli.main(["rescore", "--output", "data/rescored.parquet"]) == 2  # no data/rewards
+    assert "data/rewards.parquet: no stored rewards" in capsys.readouterr().err
+    assert cli.main(["rescore", "rewards.parquet", "--output", "data/rescored.parquet"]) == 0
+    summary = json.loads((tmp_path / "data" / "rescored.json").read_text())
+    assert summary["changed"] == 2 and summary["verifier"] == "arith/exact-match@3"
+    assert "2 rewards changed" in capsys.readouterr().err
+    assert pq.read_table(tmp_path / "data" / "rescored.parquet").num_rows == 4
