@@ -258,12 +258,40 @@ def cmd_check(args) -> int:
     return 0
 
 
+def stored_rewards(root: Path, generation: int) -> Path:
+    """data/rewards.parquet as generation N's cycle left it (git tag gen-N, DVC cache or remote),
+    copied to .offseason/rewards-gen-N.parquet.
+    """
+    import dvc.api
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from dvc.exceptions import PathMissingError
+
+    from stages import io
+
+    tag = f"gen-{generation}"
+    if generation not in generations(root):
+        raise WorkspaceError(f"no generation {generation} (git tag {tag}); `offseason history` "
+                             f"lists the generations")
+    target = root / ".offseason" / f"rewards-{tag}.parquet"
+    try:
+        with dvc.api.open("data/rewards.parquet", repo=str(root), rev=tag, mode="rb") as f:
+            data = f.read()
+    except PathMissingError:
+        raise WorkspaceError(f"{tag} has no data/rewards.parquet (generation 0 ran no cycle)"
+                             ) from None
+    io.write_parquet(target, pq.read_table(pa.BufferReader(data)))
+    return target
+
+
 def cmd_rescore(args) -> int:
     root = find_root()
     configs = cfg.load_all(root / "params.yaml")
     from stages import io, reward
 
     source = args.rewards or root / "data" / "rewards.parquet"
+    if args.generation is not None:
+        source = stored_rewards(root, args.generation)
     if not source.exists():
         raise FileNotFoundError(f"{source}: no stored rewards to re-score; run a cycle first "
                                 f"(`offseason run`) or name a rewards or rollouts parquet file")
@@ -340,6 +368,8 @@ def parser() -> argparse.ArgumentParser:
                    help="rewards (or rollouts) parquet to re-score (default data/rewards.parquet)")
     s.add_argument("--output", type=Path, metavar="PARQUET",
                    help="where to write the re-scored table (default data/rescored.parquet)")
+    s.add_argument("--generation", type=int, metavar="N",
+                   help="re-score generation N's stored rewards (git tag gen-N) instead")
     s.add_argument("--all", action="store_true",
                    help="re-score every rollout, not only those of another verifier version")
     s.set_defaults(func=cmd_rescore)

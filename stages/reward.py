@@ -67,7 +67,13 @@ def verifier_pool(workers: int = 0, ray_address: str = ""):
 
         connect = not ray.is_initialized()
         if connect:
-            ray.init(address=ray_address, log_to_driver=False)
+            try:
+                ray.init(address=ray_address, log_to_driver=False)
+            except ConnectionError as err:
+                raise ConnectionError(
+                    f"reward.ray_address={ray_address!r}: no Ray cluster to connect to ({err}); "
+                    f"start one (`ray start --head`) or set reward.ray_address to '' for the "
+                    f"local process pool") from err
         try:
             remote = ray.remote(score_chunk)
             # submitted all at once, collected in submission order: the order of the jobs

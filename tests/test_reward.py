@@ -144,7 +144,8 @@ def test_weights_in_params(tmp_path):
 @pytest.fixture
 def ray_cluster():
     """A local Ray cluster of 2 CPUs, started by this test process, stopped after."""
-    ray = pytest.importorskip("ray")
+    import ray  # in the dev extra: `make test` has it
+
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024 ** 2,
              log_to_driver=False)
     try:
@@ -219,3 +220,31 @@ def test_rescore_command(tmp_path, monkeypatch, capsys):
     assert summary["changed"] == 2 and summary["verifier"] == "arith/exact-match@3"
     assert "2 rewards changed" in capsys.readouterr().err
     assert pq.read_table(tmp_path / "data" / "rescored.parquet").num_rows == 4
+
+
+def test_rescore_a_generation_from_its_tag(tmp_path, monkeypatch, capsys):
+    # a project whose cycle 1 left data/rewards.parquet in DVC, tagged gen-1, since removed
+    root = tmp_path / "project"
+    (root / "data").mkdir(parents=True)
+    rewards_file(root / "data")
+    (root / "data" / "rollouts.parquet").unlink()
+    params = yaml.safe_load((cli.find_root() / "params.yaml").read_text())
+    params["reward"]["workers"] = 1  # the patched verifier lives in this process
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    (root / "dvc.yaml").write_text("stages: {}\n")  # the rewards tracked by `dvc add` here
+    bin_dir = cli.Path(sys.executable).parent
+    for cmd in (["git", "init", "-q", "-b", "main"], [str(bin_dir / "dvc"), "init", "-q"],
+                [str(bin_dir / "dvc"), "add", "-q", "data/rewards.parquet"], ["git", "add", "-A"],
+                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "gen-1"],
+                ["git", "tag", "gen-1"]):
+        subprocess.run(cmd, cwd=root, check=True, capture_output=True)
+    (root / "data" / "rewards.parquet").unlink()
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
+    lenient(monkeypatch)
+    assert cli.main(["rescore", "--generation", "2"]) == 2
+    assert "no generation 2 (git tag gen-2)" in capsys.readouterr().err
+    assert cli.main(["rescore", "--generation", "1", "--output", "gen1.parquet"]) == 0
+    summary = json.loads((root / "gen1.json").read_text())
+    assert summary["input"].endswith(".offseason/rewards-gen-1.parquet")
+    assert summary["rescored"] == 4 and summary["changed"] == 2
