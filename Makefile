@@ -12,6 +12,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export GX_ANALYTICS_ENABLED := False
+export RAY_USAGE_STATS_ENABLED := 0
 
 .PHONY: setup demo test lint clean-state
 

@@ -67,6 +67,7 @@ def verifier_pool(workers: int = 0, ray_address: str = ""):
 
         connect = not ray.is_initialized()
         if connect:
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # privacy by default
             try:
                 ray.init(address=ray_address, log_to_driver=False)
             except ConnectionError as err:

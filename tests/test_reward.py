@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -146,6 +147,7 @@ def ray_cluster():
     """A local Ray cluster of 2 CPUs, started by this test process, stopped after."""
     import ray  # in the dev extra: `make test` has it
 
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024 ** 2,
              log_to_driver=False)
     try:
