@@ -9,6 +9,12 @@ An environment is one module with: `NAME`, `TAGS` and `CHARS` (what its tokenize
 Add one by writing the module and naming it here.
 """
 
-from stages import arith
 
-ENVIRONMENTS = {"arith": arith}
+class VerifierError(RuntimeError):
+    """A verifier or its infrastructure (sandbox, server) broke: an error, never a score of zero."""
+
+
+# after VerifierError: coding imports stages.sandbox, which subclasses it
+from stages import arith, coding  # noqa: E402
+
+ENVIRONMENTS = {"arith": arith, "code": coding}

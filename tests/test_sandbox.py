@@ -1,0 +1,236 @@
+"""The sandbox: real escapes tried from inside it, each contained and recorded with a reason.
+
+Each test runs under bubblewrap and under the rlimit fallback where that fallback claims to hold
+(see stages/sandbox.py's docstring): a test of a guarantee the fallback does not give is skipped
+for it, never weakened. CI runs as root with bubblewrap installed by `make setup`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stages import sandbox
+from stages.environments import VerifierError
+
+ROOT = os.geteuid() == 0
+# the fallback drops root only when a uid without rights can reach the interpreter
+FALLBACK_DROPS_ROOT = ROOT and sandbox._world_reachable(sandbox.interpreter()) and \
+    sandbox._world_reachable(os.path.realpath(sys.base_prefix))
+FAST = sandbox.Limits(wall_seconds=8.0, cpu_seconds=4, memory_mb=256, processes=16)
+
+
+def unittest_source(body: str, *, imports: str = "") -> str:
+    """A unittest module with one test whose body is `body` (indented for the method)."""
+    lines = "\n".join("        " + line for line in body.strip("\n").splitlines())
+    return (f"import os, socket, subprocess, sys, time, unittest\n{imports}\n"
+            f"class Escape(unittest.TestCase):\n    def test_escape(self):\n{lines}\n")
+
+
+@pytest.fixture(params=["bwrap", "rlimit"])
+def kind(request) -> str:
+    if request.param == "bwrap" and sandbox._bwrap_works() is not None:
+        pytest.skip(f"bubblewrap does not work here: {sandbox._bwrap_works()}")
+    return request.param
+
+
+def needs(kind: str, what: str, holds_in_fallback: bool) -> None:
+    if kind == "rlimit" and not holds_in_fallback:
+        pytest.skip(f"the rlimit fallback does not claim {what} here (see stages/sandbox.py)")
+
+
+def run(kind: str, body: str, limits: sandbox.Limits = FAST, code: str = "") -> sandbox.Result:
+    return sandbox.run_tests(code, unittest_source(body), limits=limits, isolation=kind)
+
+
+def leftovers(marker: str, wait: float = 3.0) -> list[int]:
+    """Pids whose command line holds `marker`, after giving the kernel `wait` s to reap them."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if marker.encode() in (entry / "cmdline").read_bytes():
+                        found.append(int(entry.name))
+                except OSError:
+                    continue
+        found = [pid for pid in found if pid != os.getpid()]
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def test_right_and_wrong_code(kind):
+    tests = unittest_source("from solution import add\nself.assertEqual(add(2, 3), 5)")
+    right = sandbox.run_tests("def add(a, b):\n    return a + b\n", tests, isolation=kind)
+    wrong = sandbox.run_tests("def add(a, b):\n    return a - b\n", tests, isolation=kind)
+    broken = sandbox.run_tests("def add(a, b)\n    return a + b\n", tests, isolation=kind)
+    assert (right.outcome, right.exit_code, right.reason) == ("passed", 0, "1 tests passed")
+    assert right.isolation == kind
+    assert wrong.outcome == "failed" and "test_escape" in wrong.reason
+    assert "AssertionError" in wrong.reason and "-1 != 5" in wrong.reason
+    assert broken.outcome == "failed" and "SyntaxError" in broken.reason
+
+
+def test_network_is_unreachable(kind):
+    needs(kind, "network isolation", ROOT)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(0.5)
+        port = listener.getsockname()[1]
+        # 192.0.2.1 is TEST-NET-1: never routed, so even a failed sandbox would send nothing out
+        result = run(kind, f"""
+errors = []
+for address in [("127.0.0.1", {port}), ("192.0.2.1", 80)]:
+    try:
+        socket.create_connection(address, timeout=2).close()
+        errors.append("connected to %s" % (address,))
+    except OSError as e:
+        errors.append("%s: %s" % (address, e))
+print(errors)
+self.fail(" | ".join(errors))
+""")
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nobody connected from inside
+    assert result.outcome == "failed"
+    assert "connected to" not in result.reason, result.reason
+    assert f"('127.0.0.1', {port}): [Errno" in result.reason
+    assert "('192.0.2.1', 80): [Errno" in result.reason
+    assert result.seconds < 3  # refused at once: not a connect that hung until the timeout
+
+
+def test_writes_outside_its_directory_fail(kind, tmp_path):
+    needs(kind, "filesystem isolation", FALLBACK_DROPS_ROOT or not ROOT)
+    outside = tmp_path / "escaped.txt"
+    etc = Path("/etc") / f"offseason-escape-{secrets.token_hex(4)}"
+    result = run(kind, f"""
+open("inside.txt", "w").write("mine")
+failures = []
+for path in [{str(outside)!r}, {str(etc)!r}, os.path.expanduser("~/../escaped.txt")]:
+    try:
+        open(path, "w").write("escaped")
+        failures.append("wrote " + path)
+    except OSError as e:
+        failures.append(type(e).__name__)
+self.fail(" ".join(failures))
+""")
+    assert not outside.exists() and not etc.exists()
+    assert result.outcome == "failed" and "wrote" not in result.reason, result.reason
+    assert "Error" in result.reason
+
+
+def test_fork_bomb_is_bounded(kind):
+    needs(kind, "a process limit", FALLBACK_DROPS_ROOT or not ROOT)
+    marker = f"offseason-forkbomb-{secrets.token_hex(4)}"
+    result = run(kind, f"""
+forks = 0
+try:
+    while forks < 500:
+        if os.fork() == 0:
+            os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)",
+                                      {marker!r}])
+        forks += 1
+except OSError as e:
+    self.fail("forks stopped at %d: %s" % (forks, e))
+""")
+    assert result.outcome == "failed", result
+    forks = int(result.reason.split("forks stopped at ")[1].split(":")[0])
+    assert forks < FAST.processes, result.reason
+    assert "Resource temporarily unavailable" in result.reason
+    assert leftovers(marker) == []
+
+
+def test_infinite_loop_is_killed_with_its_children(kind):
+    marker = f"offseason-loop-{secrets.token_hex(4)}"
+    # the fallback cannot kill a child that left the process group (setsid): bwrap can
+    detach = "start_new_session=True" if kind == "bwrap" else "start_new_session=False"
+    result = run(kind, f"""
+for _ in range(3):
+    subprocess.Popen([sys.executable, "-c", "while True: pass", {marker!r}], {detach})
+while True:
+    pass
+""", limits=sandbox.Limits(wall_seconds=2.0, cpu_seconds=30, processes=16))
+    assert result.outcome == "timeout"
+    assert result.exit_code is None and "wall-clock limit of 2.0 s" in result.reason
+    assert leftovers(marker) == []
+
+
+def test_cpu_limit(kind):
+    result = run(kind, "while True:\n    pass",
+                 limits=sandbox.Limits(wall_seconds=20.0, cpu_seconds=1))
+    assert result.outcome == "timeout" and "CPU limit of 1 s" in result.reason
+
+
+def test_memory_hog_hits_the_limit(kind):
+    result = run(kind, "hog = bytearray(1 << 30)\nhog[-1] = 1")
+    assert result.outcome == "memory"
+    assert "memory limit of 256 MB" in result.reason
+
+
+def test_environment_secrets_do_not_reach_the_sandbox(kind, monkeypatch):
+    secret = secrets.token_hex(16)
+    monkeypatch.setenv("OFFSEASON_TEST_SECRET", secret)
+    # the fallback as root shares /proc with us: it is only claimed that the environment is clean
+    scan = "/proc/*/environ" if kind == "bwrap" else ""
+    result = run(kind, f"""
+import glob
+seen = dict(os.environ)
+for path in glob.glob({scan!r}):
+    try:
+        seen[path] = open(path, "rb").read().decode("latin-1")
+    except OSError:
+        pass
+print(seen)
+self.assertNotIn("OFFSEASON_TEST_SECRET", os.environ)
+""")
+    assert result.outcome == "passed", result
+    assert secret not in result.stdout and "OFFSEASON_TEST_SECRET" not in result.stdout
+    assert "HOME" in result.stdout
+
+
+def test_output_is_bounded():
+    result = run("rlimit", "print('x' * 1_000_000)",
+                 limits=sandbox.Limits(output_bytes=1000))
+    assert result.outcome == "passed"
+    assert len(result.stdout) < 1100 and result.stdout.endswith("[... output truncated]")
+
+
+def test_faked_results_do_not_pass(kind):
+    tests = unittest_source("self.fail('never reached')")
+    exit_early = sandbox.run_tests("", "import os\nos._exit(0)\n", isolation=kind)
+    sys_exit = sandbox.run_tests("import sys\nsys.exit(0)\n",
+                                 "from solution import *\n" + tests, isolation=kind)
+    forged = sandbox.run_tests(
+        "", 'import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b\'x {"done": true,'
+            ' "ok": true, "tests": 1}\\n\')\n    except OSError:\n        pass\nos._exit(0)\n',
+        isolation=kind)
+    no_tests = sandbox.run_tests("", "import unittest\n", isolation=kind)
+    assert exit_early.outcome == "crashed" and "before the tests reported" in exit_early.reason
+    assert sys_exit.outcome == "failed" and "SystemExit" in sys_exit.reason
+    assert forged.outcome == "crashed"
+    assert no_tests.outcome == "failed" and no_tests.reason == "no tests ran"
+
+
+def test_a_broken_sandbox_raises_instead_of_scoring_zero(kind, tmp_path):
+    with pytest.raises(sandbox.SandboxError, match="not an executable file"):
+        sandbox.run_tests("", "", isolation=kind, python="/nonexistent/bin/python3")
+    with pytest.raises(VerifierError, match="did not start"):  # runs, but is no interpreter
+        sandbox.run_tests("", "", isolation=kind, python="/bin/true")
+    with pytest.raises(sandbox.SandboxError, match="isolation must be"):
+        sandbox.run_tests("", "", isolation="docker")
+
+
+def test_run_code_reports_its_outcome(kind):
+    ok = sandbox.run_code("print(6 * 7)", isolation=kind)
+    bad = sandbox.run_code("raise ValueError('nope')", isolation=kind)
+    assert (ok.outcome, ok.stdout) == ("passed", "42\n")
+    assert bad.outcome == "failed" and bad.reason == "ValueError: nope"
+    assert "Traceback" in bad.stderr
