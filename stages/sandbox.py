@@ -27,15 +27,19 @@ Two kinds of isolation, picked by `isolation=`:
   the code gets its own network namespace (`unshare --net`, so no network either) and runs as an
   unprivileged uid when the interpreter's directories are world-readable. What does NOT hold without
   bwrap: the filesystem is the machine's (the code can read whatever its uid can, and write
-  wherever its uid may; run as root with an interpreter under /root it stays root), disk use is
+  wherever its uid may; run as root with an interpreter under /root it stays root: then it may
+  write anywhere, RLIMIT_NPROC does not bound a fork bomb, and it reads every process's
+  environment in /proc, so only the sandbox's own environment is clean), disk use is
   bounded per file (RLIMIT_FSIZE) but not in total, a child that calls setsid() escapes the kill
   (RLIMIT_CPU still ends it if it spins), and without root there is no network isolation at all and
-  the process limit counts the user's other processes too.
+  the process limit is the user's current count plus `processes`, shared with the user's other
+  processes.
 "auto" (the default) takes bwrap when a probe run works, else "rlimit" with a warning.
 
 Outcomes: "passed" (every test ran and passed), "failed" (a test failed or errored, or the code did
 not import), "timeout" (wall clock or CPU limit), "memory" (MemoryError under the address-space
-limit), "killed" (ended by a signal, e.g. the file-size limit), "crashed" (the code exited the
+limit), "killed" (ended by a signal, e.g. SIGSEGV; Python ignores SIGXFSZ, so writing past the
+file-size limit raises OSError: "failed"), "crashed" (the code exited the
 harness itself: sys.exit or os._exit before the tests reported). All of those are the candidate's
 doing: a wrong answer. When our own machinery breaks (bwrap or prlimit missing, the interpreter
 cannot start, the harness never came up, a killed run that will not die) `SandboxError` is raised:
