@@ -54,8 +54,10 @@ def bare(code: str, tests: str) -> bool:
     with tempfile.TemporaryDirectory() as work:
         Path(work, "solution.py").write_text(code)
         Path(work, "test_solution.py").write_text(tests)
+        # a new session as the sandbox's: with the kernel's autogroup scheduling each session
+        # gets its own CPU share, so on a busy machine a baseline left in ours would run slower
         result = subprocess.run([sandbox.interpreter(), "-I", "-B", "-c", BARE],
-                                cwd=work, capture_output=True, timeout=30)
+                                cwd=work, capture_output=True, timeout=30, start_new_session=True)
         return result.returncode == 0
 
 

@@ -103,8 +103,8 @@ self.fail(" | ".join(errors))
     assert result.outcome == "failed"
     assert "connected to" not in result.reason, result.reason
     assert f"('127.0.0.1', {port}): [Errno" in result.reason
-    assert "('192.0.2.1', 80): [Errno" in result.reason
-    assert result.seconds < 3  # refused at once: not a connect that hung until the timeout
+    assert "('192.0.2.1', 80): [Errno" in result.reason  # refused or unreachable at once
+    assert "timed out" not in result.reason  # not a connect that hung, packets going somewhere
 
 
 def test_writes_outside_its_directory_fail(kind, tmp_path):
@@ -157,9 +157,9 @@ for _ in range(3):
     subprocess.Popen([sys.executable, "-c", "while True: pass", {marker!r}], {detach})
 while True:
     pass
-""", limits=sandbox.Limits(wall_seconds=2.0, cpu_seconds=30, processes=16))
+""", limits=sandbox.Limits(wall_seconds=4.0, cpu_seconds=30, processes=16))
     assert result.outcome == "timeout"
-    assert result.exit_code is None and "wall-clock limit of 2.0 s" in result.reason
+    assert result.exit_code is None and "wall-clock limit of 4.0 s" in result.reason
     assert leftovers(marker) == []
 
 
