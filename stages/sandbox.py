@@ -110,60 +110,67 @@ class Result:
 
 # The harness: runs first in the sandbox, reads the nonce, then imports the candidate and its tests.
 # It reports on the fd in argv[1] as lines "<nonce> <json>"; `ready` before any candidate code runs.
+# The nonce lives only in main()'s frame, not in a module global: code that walks the frames of its
+# own process could still find it (nothing in-process stops that), printing or exiting cannot.
 HARNESS = r"""
 import io, json, os, sys, traceback
-nonce = sys.stdin.readline().strip()
-sys.stdin = io.StringIO()
-fd = int(sys.argv[1])
-def report(**fields):
-    os.write(fd, (nonce + " " + json.dumps(fields) + "\n").encode())
-report(ready=True)
-sys.path.append(os.getcwd())
-mode = sys.argv[2]
-try:
-    if mode == "code":
-        import runpy
+
+def main(nonce=sys.stdin.readline().strip(), fd=int(sys.argv[1]), mode=sys.argv[2]):
+    sys.stdin = io.StringIO()
+
+    def report(**fields):
+        os.write(fd, (nonce + " " + json.dumps(fields) + "\n").encode())
+
+    def last_line(e):
+        return traceback.format_exception_only(type(e), e)[-1].strip()[:300]
+
+    report(ready=True)
+    sys.path.append(os.getcwd())
+    try:
+        if mode == "code":
+            import runpy
+            try:
+                runpy.run_path("main.py", run_name="__main__")
+            except SystemExit as e:
+                if e.code not in (None, 0):
+                    report(done=True, ok=False, reason="exit " + str(e.code)[:300])
+                    return 1
+            except MemoryError:
+                raise
+            except BaseException as e:
+                traceback.print_exc()
+                report(done=True, ok=False, reason=last_line(e))
+                return 1
+            report(done=True, ok=True)
+            return 0
+        import unittest
         try:
-            runpy.run_path("main.py", run_name="__main__")
-        except SystemExit as e:
-            if e.code not in (None, 0):
-                report(done=True, ok=False, reason="exit " + str(e.code)[:300])
-                sys.exit(1)
+            import test_solution
         except MemoryError:
             raise
         except BaseException as e:
-            traceback.print_exc()
-            last = traceback.format_exception_only(type(e), e)[-1].strip()
-            report(done=True, ok=False, reason=last[:300])
-            sys.exit(1)
-        report(done=True, ok=True)
-        sys.exit(0)
-    import unittest
-    try:
-        import test_solution
+            report(done=True, ok=False, reason="import failed: " + last_line(e))
+            return 1
+        suite = unittest.defaultTestLoader.loadTestsFromModule(test_solution)
+        result = unittest.TextTestRunner(stream=sys.stderr, verbosity=1).run(suite)
+        problems = result.failures + result.errors
+        first = ""
+        if problems:
+            test, text = problems[0]
+            first = test.id().split(".", 1)[-1] + ": " + text.strip().splitlines()[-1][:300]
+        report(done=True, ok=result.wasSuccessful() and result.testsRun > 0,
+               tests=result.testsRun, failures=len(result.failures), errors=len(result.errors),
+               memory=any("MemoryError" in text for _, text in problems),
+               reason=first or ("no tests ran" if result.testsRun == 0 else ""))
+        return 0 if result.wasSuccessful() else 1
     except MemoryError:
-        report(done=True, ok=False, memory=True, reason="MemoryError while importing")
-        sys.exit(1)
-    except BaseException as e:
-        last = traceback.format_exception_only(type(e), e)[-1].strip()
-        report(done=True, ok=False, reason="import failed: " + last[:300])
-        sys.exit(1)
-    suite = unittest.defaultTestLoader.loadTestsFromModule(test_solution)
-    result = unittest.TextTestRunner(stream=sys.stderr, verbosity=1).run(suite)
-    problems = result.failures + result.errors
-    first = ""
-    if problems:
-        test, text = problems[0]
-        first = test.id().split(".", 1)[-1] + ": " + text.strip().splitlines()[-1][:300]
-    report(done=True, ok=result.wasSuccessful() and result.testsRun > 0, tests=result.testsRun,
-           failures=len(result.failures), errors=len(result.errors),
-           memory=any("MemoryError" in text for _, text in problems),
-           reason=first or ("no tests ran" if result.testsRun == 0 else ""))
-    sys.exit(0 if result.wasSuccessful() else 1)
-except MemoryError:
-    report(done=True, ok=False, memory=True, reason="MemoryError")
-    sys.exit(1)
+        report(done=True, ok=False, memory=True, reason="MemoryError")
+        return 1
+
+sys.exit(main())
 """
+
+
 def interpreter() -> str:
     """The real interpreter behind this one: a venv's python or a shim is a symlink to it."""
     return os.path.realpath(sys.executable)
@@ -356,7 +363,7 @@ def _run(files: dict[str, str], mode: str, limits: Limits, kind: str, python: st
                                         pass_fds=(*fds.values(), res.fileno()))
             except OSError as e:
                 raise SandboxError(f"cannot start the sandbox ({argv[0]}): {e}") from e
-            return _wait(proc, nonce, limits, kind, started, out, err, res, private)
+            return _wait(proc, nonce, limits, kind, started, private)
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -366,7 +373,8 @@ def _run(files: dict[str, str], mode: str, limits: Limits, kind: str, python: st
         shutil.rmtree(private, ignore_errors=True)
 
 
-def _wait(proc, nonce, limits, kind, started, out, err, res, private) -> Result:
+def _wait(proc: subprocess.Popen, nonce: str, limits: Limits, kind: str, started: float,
+          private: Path) -> Result:
     try:
         proc.stdin.write(f"{nonce}\n".encode())
         proc.stdin.close()
@@ -414,16 +422,16 @@ def _wait(proc, nonce, limits, kind, started, out, err, res, private) -> Result:
     if timed_out:
         return result("timeout", f"wall-clock limit of {limits.wall_seconds} s: killed with its "
                                  f"children")
-    if code is not None and code < 0:
-        sig = signal.Signals(-code)
+    number = -code if code is not None and code < 0 else None
+    if kind == "bwrap" and code is not None and code > 128 and final is None:
+        number = code - 128  # bwrap's pid 1 passes a signal death on as 128 + its number
+    if number is not None and number in signal.valid_signals():
+        sig = signal.Signals(number)
         if sig == signal.SIGXCPU or (sig == signal.SIGKILL and seconds >= limits.cpu_seconds):
             return result("timeout", f"CPU limit of {limits.cpu_seconds} s ({sig.name})")
         if sig == signal.SIGXFSZ:
             return result("killed", f"file size limit of {limits.file_mb} MB ({sig.name})")
         return result("killed", f"ended by {sig.name}")
-    if kind == "bwrap" and code is not None and code > 128 and final is None:
-        # bwrap's pid 1 passes a signal death on as 128 + signal number
-        return _signal_result(result, code - 128, seconds, limits)
     if final is None:
         return result("crashed", f"exited with {code} before the tests reported "
                                  f"(sys.exit or os._exit in the code?)")
@@ -433,18 +441,6 @@ def _wait(proc, nonce, limits, kind, started, out, err, res, private) -> Result:
     if final.get("ok") and code == 0:
         return result("passed", f"{final['tests']} tests passed" if "tests" in final else "exit 0")
     return result("failed", final.get("reason") or f"exit {code}")
-
-
-def _signal_result(result, number: int, seconds: float, limits: Limits) -> Result:
-    try:
-        sig = signal.Signals(number)
-    except ValueError:
-        return result("crashed", f"exited with {128 + number}")
-    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and seconds >= limits.cpu_seconds):
-        return result("timeout", f"CPU limit of {limits.cpu_seconds} s ({sig.name})")
-    if sig == signal.SIGXFSZ:
-        return result("killed", f"file size limit of {limits.file_mb} MB ({sig.name})")
-    return result("killed", f"ended by {sig.name}")
 
 
 def main(argv: list[str] | None = None) -> None:
