@@ -25,7 +25,8 @@ Two kinds of isolation, picked by `isolation=`:
 - "rlimit" (the fallback where bwrap is missing or the kernel refuses its namespaces): the limits,
   the session, the clean environment and the temporary directory all hold; in addition, as root,
   the code gets its own network namespace (`unshare --net`, so no network either) and runs as an
-  unprivileged uid when the interpreter's directories are world-readable. What does NOT hold without
+  unprivileged uid when the interpreter's installation is world-readable (`drops_root()`: Debian's
+  /usr/bin/python3 is, a pyenv interpreter under /root is not). What does NOT hold without
   bwrap: the filesystem is the machine's (the code can read whatever its uid can, and write
   wherever its uid may; run as root with an interpreter under /root it stays root: then it may
   write anywhere, RLIMIT_NPROC does not bound a fork bomb, and it reads every process's
@@ -202,6 +203,16 @@ def _own_tasks() -> int:
     return count
 
 
+def _prefix(python: str) -> str:
+    """The installation an interpreter belongs to (PREFIX/bin/python3.11 -> PREFIX)."""
+    return os.path.dirname(os.path.dirname(python))
+
+
+def drops_root(python: str) -> bool:
+    """Whether the rlimit fallback, run as root, can run `python` as an unprivileged uid."""
+    return os.geteuid() == 0 and _world_reachable(python) and _world_reachable(_prefix(python))
+
+
 def _world_reachable(path: str) -> bool:
     """Whether a uid with no rights can traverse to and read `path` (every parent o+x)."""
     parts = Path(path).resolve()
@@ -210,8 +221,7 @@ def _world_reachable(path: str) -> bool:
 
 
 def _bwrap_args(python: str, uid: int | None, limits: Limits, files: dict[str, int]) -> list[str]:
-    prefix = os.path.realpath(sys.base_prefix)
-    binds = sorted({prefix, os.path.realpath(os.path.dirname(python))})
+    binds = sorted({_prefix(python), os.path.dirname(python)})
     args = [_tool("bwrap"), "--die-with-parent", "--new-session",
             "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if uid is not None:
@@ -320,6 +330,10 @@ def _run(files: dict[str, str], mode: str, limits: Limits, kind: str, python: st
     if not os.path.isabs(python) or not os.access(python, os.X_OK):
         raise SandboxError(f"interpreter {python!r} is not an executable file: pass the real "
                            f"interpreter (os.path.realpath(sys.executable))")
+    python = os.path.realpath(python)
+    if _prefix(python) == "/":
+        raise SandboxError(f"interpreter {python!r} lies in /bin or /sbin outside /usr: the sandbox "
+                           f"binds the interpreter's installation and will not bind all of /")
     root = os.geteuid() == 0
     nonce = secrets.token_hex(16)
     private = Path(tempfile.mkdtemp(prefix="offseason-sandbox-"))  # ours: never visible inside
@@ -344,7 +358,7 @@ def _run(files: dict[str, str], mode: str, limits: Limits, kind: str, python: st
                 uid = None
                 if root:
                     prefix = [_tool("unshare"), "--net", "--"]
-                    if _world_reachable(python) and _world_reachable(os.path.realpath(sys.base_prefix)):
+                    if drops_root(python):
                         uid = UID_BASE + secrets.randbelow(1 << 20)
                         os.chmod(private, 0o711)
                         for path in [work, *work.iterdir()]:

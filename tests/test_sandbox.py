@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,10 +20,30 @@ from stages import sandbox
 from stages.environments import VerifierError
 
 ROOT = os.geteuid() == 0
-# the fallback drops root only when a uid without rights can reach the interpreter
-FALLBACK_DROPS_ROOT = ROOT and sandbox._world_reachable(sandbox.interpreter()) and \
-    sandbox._world_reachable(os.path.realpath(sys.base_prefix))
 FAST = sandbox.Limits(wall_seconds=8.0, cpu_seconds=4, memory_mb=256, processes=16)
+# an interpreter a uid without rights can run (ours may sit under /root): the fallback drops root
+# only for such a one, so with it the fallback's fork-bomb and filesystem claims can be tested too
+PUBLIC_PYTHON = next((os.path.realpath(p) for p in ("/usr/bin/python3", "/usr/local/bin/python3")
+                      if os.path.exists(p) and sandbox.drops_root(os.path.realpath(p))), None)
+
+
+@dataclass(frozen=True)
+class Box:
+    isolation: str
+    python: str | None = None  # None: ours
+
+    @property
+    def opts(self) -> dict:
+        return {"isolation": self.isolation, "python": self.python}
+
+    def claims(self, what: str) -> bool:
+        """Whether this sandbox claims to contain `what` (stages/sandbox.py's docstring)."""
+        if self.isolation == "bwrap":
+            return True
+        python = self.python or sandbox.interpreter()
+        drops = sandbox.drops_root(python)
+        return {"network": ROOT, "filesystem": drops or not ROOT, "processes": drops or not ROOT,
+                "setsid": False, "proc": drops or not ROOT}[what]
 
 
 def unittest_source(body: str, *, imports: str = "") -> str:
@@ -33,20 +53,25 @@ def unittest_source(body: str, *, imports: str = "") -> str:
             f"class Escape(unittest.TestCase):\n    def test_escape(self):\n{lines}\n")
 
 
-@pytest.fixture(params=["bwrap", "rlimit"])
-def kind(request) -> str:
+@pytest.fixture(params=["bwrap", "rlimit", "rlimit-public-python"])
+def box(request) -> Box:
     if request.param == "bwrap" and sandbox._bwrap_works() is not None:
         pytest.skip(f"bubblewrap does not work here: {sandbox._bwrap_works()}")
-    return request.param
+    if request.param == "rlimit-public-python":
+        if not ROOT or PUBLIC_PYTHON is None:
+            pytest.skip("needs root and a world-readable interpreter in /usr")
+        return Box("rlimit", PUBLIC_PYTHON)
+    return Box(request.param)
 
 
-def needs(kind: str, what: str, holds_in_fallback: bool) -> None:
-    if kind == "rlimit" and not holds_in_fallback:
-        pytest.skip(f"the rlimit fallback does not claim {what} here (see stages/sandbox.py)")
+def needs(box: Box, what: str) -> None:
+    if not box.claims(what):
+        pytest.skip(f"this sandbox ({box}) does not claim to contain {what} here: "
+                    f"see stages/sandbox.py")
 
 
-def run(kind: str, body: str, limits: sandbox.Limits = FAST, code: str = "") -> sandbox.Result:
-    return sandbox.run_tests(code, unittest_source(body), limits=limits, isolation=kind)
+def run(box: Box, body: str, limits: sandbox.Limits = FAST, code: str = "") -> sandbox.Result:
+    return sandbox.run_tests(code, unittest_source(body), limits=limits, **box.opts)
 
 
 def leftovers(marker: str, wait: float = 3.0) -> list[int]:
@@ -67,27 +92,27 @@ def leftovers(marker: str, wait: float = 3.0) -> list[int]:
         time.sleep(0.1)
 
 
-def test_right_and_wrong_code(kind):
+def test_right_and_wrong_code(box):
     tests = unittest_source("from solution import add\nself.assertEqual(add(2, 3), 5)")
-    right = sandbox.run_tests("def add(a, b):\n    return a + b\n", tests, isolation=kind)
-    wrong = sandbox.run_tests("def add(a, b):\n    return a - b\n", tests, isolation=kind)
-    broken = sandbox.run_tests("def add(a, b)\n    return a + b\n", tests, isolation=kind)
+    right = sandbox.run_tests("def add(a, b):\n    return a + b\n", tests, **box.opts)
+    wrong = sandbox.run_tests("def add(a, b):\n    return a - b\n", tests, **box.opts)
+    broken = sandbox.run_tests("def add(a, b)\n    return a + b\n", tests, **box.opts)
     assert (right.outcome, right.exit_code, right.reason) == ("passed", 0, "1 tests passed")
-    assert right.isolation == kind
+    assert right.isolation == box.isolation
     assert wrong.outcome == "failed" and "test_escape" in wrong.reason
     assert "AssertionError" in wrong.reason and "-1 != 5" in wrong.reason
     assert broken.outcome == "failed" and "SyntaxError" in broken.reason
 
 
-def test_network_is_unreachable(kind):
-    needs(kind, "network isolation", ROOT)
+def test_network_is_unreachable(box):
+    needs(box, "network")
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         listener.settimeout(0.5)
         port = listener.getsockname()[1]
         # 192.0.2.1 is TEST-NET-1: never routed, so even a failed sandbox would send nothing out
-        result = run(kind, f"""
+        result = run(box, f"""
 errors = []
 for address in [("127.0.0.1", {port}), ("192.0.2.1", 80)]:
     try:
@@ -107,11 +132,11 @@ self.fail(" | ".join(errors))
     assert "timed out" not in result.reason  # not a connect that hung, packets going somewhere
 
 
-def test_writes_outside_its_directory_fail(kind, tmp_path):
-    needs(kind, "filesystem isolation", FALLBACK_DROPS_ROOT or not ROOT)
+def test_writes_outside_its_directory_fail(box, tmp_path):
+    needs(box, "filesystem")
     outside = tmp_path / "escaped.txt"
     etc = Path("/etc") / f"offseason-escape-{secrets.token_hex(4)}"
-    result = run(kind, f"""
+    result = run(box, f"""
 open("inside.txt", "w").write("mine")
 failures = []
 for path in [{str(outside)!r}, {str(etc)!r}, os.path.expanduser("~/../escaped.txt")]:
@@ -127,10 +152,10 @@ self.fail(" ".join(failures))
     assert "Error" in result.reason
 
 
-def test_fork_bomb_is_bounded(kind):
-    needs(kind, "a process limit", FALLBACK_DROPS_ROOT or not ROOT)
+def test_fork_bomb_is_bounded(box):
+    needs(box, "processes")
     marker = f"offseason-forkbomb-{secrets.token_hex(4)}"
-    result = run(kind, f"""
+    result = run(box, f"""
 forks = 0
 try:
     while forks < 500:
@@ -148,11 +173,11 @@ except OSError as e:
     assert leftovers(marker) == []
 
 
-def test_infinite_loop_is_killed_with_its_children(kind):
+def test_infinite_loop_is_killed_with_its_children(box):
     marker = f"offseason-loop-{secrets.token_hex(4)}"
     # the fallback cannot kill a child that left the process group (setsid): bwrap can
-    detach = "start_new_session=True" if kind == "bwrap" else "start_new_session=False"
-    result = run(kind, f"""
+    detach = f"start_new_session={box.claims('setsid')}"
+    result = run(box, f"""
 for _ in range(3):
     subprocess.Popen([sys.executable, "-c", "while True: pass", {marker!r}], {detach})
 while True:
@@ -163,24 +188,24 @@ while True:
     assert leftovers(marker) == []
 
 
-def test_cpu_limit(kind):
-    result = run(kind, "while True:\n    pass",
+def test_cpu_limit(box):
+    result = run(box, "while True:\n    pass",
                  limits=sandbox.Limits(wall_seconds=20.0, cpu_seconds=1))
     assert result.outcome == "timeout" and "CPU limit of 1 s" in result.reason
 
 
-def test_memory_hog_hits_the_limit(kind):
-    result = run(kind, "hog = bytearray(1 << 30)\nhog[-1] = 1")
+def test_memory_hog_hits_the_limit(box):
+    result = run(box, "hog = bytearray(1 << 30)\nhog[-1] = 1")
     assert result.outcome == "memory"
     assert "memory limit of 256 MB" in result.reason
 
 
-def test_environment_secrets_do_not_reach_the_sandbox(kind, monkeypatch):
+def test_environment_secrets_do_not_reach_the_sandbox(box, monkeypatch):
     secret = secrets.token_hex(16)
     monkeypatch.setenv("OFFSEASON_TEST_SECRET", secret)
-    # the fallback as root shares /proc with us: it is only claimed that the environment is clean
-    scan = "/proc/*/environ" if kind == "bwrap" else ""
-    result = run(kind, f"""
+    # the fallback that stays root reads our /proc: only its own environment is claimed clean
+    scan = "/proc/*/environ" if box.claims("proc") else ""
+    result = run(box, f"""
 import glob
 seen = dict(os.environ)
 for path in glob.glob({scan!r}):
@@ -197,40 +222,44 @@ self.assertNotIn("OFFSEASON_TEST_SECRET", os.environ)
 
 
 def test_output_is_bounded():
-    result = run("rlimit", "print('x' * 1_000_000)",
+    result = run(Box("rlimit"), "print('x' * 1_000_000)",
                  limits=sandbox.Limits(output_bytes=1000))
     assert result.outcome == "passed"
     assert len(result.stdout) < 1100 and result.stdout.endswith("[... output truncated]")
 
 
-def test_faked_results_do_not_pass(kind):
+def test_faked_results_do_not_pass(box):
     tests = unittest_source("self.fail('never reached')")
-    exit_early = sandbox.run_tests("", "import os\nos._exit(0)\n", isolation=kind)
+    exit_early = sandbox.run_tests("", "import os\nos._exit(0)\n", **box.opts)
     sys_exit = sandbox.run_tests("import sys\nsys.exit(0)\n",
-                                 "from solution import *\n" + tests, isolation=kind)
+                                 "from solution import *\n" + tests, **box.opts)
     forged = sandbox.run_tests(
         "", 'import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b\'x {"done": true,'
             ' "ok": true, "tests": 1}\\n\')\n    except OSError:\n        pass\nos._exit(0)\n',
-        isolation=kind)
-    no_tests = sandbox.run_tests("", "import unittest\n", isolation=kind)
+        **box.opts)
+    no_tests = sandbox.run_tests("", "import unittest\n", **box.opts)
+    via_main = sandbox.run_tests(  # the harness's reporter is not a global to import
+        "", "import __main__, os\n__main__.report(done=True, ok=True, tests=1)\nos._exit(0)\n",
+        **box.opts)
     assert exit_early.outcome == "crashed" and "before the tests reported" in exit_early.reason
     assert sys_exit.outcome == "failed" and "SystemExit" in sys_exit.reason
     assert forged.outcome == "crashed"
     assert no_tests.outcome == "failed" and no_tests.reason == "no tests ran"
+    assert via_main.outcome == "failed" and "AttributeError" in via_main.reason
 
 
-def test_a_broken_sandbox_raises_instead_of_scoring_zero(kind, tmp_path):
+def test_a_broken_sandbox_raises_instead_of_scoring_zero(box):
     with pytest.raises(sandbox.SandboxError, match="not an executable file"):
-        sandbox.run_tests("", "", isolation=kind, python="/nonexistent/bin/python3")
+        sandbox.run_tests("", "", isolation=box.isolation, python="/nonexistent/bin/python3")
     with pytest.raises(VerifierError, match="did not start"):  # runs, but is no interpreter
-        sandbox.run_tests("", "", isolation=kind, python="/bin/true")
+        sandbox.run_tests("", "", isolation=box.isolation, python="/bin/true")
     with pytest.raises(sandbox.SandboxError, match="isolation must be"):
         sandbox.run_tests("", "", isolation="docker")
 
 
-def test_run_code_reports_its_outcome(kind):
-    ok = sandbox.run_code("print(6 * 7)", isolation=kind)
-    bad = sandbox.run_code("raise ValueError('nope')", isolation=kind)
+def test_run_code_reports_its_outcome(box):
+    ok = sandbox.run_code("print(6 * 7)", **box.opts)
+    bad = sandbox.run_code("raise ValueError('nope')", **box.opts)
     assert (ok.outcome, ok.stdout) == ("passed", "42\n")
     assert bad.outcome == "failed" and bad.reason == "ValueError: nope"
     assert "Traceback" in bad.stderr
