@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     pairs = jobs()
     rows = {"bare subprocess.run (baseline)": bare}
-    for kind in ["rlimit"] + (["bwrap"] if sandbox._bwrap_works() is None else []):
+    for kind in ["rlimit"] + (["bwrap"] if sandbox.bwrap_problem() is None else []):
         def verify(code, tests, kind=kind):
             return sandbox.run_tests(code, tests, isolation=kind).passed
         rows[f"sandbox, {kind}"] = verify

@@ -24,7 +24,8 @@ Two kinds of isolation, picked by `isolation=`:
   uid 0: that is what bounds a fork bomb. When we are not root, bwrap uses a user namespace.
 - "rlimit" (the fallback where bwrap is missing or the kernel refuses its namespaces): the limits,
   the session, the clean environment and the temporary directory all hold; in addition, as root,
-  the code gets its own network namespace (`unshare --net`, so no network either) and runs as an
+  the code gets its own network namespace (`unshare --net`, so no network either, where the
+  container lets root unshare: `net_namespace_works()`) and runs as an
   unprivileged uid when the interpreter's installation is world-readable (`drops_root()`: Debian's
   /usr/bin/python3 is, a pyenv interpreter under /root is not). What does NOT hold without
   bwrap: the filesystem is the machine's (the code can read whatever its uid can, and write
@@ -273,7 +274,19 @@ def _prlimit(limits: Limits, nproc: int) -> list[str]:
 
 
 @functools.cache
-def _bwrap_works() -> str | None:
+def net_namespace_works() -> bool:
+    """Whether `unshare --net` works here (root, and a container that lets root unshare)."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        return subprocess.run([_tool("unshare"), "--net", "--", "true"], capture_output=True,
+                              env={"PATH": "/usr/bin:/bin"}, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@functools.cache
+def bwrap_problem() -> str | None:
     """None if a probe run under bwrap works here, else why not."""
     if shutil.which("bwrap") is None and not os.access("/usr/bin/bwrap", os.X_OK):
         return "bwrap is not installed (Debian: apt-get install bubblewrap; `make setup` does it as root)"
@@ -290,7 +303,7 @@ def choose_isolation(requested: str = "auto") -> str:
         raise SandboxError(f"isolation must be auto, bwrap or rlimit, not {requested!r}")
     if requested == "rlimit":
         return "rlimit"
-    problem = _bwrap_works()
+    problem = bwrap_problem()
     if problem is None:
         return "bwrap"
     if requested == "bwrap":
@@ -354,10 +367,10 @@ def _run(files: dict[str, str], mode: str, limits: Limits, kind: str, python: st
                 work.mkdir()
                 for name in files:
                     shutil.copy(private / name, work / name)
-                prefix = []
-                uid = None
-                if root:
+                prefix, uid = [], None
+                if net_namespace_works():
                     prefix = [_tool("unshare"), "--net", "--"]
+                if root:
                     if drops_root(python):
                         uid = UID_BASE + secrets.randbelow(1 << 20)
                         os.chmod(private, 0o711)
@@ -460,10 +473,12 @@ def _wait(proc: subprocess.Popen, nonce: str, limits: Limits, kind: str, started
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Say which sandbox isolation this machine gives "
                                                  "(bwrap or the rlimit fallback) and probe it.")
-    parser.add_argument("--isolation", default="auto", choices=["auto", "bwrap", "rlimit"])
+    parser.add_argument("--isolation", default="auto", choices=["auto", "bwrap", "rlimit"],
+                        help="auto (default): bwrap if it works here, else the rlimit fallback")
     args = parser.parse_args(argv)
-    problem = _bwrap_works()
-    print(f"bubblewrap: {'works' if problem is None else problem}")
+    problem = bwrap_problem()
+    print(f"bubblewrap: {'works' if problem is None else problem}; network namespace for the "
+          f"fallback: {'yes' if net_namespace_works() else 'no'}")
     kind = choose_isolation(args.isolation)
     result = run_tests("def add(a, b):\n    return a + b\n",
                        "import unittest\nfrom solution import add\n\n"

@@ -42,8 +42,8 @@ class Box:
             return True
         python = self.python or sandbox.interpreter()
         drops = sandbox.drops_root(python)
-        return {"network": ROOT, "filesystem": drops or not ROOT, "processes": drops or not ROOT,
-                "setsid": False, "proc": drops or not ROOT}[what]
+        return {"network": sandbox.net_namespace_works(), "filesystem": drops or not ROOT,
+                "processes": drops or not ROOT, "setsid": False, "proc": drops or not ROOT}[what]
 
 
 def unittest_source(body: str, *, imports: str = "") -> str:
@@ -55,8 +55,8 @@ def unittest_source(body: str, *, imports: str = "") -> str:
 
 @pytest.fixture(params=["bwrap", "rlimit", "rlimit-public-python"])
 def box(request) -> Box:
-    if request.param == "bwrap" and sandbox._bwrap_works() is not None:
-        pytest.skip(f"bubblewrap does not work here: {sandbox._bwrap_works()}")
+    if request.param == "bwrap" and sandbox.bwrap_problem() is not None:
+        pytest.skip(f"bubblewrap does not work here: {sandbox.bwrap_problem()}")
     if request.param == "rlimit-public-python":
         if not ROOT or PUBLIC_PYTHON is None:
             pytest.skip("needs root and a world-readable interpreter in /usr")
