@@ -69,7 +69,7 @@ def test_cross_field_check(tmp_path):
 
 
 def test_unknown_environment_lists_valid_ones(tmp_path):
-    with pytest.raises(cfg.ParamsError, match=r"unknown environment 'chess'.*\['arith'\]"):
+    with pytest.raises(cfg.ParamsError, match=r"unknown environment 'chess'.*\['arith', 'code'\]"):
         cfg.load_all(write(tmp_path, full(base={"environment": "chess"})))
 
 
