@@ -43,7 +43,8 @@ TOOL_OPEN, TOOL_CLOSE = "<run>", "</run>"
 RESULT_OPEN, RESULT_CLOSE = "<output>", "</output>"
 TOOL_NAME = "python"
 TAGS = [FENCE_OPEN, FENCE_CLOSE, TOOL_OPEN, TOOL_CLOSE, RESULT_OPEN, RESULT_CLOSE]
-CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]  # printable ASCII: the demo tokenizer's alphabet
+_ALPHABET = frozenset(CHARS)
 MAX_TURNS = 3
 TOOL_OUTPUT_CHARS = 400  # what a `<run>` injects back, at most: the context of a small model is short
 # the tests of one task and a `<run>` are small programs: keep a stuck one from holding a core long.
@@ -142,8 +143,6 @@ def on_tool_close(text: str) -> str:
     output = "".join(c if c in _ALPHABET else "?" for c in output)
     return f"{RESULT_OPEN}{output.replace(RESULT_CLOSE, '')}{RESULT_CLOSE}"
 
-
-_ALPHABET = frozenset(CHARS)
 
 
 def task_kind(question: str) -> str:
