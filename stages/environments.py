@@ -38,16 +38,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stages import arith, toolcall
-
-ENVIRONMENTS = {"arith": arith, "toolcall": toolcall}
-
-# The reward components every environment's score() returns; `reward.weights` may weight these.
-COMPONENTS = ("correct", "format", "tool_ok")
-
 
 class VerifierError(RuntimeError):
     """The verifier or its infrastructure broke: an error with its cause, never a score of zero."""
+
+
+# after VerifierError: coding imports stages.sandbox, which subclasses it
+from stages import arith, coding, toolcall  # noqa: E402
+
+ENVIRONMENTS = {"arith": arith, "code": coding, "toolcall": toolcall}
+
+# The reward components every environment's score() returns; `reward.weights` may weight these.
+COMPONENTS = ("correct", "format", "tool_ok")
 
 
 def score_job(env_name: str, question: str, answer: str, completion: str | None
