@@ -120,8 +120,12 @@ def final_answer(completion: str) -> str | None:
     return completion.rsplit(ANSWER, 1)[-1].strip()
 
 
-def verify(question: str, completion: str) -> float | None:
-    """1.0 if the final answer is exactly right, 0.0 if wrong or missing, None if unjudgeable."""
+def verify(question: str, answer: str, completion: str) -> float | None:
+    """1.0 if the final answer is exactly right, 0.0 if wrong or missing, None if unjudgeable.
+
+    `answer` (the task's expected answer, as text) is not needed: arithmetic's gold answer is
+    computed from the question itself.
+    """
     gold = gold_answer(question)
     if gold is None:
         return None

@@ -27,10 +27,10 @@ class VerifierBroken(RuntimeError):
     """Every score failed: the verifier itself is broken, not the rollouts."""
 
 
-def _gold_problem(env, question: str) -> str | None:
+def _gold_problem(env, question: str, answer: str) -> str | None:
     """None if the verifier gives the gold answer full marks, else why the task is set aside."""
     try:
-        gold = env.verify(question, env.demonstration(question, use_tool=False))
+        gold = env.verify(question, answer, env.demonstration(question, use_tool=False))
     except Exception as err:
         return f"verifier raised {type(err).__name__} on the gold answer: {err}"
     return None if gold == 1.0 else f"gold answer scores {gold}, not 1.0: task set aside"
@@ -45,14 +45,14 @@ def run(base: cfg.Base, config: cfg.Reward, rollouts: Path, rewards: Path) -> di
     set_aside: dict[str, str | None] = {}
     for row in rows:
         if row["task_id"] not in set_aside:
-            set_aside[row["task_id"]] = _gold_problem(env, row["question"])
+            set_aside[row["task_id"]] = _gold_problem(env, row["question"], row["answer"])
     correct, reward, error, unjudged, errors = [], [], [], 0, 0
     for row in rows:
         problem = set_aside[row["task_id"]]
         score = None
         if problem is None:
             try:
-                score = env.verify(row["question"], row["completion"])
+                score = env.verify(row["question"], row["answer"], row["completion"])
             except Exception as err:  # the verifier broke: an error with its cause, never a zero
                 problem = f"verifier raised {type(err).__name__}: {err}"
                 errors += 1

@@ -55,7 +55,7 @@ def run(base: cfg.Base, config: cfg.Simulate, champion: Path, inbox: Path, bench
                                  batch_size=1024)
     lines, correct = [], 0
     for i, (question, text, episode) in enumerate(zip(questions, texts, episodes)):
-        score = env.verify(question, episode.completion)
+        score = env.verify(question, str(env.gold_answer(question)), episode.completion)
         correct += score == 1.0
         record = {
             "id": f"tr-{day:03d}-{i:05d}",

@@ -5,11 +5,11 @@ from stages import arith
 
 
 def test_verify_right_wrong_malformed_unjudgeable():
-    assert arith.verify("47*38", "<calc>47*38</calc><result>1786</result>answer:1786") == 1.0
-    assert arith.verify("47*38", "answer:1787") == 0.0
-    assert arith.verify("47*38", "answer:17x6") == 0.0  # malformed answer
-    assert arith.verify("47*38", "<calc>47*38</calc>") == 0.0  # never answered
-    assert arith.verify("hello", "answer:1") is None  # no gold answer: cannot judge
+    assert arith.verify("47*38", "1786", "<calc>47*38</calc><result>1786</result>answer:1786") == 1.0
+    assert arith.verify("47*38", "1786", "answer:1787") == 0.0
+    assert arith.verify("47*38", "1786", "answer:17x6") == 0.0  # malformed answer
+    assert arith.verify("47*38", "1786", "<calc>47*38</calc>") == 0.0  # never answered
+    assert arith.verify("hello", "", "answer:1") is None  # no gold answer: cannot judge
 
 
 def test_calculator_never_evals():

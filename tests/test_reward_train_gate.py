@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages import arith, gate, reward, rollout, sft, tinylm, train
+from stages import arith, champion_scores, gate, reward, rollout, sft, tinylm, train
 from stages import config as cfg
 from stages.init import demonstrations, encode_completion
 
@@ -40,7 +40,7 @@ def test_broken_verifier_is_an_error_not_a_zero(tmp_path, monkeypatch):
     path = rollouts_file(tmp_path, [("2*3", "answer:6"), ("2*3", "answer:7")])
     calls = {"n": 0}
 
-    def flaky(question, completion):
+    def flaky(question, answer, completion):
         calls["n"] += 1
         if completion == "answer:7":
             raise TimeoutError("sandbox timed out")
@@ -52,7 +52,7 @@ def test_broken_verifier_is_an_error_not_a_zero(tmp_path, monkeypatch):
     assert scored[1]["reward"] is None and "TimeoutError: sandbox timed out" in scored[1]["error"]
     assert m["errors"] == 1 and m["mean_reward"] == 1.0
 
-    monkeypatch.setattr(arith, "verify", lambda q, c: 1 / 0 if c else 1.0)
+    monkeypatch.setattr(arith, "verify", lambda q, a, c: 1 / 0 if c else 1.0)
     with pytest.raises(reward.VerifierBroken, match="failed on every rollout"):
         reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards2.parquet")
 
@@ -127,16 +127,20 @@ def test_paired_interval_contains_the_difference():
 
 
 def test_gate_never_passes_an_unchanged_candidate(tmp_path, champion):
-    arith.write_benchmark(tmp_path / "bench.jsonl", size=20)
-    verdict = gate.run(cfg.Base(), cfg.Gate(min_improvement=-1.0, bootstrap_samples=100),
-                       champion, champion, tmp_path / "bench.jsonl", tmp_path / "items.parquet")
+    arith.write_benchmark(tmp_path / "arith.jsonl", size=20)
+    config = cfg.Gate(min_improvement=-1.0, bootstrap_samples=100)
+    champion_scores.run(cfg.Base(), config, champion, [tmp_path / "arith.jsonl"],
+                        tmp_path / "scores.parquet", tmp_path / "forgetting.jsonl")
+    verdict = gate.run(cfg.Base(), config, champion, tmp_path / "scores.parquet",
+                       tmp_path / "forgetting.jsonl", tmp_path / "rewards.parquet",
+                       tmp_path / "replay", [tmp_path / "arith.jsonl"], tmp_path / "items.parquet")
     assert verdict["passed"] is False and "unchanged" in verdict["reason"]
     assert verdict["candidate_score"] == verdict["champion_score"]
     assert pq.read_table(tmp_path / "items.parquet").num_rows == 20
 
 
 def test_gate_names_an_empty_benchmark(tmp_path, champion):
-    (tmp_path / "bench.jsonl").write_text("")
-    with pytest.raises(ValueError, match="bench.jsonl: the benchmark is empty"):
-        gate.run(cfg.Base(), cfg.Gate(), champion, champion, tmp_path / "bench.jsonl",
-                 tmp_path / "items.parquet")
+    (tmp_path / "arith.jsonl").write_text("")
+    with pytest.raises(ValueError, match="arith.jsonl: the benchmark is empty"):
+        champion_scores.run(cfg.Base(), cfg.Gate(), champion, [tmp_path / "arith.jsonl"],
+                            tmp_path / "scores.parquet", tmp_path / "forgetting.jsonl")
