@@ -35,7 +35,8 @@ from pathlib import Path
 
 from prefect.input import RunInput
 
-from flows import tracking
+# MLflow (flows.tracking) is imported where it is used: `offseason approve` and `pending` start
+# faster without it
 from flows.workspace import WorkspaceError, dvc, git, inputs_fingerprint, read_at
 from stages import config as cfg
 from stages import io
@@ -119,6 +120,15 @@ def await_approval(generation: int, verdict: dict, config: cfg.Promotion) -> dic
             answer = pause_flow_run(wait_for_input=form, timeout=config.approval_timeout,
                                     poll_interval=2, key=key)
     except FlowPauseTimeout:
+        # the run goes on (nothing promoted, the cycle committed as such): take it out of Paused,
+        # or Prefect fails it at the end for never having been resumed
+        from prefect.client.orchestration import get_client
+        from prefect.states import Running
+
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run.id, Running(), force=True)
+        logger.warning("gen-%d: no decision within promotion.approval_timeout=%ds; nothing is "
+                       "promoted", generation, config.approval_timeout)
         return {"decision": "timeout", "approver": None,
                 "reason": f"no decision within promotion.approval_timeout="
                           f"{config.approval_timeout}s: the champion stays"}
@@ -222,6 +232,7 @@ def swap_champion(root: Path, source: Path, tx: Transaction) -> None:
             shutil.rmtree(champion, ignore_errors=True)
             backup.rename(champion)
         _restore(pointer, before)
+        git(root, "reset", "--quiet", "--", "models/champion.dvc", check=False)  # autostage
 
     tx.done("weights", undo)
     tmp.rename(champion)
@@ -268,6 +279,8 @@ def commit(root: Path, message: str, tag: str | None, tx: Transaction,
 def move_alias(model_name: str, version: str, entry: dict, tx: Transaction) -> None:
     from mlflow import MlflowClient
 
+    from flows import tracking
+
     client = MlflowClient()
     previous = tracking.champion_version(model_name)
     keys: list[str] = []
@@ -292,14 +305,46 @@ def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: 
 
     Always commits and tags the cycle gen-N; returns the promotion record with the commit.
     """
-    version = tracking.register(root / "models" / "candidate", run_id, model_name, {
-        "generation": generation, "passed": verdict["passed"],
-        "candidate_score": verdict["candidate_score"]})
     promoted = verdict["passed"] and decision["decision"] in ("approved", "not-required")
     if verdict["passed"] and not promoted:
         reason = f"passed the gate but {decision['decision']}: {decision['reason']}"
     else:
         reason = verdict["reason"]
+    with Transaction() as tx:
+        version = register(root, generation, verdict, run_id, model_name, tx)
+        record, entry, message = _records(root, generation, verdict, decision, version, promoted,
+                                          reason, model_name)
+        if promoted:
+            swap_champion(root, root / "models" / "candidate", tx)
+        dvc(root, "push", "--quiet")  # additive: the remote keeps every version the tags name
+        write_records(root, record, entry, tx)
+        record["commit"] = commit(root, message, f"gen-{generation}", tx)
+        if promoted:
+            move_alias(model_name, version, entry, tx)
+    shutil.rmtree(root / "models" / "champion.prev", ignore_errors=True)
+    record["message"] = message
+    return record
+
+
+def register(root: Path, generation: int, verdict: dict, run_id: str, model_name: str,
+             tx: Transaction) -> str:
+    """The candidate as a new MLflow model version (deleted again if the promotion fails)."""
+    from mlflow import MlflowClient
+
+    from flows import tracking
+
+    version = tracking.register(root / "models" / "candidate", run_id, model_name, {
+        "generation": generation, "passed": verdict["passed"],
+        "candidate_score": verdict["candidate_score"]})
+    tx.done("register", lambda: MlflowClient().delete_model_version(model_name, version))
+    fault("register")
+    return version
+
+
+def _records(root: Path, generation: int, verdict: dict, decision: dict, version: str,
+             promoted: bool, reason: str, model_name: str) -> tuple[dict, dict, str]:
+    from flows import tracking
+
     record = {"generation": generation, "model_version": version, "promoted": promoted,
               "reason": reason, "candidate_score": verdict["candidate_score"],
               "champion_score": verdict["champion_score"], "decision": decision,
@@ -314,17 +359,7 @@ def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: 
     message = (f"gen-{generation}: candidate {verdict['candidate_score']:.3f} vs champion "
                f"{verdict['champion_score']:.3f} -> "
                f"{'promoted' if promoted else 'not promoted'} (model version {version}; {reason})")
-    with Transaction() as tx:
-        if promoted:
-            swap_champion(root, root / "models" / "candidate", tx)
-        dvc(root, "push", "--quiet")  # additive: the remote keeps every version the tags name
-        write_records(root, record, entry, tx)
-        record["commit"] = commit(root, message, f"gen-{generation}", tx)
-        if promoted:
-            move_alias(model_name, version, entry, tx)
-    shutil.rmtree(root / "models" / "champion.prev", ignore_errors=True)
-    record["message"] = message
-    return record
+    return record, entry, message
 
 
 def champion_generation(root: Path) -> int:
@@ -335,6 +370,8 @@ def champion_generation(root: Path) -> int:
 
 def recover(root: Path, model_name: str) -> list[str]:
     """Put back the committed state a process that died mid-promotion left; returns what it did."""
+    from flows import tracking
+
     did = []
     backup = root / "models" / "champion.prev"
     if backup.exists():  # the old champion, moved aside by an unfinished promotion
