@@ -387,7 +387,7 @@ def recover(root: Path, model_name: str) -> list[str]:
         dvc(root, "checkout", "--quiet", "models/champion")
     entries = log_entries(root)
     version = entries[-1]["champion_version"] if entries else None
-    if version is not None and tracking.champion_version(model_name) != str(version):
+    if version is not None and str(tracking.champion_version(model_name)) != str(version):
         tracking.set_champion(model_name, str(version))
         did.append(f"moved the MLflow alias back to version {version}, as the log says")
     return did
