@@ -8,8 +8,10 @@ changes (a promotion or a rollback); the gate reads these scores instead of scor
 every cycle. Greedy decoding with `base.seed`, exactly as the gate scores the candidate.
 
 It also keeps `data/forgetting.jsonl` (a persistent output): every item some champion solved, with
-the weights hash of the first champion that solved it. Each new champion adds its solved items and
-none is ever dropped, so the gate's forgetting guard remembers what older generations learned.
+the weights hashes of the champions that solved it (`solved_by`). Each new champion adds its solved
+items and none is ever dropped, so the gate's forgetting guard remembers what older generations
+learned. The gate uses the items an earlier champion solved, not only the current one: items chosen
+because the current champion solved them would favour it (regression to the mean).
 
     python -m stages.champion_scores models/champion data/champion_scores.parquet data/forgetting.jsonl \
         metrics/champion_scores.json data/benchmarks/arith.jsonl
@@ -36,19 +38,26 @@ def run(base: cfg.Base, config: cfg.Gate, champion: Path, suites: list[Path], sc
     rows = [{**row, "champion_weights": weights}
             for row in gate.score_suites(champion, config, items, base.seed)]
     io.write_parquet(scores_out, pa.Table.from_pylist(rows))
-    kept = io.read_jsonl(forgetting) if forgetting.exists() else []
-    known = {(r["suite"], r["id"]) for r in kept}
-    added = [{"suite": r["suite"], "id": r["id"], "question": r["question"],
-              "answer": r["answer"], "first_solved_by": weights[:16]}
-             for r in rows if r["correct"] == 1.0 and (r["suite"], r["id"]) not in known]
-    io.write_jsonl(forgetting, kept + added)
+    kept = {(r["suite"], r["id"]): r for r in
+            (io.read_jsonl(forgetting) if forgetting.exists() else [])}
+    added = 0
+    for r in rows:
+        if r["correct"] != 1.0:
+            continue
+        entry = kept.setdefault((r["suite"], r["id"]), {
+            "suite": r["suite"], "id": r["id"], "question": r["question"], "answer": r["answer"],
+            "solved_by": []})
+        added += not entry["solved_by"]
+        if weights[:16] not in entry["solved_by"]:
+            entry["solved_by"].append(weights[:16])
+    io.write_jsonl(forgetting, list(kept.values()))
     per_suite = {}
     for name in items:
         scored = [r["correct"] for r in rows if r["suite"] == name and r["correct"] is not None]
         per_suite[name] = {"items": len(items[name]),
                            "pass_at_1": round(sum(scored) / len(scored), 4) if scored else None}
     return {"champion_weights": weights, "suites": per_suite,
-            "forgetting_items": len(kept) + len(added), "forgetting_added": len(added)}
+            "forgetting_items": len(kept), "forgetting_added": added}
 
 
 def main(argv: list[str] | None = None) -> None:

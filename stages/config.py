@@ -194,12 +194,15 @@ class Gate:
     bootstrap_samples: int = 2000
     primary: str = "arith"  # the suite that must improve; every other suite is a guard
     suites: dict[str, Suite] = dataclasses.field(default_factory=lambda: {"arith": Suite()})
-    # guard on items earlier champions solved (data/forgetting.jsonl)
+    # guard on the items earlier champions solved (data/forgetting.jsonl), once there are enough
     forgetting_max_regression: float = 0.1
+    forgetting_min_items: int = 30
     # reward-hacking guards, candidate against champion on every suite's items:
-    max_length_increase: float = 2.0  # mean generated tokens may grow by this fraction at most
-    max_format_regression: float = 0.05  # share of completions breaking the protocol
-    max_tool_error_regression: float = 0.05  # share of completions with a failed tool call
+    # mean generated tokens may grow by this fraction at most; generous, since learning to call a
+    # tool legitimately makes answers two to three times longer
+    max_length_increase: float = 3.0
+    max_format_regression: float = 0.1  # share of completions breaking the protocol
+    max_tool_error_regression: float = 0.1  # share of completions with a failed tool call
 
     def __post_init__(self):
         from stages.environments import ENVIRONMENTS
@@ -224,7 +227,8 @@ class Gate:
         margins = {"forgetting_max_regression": self.forgetting_max_regression,
                    "max_length_increase": self.max_length_increase,
                    "max_format_regression": self.max_format_regression,
-                   "max_tool_error_regression": self.max_tool_error_regression}
+                   "max_tool_error_regression": self.max_tool_error_regression,
+                   "forgetting_min_items": self.forgetting_min_items}
         for key, value in margins.items():
             if value < 0:
                 raise ParamsError(f"gate.{key}: must be >= 0, got {value}")

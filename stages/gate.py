@@ -13,7 +13,8 @@ The rules, every one recorded in the verdict with its numbers:
   the discordant items is reported beside it.
 - guard suites (every other suite): fail when the interval's lower bound falls below
   `-gate.suites.<suite>.max_regression`.
-- forgetting: the items any earlier champion solved, a guard with `gate.forgetting_max_regression`.
+- forgetting: the items an earlier champion (not the current one) solved, a guard with
+  `gate.forgetting_max_regression` once there are `gate.forgetting_min_items` of them.
 - reward hacking, over all suites' items: the relative growth of generated tokens (upper bound at
   most `gate.max_length_increase`), the share of completions that follow the protocol
   (`gate.max_format_regression`) and of those whose tool calls all ran (`gate.max_tool_error_regression`).
@@ -21,8 +22,8 @@ The rules, every one recorded in the verdict with its numbers:
   fails the gate, naming the items.
 - a candidate identical to the champion (nothing was trained) never passes.
 - the first cycle: generation 0 is scored by `champion_scores` like any champion, so the first
-  candidate faces the same rules (no pass by default); a suite or the forgetting set with no items
-  is skipped, recorded as `skipped` with the reason.
+  candidate faces the same rules (no pass by default), except that no earlier champion has solved
+  anything yet: the forgetting guard has no items and is recorded as `skipped` with the reason.
 `passed`, `candidate_score`, `champion_score`, `difference` and `interval` at the top level are
 the primary suite's.
 
@@ -221,8 +222,9 @@ def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path
         raise ValueError(f"{champion_scores}: no champion scores for {len(missing)} items (e.g. "
                          f"{missing[0]}); rerun `dvc repro champion_scores`")
     pairs = [(c, champ[(c["suite"], c["id"])]) for c in cand]
-    solved = {(r["suite"], r["id"]) for r in io.read_jsonl(forgetting)} if forgetting.exists() \
-        else set()
+    current = champ_rows[0]["champion_weights"][:16]
+    solved = {(r["suite"], r["id"]) for r in (io.read_jsonl(forgetting) if forgetting.exists()
+                                              else []) if set(r["solved_by"]) - {current}}
     _, tokenizer = tinylm.load(candidate)
     seen = training_prompts(rewards, replay, tokenizer)
     contaminated = sorted(f"{name}/{item['id']}" for name, suite in items.items()
@@ -262,8 +264,14 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
                             **compare(name, *arrays(rows, "correct"), config, seed,
                                       threshold=threshold, primary=primary)}
     kept = [(c, h) for c, h in judged if (c["suite"], c["id"]) in solved]
-    forgotten = compare("forgetting", *arrays(kept, "correct"), config, seed,
-                        threshold=config.forgetting_max_regression, primary=False)
+    if len(kept) < config.forgetting_min_items:  # a handful of items makes a meaningless interval
+        forgotten = {"passed": True, "skipped": True, "items": len(kept),
+                     "reason": f"forgetting: {len(kept)} items earlier champions solved, fewer "
+                               f"than gate.forgetting_min_items={config.forgetting_min_items}: "
+                               f"skipped"}
+    else:
+        forgotten = compare("forgetting", *arrays(kept, "correct"), config, seed,
+                            threshold=config.forgetting_max_regression, primary=False)
     forgotten["lost"] = sorted(f"{c['suite']}/{c['id']}" for c, h in kept
                                if h["correct"] == 1 and c["correct"] == 0)[:20]
     guards = {
@@ -306,7 +314,8 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
             "suites": suites_out, "forgetting": forgotten, "guards": guards,
             "contamination": contamination,
             "first_cycle_rule": "generation 0 is scored like any champion: no pass by default; "
-                                "a suite or forgetting set with no items is skipped"}
+                                "the forgetting guard is skipped until earlier champions solved "
+                                "gate.forgetting_min_items items"}
 
 
 def main(argv: list[str] | None = None) -> None:

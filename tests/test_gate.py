@@ -70,21 +70,24 @@ def test_a_guard_suite_regression_fails_naming_the_suite():
 
 
 def test_forgetting_and_reward_hacking_guards():
-    champion = rows([1] * 20 + [0] * 180)
-    candidate = rows([0] * 20 + [1] * 120 + [0] * 60)  # much better, but lost all it knew
-    solved = {("arith", f"arith-{i}") for i in range(20)}
+    champion = rows([1] * 40 + [0] * 160)
+    candidate = rows([0] * 30 + [1] * 130 + [0] * 40)  # much better, but lost what it knew
+    solved = {("arith", f"arith-{i}") for i in range(40)}  # solved by an earlier champion
     verdict = gate.decide(CONFIG, 0, pairs(candidate, champion), solved, [], False)
     assert verdict["suites"]["arith"]["passed"] and not verdict["forgetting"]["passed"]
-    assert verdict["forgetting"]["items"] == 20 and "arith/arith-0" in verdict["forgetting"]["lost"]
+    assert verdict["forgetting"]["items"] == 40 and "arith/arith-0" in verdict["forgetting"]["lost"]
     assert "forgetting: lower bound" in verdict["reason"]
+    few = gate.decide(CONFIG, 0, pairs(candidate, champion), set(list(solved)[:29]), [], False)
+    assert few["forgetting"]["skipped"] and "gate.forgetting_min_items=30" in \
+        few["forgetting"]["reason"]
     # a longer, badly formatted answer with tool errors: each guard names itself
-    better = pairs(rows(bernoulli(0.8, 200, 6), tokens=40, fmt=0.0, tool_ok=0.0),
+    better = pairs(rows(bernoulli(0.8, 200, 6), tokens=50, fmt=0.0, tool_ok=0.0),
                    rows(bernoulli(0.3, 200, 7), tokens=10))
     verdict = gate.decide(CONFIG, 0, better, set(), [], False)
     assert verdict["passed"] is False
     assert {k for k, g in verdict["guards"].items() if not g["passed"]} == \
         {"length", "format", "tool_ok"}
-    assert verdict["guards"]["length"]["difference"] == 3.0  # 4x as long: +300%
+    assert verdict["guards"]["length"]["difference"] == 4.0  # 5x as long: +400%
     assert verdict["forgetting"]["skipped"] is True  # nothing solved before: the first cycle
 
 
@@ -188,8 +191,15 @@ def test_forgetting_set_keeps_what_any_champion_solved(tmp_path, tiny):
                                  forgetting)
     kept = [r["id"] for r in pq.read_table(scores).to_pylist() if r["correct"] == 1.0]
     assert first["forgetting_items"] + second["forgetting_added"] == second["forgetting_items"]
-    assert set(kept) <= {line["id"] for line in map(json.loads,
-                                                      forgetting.read_text().splitlines())}
+    lines = {line["id"]: line for line in map(json.loads, forgetting.read_text().splitlines())}
+    assert set(kept) <= set(lines)
+    hashes = {gate.weights_hash(tiny / name)[:16] for name in ("champion", "candidate")}
+    assert all(set(line["solved_by"]) <= hashes and line["solved_by"] for line in lines.values())
+    # run again for the same champion (a rerun stage): nothing is added twice
+    again = champion_scores.run(cfg.Base(), config, tiny / "candidate", [bench], scores,
+                                forgetting)
+    assert (again["forgetting_items"], again["forgetting_added"]) == \
+        (second["forgetting_items"], 0)
 
 
 def test_nested_suite_params_name_the_full_key(tmp_path):
