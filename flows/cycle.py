@@ -4,8 +4,9 @@ One Prefect flow run is one cycle. Each stage is a Prefect task that runs `dvc r
 <stage>` in the repo root and streams its output into the run log; DVC skips what is up to date,
 so a cycle killed midway and run again redoes only the stages that had not finished. The flow opens
 one MLflow run per cycle (`gen-N`) with a child run per stage (params, metrics, DVC hashes), logs
-and registers the candidate as a new model version, and on a gate pass promotes it: the MLflow
-alias `champion`, `models/champion` with `dvc add`. Every cycle that reaches the gate is committed
+and registers the candidate as a new model version, and on a gate pass (approved by a person when
+`promotion.require_approval` asks for it) promotes it: the MLflow alias `champion`,
+`models/champion` with `dvc add`, the promotion log, as one transaction (flows/promotion.py). Every cycle that reaches the gate is committed
 (`dvc.lock`, pointer files, metrics, params) and tagged `gen-N`, passed or not, so a rejected
 candidate can be audited like a promoted one.
 
