@@ -92,7 +92,6 @@ def cmd_init(args) -> int:
                  "approver": promotion.who(), "reason": record["reason"], "decision": "init",
                  "gate_summary": f"benchmark pass@1 {metrics['benchmark_score']:.3f}",
                  "at": promotion.now()}
-        (root / promotion.LOG).unlink(missing_ok=True)  # --force: a new history
         promotion.append_log(root, entry)
         git(root, "add", "--", "models/champion.dvc", "models/.gitignore", "metrics",
             "params.yaml", promotion.LOG)

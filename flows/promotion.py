@@ -283,11 +283,15 @@ def move_alias(model_name: str, version: str, entry: dict, tx: Transaction) -> N
 
     client = MlflowClient()
     previous = tracking.champion_version(model_name)
+    old_tags = client.get_model_version(model_name, version).tags
     keys: list[str] = []
 
     def undo():
-        for key in keys:
-            client.delete_model_version_tag(model_name, version, key)
+        for key in keys:  # the version's tags as they were (a rolled-back-to one had some)
+            if key in old_tags:
+                client.set_model_version_tag(model_name, version, key, old_tags[key])
+            else:
+                client.delete_model_version_tag(model_name, version, key)
         if previous is None:
             client.delete_registered_model_alias(model_name, tracking.ALIAS)
         else:
