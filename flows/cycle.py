@@ -178,8 +178,11 @@ def cycle(repo: str = ".") -> dict:
         for key, value in tracking.numeric({"gate": verdict}).items():
             client.log_metric(run_id, key, value)
         client.set_terminated(run_id)
-    except BaseException:
-        client.set_terminated(run_id, status="FAILED")
+    except BaseException as err:
+        from prefect.exceptions import Pause
+
+        # suspended for approval in a deployment: the run resumes later as a new MLflow run
+        client.set_terminated(run_id, status="KILLED" if isinstance(err, Pause) else "FAILED")
         raise
     markdown = report(root, generation, metrics, record)
     create_markdown_artifact(markdown, key="cycle-report", description=f"gen-{generation}")
