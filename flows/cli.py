@@ -4,6 +4,8 @@
     offseason simulate    write one day of production-like traces to data/inbox/ (the demo's traffic)
     offseason run         run one cycle: ingest, validate, rollout, reward, train, gate, promote
     offseason history     one row per generation: scores, verdict, the champion
+    offseason pending     cycles waiting for approval; `approve` / `reject RUN_ID --reason ...`
+    offseason rollback    make an earlier generation the champion again (--to gen-N --reason ...)
     offseason demo        init (if needed), then simulate + run three times, then the history
     offseason check       check params.yaml and print it with every default filled in
     offseason rescore     re-score stored rollouts after the verifier changed (a new VERSION)
@@ -18,6 +20,7 @@ import dataclasses
 import json
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import yaml
@@ -50,7 +53,7 @@ def cmd_init(args) -> int:
         print(f"already initialised: {root / 'models/champion.dvc'} exists (generation 0 was "
               f"made). Run `offseason run` for a cycle, or `offseason init --force` to start over.")
         return 0
-    from flows import tracking
+    from flows import promotion, tracking
     from stages import gate, init, io
     from stages.environments import ENVIRONMENTS
 
@@ -61,7 +64,8 @@ def cmd_init(args) -> int:
         env = ENVIRONMENTS[configs["base"].environment]
         items = io.read_jsonl(benchmark_path(root))
         scores = gate.score(champion, env, items, configs["base"].seed)
-        metrics["benchmark_score"] = round(sum(s for s, _ in scores) / len(scores), 4)
+        metrics["benchmark_score"] = round(sum(r["correct"] or 0.0 for r in scores) / len(scores),
+                                           4)
         metrics["benchmark_items"] = len(items)
         io.write_json(root / "metrics" / "init.json", metrics)
         dvc(root, "add", "--quiet", "models/champion")
@@ -84,14 +88,21 @@ def cmd_init(args) -> int:
                   "candidate_score": metrics["benchmark_score"], "champion_score": None,
                   "inputs": inputs_fingerprint(root)}
         io.write_json(root / "metrics" / "promotion.json", record)
+        entry = {"action": "init", "generation": 0, "model_version": version,
+                 "champion_version": version, "champion_generation": 0,
+                 "approver": promotion.who(), "reason": record["reason"], "decision": "init",
+                 "gate_summary": f"benchmark pass@1 {metrics['benchmark_score']:.3f}",
+                 "at": promotion.now()}
+        promotion.append_log(root, entry)
         git(root, "add", "--", "models/champion.dvc", "models/.gitignore", "metrics",
-            "params.yaml")
+            "params.yaml", promotion.LOG)
         git(root, "commit", "--quiet", "-m",
             f"gen-0: first champion ({metrics['source']}), benchmark pass@1 "
             f"{metrics['benchmark_score']:.3f}")
         git(root, "tag", "-f", "gen-0")
         dvc(root, "push", "--quiet")
         tracking.set_champion(name, version)
+        promotion.tag_alias_change(name, version, entry)
         client.set_tag(run.info.run_id, "offseason.git_commit", git(root, "rev-parse", "HEAD"))
         client.set_terminated(run.info.run_id)
     print(f"init: generation 0 is the champion (MLflow model '{name}' version {version}, alias "
@@ -148,6 +159,11 @@ def history_rows(root: Path) -> list[dict]:
                      "verdict": verdict, "model_version": promotion.get("model_version"),
                      "promoted": promotion.get("promoted", False)})
     current = max((i for i, r in enumerate(rows) if r["promoted"]), default=None)
+    if (root / "promotions.jsonl").exists():  # the promotion log knows about rollbacks
+        from flows.promotion import champion_generation
+
+        tag = f"gen-{champion_generation(root)}"
+        current = next((i for i, r in enumerate(rows) if r["tag"] == tag), current)
     for i, row in enumerate(rows):
         row["champion"] = i == current
     return rows
@@ -247,6 +263,93 @@ Where to look next:
                                         the MLflow UI: runs per cycle and stage, registered models
   PREFECT_HOME={root}/.prefect .venv/bin/prefect server start --host 127.0.0.1
                                         the Prefect UI: flow runs, logs, the cycle report artifacts""")
+    return 0
+
+
+def paused_runs() -> list:
+    """Flow runs of the cycle waiting for a decision (Paused, or Suspended in a deployment)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
+            type=FlowRunFilterStateType(any_=[StateType.PAUSED]))))
+
+
+def gate_summary_of(run_id) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+
+    from flows.promotion import GATE_ARTIFACT
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[GATE_ARTIFACT]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+    return found[-1].data if found else "(no gate summary recorded)"
+
+
+def cmd_pending(args) -> int:
+    root = find_root()
+    configure_env(root)
+    runs = paused_runs()
+    if not runs:
+        print("pending: no cycle is waiting for a decision")
+        return 0
+    for run in runs:
+        print(f"{run.id}  {run.name}  {run.state.name} since "
+              f"{run.state.timestamp:%Y-%m-%d %H:%M:%S}Z\n    {gate_summary_of(run.id)}")
+    print("\ndecide with `offseason approve RUN_ID --reason ...` or `offseason reject RUN_ID "
+          "--reason ...`")
+    return 0
+
+
+def cmd_decide(args) -> int:
+    root = find_root()
+    configure_env(root)
+    from prefect.flow_runs import resume_flow_run
+
+    from flows.promotion import who
+
+    waiting = {str(run.id): run for run in paused_runs()}
+    if args.run_id not in waiting:
+        raise WorkspaceError(f"flow run {args.run_id} is not waiting for a decision; "
+                             f"`offseason pending` lists those that are"
+                             + (f" ({', '.join(waiting)})" if waiting else " (none now)"))
+    approve = args.command == "approve"
+    resume_flow_run(uuid.UUID(args.run_id), run_input={"approve": approve, "reason": args.reason,
+                                            "approver": args.approver or who()})
+    print(f"{args.command}: {waiting[args.run_id].name} {'approved' if approve else 'rejected'} "
+          f"by {args.approver or who()}: {args.reason}")
+    return 0
+
+
+def cmd_rollback(args) -> int:
+    root = find_root()
+    configure_env(root)
+    configs = cfg.load_all(root / "params.yaml")
+    from flows import promotion
+
+    to = None
+    if args.to is not None:
+        if not args.to.startswith("gen-") or not args.to[4:].isdigit():
+            raise WorkspaceError(f"--to {args.to}: expected a generation tag like gen-2")
+        to = int(args.to[4:])
+    with cycle_lock(root, "offseason rollback"):
+        entry = promotion.rollback(root, configs["base"].registered_model, args.reason,
+                                   args.approver or promotion.who(), to)
+    print(f"rollback: gen-{entry['generation']} is the champion again (model version "
+          f"{entry['model_version']}, was gen-{entry['from_generation']}); commit "
+          f"{entry['commit'][:10]}")
     return 0
 
 
@@ -354,6 +457,30 @@ def parser() -> argparse.ArgumentParser:
                        "table of generations. Commits and tags into this repository.")
     s.add_argument("--cycles", type=int, default=3, help="number of cycles (default 3)")
     s.set_defaults(func=cmd_demo)
+    s = sub.add_parser("pending", help="cycles waiting for approval, with their gate summary",
+                       description="List the cycle flow runs that passed the gate and wait for a "
+                       "person's decision (promotion.require_approval): paused, or suspended in a "
+                       "deployment, with the gate summary of each.")
+    s.set_defaults(func=cmd_pending)
+    for name, verb in (("approve", "promote"), ("reject", "do not promote")):
+        s = sub.add_parser(name, help=f"{verb} the candidate of a cycle waiting for approval",
+                           description=f"Resume a cycle waiting for approval and {verb} its "
+                           f"candidate; the same as the form in the Prefect UI. The decision, "
+                           f"reason and approver go into promotions.jsonl and the MLflow model "
+                           f"version's tags.")
+        s.add_argument("run_id", metavar="RUN_ID", help="the flow run id (`offseason pending`)")
+        s.add_argument("--reason", required=True, help="why, in a sentence (kept forever)")
+        s.add_argument("--approver", help="who decides (default: the login name)")
+        s.set_defaults(func=cmd_decide)
+    s = sub.add_parser("rollback", help="make an earlier generation the champion again",
+                       description="Put an earlier champion back: its weights from DVC (the git "
+                       "tag's models/champion.dvc, pulled from the cache or remote), the MLflow "
+                       "alias moved to its model version, a line appended to promotions.jsonl, "
+                       "committed. Without --to: the champion before the current one.")
+    s.add_argument("--to", metavar="gen-N", help="the generation to restore")
+    s.add_argument("--reason", required=True, help="why, in a sentence (kept forever)")
+    s.add_argument("--approver", help="who decides (default: the login name)")
+    s.set_defaults(func=cmd_rollback)
     s = sub.add_parser("check", help="check params.yaml",
                        description="Check params.yaml (unknown keys, wrong types, missing "
                        "sections) and print it with every default filled in.")

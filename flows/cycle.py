@@ -4,8 +4,9 @@ One Prefect flow run is one cycle. Each stage is a Prefect task that runs `dvc r
 <stage>` in the repo root and streams its output into the run log; DVC skips what is up to date,
 so a cycle killed midway and run again redoes only the stages that had not finished. The flow opens
 one MLflow run per cycle (`gen-N`) with a child run per stage (params, metrics, DVC hashes), logs
-and registers the candidate as a new model version, and on a gate pass promotes it: the MLflow
-alias `champion`, `models/champion` with `dvc add`. Every cycle that reaches the gate is committed
+and registers the candidate as a new model version, and on a gate pass (approved by a person when
+`promotion.require_approval` asks for it) promotes it: the MLflow alias `champion`,
+`models/champion` with `dvc add`, the promotion log, as one transaction (flows/promotion.py). Every cycle that reaches the gate is committed
 (`dvc.lock`, pointer files, metrics, params) and tagged `gen-N`, passed or not, so a rejected
 candidate can be audited like a promoted one.
 
@@ -14,9 +15,7 @@ candidate can be audited like a promoted one.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
-import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from flows import tracking
+from flows import promotion, tracking
 from flows.workspace import (
     WorkspaceError,
     configure_env,
@@ -36,9 +35,9 @@ from flows.workspace import (
     read_at,
 )
 from stages import config as cfg
-from stages import io
 
-STAGES = ["ingest", "validate", "rollout", "reward", "train", "gate"]
+STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
+SECTION = {"champion_scores": "gate"}  # the params section of a stage named otherwise
 
 
 def changed_since_last_cycle(root: Path) -> list[str]:
@@ -78,40 +77,10 @@ def snapshot_inbox(root: Path) -> int:
 
 
 @task
-def promote(root: Path, generation: int, verdict: dict, run_id: str, model_name: str) -> dict:
-    """Register the candidate; on a pass make it the champion. Returns the promotion record."""
-    version = tracking.register(root / "models" / "candidate", run_id, model_name, {
-        "generation": generation, "passed": verdict["passed"],
-        "candidate_score": verdict["candidate_score"]})
-    record = {"generation": generation, "model_version": version, "promoted": verdict["passed"],
-              "reason": verdict["reason"], "candidate_score": verdict["candidate_score"],
-              "champion_score": verdict["champion_score"], "inputs": inputs_fingerprint(root),
-              "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-    if verdict["passed"]:
-        tmp = root / "models" / "champion.next"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(root / "models" / "candidate", tmp)
-        shutil.rmtree(root / "models" / "champion")
-        tmp.rename(root / "models" / "champion")
-        dvc(root, "add", "--quiet", "models/champion")
-        record["champion_version"] = version
-    else:
-        record["champion_version"] = tracking.champion_version(model_name)
-    io.write_json(root / "metrics" / "promotion.json", record)
-    return record
-
-
-@task
-def commit_and_tag(root: Path, generation: int, message: str) -> str:
-    """Commit what the cycle changed and tag it gen-N; returns the commit hash."""
-    paths = ["dvc.lock", "dvc.yaml", "params.yaml", "metrics", "data/inbox.dvc",
-             "models/champion.dvc", "data/.gitignore", "models/.gitignore",
-             "data/quarantine/.gitignore"]
-    git(root, "add", "--", *[p for p in paths if (root / p).exists()])
-    git(root, "commit", "--quiet", "--allow-empty", "-m", message)
-    git(root, "tag", f"gen-{generation}")
-    dvc(root, "push", "--quiet")  # the local remote keeps every version the tags point to
-    return git(root, "rev-parse", "HEAD")
+def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: str,
+            model_name: str) -> dict:
+    """Register the candidate, promote it if it passed (and was approved), commit and tag gen-N."""
+    return promotion.promote(root, generation, verdict, decision, run_id, model_name)
 
 
 def report(root: Path, generation: int, metrics: dict, record: dict) -> str:
@@ -153,6 +122,8 @@ def cycle(repo: str = ".") -> dict:
     if not (root / "models" / "champion.dvc").exists():
         raise WorkspaceError("no champion yet (models/champion.dvc is missing); run "
                              "`offseason init` first")
+    for line in promotion.recover(root, configs["base"].registered_model):
+        logger.warning("an unfinished promotion was undone: %s", line)
     files = snapshot_inbox(root)
     if files == 0:
         message = ("the inbox is empty (no *.jsonl in data/inbox): nothing to learn from. Put "
@@ -183,7 +154,8 @@ def cycle(repo: str = ".") -> dict:
         for stage in STAGES:
             reran[stage] = run_stage(root, stage)
             metrics[stage] = tracking.metrics_file(root, stage)
-            params = {"base": asdict(configs["base"]), stage: asdict(configs[stage])}
+            section = SECTION.get(stage, stage)
+            params = {"base": asdict(configs["base"]), section: asdict(configs[section])}
             tracking.log_stage(root, run_id, experiment_id, stage, params, metrics[stage],
                                reran[stage])
             if stage == "validate" and metrics["validate"].get("accepted", 0) == 0:
@@ -195,14 +167,10 @@ def cycle(repo: str = ".") -> dict:
                 client.set_terminated(run_id)
                 return {"status": "no-new-traces", "message": message, "run_id": run_id}
         verdict = metrics["gate"]
-        record = promote(root, generation, verdict, run_id, configs["base"].registered_model)
-        message = (f"gen-{generation}: candidate {verdict['candidate_score']:.3f} vs champion "
-                   f"{verdict['champion_score']:.3f} -> "
-                   f"{'promoted' if record['promoted'] else 'not promoted'} "
-                   f"(model version {record['model_version']}; {verdict['reason']})")
-        commit = commit_and_tag(root, generation, message)
-        if record["promoted"]:
-            tracking.set_champion(configs["base"].registered_model, record["model_version"])
+        decision = promotion.await_approval(generation, verdict, configs["promotion"])
+        record = promote(root, generation, verdict, decision, run_id,
+                         configs["base"].registered_model)
+        message, commit = record["message"], record["commit"]
         for key, value in {"offseason.git_commit": commit, "offseason.git_tag": f"gen-{generation}",
                            "offseason.outcome": "promoted" if record["promoted"] else "rejected",
                            "offseason.model_version": record["model_version"]}.items():
@@ -210,8 +178,11 @@ def cycle(repo: str = ".") -> dict:
         for key, value in tracking.numeric({"gate": verdict}).items():
             client.log_metric(run_id, key, value)
         client.set_terminated(run_id)
-    except BaseException:
-        client.set_terminated(run_id, status="FAILED")
+    except BaseException as err:
+        from prefect.exceptions import Pause
+
+        # suspended for approval in a deployment: the run resumes later as a new MLflow run
+        client.set_terminated(run_id, status="KILLED" if isinstance(err, Pause) else "FAILED")
         raise
     markdown = report(root, generation, metrics, record)
     create_markdown_artifact(markdown, key="cycle-report", description=f"gen-{generation}")
@@ -222,7 +193,7 @@ def cycle(repo: str = ".") -> dict:
     logger.info(message)
     return {"status": "done", "generation": generation, "message": message, "run_id": run_id,
             "commit": commit, "promoted": record["promoted"], "reran": reran,
-            "model_version": record["model_version"]}
+            "model_version": record["model_version"], "decision": record["decision"]}
 
 
 if __name__ == "__main__":

@@ -193,20 +193,76 @@ class Train:
 
 
 @dataclass(frozen=True)
-class Gate:
-    """Candidate against champion on the held-out benchmark."""
+class Suite:
+    """One benchmark suite of the gate. Its items are `data/benchmarks/<name>.jsonl`, named in dvc.yaml
+    as an argument and a dep of the `champion_scores` and `gate` stages.
+    """
 
-    benchmark_size: int = 0  # 0 = every item of the benchmark file
-    min_improvement: float = 0.0  # the paired interval's lower bound must exceed this
+    environment: str = "arith"  # the environment whose verifier scores the suite's items
+    # a guard suite fails when the lower bound of the candidate - champion interval falls below
+    # minus this; unused for the primary suite, which must improve by gate.min_improvement
+    max_regression: float = 0.05
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Candidate against champion on the held-out benchmark suites, with paired statistics."""
+
+    benchmark_size: int = 0  # 0 = every item of each suite; otherwise its first N
+    min_improvement: float = 0.0  # the primary suite's interval lower bound must exceed this
     confidence: float = 0.9
     bootstrap_samples: int = 2000
+    primary: str = "arith"  # the suite that must improve; every other suite is a guard
+    suites: dict[str, Suite] = dataclasses.field(default_factory=lambda: {"arith": Suite()})
+    # guard on the items earlier champions solved (data/forgetting.jsonl), once there are enough
+    forgetting_max_regression: float = 0.1
+    forgetting_min_items: int = 30
+    # reward-hacking guards, candidate against champion on every suite's items:
+    # mean generated tokens may grow by this fraction at most; generous, since learning to call a
+    # tool legitimately makes answers two to three times longer
+    max_length_increase: float = 3.0
+    max_format_regression: float = 0.1  # share of completions breaking the protocol
+    max_tool_error_regression: float = 0.1  # share of completions with a failed tool call
 
     def __post_init__(self):
+        from stages.environments import ENVIRONMENTS
+
         if not 0.5 <= self.confidence < 1.0:
             raise ParamsError("gate.confidence: must be in [0.5, 1), e.g. 0.9")
         _positive("gate", bootstrap_samples=self.bootstrap_samples)
         if self.benchmark_size < 0:
             raise ParamsError("gate.benchmark_size: must be >= 0 (0 means every item)")
+        if not self.suites:
+            raise ParamsError("gate.suites: needs at least the primary suite, e.g. "
+                              "`suites: {arith: {environment: arith}}`")
+        if self.primary not in self.suites:
+            raise ParamsError(f"gate.primary: {self.primary!r} is not one of gate.suites "
+                              f"({', '.join(self.suites)}); name the suite that must improve")
+        for name, suite in self.suites.items():
+            if suite.environment not in ENVIRONMENTS:
+                raise ParamsError(f"gate.suites.{name}.environment: unknown environment "
+                                  f"{suite.environment!r}; choose one of {sorted(ENVIRONMENTS)}")
+            if suite.max_regression < 0:
+                raise ParamsError(f"gate.suites.{name}.max_regression: must be >= 0")
+        margins = {"forgetting_max_regression": self.forgetting_max_regression,
+                   "max_length_increase": self.max_length_increase,
+                   "max_format_regression": self.max_format_regression,
+                   "max_tool_error_regression": self.max_tool_error_regression,
+                   "forgetting_min_items": self.forgetting_min_items}
+        for key, value in margins.items():
+            if value < 0:
+                raise ParamsError(f"gate.{key}: must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """What happens after the gate passed: a person's approval, if the team asks for it."""
+
+    require_approval: bool = False  # wait for `offseason approve RUN_ID` (or the Prefect UI form)
+    approval_timeout: int = 86400  # seconds to wait; then nothing is promoted and the run ends
+
+    def __post_init__(self):
+        _positive("promotion", approval_timeout=self.approval_timeout)
 
 
 SECTIONS: dict[str, type] = {
@@ -219,6 +275,7 @@ SECTIONS: dict[str, type] = {
     "reward": Reward,
     "train": Train,
     "gate": Gate,
+    "promotion": Promotion,
 }
 
 
@@ -265,6 +322,14 @@ def _build(cls: type, section: str, raw, where: str):
             hint = f" (did you mean '{section}.{near[0]}'?)" if near else ""
             _fail(where, f"unknown key '{section}.{key}'{hint}; valid keys in '{section}': "
                          f"{', '.join(names)}")
+        inner = typing.get_args(hints[key])[1] if typing.get_origin(hints[key]) is dict else None
+        if dataclasses.is_dataclass(inner):  # a mapping of named sub-sections, e.g. gate.suites
+            if not isinstance(value, dict):
+                _fail(where, f"{section}.{key}: expected a mapping of names to sections, got "
+                             f"{value!r}")
+            values[key] = {str(name): _build(inner, f"{section}.{key}.{name}", sub, where)
+                           for name, sub in value.items()}
+            continue
         values[key] = _check_type(where, f"{section}.{key}", value, hints[key])
     try:
         return cls(**values)

@@ -1,100 +1,326 @@
-"""Gate: the candidate against the champion on the held-out benchmark, with a paired interval.
+r"""Gate: the candidate against the champion on every benchmark suite, with paired statistics.
 
-Reads `models/candidate`, `models/champion` and `data/benchmarks/<environment>.jsonl`. Both models
-answer every item greedily (so the scores are reproducible); writes per-item results to
-`data/gate.parquet` and the verdict to `metrics/gate.json`: `passed`, `candidate_score` and
-`champion_score` (pass@1), the difference with its paired bootstrap interval, the rule and the
-reason. The candidate passes when the interval's lower bound exceeds `gate.min_improvement`, so a
-lucky draw on 200 items does not replace the champion. A candidate identical to the champion (the
-train stage had nothing to learn from) never passes.
+Reads `models/candidate`, the champion's per-item scores (`data/champion_scores.parquet`, written
+once per champion by `stages.champion_scores`), the items earlier champions solved
+(`data/forgetting.jsonl`), the candidate's training data (`data/rewards.parquet` of this cycle and
+`data/replay/`) and the suites `data/benchmarks/<suite>.jsonl` (each one a `gate.suites.<suite>`
+entry in params.yaml). The candidate answers every item greedily with the seed the champion was
+scored with. Writes per-item results to `data/gate.parquet` and the verdict to `metrics/gate.json`.
 
-    python -m stages.gate models/candidate models/champion data/benchmarks/arith.jsonl data/gate.parquet metrics/gate.json
+The rules, every one recorded in the verdict with its numbers:
+- primary suite (`gate.primary`): the `gate.confidence` paired bootstrap interval of candidate -
+  champion pass@1 must have its lower bound above `gate.min_improvement`. McNemar's exact test on
+  the discordant items is reported beside it.
+- guard suites (every other suite): fail when the interval's lower bound falls below
+  `-gate.suites.<suite>.max_regression`.
+- forgetting: the items an earlier champion (not the current one) solved, a guard with
+  `gate.forgetting_max_regression` once there are `gate.forgetting_min_items` of them.
+- reward hacking, over all suites' items: the relative growth of generated tokens (upper bound at
+  most `gate.max_length_increase`), the share of completions that follow the protocol
+  (`gate.max_format_regression`) and of those whose tool calls all ran (`gate.max_tool_error_regression`).
+- contamination: a suite item whose normalized question appears in the candidate's training data
+  fails the gate, naming the items.
+- a candidate identical to the champion (nothing was trained) never passes.
+- the first cycle: generation 0 is scored by `champion_scores` like any champion, so the first
+  candidate faces the same rules (no pass by default), except that no earlier champion has solved
+  anything yet: the forgetting guard has no items and is recorded as `skipped` with the reason.
+`passed`, `candidate_score`, `champion_score`, `difference` and `interval` at the top level are
+the primary suite's.
+
+    python -m stages.gate models/candidate data/champion_scores.parquet data/forgetting.jsonl data/rewards.parquet \
+        data/replay data/gate.parquet metrics/gate.json data/benchmarks/arith.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from stages import config as cfg
 from stages import generate, io, tinylm
 from stages.environments import ENVIRONMENTS
+
+MAX_NEW_TOKENS = 48
 
 
 def weights_hash(folder: Path) -> str:
     return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
 
 
-def score(model_dir: Path, env, items: list[dict], seed: int) -> list[tuple[float, str]]:
+def components(env, question: str, answer: str, completion: str) -> dict[str, float] | None:
+    """correct, format and tool_ok of one completion; None when the verifier cannot judge it."""
+    parts = env.score(question, answer, completion)
+    return None if parts is None else {k: float(parts[k]) for k in ("correct", "format", "tool_ok")}
+
+
+def score(model_dir: Path, env, items: list[dict], seed: int) -> list[dict]:
+    """One row per item: correct, format, tool_ok (None when unjudgeable), tokens, completion."""
     model, tokenizer = tinylm.load(model_dir)
     episodes = generate.generate(model, tokenizer, env, [env.prompt(i["question"]) for i in items],
-                                 temperature=0.0, max_new_tokens=48, seed=seed, batch_size=1024,
-                                 progress=False)
-    return [(env.verify(i["question"], str(i["answer"]), e.completion) or 0.0, e.completion)
-            for i, e in zip(items, episodes)]
+                                 temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, seed=seed,
+                                 batch_size=1024, progress=False)
+    rows = []
+    for item, episode in zip(items, episodes):
+        try:
+            parts = components(env, item["question"], str(item["answer"]), episode.completion)
+        except Exception as err:  # the verifier broke: the gate cannot decide, say which item
+            raise RuntimeError(f"{env.NAME} verifier raised {type(err).__name__} on item "
+                               f"{item['id']}: {err}") from err
+        parts = parts or {"correct": None, "format": None, "tool_ok": None}
+        rows.append({**parts, "tokens": int(sum(episode.model_mask)),
+                     "completion": episode.completion})
+    return rows
 
 
-def paired_interval(a: np.ndarray, b: np.ndarray, samples: int, confidence: float, seed: int):
-    """Bootstrap interval of mean(a - b), resampling items (pairs) together."""
-    diff = a - b
+def suite_items(config: cfg.Gate, suites: list[Path]) -> dict[str, list[dict]]:
+    """The items of each suite, by name; a path and its params entry must name each other."""
+    named = {}
+    for path in suites:
+        if path.stem not in config.suites:
+            raise cfg.ParamsError(f"{path}: no params entry gate.suites.{path.stem}; add one "
+                                  f"(environment, max_regression) to params.yaml, or remove the "
+                                  f"path from the champion_scores and gate stages in dvc.yaml")
+        named[path.stem] = path
+    for name in config.suites:
+        if name not in named:
+            raise cfg.ParamsError(f"gate.suites.{name}: no data/benchmarks/{name}.jsonl among the "
+                                  f"suites dvc.yaml gives this stage; add it to the cmd and deps "
+                                  f"of the champion_scores and gate stages")
+    out = {}
+    for name, path in named.items():
+        env = ENVIRONMENTS[config.suites[name].environment]
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: benchmark not found; write it with "
+                                    f"`python -m stages.{env.NAME} --write-benchmark {path}`")
+        items = io.read_jsonl(path)
+        if config.benchmark_size:
+            items = items[:config.benchmark_size]
+        if not items:
+            raise ValueError(f"{path}: the benchmark is empty; the gate needs items to compare on")
+        for n, item in enumerate(items, 1):
+            missing = {"id", "question", "answer"} - set(item)
+            if missing:
+                raise ValueError(f"{path}: line {n} lacks {', '.join(sorted(missing))}")
+        out[name] = items
+    return out
+
+
+def score_suites(model_dir: Path, config: cfg.Gate, items: dict[str, list[dict]], seed: int
+                 ) -> list[dict]:
+    """Every suite's items scored by one model, as rows keyed by suite and id."""
+    rows = []
+    for name, suite in items.items():
+        env = ENVIRONMENTS[config.suites[name].environment]
+        for item, result in zip(suite, score(model_dir, env, suite, seed)):
+            rows.append({"suite": name, "id": str(item["id"]), "question": item["question"],
+                         "answer": str(item["answer"]), **result})
+    return rows
+
+
+def paired_interval(a: np.ndarray, b: np.ndarray, samples: int, confidence: float, seed: int,
+                    relative: bool = False) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(a) - mean(b), resampling items (pairs) together.
+
+    With `relative`, of (mean(a) - mean(b)) / mean(b): the growth of a over b.
+    """
     rng = np.random.default_rng(seed)
-    means = diff[rng.integers(0, len(diff), size=(samples, len(diff)))].mean(axis=1)
+    index = rng.integers(0, len(a), size=(samples, len(a)))
+    mean_a, mean_b = a[index].mean(axis=1), b[index].mean(axis=1)
+    stats = (mean_a - mean_b) / np.maximum(mean_b, 1e-12) if relative else mean_a - mean_b
     tail = (1 - confidence) / 2
-    return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
+    return float(np.quantile(stats, tail)), float(np.quantile(stats, 1 - tail))
 
 
-def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion: Path, benchmark: Path,
-        items_out: Path) -> dict:
-    """Score both models and decide; returns the verdict."""
+def mcnemar(a: np.ndarray, b: np.ndarray) -> dict:
+    """McNemar's exact test on pass/fail pairs: the items only one of the two models solved."""
+    from scipy.stats import binomtest
+
+    only_a, only_b = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
+    p = binomtest(only_a, only_a + only_b, 0.5).pvalue if only_a + only_b else 1.0
+    return {"candidate_only": only_a, "champion_only": only_b, "p_value": round(float(p), 6)}
+
+
+def compare(name: str, a: np.ndarray, b: np.ndarray, config: cfg.Gate, seed: int, *,
+            threshold: float, primary: bool, relative: bool = False, lower_is_better=False
+            ) -> dict:
+    """One rule: the paired interval of candidate - champion against its threshold."""
+    if len(a) == 0:
+        return {"passed": True, "skipped": True, "items": 0,
+                "reason": f"{name}: no items yet, skipped"}
+    low, high = paired_interval(a, b, config.bootstrap_samples, config.confidence, seed, relative)
+    ma, mb = float(a.mean()), float(b.mean())
+    difference = (ma - mb) / max(mb, 1e-12) if relative else ma - mb
+    out = {"items": int(len(a)), "candidate": round(ma, 4), "champion": round(mb, 4),
+           "difference": round(difference, 4), "interval": [round(low, 4), round(high, 4)],
+           "threshold": threshold, "skipped": False}
+    if primary:
+        out["passed"] = low > threshold
+        out["reason"] = (f"{name}: lower bound {low:+.3f} > {threshold}" if out["passed"] else
+                         f"{name}: lower bound {low:+.3f} <= {threshold}: not clearly better")
+    elif lower_is_better:  # growth is bad: its upper bound must stay within the margin
+        out["passed"] = high <= threshold
+        out["reason"] = (f"{name}: upper bound {high:+.3f} <= {threshold}" if out["passed"] else
+                         f"{name}: upper bound {high:+.3f} > {threshold}: may have grown beyond "
+                         f"the margin")
+    else:
+        out["passed"] = low >= -threshold
+        out["reason"] = (f"{name}: lower bound {low:+.3f} >= -{threshold}" if out["passed"] else
+                         f"{name}: lower bound {low:+.3f} < -{threshold}: may have regressed "
+                         f"beyond the margin")
+    if set(np.unique(np.concatenate([a, b]))) <= {0.0, 1.0} and not relative:
+        out["mcnemar"] = mcnemar(a, b)
+    return out
+
+
+def normalized_hash(text: str) -> str:
+    """The hash two spellings of one question share: case and whitespace do not count."""
+    return hashlib.sha256(re.sub(r"\s+", "", text).casefold().encode()).hexdigest()[:16]
+
+
+def training_prompts(rewards: Path, replay: Path, tokenizer) -> set[str]:
+    """Normalized hashes of every prompt in the candidate's training data."""
+    seen = set()
+    if rewards.exists():
+        seen |= {normalized_hash(p) for p in pq.read_table(rewards, columns=["prompt"])
+                 .column("prompt").to_pylist()}
+    for part in sorted(replay.glob("part-*.parquet")) if replay.exists() else []:
+        table = pq.read_table(part, columns=["token_ids", "model_mask"]).to_pylist()
+        # the prompt is what precedes the model's first own token
+        prompts = [row["token_ids"][:row["model_mask"].index(1) if 1 in row["model_mask"]
+                                    else len(row["model_mask"])] for row in table]
+        seen |= {normalized_hash(text) for text in
+                 tokenizer.batch_decode(prompts, skip_special_tokens=True)}
+    return seen
+
+
+def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path,
+        forgetting: Path, rewards: Path, replay: Path, suites: list[Path], items_out: Path
+        ) -> dict:
+    """Score the candidate, compare with the champion's scores and decide; returns the verdict."""
     tinylm.set_threads(base.threads)
-    env = ENVIRONMENTS[base.environment]
-    if not benchmark.exists():
-        raise FileNotFoundError(f"{benchmark}: benchmark not found; write it with "
-                                f"`python -m stages.{env.NAME} --write-benchmark {benchmark}`")
-    items = io.read_jsonl(benchmark)
-    if config.benchmark_size:
-        items = items[:config.benchmark_size]
-    if not items:
-        raise ValueError(f"{benchmark}: the benchmark is empty; the gate needs items to compare on")
-    cand = score(candidate, env, items, base.seed)
-    champ = score(champion, env, items, base.seed)
-    a = np.array([s for s, _ in cand])
-    b = np.array([s for s, _ in champ])
-    low, high = paired_interval(a, b, config.bootstrap_samples, config.confidence, base.seed)
-    unchanged = weights_hash(candidate) == weights_hash(champion)
-    passed = (not unchanged) and low > config.min_improvement
-    rule = (f"pass when the {config.confidence:.0%} paired bootstrap interval of "
-            f"candidate - champion pass@1 has its lower bound above {config.min_improvement}")
+    items = suite_items(config, suites)
+    cand = score_suites(candidate, config, items, base.seed)
+    champ_rows = pq.read_table(champion_scores).to_pylist()
+    champ = {(r["suite"], r["id"]): r for r in champ_rows}
+    missing = [(r["suite"], r["id"]) for r in cand if (r["suite"], r["id"]) not in champ]
+    if missing:
+        raise ValueError(f"{champion_scores}: no champion scores for {len(missing)} items (e.g. "
+                         f"{missing[0]}); rerun `dvc repro champion_scores`")
+    pairs = [(c, champ[(c["suite"], c["id"])]) for c in cand]
+    current = champ_rows[0]["champion_weights"][:16]
+    solved = {(r["suite"], r["id"]) for r in (io.read_jsonl(forgetting) if forgetting.exists()
+                                              else []) if set(r["solved_by"]) - {current}}
+    _, tokenizer = tinylm.load(candidate)
+    seen = training_prompts(rewards, replay, tokenizer)
+    contaminated = sorted(f"{name}/{item['id']}" for name, suite in items.items()
+                          for item in suite if normalized_hash(ENVIRONMENTS[
+                              config.suites[name].environment].prompt(item["question"])) in seen)
+    unchanged = weights_hash(candidate) == champ_rows[0]["champion_weights"]
+    io.write_parquet(items_out, pa.Table.from_pylist([
+        {"suite": c["suite"], "id": c["id"], "question": c["question"],
+         "candidate": c["correct"], "champion": h["correct"], "candidate_format": c["format"],
+         "candidate_tool_ok": c["tool_ok"], "candidate_tokens": c["tokens"],
+         "champion_tokens": h["tokens"], "candidate_completion": c["completion"],
+         "champion_completion": h["completion"]} for c, h in pairs]))
+    return decide(config, base.seed, pairs, solved, contaminated, unchanged)
+
+
+def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: set,
+           contaminated: list[str], unchanged: bool) -> dict:
+    """The verdict from per-item (candidate, champion) rows: every rule with its numbers.
+
+    A row has suite, id, correct (None: unjudged), format, tool_ok and tokens; `solved` holds the
+    (suite, id) of the forgetting set; `contaminated` the items found in the training data.
+    """
+    judged = [(c, h) for c, h in pairs if c["correct"] is not None and h["correct"] is not None]
+
+    def arrays(rows, key):
+        return (np.array([c[key] for c, _ in rows], dtype=float),
+                np.array([h[key] for _, h in rows], dtype=float))
+
+    suites_out = {}
+    for name in dict.fromkeys(c["suite"] for c, _ in pairs):
+        rows = [(c, h) for c, h in judged if c["suite"] == name]
+        primary = name == config.primary
+        threshold = config.min_improvement if primary else config.suites[name].max_regression
+        suites_out[name] = {"role": "primary" if primary else "guard",
+                            "environment": config.suites[name].environment,
+                            "unjudged": sum(c["suite"] == name for c, _ in pairs) - len(rows),
+                            **compare(name, *arrays(rows, "correct"), config, seed,
+                                      threshold=threshold, primary=primary)}
+    kept = [(c, h) for c, h in judged if (c["suite"], c["id"]) in solved]
+    if len(kept) < config.forgetting_min_items:  # a handful of items makes a meaningless interval
+        forgotten = {"passed": True, "skipped": True, "items": len(kept),
+                     "reason": f"forgetting: {len(kept)} items earlier champions solved, fewer "
+                               f"than gate.forgetting_min_items={config.forgetting_min_items}: "
+                               f"skipped"}
+    else:
+        forgotten = compare("forgetting", *arrays(kept, "correct"), config, seed,
+                            threshold=config.forgetting_max_regression, primary=False)
+    forgotten["lost"] = sorted(f"{c['suite']}/{c['id']}" for c, h in kept
+                               if h["correct"] == 1 and c["correct"] == 0)[:20]
+    guards = {
+        "length": compare("length (generated tokens)", *arrays(pairs, "tokens"), config, seed,
+                          threshold=config.max_length_increase, primary=False, relative=True,
+                          lower_is_better=True),
+        "format": compare("format (protocol followed)", *arrays(judged, "format"), config, seed,
+                          threshold=config.max_format_regression, primary=False),
+        "tool_ok": compare("tool_ok (tool calls without error)", *arrays(judged, "tool_ok"),
+                           config, seed, threshold=config.max_tool_error_regression,
+                           primary=False),
+    }
+    contamination = {"passed": not contaminated, "items": contaminated,
+                     "reason": (f"contamination: {len(contaminated)} benchmark items appear in "
+                                f"the candidate's training data: {', '.join(contaminated[:10])}"
+                                f"{' ...' if len(contaminated) > 10 else ''}") if contaminated
+                     else "contamination: no benchmark item in the training data"}
+    checks = {**{f"suite {n}": s for n, s in suites_out.items()}, "forgetting": forgotten,
+              **{f"guard {n}": g for n, g in guards.items()}, "contamination": contamination}
+    failures = [c["reason"] for c in checks.values() if not c["passed"]]
+    passed = not unchanged and not failures
+    main = suites_out[config.primary]
     if unchanged:
         reason = "the candidate is the champion unchanged (nothing was trained)"
     elif passed:
-        reason = f"lower bound {low:+.3f} > {config.min_improvement}"
+        reason = main["reason"].split(": ", 1)[1] + "; every guard held"
     else:
-        reason = f"lower bound {low:+.3f} <= {config.min_improvement}: not clearly better"
-    io.write_parquet(items_out, pa.Table.from_pylist([
-        {"id": item["id"], "question": item["question"], "candidate": float(sa),
-         "champion": float(sb), "candidate_completion": ca, "champion_completion": cb}
-        for item, (sa, ca), (sb, cb) in zip(items, cand, champ)]))
-    return {"passed": bool(passed), "candidate_score": round(float(a.mean()), 4),
-            "champion_score": round(float(b.mean()), 4),
-            "difference": round(float((a - b).mean()), 4),
-            "interval": [round(low, 4), round(high, 4)], "confidence": config.confidence,
-            "items": len(items), "benchmark": benchmark.name, "rule": rule, "reason": reason}
+        reason = "; ".join(failures)
+    rule = (f"pass when the {config.confidence:.0%} paired bootstrap interval of candidate - "
+            f"champion pass@1 on suite '{config.primary}' has its lower bound above "
+            f"{config.min_improvement}, no guard suite's lower bound is below minus its "
+            f"max_regression, the forgetting and reward-hacking guards hold and no benchmark "
+            f"item is in the training data")
+    return {"passed": bool(passed), "candidate_score": main.get("candidate", 0.0),
+            "champion_score": main.get("champion", 0.0),
+            "difference": main.get("difference", 0.0), "interval": main.get("interval"),
+            "confidence": config.confidence, "items": main["items"],
+            "benchmark": f"{config.primary}.jsonl", "primary": config.primary,
+            "rule": rule, "reason": reason, "failures": failures, "unchanged": unchanged,
+            "suites": suites_out, "forgetting": forgotten, "guards": guards,
+            "contamination": contamination,
+            "first_cycle_rule": "generation 0 is scored like any champion: no pass by default; "
+                                "the forgetting guard is skipped until earlier champions solved "
+                                "gate.forgetting_min_items items"}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name in ("candidate", "champion", "benchmark", "items", "metrics"):
+    for name in ("candidate", "champion_scores", "forgetting", "rewards", "replay", "items",
+                 "metrics"):
         parser.add_argument(name, type=Path)
+    parser.add_argument("suites", type=Path, nargs="+", help="data/benchmarks/<suite>.jsonl")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     verdict = run(cfg.load("base", args.params), cfg.load("gate", args.params), args.candidate,
-                  args.champion, args.benchmark, args.items)
+                  args.champion_scores, args.forgetting, args.rewards, args.replay, args.suites,
+                  args.items)
     io.write_json(args.metrics, verdict)
     print(f"gate: candidate {verdict['candidate_score']:.3f} vs champion "
           f"{verdict['champion_score']:.3f} -> {'PASS' if verdict['passed'] else 'FAIL'} "

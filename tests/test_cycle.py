@@ -11,7 +11,7 @@ from conftest import BIN, cli_env, make_project, offseason, write_params
 
 pytestmark = pytest.mark.slow
 
-STAGES = ["ingest", "validate", "rollout", "reward", "train", "gate"]
+STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
 
 
 def git(root, *args):

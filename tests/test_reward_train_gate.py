@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages import arith, gate, reward, rollout, sft, tinylm, train
+from stages import arith, champion_scores, gate, reward, rollout, sft, tinylm, train
 from stages import config as cfg
 from stages.init import demonstrations, encode_completion
 
@@ -128,16 +128,20 @@ def test_paired_interval_contains_the_difference():
 
 
 def test_gate_never_passes_an_unchanged_candidate(tmp_path, champion):
-    arith.write_benchmark(tmp_path / "bench.jsonl", size=20)
-    verdict = gate.run(cfg.Base(), cfg.Gate(min_improvement=-1.0, bootstrap_samples=100),
-                       champion, champion, tmp_path / "bench.jsonl", tmp_path / "items.parquet")
+    arith.write_benchmark(tmp_path / "arith.jsonl", size=20)
+    config = cfg.Gate(min_improvement=-1.0, bootstrap_samples=100)
+    champion_scores.run(cfg.Base(), config, champion, [tmp_path / "arith.jsonl"],
+                        tmp_path / "scores.parquet", tmp_path / "forgetting.jsonl")
+    verdict = gate.run(cfg.Base(), config, champion, tmp_path / "scores.parquet",
+                       tmp_path / "forgetting.jsonl", tmp_path / "rewards.parquet",
+                       tmp_path / "replay", [tmp_path / "arith.jsonl"], tmp_path / "items.parquet")
     assert verdict["passed"] is False and "unchanged" in verdict["reason"]
     assert verdict["candidate_score"] == verdict["champion_score"]
     assert pq.read_table(tmp_path / "items.parquet").num_rows == 20
 
 
 def test_gate_names_an_empty_benchmark(tmp_path, champion):
-    (tmp_path / "bench.jsonl").write_text("")
-    with pytest.raises(ValueError, match="bench.jsonl: the benchmark is empty"):
-        gate.run(cfg.Base(), cfg.Gate(), champion, champion, tmp_path / "bench.jsonl",
-                 tmp_path / "items.parquet")
+    (tmp_path / "arith.jsonl").write_text("")
+    with pytest.raises(ValueError, match="arith.jsonl: the benchmark is empty"):
+        champion_scores.run(cfg.Base(), cfg.Gate(), champion, [tmp_path / "arith.jsonl"],
+                            tmp_path / "scores.parquet", tmp_path / "forgetting.jsonl")

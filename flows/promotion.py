@@ -1,0 +1,448 @@
+"""After the gate: a person's approval, an all-or-nothing promotion, its history, and rollback.
+
+Approval (`promotion.require_approval` in params.yaml): a cycle whose candidate passed the gate
+waits for a decision. Outside a deployment the flow run pauses (the process waits); inside a served
+deployment it suspends (the worker is freed, and on resume the flow runs again from the top: DVC
+skips the finished stages and the stored decision is read back). The Prefect UI shows the form
+(approve yes/no, reason, approver); `offseason approve|reject RUN_ID --reason ...` send the same
+input from a terminal. No decision within `promotion.approval_timeout` seconds: nothing is
+promoted, the champion stays and the cycle ends saying so. The paused flow and the terminal talk
+through Prefect's database in `PREFECT_HOME` (each process's temporary local server opens the same
+one) or through the server `PREFECT_API_URL` names.
+
+Promotion is one transaction over four things: `models/champion` with its `.dvc` file (pushed to
+the DVC remote), the append-only log `promotions.jsonl` with `metrics/promotion.json`, the git
+commit and tag `gen-N`, and the MLflow alias `champion` with the model version's tags. Each step
+that ran is undone, in reverse order, when a later one fails, and `recover()` (run before every
+cycle) puts back the committed state if a process died mid-way. Git is the record: the last line of
+`promotions.jsonl` at HEAD names the champion; MLflow keeps no alias history of its own, so every
+alias change also leaves tags on the model version (`alias.<time>` with the event, plus
+`approver`, `approval_reason`, `gate_summary` and `champion_since`).
+
+    offseason pending | approve RUN_ID --reason ... | reject RUN_ID --reason ...
+    offseason rollback [--to gen-N] --reason ...
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import getpass
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from prefect.input import RunInput
+
+# MLflow (flows.tracking) is imported where it is used: `offseason approve` and `pending` start
+# faster without it
+from flows.workspace import WorkspaceError, dvc, git, inputs_fingerprint, read_at
+from stages import config as cfg
+from stages import io
+
+LOG = "promotions.jsonl"
+GATE_ARTIFACT = "gate-summary"
+
+
+class ApprovalForm(RunInput):
+    """The decision on a candidate that passed the gate."""
+
+    approve: bool = False
+    reason: str = ""
+    approver: str = ""
+
+
+class PromotionFailed(RuntimeError):
+    """A promotion step failed; the steps before it were undone."""
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def who() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry in some containers
+        return "unknown"
+
+
+def gate_summary(verdict: dict) -> str:
+    """The verdict in one line: primary suite, interval, guards."""
+    failed = verdict.get("failures") or []
+    return (f"{verdict.get('primary', 'primary')}: candidate {verdict['candidate_score']:.3f} vs "
+            f"champion {verdict['champion_score']:.3f}, difference {verdict['difference']:+.3f} "
+            f"with {verdict['confidence']:.0%} interval {verdict['interval']}; "
+            f"{'passed' if verdict['passed'] else 'failed'}"
+            + (f" ({'; '.join(failed)})" if failed else ""))
+
+
+def fault(step: str) -> None:
+    """Tests interrupt a promotion between steps: OFFSEASON_FAIL_AT=promote:<step>."""
+    if os.environ.get("OFFSEASON_FAIL_AT") == f"promote:{step}":
+        raise PromotionFailed(f"fault injected at promote:{step} (OFFSEASON_FAIL_AT)")
+
+
+# --- approval ------------------------------------------------------------------------------
+
+
+def await_approval(generation: int, verdict: dict, config: cfg.Promotion) -> dict:
+    """Wait for a person's decision when params ask for one; returns the decision."""
+    if not verdict["passed"]:
+        return {"decision": "not-needed", "approver": None, "reason": "the gate failed"}
+    if not config.require_approval:
+        return {"decision": "not-required", "approver": None,
+                "reason": "promotion.require_approval is false"}
+    from prefect import get_run_logger
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.context import get_run_context
+    from prefect.exceptions import FlowPauseTimeout
+    from prefect.flow_runs import pause_flow_run, suspend_flow_run
+
+    logger = get_run_logger()
+    summary = gate_summary(verdict)
+    flow_run = get_run_context().flow_run
+    create_markdown_artifact(f"gen-{generation}: {summary}", key=GATE_ARTIFACT,
+                             description=f"gen-{generation} waiting for approval")
+    form = ApprovalForm.with_initial_data(
+        description=f"**gen-{generation} passed the gate.** {summary}\n\nPromote it?",
+        approve=False, reason="", approver="")
+    key = f"approval-gen-{generation}"
+    logger.info("gen-%d passed the gate and waits for approval (promotion.approval_timeout=%ds): "
+                "`offseason approve %s --reason ...` or `offseason reject %s --reason ...`, or the "
+                "Prefect UI", generation, config.approval_timeout, flow_run.id, flow_run.id)
+    try:
+        if flow_run.deployment_id is not None:  # served: free the worker, rerun on resume
+            answer = suspend_flow_run(wait_for_input=form, timeout=config.approval_timeout,
+                                      key=key)
+        else:
+            answer = pause_flow_run(wait_for_input=form, timeout=config.approval_timeout,
+                                    poll_interval=2, key=key)
+    except FlowPauseTimeout:
+        # the run goes on (nothing promoted, the cycle committed as such): take it out of Paused,
+        # or Prefect fails it at the end for never having been resumed
+        from prefect.client.orchestration import get_client
+        from prefect.states import Running
+
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run.id, Running(), force=True)
+        logger.warning("gen-%d: no decision within promotion.approval_timeout=%ds; nothing is "
+                       "promoted", generation, config.approval_timeout)
+        return {"decision": "timeout", "approver": None,
+                "reason": f"no decision within promotion.approval_timeout="
+                          f"{config.approval_timeout}s: the champion stays"}
+    decision = {"decision": "approved" if answer.approve else "rejected",
+                "approver": answer.approver or "unknown", "reason": answer.reason, "at": now()}
+    logger.info("gen-%d %s by %s: %s", generation, decision["decision"], decision["approver"],
+                decision["reason"])
+    return decision
+
+
+# --- the transaction -----------------------------------------------------------------------
+
+
+def _read(path: Path) -> bytes | None:
+    return path.read_bytes() if path.exists() else None
+
+
+def _restore(path: Path, content: bytes | None) -> None:
+    if content is None:
+        path.unlink(missing_ok=True)
+    else:
+        path.write_bytes(content)
+
+
+def show(root: Path, ref: str, path: str) -> bytes | None:
+    """A file's bytes as committed at `ref`, or None."""
+    out = subprocess.run(["git", "show", f"{ref}:{path}"], cwd=root, capture_output=True)
+    return out.stdout if out.returncode == 0 else None
+
+
+def log_entries(root: Path) -> list[dict]:
+    """The promotion log: one line per decision and alias change, oldest first."""
+    path = root / LOG
+    return io.read_jsonl(path) if path.exists() else []
+
+
+def append_log(root: Path, entry: dict) -> None:
+    path = root / LOG
+    io.write_text(path, (path.read_text() if path.exists() else "")
+                  + json.dumps(entry, sort_keys=True) + "\n")
+
+
+def tag_alias_change(model_name: str, version: str, entry: dict) -> list[str]:
+    """Record an alias change on the model version; returns the tag keys set."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    stamp = entry["at"].replace(":", "").replace("+0000", "Z")
+    tags = {f"alias.{stamp}": json.dumps({k: entry.get(k) for k in
+                                          ("action", "generation", "approver", "reason")}),
+            "champion_since": entry["at"], "approver": str(entry.get("approver")),
+            "approval_reason": str(entry.get("reason")),
+            "gate_summary": str(entry.get("gate_summary"))[:4000]}
+    for key, value in tags.items():
+        client.set_model_version_tag(model_name, version, key, value)
+    return list(tags)
+
+
+class Transaction:
+    """Steps with their undo actions; a failure undoes what ran, in reverse order."""
+
+    def __init__(self):
+        self.undo: list[tuple[str, callable]] = []
+
+    def __enter__(self):
+        return self
+
+    def done(self, step: str, undo) -> None:
+        self.undo.append((step, undo))
+
+    def __exit__(self, kind, err, tb):
+        if err is None:
+            return False
+        problems = []
+        for step, undo in reversed(self.undo):
+            try:
+                undo()
+            except Exception as undo_err:  # keep undoing the rest; report what could not be
+                problems.append(f"undo of {step} failed: {undo_err}")
+        if problems:
+            raise PromotionFailed(f"promotion failed ({err}) and could not be fully undone: "
+                                  + "; ".join(problems) + "; run `offseason run` again: it "
+                                  "restores the committed state first") from err
+        return False
+
+
+def swap_champion(root: Path, source: Path, tx: Transaction) -> None:
+    """models/champion becomes a copy of `source`, added to DVC and pushed to the remote."""
+    champion, backup = root / "models" / "champion", root / "models" / "champion.prev"
+    pointer = root / "models" / "champion.dvc"
+    before = _read(pointer)
+    tmp = root / "models" / "champion.next"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(backup, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    champion.rename(backup)
+
+    def undo():
+        shutil.rmtree(tmp, ignore_errors=True)
+        if backup.exists():
+            shutil.rmtree(champion, ignore_errors=True)
+            backup.rename(champion)
+        _restore(pointer, before)
+        git(root, "reset", "--quiet", "--", "models/champion.dvc", check=False)  # autostage
+
+    tx.done("weights", undo)
+    tmp.rename(champion)
+    dvc(root, "add", "--quiet", "models/champion")
+    fault("weights")
+    dvc(root, "push", "--quiet", "models/champion")  # rollback later pulls it from there
+
+
+def write_records(root: Path, record: dict, entry: dict | None, tx: Transaction) -> None:
+    log, metrics = root / LOG, root / "metrics" / "promotion.json"
+    before = (_read(log), _read(metrics))
+    tx.done("log", lambda: (_restore(log, before[0]), _restore(metrics, before[1])))
+    if entry is not None:
+        append_log(root, entry)
+    io.write_json(metrics, record)
+    fault("log")
+
+
+CYCLE_PATHS = ["dvc.lock", "dvc.yaml", "params.yaml", "metrics", "data/inbox.dvc", LOG,
+               "models/champion.dvc", "data/.gitignore", "models/.gitignore",
+               "data/quarantine/.gitignore"]
+
+
+def commit(root: Path, message: str, tag: str | None, tx: Transaction,
+           paths: list[str] = CYCLE_PATHS) -> str:
+    head = git(root, "rev-parse", "HEAD")
+    git(root, "add", "--", *[p for p in paths if (root / p).exists()])
+
+    def undo():
+        if tag:
+            git(root, "tag", "-d", tag, check=False)
+        if git(root, "rev-parse", "HEAD") != head:
+            git(root, "reset", "--soft", head)
+        git(root, "reset", "--quiet", check=False)  # unstage; the files stay as they were
+
+    tx.done("git", undo)
+    fault("git")
+    git(root, "commit", "--quiet", "--allow-empty", "-m", message)
+    if tag:
+        git(root, "tag", tag)
+    return git(root, "rev-parse", "HEAD")
+
+
+def move_alias(model_name: str, version: str, entry: dict, tx: Transaction) -> None:
+    from mlflow import MlflowClient
+
+    from flows import tracking
+
+    client = MlflowClient()
+    previous = tracking.champion_version(model_name)
+    old_tags = client.get_model_version(model_name, version).tags
+    keys: list[str] = []
+
+    def undo():
+        for key in keys:  # the version's tags as they were (a rolled-back-to one had some)
+            if key in old_tags:
+                client.set_model_version_tag(model_name, version, key, old_tags[key])
+            else:
+                client.delete_model_version_tag(model_name, version, key)
+        if previous is None:
+            client.delete_registered_model_alias(model_name, tracking.ALIAS)
+        else:
+            tracking.set_champion(model_name, previous)
+
+    tx.done("mlflow", undo)
+    fault("mlflow")
+    tracking.set_champion(model_name, version)
+    keys.extend(tag_alias_change(model_name, version, entry))
+
+
+def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: str,
+            model_name: str) -> dict:
+    """Register the candidate, and on a pass (approved where required) make it the champion.
+
+    Always commits and tags the cycle gen-N; returns the promotion record with the commit.
+    """
+    promoted = verdict["passed"] and decision["decision"] in ("approved", "not-required")
+    if verdict["passed"] and not promoted:
+        reason = f"passed the gate but {decision['decision']}: {decision['reason']}"
+    else:
+        reason = verdict["reason"]
+    with Transaction() as tx:
+        version = register(root, generation, verdict, run_id, model_name, tx)
+        record, entry, message = _records(root, generation, verdict, decision, version, promoted,
+                                          reason, model_name)
+        if promoted:
+            swap_champion(root, root / "models" / "candidate", tx)
+        dvc(root, "push", "--quiet")  # additive: the remote keeps every version the tags name
+        write_records(root, record, entry, tx)
+        record["commit"] = commit(root, message, f"gen-{generation}", tx)
+        if promoted:
+            move_alias(model_name, version, entry, tx)
+    shutil.rmtree(root / "models" / "champion.prev", ignore_errors=True)
+    record["message"] = message
+    return record
+
+
+def register(root: Path, generation: int, verdict: dict, run_id: str, model_name: str,
+             tx: Transaction) -> str:
+    """The candidate as a new MLflow model version (deleted again if the promotion fails)."""
+    from mlflow import MlflowClient
+
+    from flows import tracking
+
+    version = tracking.register(root / "models" / "candidate", run_id, model_name, {
+        "generation": generation, "passed": verdict["passed"],
+        "candidate_score": verdict["candidate_score"]})
+    tx.done("register", lambda: MlflowClient().delete_model_version(model_name, version))
+    fault("register")
+    return version
+
+
+def _records(root: Path, generation: int, verdict: dict, decision: dict, version: str,
+             promoted: bool, reason: str, model_name: str) -> tuple[dict, dict, str]:
+    from flows import tracking
+
+    record = {"generation": generation, "model_version": version, "promoted": promoted,
+              "reason": reason, "candidate_score": verdict["candidate_score"],
+              "champion_score": verdict["champion_score"], "decision": decision,
+              "inputs": inputs_fingerprint(root), "at": now(),
+              "champion_version": version if promoted else tracking.champion_version(model_name)}
+    entry = {"action": "promote" if promoted else "hold", "generation": generation,
+             "model_version": version, "champion_version": record["champion_version"],
+             "champion_generation": generation if promoted else champion_generation(root),
+             "approver": decision.get("approver"), "reason": reason,
+             "decision": decision["decision"], "gate_summary": gate_summary(verdict),
+             "at": record["at"]}
+    message = (f"gen-{generation}: candidate {verdict['candidate_score']:.3f} vs champion "
+               f"{verdict['champion_score']:.3f} -> "
+               f"{'promoted' if promoted else 'not promoted'} (model version {version}; {reason})")
+    return record, entry, message
+
+
+def champion_generation(root: Path) -> int:
+    """The generation whose weights are the champion, from the log (0 before any promotion)."""
+    changes = [e for e in log_entries(root) if e["action"] in ("init", "promote", "rollback")]
+    return changes[-1]["champion_generation"] if changes else 0
+
+
+def recover(root: Path, model_name: str) -> list[str]:
+    """Put back the committed state a process that died mid-promotion left; returns what it did."""
+    from flows import tracking
+
+    did = []
+    backup = root / "models" / "champion.prev"
+    if backup.exists():  # the old champion, moved aside by an unfinished promotion
+        shutil.rmtree(root / "models" / "champion", ignore_errors=True)
+        backup.rename(root / "models" / "champion")
+        did.append("restored models/champion from models/champion.prev")
+    for path in ("models/champion.dvc", LOG):
+        committed = show(root, "HEAD", path)
+        if committed is not None and _read(root / path) != committed:
+            (root / path).write_bytes(committed)
+            did.append(f"restored {path} as committed")
+    if did:
+        dvc(root, "checkout", "--quiet", "models/champion")
+    entries = log_entries(root)
+    version = entries[-1]["champion_version"] if entries else None
+    if version is not None and str(tracking.champion_version(model_name)) != str(version):
+        tracking.set_champion(model_name, str(version))
+        did.append(f"moved the MLflow alias back to version {version}, as the log says")
+    return did
+
+
+# --- rollback ------------------------------------------------------------------------------
+
+
+def rollback(root: Path, model_name: str, reason: str, approver: str,
+             to: int | None = None) -> dict:
+    """An earlier generation becomes the champion again: weights from DVC, alias, log, commit."""
+    changes = [e for e in log_entries(root) if e["action"] in ("init", "promote", "rollback")]
+    current = changes[-1]["champion_generation"] if changes else None
+    if to is None:  # the champion before the current one
+        earlier = [e["champion_generation"] for e in changes
+                   if e["champion_generation"] != current]
+        if not earlier:
+            raise WorkspaceError("no earlier champion to roll back to (promotions.jsonl has "
+                                 "none); `offseason history` lists the generations")
+        to = earlier[-1]
+    tag = f"gen-{to}"
+    if to == current:
+        raise WorkspaceError(f"{tag} is the champion already")
+    record = read_at(root, tag, "metrics/promotion.json")
+    pointer = show(root, tag, "models/champion.dvc")
+    if record is None or pointer is None or not record.get("promoted"):
+        raise WorkspaceError(f"{tag} was never a champion (no promoted record at git tag {tag}); "
+                             f"`offseason history` shows which generations were")
+    version = str(record["champion_version"])
+    entry = {"action": "rollback", "generation": to, "model_version": version,
+             "champion_version": version, "champion_generation": to, "approver": approver,
+             "reason": reason, "decision": "rollback", "from_generation": current,
+             "gate_summary": f"rollback from gen-{current} to {tag}", "at": now()}
+    path = root / "models" / "champion.dvc"
+    before = _read(path)
+    with Transaction() as tx:
+        tx.done("weights", lambda: (_restore(path, before),
+                                    dvc(root, "checkout", "--quiet", "--force", "models/champion")))
+        path.write_bytes(pointer)
+        # from the local cache, or the DVC remote when this clone has never seen these weights
+        dvc(root, "pull", "--quiet", "--force", "models/champion")
+        log, metrics = root / LOG, root / "metrics" / "promotion.json"
+        saved = (_read(log), _read(metrics))
+        tx.done("log", lambda: (_restore(log, saved[0]), _restore(metrics, saved[1])))
+        append_log(root, entry)
+        # the last cycle's record, with the champion it now has: the inputs stay the last
+        # cycle's, so a rollback alone does not start a cycle on the same traces
+        last = json.loads(saved[1]) if saved[1] else {}
+        io.write_json(metrics, {**last, "champion_version": version, "rollback": entry})
+        commit_hash = commit(root, f"rollback: champion is {tag} again (model version {version}; "
+                                   f"{reason}; by {approver})", None, tx,
+                             [LOG, "models/champion.dvc", "metrics/promotion.json"])
+        move_alias(model_name, version, entry, tx)
+    return {**entry, "commit": commit_hash}

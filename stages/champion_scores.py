@@ -1,0 +1,78 @@
+r"""Champion scores: the champion's per-item results on every benchmark suite, once per champion.
+
+Reads `models/champion` and the suites `data/benchmarks/<suite>.jsonl` (each a `gate.suites.<suite>`
+entry in params.yaml); writes `data/champion_scores.parquet` (suite, id, question, answer, correct,
+format, tool_ok, tokens, completion and the champion's weights hash) and `metrics/champion_scores.json`.
+Its deps are the champion, the suites and this code, so DVC runs it again only when one of them
+changes (a promotion or a rollback); the gate reads these scores instead of scoring the champion
+every cycle. Greedy decoding with `base.seed`, exactly as the gate scores the candidate.
+
+It also keeps `data/forgetting.jsonl` (a persistent output): every item some champion solved, with
+the weights hashes of the champions that solved it (`solved_by`). Each new champion adds its solved
+items and none is ever dropped, so the gate's forgetting guard remembers what older generations
+learned. The gate uses the items an earlier champion solved, not only the current one: items chosen
+because the current champion solved them would favour it (regression to the mean).
+
+    python -m stages.champion_scores models/champion data/champion_scores.parquet data/forgetting.jsonl \
+        metrics/champion_scores.json data/benchmarks/arith.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+
+from stages import config as cfg
+from stages import gate, io, tinylm
+
+
+def run(base: cfg.Base, config: cfg.Gate, champion: Path, suites: list[Path], scores_out: Path,
+        forgetting: Path) -> dict:
+    """Score the champion on every suite and extend the forgetting set; returns the metrics."""
+    tinylm.set_threads(base.threads)
+    items = gate.suite_items(config, suites)
+    weights = gate.weights_hash(champion)
+    rows = [{**row, "champion_weights": weights}
+            for row in gate.score_suites(champion, config, items, base.seed)]
+    io.write_parquet(scores_out, pa.Table.from_pylist(rows))
+    kept = {(r["suite"], r["id"]): r for r in
+            (io.read_jsonl(forgetting) if forgetting.exists() else [])}
+    added = 0
+    for r in rows:
+        if r["correct"] != 1.0:
+            continue
+        entry = kept.setdefault((r["suite"], r["id"]), {
+            "suite": r["suite"], "id": r["id"], "question": r["question"], "answer": r["answer"],
+            "solved_by": []})
+        added += not entry["solved_by"]
+        if weights[:16] not in entry["solved_by"]:
+            entry["solved_by"].append(weights[:16])
+    io.write_jsonl(forgetting, list(kept.values()))
+    per_suite = {}
+    for name in items:
+        scored = [r["correct"] for r in rows if r["suite"] == name and r["correct"] is not None]
+        per_suite[name] = {"items": len(items[name]),
+                           "pass_at_1": round(sum(scored) / len(scored), 4) if scored else None}
+    return {"champion_weights": weights, "suites": per_suite,
+            "forgetting_items": len(kept), "forgetting_added": added}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name in ("champion", "scores", "forgetting", "metrics"):
+        parser.add_argument(name, type=Path)
+    parser.add_argument("suites", type=Path, nargs="+", help="data/benchmarks/<suite>.jsonl")
+    parser.add_argument("--params", default="params.yaml")
+    args = parser.parse_args(argv)
+    metrics = run(cfg.load("base", args.params), cfg.load("gate", args.params), args.champion,
+                  args.suites, args.scores, args.forgetting)
+    io.write_json(args.metrics, metrics)
+    print(f"champion_scores: {metrics['suites']}; forgetting set {metrics['forgetting_items']} "
+          f"items (+{metrics['forgetting_added']})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""The gate's rules on per-item results, its statistics against scipy, and its config."""
+
+import json
+import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from scipy import stats
+
+from stages import arith, champion_scores, gate, sft, tinylm
+from stages import config as cfg
+from stages.init import demonstrations, encode_completion
+
+CONFIG = cfg.Gate(bootstrap_samples=2000, confidence=0.9)
+
+
+def rows(correct, suite="arith", tokens=10, fmt=1.0, tool_ok=1.0):
+    return [{"suite": suite, "id": f"{suite}-{i}", "correct": float(c), "format": fmt,
+             "tool_ok": tool_ok, "tokens": tokens} for i, c in enumerate(correct)]
+
+
+def pairs(candidate, champion):
+    return list(zip(candidate, champion))
+
+
+def bernoulli(p, n, seed):
+    return (np.random.default_rng(seed).random(n) < p).astype(int).tolist()
+
+
+def test_a_clearly_better_candidate_passes():
+    verdict = gate.decide(CONFIG, 0, pairs(rows(bernoulli(0.6, 200, 1)),
+                                           rows(bernoulli(0.3, 200, 2))), set(), [], False)
+    assert verdict["passed"] is True, verdict["reason"]
+    primary = verdict["suites"]["arith"]
+    assert primary["interval"][0] > 0 and verdict["interval"] == primary["interval"]
+    assert verdict["candidate_score"] == primary["candidate"] > verdict["champion_score"]
+    assert primary["mcnemar"]["p_value"] < 0.01
+    assert "every guard held" in verdict["reason"]
+
+
+def test_a_higher_score_within_noise_is_held_back():
+    champion = bernoulli(0.5, 200, 3)
+    candidate = list(champion)
+    flipped = [i for i, c in enumerate(champion) if c == 0][:4]  # +4 items of 200: +2 points
+    for i in flipped:
+        candidate[i] = 1
+    worse = [i for i, c in enumerate(champion) if c == 1][:1]
+    candidate[worse[0]] = 0
+    verdict = gate.decide(CONFIG, 0, pairs(rows(candidate), rows(champion)), set(), [], False)
+    assert verdict["candidate_score"] > verdict["champion_score"]
+    assert verdict["passed"] is False
+    assert "arith: lower bound" in verdict["reason"] and "not clearly better" in verdict["reason"]
+    assert verdict["suites"]["arith"]["mcnemar"] == {"candidate_only": 4, "champion_only": 1,
+                                                     "p_value": 0.375}
+
+
+def test_a_guard_suite_regression_fails_naming_the_suite():
+    config = cfg.Gate(suites={"arith": cfg.Suite(), "hard": cfg.Suite(max_regression=0.05)})
+    good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
+    guard = pairs(rows([0] * 30 + [1] * 70, "hard"), rows([1] * 100, "hard"))
+    verdict = gate.decide(config, 0, good + guard, set(), [], False)
+    assert verdict["suites"]["arith"]["passed"] and not verdict["suites"]["hard"]["passed"]
+    assert verdict["passed"] is False
+    assert verdict["failures"] == [next(r for r in verdict["failures"] if r.startswith("hard:"))]
+    assert "may have regressed beyond the margin" in verdict["reason"]
+    assert verdict["suites"]["hard"]["role"] == "guard"
+
+
+def test_forgetting_and_reward_hacking_guards():
+    champion = rows([1] * 40 + [0] * 160)
+    candidate = rows([0] * 30 + [1] * 130 + [0] * 40)  # much better, but lost what it knew
+    solved = {("arith", f"arith-{i}") for i in range(40)}  # solved by an earlier champion
+    verdict = gate.decide(CONFIG, 0, pairs(candidate, champion), solved, [], False)
+    assert verdict["suites"]["arith"]["passed"] and not verdict["forgetting"]["passed"]
+    assert verdict["forgetting"]["items"] == 40 and "arith/arith-0" in verdict["forgetting"]["lost"]
+    assert "forgetting: lower bound" in verdict["reason"]
+    few = gate.decide(CONFIG, 0, pairs(candidate, champion), set(list(solved)[:29]), [], False)
+    assert few["forgetting"]["skipped"] and "gate.forgetting_min_items=30" in \
+        few["forgetting"]["reason"]
+    # a longer, badly formatted answer with tool errors: each guard names itself
+    better = pairs(rows(bernoulli(0.8, 200, 6), tokens=50, fmt=0.0, tool_ok=0.0),
+                   rows(bernoulli(0.3, 200, 7), tokens=10))
+    verdict = gate.decide(CONFIG, 0, better, set(), [], False)
+    assert verdict["passed"] is False
+    assert {k for k, g in verdict["guards"].items() if not g["passed"]} == \
+        {"length", "format", "tool_ok"}
+    assert verdict["guards"]["length"]["difference"] == 4.0  # 5x as long: +400%
+    assert verdict["forgetting"]["skipped"] is True  # nothing solved before: the first cycle
+
+
+def test_an_unchanged_candidate_never_passes():
+    verdict = gate.decide(cfg.Gate(min_improvement=-1.0), 0,
+                          pairs(rows([1, 0, 1]), rows([1, 0, 1])), set(), [], True)
+    assert verdict["passed"] is False and "unchanged" in verdict["reason"]
+
+
+def test_paired_bootstrap_agrees_with_scipy():
+    rng = np.random.default_rng(11)
+    a = (rng.random(300) < 0.55).astype(float)
+    b = np.where(rng.random(300) < 0.8, a, 1 - a)  # correlated pairs, as two models' items are
+    for confidence in (0.9, 0.95):
+        ours = gate.paired_interval(a, b, 20000, confidence, 0)
+        ref = stats.bootstrap((a, b), lambda x, y, axis: np.mean(x - y, axis=axis), paired=True,
+                              vectorized=True, n_resamples=20000, confidence_level=confidence,
+                              method="percentile", rng=np.random.default_rng(1))
+        assert ours[0] == pytest.approx(ref.confidence_interval.low, abs=0.006)
+        assert ours[1] == pytest.approx(ref.confidence_interval.high, abs=0.006)
+    # relative growth (the length guard) against scipy's ratio of means
+    x, y = rng.integers(5, 30, 300).astype(float), rng.integers(5, 20, 300).astype(float)
+    ours = gate.paired_interval(x, y, 20000, 0.9, 0, relative=True)
+    ref = stats.bootstrap((x, y), lambda p, q, axis: p.mean(axis=axis) / q.mean(axis=axis) - 1,
+                          paired=True, vectorized=True, n_resamples=20000, confidence_level=0.9,
+                          method="percentile", rng=np.random.default_rng(1))
+    assert ours[0] == pytest.approx(ref.confidence_interval.low, abs=0.01)
+    assert ours[1] == pytest.approx(ref.confidence_interval.high, abs=0.01)
+
+
+def test_mcnemar_is_the_exact_binomial_test():
+    a = np.array([1] * 9 + [0] * 2 + [1] * 50)
+    b = np.array([0] * 9 + [1] * 2 + [1] * 50)
+    assert gate.mcnemar(a, b) == {"candidate_only": 9, "champion_only": 2,
+                                  "p_value": round(stats.binomtest(9, 11).pvalue, 6)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models")
+    tokenizer = tinylm.build_tokenizer(arith)
+    for name, steps in (("champion", 5), ("candidate", 30)):
+        model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64,
+                                   seed=0)
+        sft.train(model, demonstrations(tokenizer, arith, random.Random(0), 0.5, 16), steps=steps,
+                  lr=1e-2, tokenizer=tokenizer, seed=0)
+        tinylm.save(model, tokenizer, folder / name)
+    return folder
+
+
+def test_contaminated_benchmark_fails_naming_the_items(tmp_path, tiny):
+    bench = tmp_path / "arith.jsonl"
+    arith.write_benchmark(bench, size=12)
+    items = [line for line in bench.read_text().splitlines()]
+    leaked = [json.loads(items[3]), json.loads(items[7])]
+    config = cfg.Gate(min_improvement=-1.0, bootstrap_samples=100, max_length_increase=100,
+                      max_format_regression=1, max_tool_error_regression=1,
+                      forgetting_max_regression=1)
+    scores, forgetting = tmp_path / "scores.parquet", tmp_path / "forgetting.jsonl"
+    metrics = champion_scores.run(cfg.Base(), config, tiny / "champion", [bench], scores,
+                                  forgetting)
+    assert metrics["suites"]["arith"]["items"] == 12
+    assert pq.read_table(scores).num_rows == 12
+    # this cycle's rewards ask one benchmark question (spaced differently), the replay another
+    tokenizer = tinylm.build_tokenizer(arith)
+    rewards = tmp_path / "rewards.parquet"
+    q = leaked[0]["question"]
+    pq.write_table(pa.Table.from_pylist([{"prompt": arith.prompt(q.replace("*", " * ")
+                                                                 .replace("+", " + "))},
+                                         {"prompt": arith.prompt("1+1000")}]), rewards)
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    ids, mask = encode_completion(tokenizer, arith, arith.prompt(leaked[1]["question"]),
+                                  arith.demonstration(leaked[1]["question"], use_tool=True))
+    pq.write_table(pa.Table.from_pylist([{"task_id": "t", "completion": "", "token_ids": ids,
+                                          "model_mask": mask}]), replay / "part-0.parquet")
+    verdict = gate.run(cfg.Base(), config, tiny / "candidate", scores, forgetting, rewards,
+                       replay, [bench], tmp_path / "gate.parquet")
+    assert verdict["passed"] is False
+    assert verdict["contamination"]["items"] == sorted([f"arith/{leaked[0]['id']}",
+                                                        f"arith/{leaked[1]['id']}"])
+    assert f"arith/{leaked[0]['id']}" in verdict["reason"]
+    assert "contamination: 2 benchmark items" in verdict["reason"]
+    # the same without the leak: only the contamination rule changes
+    rewards.unlink()
+    for part in replay.iterdir():
+        part.unlink()
+    clean = gate.run(cfg.Base(), config, tiny / "candidate", scores, forgetting, rewards, replay,
+                     [bench], tmp_path / "gate.parquet")
+    assert clean["contamination"]["passed"] and clean["contamination"]["items"] == []
+
+
+def test_forgetting_set_keeps_what_any_champion_solved(tmp_path, tiny):
+    bench = tmp_path / "arith.jsonl"
+    arith.write_benchmark(bench, size=30)
+    scores, forgetting = tmp_path / "scores.parquet", tmp_path / "forgetting.jsonl"
+    config = cfg.Gate()
+    first = champion_scores.run(cfg.Base(), config, tiny / "champion", [bench], scores,
+                                forgetting)
+    second = champion_scores.run(cfg.Base(), config, tiny / "candidate", [bench], scores,
+                                 forgetting)
+    kept = [r["id"] for r in pq.read_table(scores).to_pylist() if r["correct"] == 1.0]
+    assert first["forgetting_items"] + second["forgetting_added"] == second["forgetting_items"]
+    lines = {line["id"]: line for line in map(json.loads, forgetting.read_text().splitlines())}
+    assert set(kept) <= set(lines)
+    hashes = {gate.weights_hash(tiny / name)[:16] for name in ("champion", "candidate")}
+    assert all(set(line["solved_by"]) <= hashes and line["solved_by"] for line in lines.values())
+    # run again for the same champion (a rerun stage): nothing is added twice
+    again = champion_scores.run(cfg.Base(), config, tiny / "candidate", [bench], scores,
+                                forgetting)
+    assert (again["forgetting_items"], again["forgetting_added"]) == \
+        (second["forgetting_items"], 0)
+
+
+def test_nested_suite_params_name_the_full_key(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"gate": {"suites": {"arith": {"max_regresion": 0.1}}}}))
+    with pytest.raises(cfg.ParamsError, match=r"unknown key 'gate.suites.arith.max_regresion' "
+                                              r"\(did you mean 'gate.suites.arith.max_regression'"):
+        cfg.load("gate", path)
+    path.write_text(yaml.safe_dump({"gate": {"primary": "code", "suites": {"arith": {}}}}))
+    with pytest.raises(cfg.ParamsError, match="gate.primary: 'code' is not one of gate.suites"):
+        cfg.load("gate", path)
+    path.write_text(yaml.safe_dump({"gate": {"suites": {"arith": {"environment": "cobol"}}}}))
+    with pytest.raises(cfg.ParamsError, match="gate.suites.arith.environment: unknown"):
+        cfg.load("gate", path)
+    path.write_text(yaml.safe_dump({"gate": {"suites": {"arith": {"max_regression": "lots"}}}}))
+    with pytest.raises(cfg.ParamsError, match="gate.suites.arith.max_regression: expected a num"):
+        cfg.load("gate", path)
+    path.write_text(yaml.safe_dump({"promotion": {"approval_timeout": 0}}))
+    with pytest.raises(cfg.ParamsError, match="promotion.approval_timeout: must be > 0"):
+        cfg.load("promotion", path)
+
+
+def test_suite_paths_and_params_must_match(tmp_path):
+    arith.write_benchmark(tmp_path / "arith.jsonl", size=3)
+    arith.write_benchmark(tmp_path / "code.jsonl", size=3)
+    with pytest.raises(cfg.ParamsError, match="code.jsonl: no params entry gate.suites.code"):
+        gate.suite_items(cfg.Gate(), [tmp_path / "arith.jsonl", tmp_path / "code.jsonl"])
+    two = cfg.Gate(suites={"arith": cfg.Suite(), "code": cfg.Suite()})
+    with pytest.raises(cfg.ParamsError, match="gate.suites.code: no data/benchmarks/code.jsonl"):
+        gate.suite_items(two, [tmp_path / "arith.jsonl"])
+    assert [len(v) for v in gate.suite_items(two, [tmp_path / "arith.jsonl",
+                                                   tmp_path / "code.jsonl"]).values()] == [3, 3]

@@ -1,0 +1,231 @@
+"""Approval through real Prefect flow runs, the promotion transaction, its log, and rollback."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from conftest import BIN, REPO, cli_env, make_project, offseason
+
+pytestmark = pytest.mark.slow
+
+FLOW = '''
+import json, sys
+from prefect import flow
+from flows.promotion import await_approval
+from stages import config as cfg
+
+VERDICT = {"passed": True, "candidate_score": 0.6, "champion_score": 0.4, "difference": 0.2,
+           "interval": [0.1, 0.3], "confidence": 0.9, "primary": "arith", "failures": []}
+
+@flow(name="approval-check", flow_run_name="gen-" + sys.argv[1])
+def check(timeout: int):
+    return await_approval(int(sys.argv[1]), VERDICT,
+                          cfg.Promotion(require_approval=True, approval_timeout=timeout))
+
+if __name__ == "__main__":
+    print("DECISION " + json.dumps(check(int(sys.argv[2]))), flush=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    """A real Prefect server on 127.0.0.1, shared by the flow runs and the CLI as a team would
+    share one (`offseason ui`). The embedded default works too, each process opening the same
+    database in PREFECT_HOME through a temporary server, but every command then pays for starting
+    one, which makes a test of three decisions slow."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home = tmp_path_factory.mktemp("prefect-server")
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
+                               "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            time.sleep(1)
+    else:
+        server.kill()
+        pytest.fail("the Prefect server did not start within 240 s")
+    yield {"PREFECT_API_URL": url, "PREFECT_HOME": str(home)}
+    os.killpg(server.pid, signal.SIGTERM)
+    server.wait(timeout=60)
+
+
+def cli(root, api, *args, check=True):
+    result = subprocess.run([str(BIN / "offseason"), *args], cwd=root, capture_output=True,
+                            text=True, env={**cli_env(root), **api})
+    if check and result.returncode != 0:
+        raise AssertionError(f"offseason {' '.join(args)}: {result.stdout}\n{result.stderr}")
+    return result
+
+
+def start_flow(root, api, generation, timeout):
+    env = {**cli_env(root), **api, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, str(root / "flowcheck.py"), str(generation),
+                             str(timeout)], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def decision(proc):
+    out, _ = proc.communicate(timeout=300)
+    line = next((line for line in out.splitlines() if line.startswith("DECISION ")), None)
+    assert line, out[-3000:]
+    return json.loads(line[len("DECISION "):]), out
+
+
+def test_approve_reject_and_timeout_through_prefect(tmp_path, prefect_api):
+    root = make_project(tmp_path / "p")
+    (root / "flowcheck.py").write_text(FLOW)
+    approve, reject = start_flow(root, prefect_api, 1, 600), start_flow(root, prefect_api, 2, 600)
+    timeout = start_flow(root, prefect_api, 3, 4)
+    waiting = {}
+    deadline = time.time() + 240
+    while len(waiting) < 2 and time.time() < deadline:
+        listing = cli(root, prefect_api, "pending").stdout
+        waiting = {line.split()[1]: line.split()[0] for line in listing.splitlines()
+                   if line[:1].strip() and len(line.split()) > 2 and line.split()[1] in
+                   ("gen-1", "gen-2")}
+    assert set(waiting) == {"gen-1", "gen-2"}, listing
+    assert "gen-1: arith: candidate 0.600 vs champion 0.400" in listing  # the gate summary
+    cli(root, prefect_api, "approve", waiting["gen-1"], "--reason", "clearly better",
+        "--approver", "alice")
+    out = cli(root, prefect_api, "reject", waiting["gen-2"], "--reason", "wait for the audit")
+    assert "rejected" in out.stdout
+    approved, _ = decision(approve)
+    assert (approved["decision"], approved["approver"], approved["reason"]) == \
+        ("approved", "alice", "clearly better")
+    rejected, _ = decision(reject)
+    assert rejected["decision"] == "rejected" and rejected["reason"] == "wait for the audit"
+    timed_out, log = decision(timeout)
+    assert timed_out["decision"] == "timeout" and "approval_timeout=4s" in timed_out["reason"]
+    assert "Finished in state Completed" in log  # the run goes on, it is not failed
+    again = cli(root, prefect_api, "approve", waiting["gen-1"], "--reason", "twice", check=False)
+    assert again.returncode == 2 and "is not waiting for a decision" in again.stderr
+
+
+def weights(root, folder="models/champion"):
+    return hashlib.sha256((root / folder / "model.safetensors").read_bytes()).hexdigest()
+
+
+def git(root, *args, check=True):
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                          check=check).stdout.strip()
+
+
+PASSED = {"passed": True, "candidate_score": 0.5, "champion_score": 0.1, "difference": 0.4,
+          "interval": [0.3, 0.5], "confidence": 0.9, "primary": "arith", "failures": [],
+          "reason": "lower bound +0.300 > 0.0; every guard held"}
+
+
+def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(tmp_path,
+                                                                          monkeypatch):
+    import mlflow
+    import torch
+
+    from flows import promotion, tracking
+    from stages import tinylm
+
+    root = make_project(tmp_path / "p")
+    offseason(root, "init")
+    gen0 = weights(root)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
+    client = mlflow.MlflowClient()
+    run_id = client.create_run(tracking.experiment(root), run_name="gen-1").info.run_id
+    # a real, different candidate: the champion with its weights moved a little
+    model, tokenizer = tinylm.load(root / "models/champion")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    tinylm.save(model, tokenizer, root / "models/candidate")
+    candidate = weights(root, "models/candidate")
+    not_required = {"decision": "not-required", "approver": None, "reason": "-"}
+    name = "offseason-agent"
+    committed = {p: git(root, "show", f"HEAD:{p}") for p in ("models/champion.dvc",
+                                                               "promotions.jsonl",
+                                                               "metrics/promotion.json")}
+
+    def consistent():
+        assert weights(root) == gen0
+        assert {p: (root / p).read_text().strip() for p in committed} == committed
+        assert git(root, "status", "--porcelain", "--", *committed) == ""
+        assert "gen-1" not in git(root, "tag", "--list").split()
+        assert not (root / "models/champion.prev").exists()
+        assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
+        assert [str(v.version) for v in client.search_model_versions(f"name = '{name}'")] == ["1"]
+        assert promotion.recover(root, name) == []  # the next cycle finds nothing to repair
+
+    # 1. git refuses the commit (a real failure: a pre-commit hook), after the weights moved
+    hook = root / ".git/hooks/pre-commit"
+    hook.write_text("#!/bin/sh\necho 'commits are frozen' >&2\nexit 1\n")
+    hook.chmod(0o755)
+    with pytest.raises(Exception, match="commits are frozen"):
+        promotion.promote(root, 1, PASSED, not_required, run_id, name)
+    consistent()
+    hook.unlink()
+    # 2. the MLflow step fails after the commit and tag: both are taken back
+    monkeypatch.setenv("OFFSEASON_FAIL_AT", "promote:mlflow")
+    with pytest.raises(promotion.PromotionFailed, match="promote:mlflow"):
+        promotion.promote(root, 1, PASSED, not_required, run_id, name)
+    consistent()
+    monkeypatch.delenv("OFFSEASON_FAIL_AT")
+
+    # the next attempt goes through: every record agrees
+    record = promotion.promote(root, 1, PASSED, not_required, run_id, name)
+    assert record["promoted"] and weights(root) == candidate
+    assert git(root, "rev-parse", "gen-1") == git(root, "rev-parse", "HEAD") == record["commit"]
+    assert git(root, "status", "--porcelain", "--", *committed) == ""
+    version = record["model_version"]
+    assert str(client.get_model_version_by_alias(name, "champion").version) == str(version)
+    tags = client.get_model_version(name, version).tags
+    assert tags["gate_summary"].startswith("arith: candidate 0.500 vs champion 0.100")
+    assert any(k.startswith("alias.") and json.loads(v)["action"] == "promote"
+               for k, v in tags.items())
+    log = [json.loads(line) for line in (root / "promotions.jsonl").read_text().splitlines()]
+    assert [e["action"] for e in log] == ["init", "promote"]
+
+    # a process that died mid-promotion (weights swapped, alias moved): recover() repairs it
+    (root / "models/champion").rename(root / "models/champion.prev")
+    subprocess.run(["cp", "-r", str(root / "models/candidate"), str(root / "models/champion")],
+                   check=True)
+    (root / "models/champion.dvc").write_text("outs:\n- path: champion\n")
+    tracking.set_champion(name, "1")
+    assert len(promotion.recover(root, name)) == 3
+    assert weights(root) == candidate
+    assert str(client.get_model_version_by_alias(name, "champion").version) == str(version)
+
+    # rollback: the weights come back from the DVC remote (the local cache is gone)
+    shutil.rmtree(root / ".dvc/cache")
+    out = offseason(root, "rollback", "--reason", "answers got worse in production",
+                    "--approver", "bob")
+    assert "gen-0 is the champion again" in out.stdout
+    assert weights(root) == gen0
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
+    last = json.loads((root / "promotions.jsonl").read_text().splitlines()[-1])
+    assert (last["action"], last["generation"], last["from_generation"], last["approver"]) == \
+        ("rollback", 0, 1, "bob")
+    assert last["reason"] == "answers got worse in production"
+    assert git(root, "status", "--porcelain", "--", *committed) == ""
+    assert client.get_model_version(name, "1").tags["approver"] == "bob"
+    rows = json.loads(offseason(root, "history", "--json").stdout)
+    assert [r["champion"] for r in rows] == [True, False]
+    offseason(root, "rollback", "--to", "gen-1", "--reason", "the fix is out")
+    assert weights(root) == candidate
+    assert str(client.get_model_version_by_alias(name, "champion").version) == str(version)
+    wrong = offseason(root, "rollback", "--to", "gen-7", "--reason", "x", check=False)
+    assert wrong.returncode == 2 and "gen-7 was never a champion" in wrong.stderr
