@@ -22,9 +22,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from flows import tracking
+from flows import notify, overrides, tracking
+from flows import report as cycle_report
+from flows.serve import workspace_slot
 from flows.workspace import (
     WorkspaceError,
     configure_env,
@@ -114,41 +115,40 @@ def commit_and_tag(root: Path, generation: int, message: str) -> str:
     return git(root, "rev-parse", "HEAD")
 
 
-def report(root: Path, generation: int, metrics: dict, record: dict) -> str:
-    ingest, validate, reward, train, gate = (metrics.get(s, {}) for s in
-                                             ("ingest", "validate", "reward", "train", "gate"))
-    lines = [
-        f"# offseason cycle gen-{generation}: "
-        f"{'promoted' if record['promoted'] else 'not promoted'}",
-        "",
-        f"- **Traces**: {ingest.get('rows_read', 0)} read, {ingest.get('accepted', 0)} accepted, "
-        f"{ingest.get('quarantined', 0)} quarantined at ingest, {ingest.get('duplicates', 0)} "
-        f"duplicates; {validate.get('quarantined', 0)} quarantined by validation",
-        f"- **Drift** from the previous cycle: task mix distance "
-        f"{validate.get('drift', {}).get('task_mix_distance')}, new tools "
-        f"{validate.get('drift', {}).get('new_tools')}; PII scrubbed "
-        f"{ingest.get('pii_redactions')}",
-        f"- **Data Docs** (Great Expectations): [{root / 'data/docs/index.html'}]"
-        f"({(root / 'data/docs/index.html').as_uri()})",
-        f"- **Rewards**: mean {reward.get('mean_reward')}, pass@k {reward.get('pass_at_k')} over "
-        f"{reward.get('episodes')} episodes",
-        f"- **Training**: {train.get('examples')} examples, final loss {train.get('final_loss')}"
-        if train.get("trained") else f"- **Training**: skipped ({train.get('reason')})",
-        f"- **Gate**: candidate {gate.get('candidate_score')} vs champion "
-        f"{gate.get('champion_score')}, difference {gate.get('difference')} with "
-        f"{gate.get('confidence')} interval {gate.get('interval')}: {gate.get('reason')}",
-        f"- **Model version**: {record['model_version']}; champion is version "
-        f"{record['champion_version']}",
-    ]
-    return "\n".join(lines)
-
-
 @flow(name="offseason-cycle", log_prints=True)
-def cycle(repo: str = ".") -> dict:
-    """One continuous-learning cycle over the stages of dvc.yaml, then promotion."""
-    logger = get_run_logger()
+def cycle(repo: str = ".", algorithm: str | None = None, samples_per_task: int | None = None,
+          epochs: float | None = None, require_approval: bool | None = None) -> dict:
+    """One continuous-learning cycle over the stages of dvc.yaml, then promotion.
+
+    Args:
+        repo: the project folder.
+        algorithm: train.algorithm for this run (empty: params.yaml's value).
+        samples_per_task: rollout.samples_per_task for this run (empty: params.yaml's value).
+        epochs: train.epochs for this run (empty: params.yaml's value).
+        require_approval: promotion.require_approval for this run (empty: params.yaml's value).
+
+    """
     root = find_root(repo)
     configure_env(root)
+    changes = overrides.from_parameters(algorithm=algorithm, samples_per_task=samples_per_task,
+                                        epochs=epochs, require_approval=require_approval)
+    with workspace_slot(root), overrides.applied(root, changes):
+        try:
+            result = run_cycle(root, changes)
+        except BaseException as err:
+            notify.send("failed", f"cycle in {root} failed: {type(err).__name__}: {err}",
+                        workspace=str(root))
+            raise
+    if result.get("status") == "done":
+        notify.send("promoted" if result["promoted"] else "rejected", result["message"],
+                    workspace=str(root), **{k: result[k] for k in
+                                            ("generation", "model_version", "run_id", "commit")})
+    return result
+
+
+def run_cycle(root: Path, changes: dict) -> dict:
+    """The cycle's steps, inside the flow run (params.yaml already holds this run's overrides)."""
+    logger = get_run_logger()
     configs = cfg.load_all(root / "params.yaml")
     if not (root / "models" / "champion.dvc").exists():
         raise WorkspaceError("no champion yet (models/champion.dvc is missing); run "
@@ -168,6 +168,8 @@ def cycle(repo: str = ".") -> dict:
         return {"status": "nothing-changed", "message": message}
     generation = (last[-1] + 1) if last else 1
     logger.info("cycle gen-%d: %s", generation, "; ".join(reasons))
+    if changes:
+        logger.info("run overrides (written into params.yaml for this run): %s", changes)
 
     import mlflow
 
@@ -196,6 +198,9 @@ def cycle(repo: str = ".") -> dict:
                 return {"status": "no-new-traces", "message": message, "run_id": run_id}
         verdict = metrics["gate"]
         record = promote(root, generation, verdict, run_id, configs["base"].registered_model)
+        if changes:  # the values this run used instead of the standing params.yaml
+            record["overrides"] = changes
+            io.write_json(root / "metrics" / "promotion.json", record)
         message = (f"gen-{generation}: candidate {verdict['candidate_score']:.3f} vs champion "
                    f"{verdict['champion_score']:.3f} -> "
                    f"{'promoted' if record['promoted'] else 'not promoted'} "
@@ -213,12 +218,8 @@ def cycle(repo: str = ".") -> dict:
     except BaseException:
         client.set_terminated(run_id, status="FAILED")
         raise
-    markdown = report(root, generation, metrics, record)
-    create_markdown_artifact(markdown, key="cycle-report", description=f"gen-{generation}")
-    create_table_artifact([{"stage": s, "reran": reran[s],
-                            **{k: v for k, v in tracking.numeric(metrics[s]).items()
-                               if "." not in k}} for s in STAGES],
-                          key="cycle-metrics", description=f"gen-{generation}")
+    cycle_report.publish(root, generation, metrics, reran, record,
+                         experiment_id=experiment_id, run_id=run_id)
     logger.info(message)
     return {"status": "done", "generation": generation, "message": message, "run_id": run_id,
             "commit": commit, "promoted": record["promoted"], "reran": reran,
