@@ -278,8 +278,17 @@ def cmd_serve(args) -> int:
     root = find_root()
     configure_env(root)
     cfg.load_all(root / "params.yaml")
-    from flows import serve
+    import os
 
+    from flows import serve
+    from flows.ui import answers
+
+    if not os.environ.get("PREFECT_API_URL"):
+        # deployments need a Prefect server that outlives this process: `offseason ui`'s
+        if not answers("http://127.0.0.1:4200/api/health"):
+            raise WorkspaceError("no Prefect server to register the deployments with: start "
+                                 "`offseason ui` in another terminal, or set PREFECT_API_URL")
+        os.environ["PREFECT_API_URL"] = "http://127.0.0.1:4200/api"
     if args.work_pool:
         ids = serve.deploy(root, args.work_pool)
         print(f"serve: {len(ids)} deployments registered to work pool {args.work_pool!r}; start "

@@ -174,8 +174,8 @@ def inbox_files_of(root: Path, traces_md5: str | None, ids: set[str]) -> dict[st
 
 
 def champion_generation(root: Path, champion_md5: str | None, before: int) -> int | None:
-    """The latest earlier generation whose committed champion has this hash."""
-    for generation in reversed([g for g in generations(root) if g < before]):
+    """The earlier generation that made these weights: the first whose champion has this hash."""
+    for generation in [g for g in generations(root) if g < before]:
         if pointer_hash(root, f"gen-{generation}", "models/champion.dvc") == champion_md5:
             return generation
     return None

@@ -351,7 +351,7 @@ def lineage_svg(chain: dict) -> str:
                      f'font-weight="{"bold" if kind != "data" else "normal"}">'
                      f'{_esc(label[:30])}</text>'
                      f'<text x="{x + box_w / 2:.0f}" y="{y + 32:.0f}" text-anchor="middle" '
-                     f'fill="#666" font-size="9">{_esc(md5[:32])}</text></g>')
+                     f'fill="#666" font-size="9">{_esc(md5[:26])}</text></g>')
     parts.append("</svg>")
     return "".join(parts)
 
