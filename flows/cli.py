@@ -122,10 +122,12 @@ def cmd_run(args) -> int:
     root = find_root()
     configure_env(root)
     cfg.load_all(root / "params.yaml")  # fail before any stage (or Prefect) starts
-    from flows.cycle import cycle
+    from flows.cycle import cycle, nothing_changed
 
     with cycle_lock(root, "offseason run"):
-        result = cycle(str(root))
+        # checked before Prefect's temporary server starts: a no-change run takes seconds
+        message = nothing_changed(root)
+        result = {"message": message} if message else cycle(str(root))
     print(f"run: {result['message']}")
     return 0
 

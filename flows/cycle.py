@@ -51,6 +51,23 @@ def changed_since_last_cycle(root: Path) -> list[str]:
     return [words[key] for key in now if now[key] != last.get(key)]
 
 
+def nothing_changed(root: Path) -> str | None:
+    """Before any Prefect or MLflow start: the no-change message when the inbox snapshot is up
+    to date and inbox, params and code all equal the last cycle's; else None (run the cycle).
+    """
+    if not (root / "data" / "inbox.dvc").exists():
+        return None
+    try:  # `dvc status -q` exits 1 when the inbox differs from its snapshot
+        dvc(root, "status", "--quiet", "data/inbox.dvc")
+    except WorkspaceError:
+        return None
+    if changed_since_last_cycle(root):
+        return None
+    last = generations(root)
+    return (f"nothing changed since gen-{last[-1] if last else 0} (no new traces, same params, "
+            f"same code): nothing to learn from, no stage reran")
+
+
 @task(task_run_name="{stage}")
 def run_stage(root: Path, stage: str) -> bool:
     """Run one DVC stage, streaming its output into the Prefect log; returns whether it reran."""
