@@ -207,7 +207,7 @@ def plot_history(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("pass@1 on the held-out benchmark")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -152,7 +152,7 @@ def cycle(repo: str = ".", algorithm: str | None = None, samples_per_task: int |
     with workspace_slot(root), overrides.applied(root, changes):
         try:
             result = run_cycle(root, changes)
-        except BaseException as err:
+        except Exception as err:  # not Prefect's pause/suspend signals (BaseException)
             notify.send("failed", f"cycle in {root} failed: {type(err).__name__}: {err}",
                         workspace=str(root))
             raise

@@ -50,16 +50,22 @@ def yaml_at(root: Path, ref: str, path: str) -> dict:
 # --- the DVC object store: cache and remote --------------------------------------------------
 
 def stores(root: Path) -> dict[str, Path]:
-    """Where DVC keeps objects: the cache and the default remote, if it is a local folder."""
+    """Where DVC keeps objects: the cache and every remote that is a local folder."""
+    import configparser
+    import re
+
     found = {"cache": root / ".dvc" / "cache"}
-    out = run(["git", "config", "--file", str(root / ".dvc" / "config"), "--get-regexp",
-               r"remote\..*\.url"], root, check=False).stdout.split("\n")
-    for line in out:
-        if not line.strip():
+    for name in ("config", "config.local"):
+        path = root / ".dvc" / name
+        if not path.exists():
             continue
-        key, url = line.split(None, 1)
-        if "://" not in url:  # a local folder, relative to .dvc/
-            found[f"remote {key.split('.')[1].strip(chr(34))}"] = (root / ".dvc" / url).resolve()
+        parser = configparser.ConfigParser(interpolation=None)
+        parser.read_string(path.read_text())
+        for section in parser.sections():
+            match = re.fullmatch(r"""'?remote\s+"([^"]+)"'?""", section.strip())
+            url = parser.get(section, "url", fallback="")
+            if match and url and "://" not in url:  # a local folder, relative to .dvc/
+                found[f"remote {match.group(1)}"] = (root / ".dvc" / url).resolve()
     return found
 
 
@@ -162,7 +168,7 @@ def training_trace_ids(root: Path, replay_md5: str, cache: dict) -> set[str]:
 def inbox_files_of(root: Path, traces_md5: str | None, ids: set[str]) -> dict[str, int]:
     """Which inbox file each trace came from (data/traces/ keeps source_file): file -> count."""
     counts: dict[str, int] = {}
-    if not traces_md5:
+    if not traces_md5 or not ids:
         return counts
     for entry in manifest(root, traces_md5):
         if not entry["relpath"].endswith(".parquet"):
@@ -228,7 +234,7 @@ def _registered_name(root: Path) -> str:
     return (params.get("base") or {}).get("registered_model", "offseason-agent")
 
 
-def lineage(root: Path, ref: str, *, with_mlflow: bool = True) -> dict:
+def lineage(root: Path, ref: str, *, with_mlflow: bool = True, with_traces: bool = True) -> dict:
     """The whole chain of one generation, as a JSON-able dict."""
     generation = resolve(root, ref)
     tag = f"gen-{generation}"
@@ -267,7 +273,7 @@ def lineage(root: Path, ref: str, *, with_mlflow: bool = True) -> dict:
         out["started_from"] = {"md5": start_md5, "generation": parent,
                                "tag": None if parent is None else f"gen-{parent}",
                                "model_version": parent_record.get("champion_version")}
-        replay = out_hash(stages, "data/replay")
+        replay = out_hash(stages, "data/replay") if with_traces else None
         ids = training_trace_ids(root, replay, {}) if replay else set()
         out["training_traces"] = sorted(ids)
         out["inbox_files"] = inbox_files_of(root, out_hash(stages, "data/traces"), ids)
@@ -362,7 +368,7 @@ def _check_git(root: Path, tag: str, path: str, md5: str) -> tuple[str, list[str
 
 def verify(root: Path, ref: str) -> dict:
     """Check every hash a generation recorded; returns the findings (`ok` is the verdict)."""
-    chain = lineage(root, ref, with_mlflow=False)
+    chain = lineage(root, ref, with_mlflow=False, with_traces=False)  # reads no object yet
     tag = chain["tag"]
     # what git holds at the tag (code, benchmarks, `cache: false` metrics) is checked in git;
     # everything else must be in the DVC cache or the remote

@@ -110,8 +110,8 @@ def test_verify_names_a_tampered_and_a_missing_file(learned, tmp_path):
         # the remote's copy alone is enough
         assert "all hashes resolve" in offseason(learned, "lineage", "--verify", "gen-2").stdout
     finally:
-        if not cached.exists():
-            shutil.copy2(backup, cached)
+        cached.unlink(missing_ok=True)
+        shutil.copy2(backup, cached)
 
 
 def test_trace_finds_every_generation_that_learned_from_it(learned):

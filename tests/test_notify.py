@@ -69,3 +69,15 @@ def test_an_unreachable_webhook_is_never_fatal(monkeypatch, caplog):
 def test_no_webhook_configured_sends_nothing(monkeypatch):
     monkeypatch.delenv("OFFSEASON_WEBHOOK_URL", raising=False)
     assert notify.send("promoted", "x") is False
+
+
+@pytest.mark.slow
+def test_a_failed_cycle_posts_a_failure(webhook, tmp_path):
+    from conftest import make_project, offseason
+
+    root = make_project(tmp_path / "p")
+    result = offseason(root, "run", check=False)  # no champion yet: the flow fails
+    assert result.returncode == 2 and "offseason init" in result.stderr
+    (_, body), = webhook["bodies"]
+    assert body["event"] == "failed" and "no champion yet" in body["message"]
+    assert body["workspace"] == str(root)

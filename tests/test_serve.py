@@ -151,3 +151,22 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(project, prefect_ser
     finally:
         stop(serve)
     assert serve.returncode is not None
+
+    # the same deployments, sent to a process work pool, run by a worker of that pool
+    env = {**cli_env(project), "PREFECT_API_URL": prefect_server}
+    subprocess.run([str(BIN / "prefect"), "work-pool", "create", "offseason-process", "--type",
+                    "process"], env=env, check=True, capture_output=True)
+    out = subprocess.run([str(BIN / "offseason"), "serve", "--work-pool", "offseason-process"],
+                         cwd=project, env=env, capture_output=True, text=True, check=True)
+    assert "3 deployments registered to work pool 'offseason-process'" in out.stdout
+    with temporary_settings({PREFECT_API_URL: prefect_server}), \
+            get_client(sync_client=True) as client:
+        manual = client.read_deployment_by_name("offseason-cycle/manual")
+        assert manual.work_pool_name == "offseason-process"
+        run = client.create_flow_run_from_deployment(manual.id)
+        worker = subprocess.run([str(BIN / "prefect"), "worker", "start", "--pool",
+                                 "offseason-process", "--run-once"], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=600)
+        final = client.read_flow_run(run.id)
+        assert final.state.is_completed(), worker.stdout[-3000:] + worker.stderr[-3000:]
+    assert "nothing changed since gen-1" in worker.stdout + worker.stderr
