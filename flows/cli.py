@@ -9,6 +9,10 @@
     offseason demo        init (if needed), then simulate + run three times, then the history
     offseason check       check params.yaml and print it with every default filled in
     offseason rescore     re-score stored rollouts after the verifier changed (a new VERSION)
+    offseason ui          the Prefect and MLflow UIs of this workspace, on 127.0.0.1
+    offseason serve       run the scheduled and manual deployments of params.yaml's `deployments:`
+    offseason lineage     a generation's whole chain, back to its traces; --verify, --trace
+    offseason report      a static HTML page: scores, rewards, quarantine, a lineage graph
 
 Run from the project folder (where dvc.yaml is). Each command's --help says more.
 """
@@ -130,15 +134,19 @@ def cmd_run(args) -> int:
     root = find_root()
     configure_env(root)
     cfg.load_all(root / "params.yaml")  # fail before any stage (or Prefect) starts
-    from flows.cycle import cycle
+    from flows.cycle import cycle, nothing_changed
 
     with cycle_lock(root, "offseason run"):
-        result = cycle(str(root))
+        # checked before Prefect's temporary server starts: a no-change run takes seconds
+        message = nothing_changed(root)
+        result = {"message": message} if message else cycle(str(root))
     print(f"run: {result['message']}")
     return 0
 
 
 def history_rows(root: Path) -> list[dict]:
+    from flows.lineage import approver_of
+
     rows = []
     for generation in generations(root):
         tag = f"gen-{generation}"
@@ -157,7 +165,8 @@ def history_rows(root: Path) -> list[dict]:
         rows.append({"tag": tag, "date": date, "new_traces": traces, "score": score,
                      "champion_score": champ, "difference_interval": interval,
                      "verdict": verdict, "model_version": promotion.get("model_version"),
-                     "promoted": promotion.get("promoted", False)})
+                     "promoted": promotion.get("promoted", False),
+                     "approver": approver_of(promotion)})
     current = max((i for i, r in enumerate(rows) if r["promoted"]), default=None)
     if (root / "promotions.jsonl").exists():  # the promotion log knows about rollbacks
         from flows.promotion import champion_generation
@@ -171,7 +180,8 @@ def history_rows(root: Path) -> list[dict]:
 
 def print_history(rows: list[dict]) -> None:
     header = f"{'generation':<11}{'date':<12}{'traces':>7}{'pass@1':>8}{'vs champ':>10}" \
-             f"{'interval of difference':>26}  {'verdict':<10}{'version':>8}  champion"
+             f"{'interval of difference':>26}  {'verdict':<10}{'version':>8}  {'approver':<12}" \
+             f"champion"
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -180,7 +190,8 @@ def print_history(rows: list[dict]) -> None:
             f"[{r['difference_interval'][0]:+.3f}, {r['difference_interval'][1]:+.3f}]"
         print(f"{r['tag']:<11}{r['date']:<12}{r['new_traces'] if r['new_traces'] is not None else '-':>7}"
               f"{fmt(r['score']):>8}{fmt(r['champion_score']):>10}{interval:>26}  "
-              f"{r['verdict']:<10}{str(r['model_version']):>8}  {'*' if r['champion'] else ''}")
+              f"{r['verdict']:<10}{str(r['model_version']):>8}  {r.get('approver') or '':<12}"
+              f"{'*' if r['champion'] else ''}")
 
 
 def plot_history(rows: list[dict], path: Path) -> None:
@@ -213,7 +224,7 @@ def plot_history(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("pass@1 on the held-out benchmark")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -414,6 +425,68 @@ def cmd_rescore(args) -> int:
     return 0
 
 
+def cmd_ui(args) -> int:
+    root = find_root()
+    configure_env(root)
+    from flows.ui import serve_ui
+
+    return serve_ui(root, args.prefect_port, args.mlflow_port)
+
+
+def cmd_serve(args) -> int:
+    root = find_root()
+    configure_env(root)
+    cfg.load_all(root / "params.yaml")
+    import os
+
+    from flows import serve
+    from flows.ui import answers
+
+    if not os.environ.get("PREFECT_API_URL"):
+        # deployments need a Prefect server that outlives this process: `offseason ui`'s
+        if not answers("http://127.0.0.1:4200/api/health"):
+            raise WorkspaceError("no Prefect server to register the deployments with: start "
+                                 "`offseason ui` in another terminal, or set PREFECT_API_URL")
+        os.environ["PREFECT_API_URL"] = "http://127.0.0.1:4200/api"
+    if args.work_pool:
+        ids = serve.deploy(root, args.work_pool)
+        print(f"serve: {len(ids)} deployments registered to work pool {args.work_pool!r}; start "
+              f"a worker for it: prefect worker start --pool {args.work_pool}")
+        return 0
+    serve.serve(root)
+    return 0
+
+
+def cmd_lineage(args) -> int:
+    root = find_root()
+    from flows import lineage
+
+    if args.trace:
+        champions = {r["tag"] for r in history_rows(root) if r["champion"]}
+        found = lineage.trace(root, args.trace, champions)
+        print(json.dumps(found, indent=2) if args.json else lineage.trace_text(found))
+        return 0
+    if not args.ref:
+        raise WorkspaceError("name a generation (gen-N) or a model version, or use --trace ID")
+    if args.verify:
+        result = lineage.verify(root, args.ref)
+        print(json.dumps(result, indent=2) if args.json else lineage.verify_text(result))
+        return 0 if result["ok"] else 1
+    chain = lineage.lineage(root, args.ref)
+    print(json.dumps(chain, indent=2) if args.json else lineage.text(chain))
+    return 0
+
+
+def cmd_report(args) -> int:
+    root = find_root()
+    from flows import report
+
+    out = report.html_report(root, history_rows(root), args.generation, args.out or
+                             root / "reports" / "index.html")
+    print(f"report: written to {out}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="offseason", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -500,6 +573,42 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--all", action="store_true",
                    help="re-score every rollout, not only those of another verifier version")
     s.set_defaults(func=cmd_rescore)
+    s = sub.add_parser("ui", help="the Prefect and MLflow UIs of this workspace, until Ctrl-C",
+                       description="Start a Prefect server (database in .prefect/) and an MLflow "
+                       "server (mlflow.db, one worker, no job runner) on 127.0.0.1, wait until "
+                       "both answer, print their URLs; Ctrl-C or SIGTERM stops both.")
+    s.add_argument("--prefect-port", type=int, default=4200, help="default 4200; 0: a free one")
+    s.add_argument("--mlflow-port", type=int, default=5000, help="default 5000; 0: a free one")
+    s.set_defaults(func=cmd_ui)
+    s = sub.add_parser("serve", help="serve the deployments of params.yaml (schedules, Run form)",
+                       description="Register the deployments of params.yaml's `deployments:` "
+                       "section (nightly and weekly cron schedules, a manual one; each with run "
+                       "parameters the Prefect UI's Run form can change) and run their flow runs "
+                       "here until Ctrl-C, one cycle at a time per workspace. Set PREFECT_API_URL "
+                       "to a Prefect server (`offseason ui` starts one).")
+    s.add_argument("--work-pool", metavar="NAME",
+                   help="register the deployments to this Prefect work pool instead of serving "
+                   "them here; a worker of the pool runs them (see README)")
+    s.set_defaults(func=cmd_serve)
+    s = sub.add_parser("lineage", help="a generation's chain back to its traces; --verify, --trace",
+                       description="The lineage of a generation (gen-N, or an MLflow model "
+                       "version): git commit, MLflow run, every stage's inputs and outputs with "
+                       "their DVC hashes, the inbox files and trace ids it learned from, the "
+                       "champion it started from, the gate verdict, the approver.")
+    s.add_argument("ref", nargs="?", help="gen-N, or an MLflow model version number")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
+    s.add_argument("--verify", action="store_true", help="check that every recorded hash "
+                   "resolves in the DVC cache or remote and matches; exit 1 naming what does not")
+    s.add_argument("--trace", metavar="TRACE_ID", help="every generation that learned from this "
+                   "trace, and whether the current champion is among them")
+    s.set_defaults(func=cmd_lineage)
+    s = sub.add_parser("report", help="a static HTML report of every generation",
+                       description="Write reports/index.html: benchmark score per generation with "
+                       "the gate's intervals, reward distributions per cycle, quarantine rates, "
+                       "and the lineage graph of a generation (the latest by default).")
+    s.add_argument("--generation", metavar="gen-N", help="whose lineage graph to draw")
+    s.add_argument("--out", type=Path, metavar="HTML", help="default reports/index.html")
+    s.set_defaults(func=cmd_report)
     return p
 
 

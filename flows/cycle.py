@@ -21,9 +21,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from flows import promotion, tracking
+from flows import notify, overrides, promotion, tracking
+from flows import report as cycle_report
+from flows.serve import workspace_slot
 from flows.workspace import (
     WorkspaceError,
     configure_env,
@@ -47,6 +48,23 @@ def changed_since_last_cycle(root: Path) -> list[str]:
     words = {"inbox": "new traces in data/inbox", "params": "params.yaml changed",
              "code": "stage code or dvc.yaml changed"}
     return [words[key] for key in now if now[key] != last.get(key)]
+
+
+def nothing_changed(root: Path) -> str | None:
+    """Before any Prefect or MLflow start: the no-change message when the inbox snapshot is up
+    to date and inbox, params and code all equal the last cycle's; else None (run the cycle).
+    """
+    if not (root / "data" / "inbox.dvc").exists():
+        return None
+    try:  # `dvc status -q` exits 1 when the inbox differs from its snapshot
+        dvc(root, "status", "--quiet", "data/inbox.dvc")
+    except WorkspaceError:
+        return None
+    if changed_since_last_cycle(root):
+        return None
+    last = generations(root)
+    return (f"nothing changed since gen-{last[-1] if last else 0} (no new traces, same params, "
+            f"same code): nothing to learn from, no stage reran")
 
 
 @task(task_run_name="{stage}")
@@ -78,46 +96,45 @@ def snapshot_inbox(root: Path) -> int:
 
 @task
 def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: str,
-            model_name: str) -> dict:
+            model_name: str, changes: dict) -> dict:
     """Register the candidate, promote it if it passed (and was approved), commit and tag gen-N."""
-    return promotion.promote(root, generation, verdict, decision, run_id, model_name)
-
-
-def report(root: Path, generation: int, metrics: dict, record: dict) -> str:
-    ingest, validate, reward, train, gate = (metrics.get(s, {}) for s in
-                                             ("ingest", "validate", "reward", "train", "gate"))
-    lines = [
-        f"# offseason cycle gen-{generation}: "
-        f"{'promoted' if record['promoted'] else 'not promoted'}",
-        "",
-        f"- **Traces**: {ingest.get('rows_read', 0)} read, {ingest.get('accepted', 0)} accepted, "
-        f"{ingest.get('quarantined', 0)} quarantined at ingest, {ingest.get('duplicates', 0)} "
-        f"duplicates; {validate.get('quarantined', 0)} quarantined by validation",
-        f"- **Drift** from the previous cycle: task mix distance "
-        f"{validate.get('drift', {}).get('task_mix_distance')}, new tools "
-        f"{validate.get('drift', {}).get('new_tools')}; PII scrubbed "
-        f"{ingest.get('pii_redactions')}",
-        f"- **Data Docs** (Great Expectations): [{root / 'data/docs/index.html'}]"
-        f"({(root / 'data/docs/index.html').as_uri()})",
-        f"- **Rewards**: mean {reward.get('mean_reward')}, pass@k {reward.get('pass_at_k')} over "
-        f"{reward.get('episodes')} episodes",
-        f"- **Training**: {train.get('examples')} examples, final loss {train.get('final_loss')}"
-        if train.get("trained") else f"- **Training**: skipped ({train.get('reason')})",
-        f"- **Gate**: candidate {gate.get('candidate_score')} vs champion "
-        f"{gate.get('champion_score')}, difference {gate.get('difference')} with "
-        f"{gate.get('confidence')} interval {gate.get('interval')}: {gate.get('reason')}",
-        f"- **Model version**: {record['model_version']}; champion is version "
-        f"{record['champion_version']}",
-    ]
-    return "\n".join(lines)
+    return promotion.promote(root, generation, verdict, decision, run_id, model_name, changes)
 
 
 @flow(name="offseason-cycle", log_prints=True)
-def cycle(repo: str = ".") -> dict:
-    """One continuous-learning cycle over the stages of dvc.yaml, then promotion."""
-    logger = get_run_logger()
+def cycle(repo: str = ".", algorithm: str | None = None, samples_per_task: int | None = None,
+          epochs: float | None = None, require_approval: bool | None = None) -> dict:
+    """One continuous-learning cycle over the stages of dvc.yaml, then promotion.
+
+    Args:
+        repo: the project folder.
+        algorithm: train.algorithm for this run (empty: params.yaml's value).
+        samples_per_task: rollout.samples_per_task for this run (empty: params.yaml's value).
+        epochs: train.epochs for this run (empty: params.yaml's value).
+        require_approval: promotion.require_approval for this run (empty: params.yaml's value).
+
+    """
     root = find_root(repo)
     configure_env(root)
+    changes = overrides.from_parameters(algorithm=algorithm, samples_per_task=samples_per_task,
+                                        epochs=epochs, require_approval=require_approval)
+    with workspace_slot(root), overrides.applied(root, changes):
+        try:
+            result = run_cycle(root, changes)
+        except Exception as err:  # not Prefect's pause/suspend signals (BaseException)
+            notify.send("failed", f"cycle in {root} failed: {type(err).__name__}: {err}",
+                        workspace=str(root))
+            raise
+    if result.get("status") == "done":
+        notify.send("promoted" if result["promoted"] else "rejected", result["message"],
+                    workspace=str(root), **{k: result[k] for k in
+                                            ("generation", "model_version", "run_id", "commit")})
+    return result
+
+
+def run_cycle(root: Path, changes: dict) -> dict:
+    """The cycle's steps, inside the flow run (params.yaml already holds this run's overrides)."""
+    logger = get_run_logger()
     configs = cfg.load_all(root / "params.yaml")
     if not (root / "models" / "champion.dvc").exists():
         raise WorkspaceError("no champion yet (models/champion.dvc is missing); run "
@@ -139,6 +156,8 @@ def cycle(repo: str = ".") -> dict:
         return {"status": "nothing-changed", "message": message}
     generation = (last[-1] + 1) if last else 1
     logger.info("cycle gen-%d: %s", generation, "; ".join(reasons))
+    if changes:
+        logger.info("run overrides (written into params.yaml for this run): %s", changes)
 
     import mlflow
 
@@ -169,7 +188,7 @@ def cycle(repo: str = ".") -> dict:
         verdict = metrics["gate"]
         decision = promotion.await_approval(generation, verdict, configs["promotion"])
         record = promote(root, generation, verdict, decision, run_id,
-                         configs["base"].registered_model)
+                         configs["base"].registered_model, changes)
         message, commit = record["message"], record["commit"]
         for key, value in {"offseason.git_commit": commit, "offseason.git_tag": f"gen-{generation}",
                            "offseason.outcome": "promoted" if record["promoted"] else "rejected",
@@ -184,12 +203,8 @@ def cycle(repo: str = ".") -> dict:
         # suspended for approval in a deployment: the run resumes later as a new MLflow run
         client.set_terminated(run_id, status="KILLED" if isinstance(err, Pause) else "FAILED")
         raise
-    markdown = report(root, generation, metrics, record)
-    create_markdown_artifact(markdown, key="cycle-report", description=f"gen-{generation}")
-    create_table_artifact([{"stage": s, "reran": reran[s],
-                            **{k: v for k, v in tracking.numeric(metrics[s]).items()
-                               if "." not in k}} for s in STAGES],
-                          key="cycle-metrics", description=f"gen-{generation}")
+    cycle_report.publish(root, generation, metrics, reran, record,
+                         experiment_id=experiment_id, run_id=run_id)
     logger.info(message)
     return {"status": "done", "generation": generation, "message": message, "run_id": run_id,
             "commit": commit, "promoted": record["promoted"], "reran": reran,

@@ -109,6 +109,10 @@ def await_approval(generation: int, verdict: dict, config: cfg.Promotion) -> dic
         description=f"**gen-{generation} passed the gate.** {summary}\n\nPromote it?",
         approve=False, reason="", approver="")
     key = f"approval-gen-{generation}"
+    from flows import notify
+
+    notify.send("waiting-approval", f"gen-{generation} passed the gate and waits for approval: "
+                f"{summary}", generation=generation, run_id=str(flow_run.id))
     logger.info("gen-%d passed the gate and waits for approval (promotion.approval_timeout=%ds): "
                 "`offseason approve %s --reason ...` or `offseason reject %s --reason ...`, or the "
                 "Prefect UI", generation, config.approval_timeout, flow_run.id, flow_run.id)
@@ -304,10 +308,11 @@ def move_alias(model_name: str, version: str, entry: dict, tx: Transaction) -> N
 
 
 def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: str,
-            model_name: str) -> dict:
+            model_name: str, changes: dict | None = None) -> dict:
     """Register the candidate, and on a pass (approved where required) make it the champion.
 
     Always commits and tags the cycle gen-N; returns the promotion record with the commit.
+    `changes`: this run's overrides of params.yaml (deployment parameters), kept in the record.
     """
     promoted = verdict["passed"] and decision["decision"] in ("approved", "not-required")
     if verdict["passed"] and not promoted:
@@ -318,6 +323,8 @@ def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: 
         version = register(root, generation, verdict, run_id, model_name, tx)
         record, entry, message = _records(root, generation, verdict, decision, version, promoted,
                                           reason, model_name)
+        if changes:  # the values this run used instead of the standing params.yaml
+            record["overrides"] = changes
         if promoted:
             swap_champion(root, root / "models" / "candidate", tx)
         dvc(root, "push", "--quiet")  # additive: the remote keeps every version the tags name

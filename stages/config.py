@@ -265,6 +265,56 @@ class Promotion:
         _positive("promotion", approval_timeout=self.approval_timeout)
 
 
+# Flow parameters of a cycle (`offseason serve` deployments, the Prefect UI's Run form) and the
+# params.yaml key each one overrides for that run.
+RUN_OVERRIDES = {
+    "algorithm": "train.algorithm",
+    "samples_per_task": "rollout.samples_per_task",
+    "epochs": "train.epochs",
+    "require_approval": "promotion.require_approval",
+}
+DEPLOYMENT_KEYS = ("cron", "parameters", "description")
+
+
+@dataclass(frozen=True)
+class Deployments:
+    """`offseason serve`: when cycles run by themselves, and with which run parameters.
+
+    Each deployment is `{cron: "<5-field cron>", parameters: {name: value}, description: "..."}`;
+    `manual` has no cron (it runs from the Prefect UI's Run button or `prefect deployment run`),
+    and an empty cron turns a scheduled one off. Parameter names are those of RUN_OVERRIDES.
+    """
+
+    timezone: str = "UTC"  # the cron schedules' time zone (an IANA name)
+    nightly: dict = dataclasses.field(default_factory=lambda: {"cron": "0 2 * * *"})
+    weekly: dict = dataclasses.field(
+        default_factory=lambda: {"cron": "0 4 * * 6", "parameters": {"samples_per_task": 8}})
+    manual: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for name, spec in {"nightly": self.nightly, "weekly": self.weekly,
+                           "manual": self.manual}.items():
+            for key in spec:
+                if key not in DEPLOYMENT_KEYS:
+                    raise ParamsError(f"deployments.{name}.{key}: unknown key; valid keys: "
+                                      f"{', '.join(DEPLOYMENT_KEYS)}")
+            if name == "manual" and spec.get("cron"):
+                raise ParamsError("deployments.manual.cron: the manual deployment has no "
+                                  "schedule; put the cron on nightly or weekly")
+            cron = spec.get("cron") or ""
+            if not isinstance(cron, str) or (cron and len(cron.split()) != 5):
+                raise ParamsError(f"deployments.{name}.cron: expected a 5-field cron like "
+                                  f"'0 2 * * *' (or '' for none), got {cron!r}")
+            parameters = spec.get("parameters") or {}
+            if not isinstance(parameters, dict):
+                raise ParamsError(f"deployments.{name}.parameters: expected a mapping like "
+                                  f"{{samples_per_task: 8}}, got {parameters!r}")
+            for key in parameters:
+                if key not in RUN_OVERRIDES:
+                    raise ParamsError(f"deployments.{name}.parameters.{key}: unknown run "
+                                      f"parameter; valid: {', '.join(RUN_OVERRIDES)}")
+
+
 SECTIONS: dict[str, type] = {
     "base": Base,
     "init": Init,
@@ -276,6 +326,7 @@ SECTIONS: dict[str, type] = {
     "train": Train,
     "gate": Gate,
     "promotion": Promotion,
+    "deployments": Deployments,
 }
 
 
@@ -303,7 +354,7 @@ def _check_type(where: str, key: str, value, expected: type):
     )
     if not ok:
         example = {int: "a whole number like 4", float: "a number like 0.001", bool: "true or false",
-                   str: "a string"}[expected]
+                   str: "a string", dict: "a mapping like {cron: '0 2 * * *'}"}[expected]
         _fail(where, f"{key}: expected {example}, got {value!r} ({type(value).__name__})")
     return float(value) if expected is float else value
 

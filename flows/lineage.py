@@ -1,0 +1,473 @@
+"""Lineage audits: from a model back to the traces it learned from, and from a trace to the models.
+
+Everything is read from what each cycle committed and tagged (`gen-N`): `dvc.lock` (every stage's
+deps and outs with their DVC hashes), the `.dvc` pointer files (the inbox snapshot, the champion),
+`metrics/*.json` (the verdict, the promotion record) and, through the hashes, the DVC cache
+(`.dvc/cache`) or the DVC remote (`.dvcstore/` by default): the training examples of
+`data/replay/` (their `task_id` is the trace id), the traces of `data/traces/` (trace id -> inbox
+file). MLflow adds the run and the model version when its database is there.
+
+    offseason lineage gen-3                 # the chain, as text (--json for scripts)
+    offseason lineage 4                     # the same, by MLflow model version
+    offseason lineage --verify gen-3        # every recorded hash still resolves and matches
+    offseason lineage --trace TRACE_ID      # every generation that learned from this trace
+
+A generation "learned from" a trace directly when the trace is in the training data it was trained
+on (`data/replay/` as committed at its tag: this cycle's examples and the replayed earlier ones;
+with `train.replay_fraction` below 1 only a sample of the replayed ones was used, so this is the
+conservative answer a deletion request needs), and by inheritance when the champion it started from
+learned from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import subprocess
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import yaml
+
+from flows.workspace import WorkspaceError, generations, git, read_at, run
+
+
+class LineageError(WorkspaceError):
+    """The generation or model version asked about does not exist; the message says which do."""
+
+
+def show(root: Path, ref: str, path: str) -> bytes | None:
+    out = subprocess.run(["git", "show", f"{ref}:{path}"], cwd=root, capture_output=True)
+    return out.stdout if out.returncode == 0 else None
+
+
+def yaml_at(root: Path, ref: str, path: str) -> dict:
+    data = show(root, ref, path)
+    return (yaml.safe_load(data) or {}) if data else {}
+
+
+# --- the DVC object store: cache and remote --------------------------------------------------
+
+def stores(root: Path) -> dict[str, Path]:
+    """Where DVC keeps objects: the cache and every remote that is a local folder."""
+    import configparser
+    import re
+
+    found = {"cache": root / ".dvc" / "cache"}
+    for name in ("config", "config.local"):
+        path = root / ".dvc" / name
+        if not path.exists():
+            continue
+        parser = configparser.ConfigParser(interpolation=None)
+        parser.read_string(path.read_text())
+        for section in parser.sections():
+            match = re.fullmatch(r"""'?remote\s+"([^"]+)"'?""", section.strip())
+            url = parser.get(section, "url", fallback="")
+            if match and url and "://" not in url:  # a local folder, relative to .dvc/
+                found[f"remote {match.group(1)}"] = (root / ".dvc" / url).resolve()
+    return found
+
+
+def object_path(store: Path, md5: str) -> Path:
+    return store / "files" / "md5" / md5[:2] / md5[2:]
+
+
+def md5_of(data: bytes) -> str:
+    return hashlib.md5(data).hexdigest()
+
+
+def read_object(root: Path, md5: str) -> bytes | None:
+    """An object's bytes from the first store that has an intact copy."""
+    for store in stores(root).values():
+        path = object_path(store, md5)
+        if path.is_file():
+            data = path.read_bytes()
+            if md5_of(data) == md5.removesuffix(".dir"):
+                return data
+    return None
+
+
+def manifest(root: Path, md5: str) -> list[dict]:
+    """The files of a DVC-tracked folder: [{"relpath", "md5"}, ...]."""
+    data = read_object(root, md5)
+    if data is None:
+        raise LineageError(f"the folder manifest {md5} is in neither the DVC cache nor the "
+                           f"remote; run `dvc fetch` or `offseason lineage --verify`")
+    return json.loads(data)
+
+
+def parquet_column(root: Path, md5: str, columns: list[str]) -> list[dict]:
+    data = read_object(root, md5)
+    if data is None:
+        raise LineageError(f"object {md5} is in neither the DVC cache nor the remote; run "
+                           f"`dvc fetch` or `offseason lineage --verify`")
+    return pq.read_table(io.BytesIO(data), columns=columns).to_pylist()
+
+
+# --- what a generation recorded -------------------------------------------------------------
+
+def resolve(root: Path, ref: str) -> int:
+    """`gen-N`, `N` as a generation when prefixed, or an MLflow model version -> the generation."""
+    known = generations(root)
+    if ref.startswith("gen-") and ref[4:].isdigit():
+        generation = int(ref[4:])
+        if generation not in known:
+            raise LineageError(f"no generation {ref}: the tags are "
+                               f"{', '.join(f'gen-{g}' for g in known) or 'none yet'}")
+        return generation
+    version = ref.removeprefix("v")
+    if version.isdigit():
+        for generation in known:
+            record = read_at(root, f"gen-{generation}", "metrics/promotion.json") or {}
+            if str(record.get("model_version")) == version:
+                return generation
+        raise LineageError(f"no generation has MLflow model version {version}; `offseason "
+                           f"history` lists the versions")
+    raise LineageError(f"{ref!r} is neither a generation (gen-N) nor a model version (a number)")
+
+
+def pointer_hash(root: Path, ref: str, path: str) -> str | None:
+    outs = yaml_at(root, ref, path).get("outs") or []
+    return outs[0].get("md5") if outs else None
+
+
+def stage_files(root: Path, tag: str) -> dict[str, dict]:
+    """Each stage of dvc.lock at the tag: its deps, outs (path, md5, kind) and params."""
+    lock = yaml_at(root, tag, "dvc.lock").get("stages", {})
+    stages = {}
+    for name, entry in lock.items():
+        stages[name] = {
+            "cmd": entry.get("cmd"),
+            "params": entry.get("params", {}),
+            "deps": [{"path": d["path"], "md5": d.get("md5")} for d in entry.get("deps", [])],
+            "outs": [{"path": o["path"], "md5": o.get("md5")} for o in entry.get("outs", [])],
+        }
+    return stages
+
+
+def out_hash(stages: dict, path: str) -> str | None:
+    for stage in stages.values():
+        for out in stage["outs"]:
+            if out["path"] == path:
+                return out["md5"]
+    return None
+
+
+def training_trace_ids(root: Path, replay_md5: str, cache: dict) -> set[str]:
+    """The trace ids of the training examples in a `data/replay/` folder version."""
+    ids = set()
+    for entry in manifest(root, replay_md5):
+        if entry["md5"] not in cache:
+            cache[entry["md5"]] = {r["task_id"] for r in
+                                   parquet_column(root, entry["md5"], ["task_id"])}
+        ids |= cache[entry["md5"]]
+    return ids
+
+
+def inbox_files_of(root: Path, traces_md5: str | None, ids: set[str]) -> dict[str, int]:
+    """Which inbox file each trace came from (data/traces/ keeps source_file): file -> count."""
+    counts: dict[str, int] = {}
+    if not traces_md5 or not ids:
+        return counts
+    for entry in manifest(root, traces_md5):
+        if not entry["relpath"].endswith(".parquet"):
+            continue
+        for row in parquet_column(root, entry["md5"], ["trace_id", "source_file"]):
+            if row["trace_id"] in ids:
+                counts[row["source_file"]] = counts.get(row["source_file"], 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def champion_generation(root: Path, champion_md5: str | None, before: int) -> int | None:
+    """The earlier generation that made these weights: the first whose champion has this hash."""
+    for generation in [g for g in generations(root) if g < before]:
+        if pointer_hash(root, f"gen-{generation}", "models/champion.dvc") == champion_md5:
+            return generation
+    return None
+
+
+def approver_of(record: dict) -> str | None:
+    """Who approved a promotion: the decision flows/promotion.py writes into the record."""
+    return (record.get("decision") or {}).get("approver")
+
+
+def mlflow_info(root: Path, generation: int, version) -> dict:
+    """The cycle's MLflow run and the model version, when MLflow's database is there."""
+    import os
+
+    if not os.environ.get("MLFLOW_TRACKING_URI") and not (root / "mlflow.db").exists():
+        return {}
+    from flows.workspace import configure_env
+
+    configure_env(root)
+    import mlflow
+
+    from flows import tracking
+
+    client = mlflow.MlflowClient()
+    found = mlflow.get_experiment_by_name(tracking.EXPERIMENT)
+    if found is None:
+        return {}
+    runs = client.search_runs([found.experiment_id],
+                              f"tags.`offseason.generation` = '{generation}'",
+                              order_by=["attribute.start_time DESC"])
+    runs = [r for r in runs if "mlflow.parentRunId" not in r.data.tags] or runs
+    info = {}
+    if runs:
+        chosen = next((r for r in runs if r.data.tags.get("offseason.git_tag")), runs[0])
+        info = {"run_id": chosen.info.run_id, "run_status": chosen.info.status,
+                "experiment_id": found.experiment_id}
+    if version is not None:
+        try:
+            mv = client.get_model_version(_registered_name(root), str(version))
+            info.update({"model_name": mv.name, "model_source": mv.source,
+                         "model_run_id": mv.run_id, "model_tags": dict(mv.tags)})
+        except mlflow.exceptions.MlflowException:
+            pass
+    return info
+
+
+def _registered_name(root: Path) -> str:
+    params = yaml.safe_load((root / "params.yaml").read_text()) or {}
+    return (params.get("base") or {}).get("registered_model", "offseason-agent")
+
+
+def lineage(root: Path, ref: str, *, with_mlflow: bool = True, with_traces: bool = True) -> dict:
+    """The whole chain of one generation, as a JSON-able dict."""
+    generation = resolve(root, ref)
+    tag = f"gen-{generation}"
+    record = read_at(root, tag, "metrics/promotion.json") or {}
+    stages = stage_files(root, tag)
+    commit = git(root, "rev-parse", f"{tag}^{{commit}}")
+    out = {
+        "generation": generation, "tag": tag, "git_commit": commit,
+        "committed": git(root, "log", "-1", "--format=%cI", tag),
+        "message": git(root, "log", "-1", "--format=%s", tag),
+        "model_version": record.get("model_version"), "promoted": record.get("promoted"),
+        "champion_version": record.get("champion_version"),
+        "approver": approver_of(record), "approval_reason": (record.get("decision") or {}).get("reason"),
+        "overrides": record.get("overrides") or {},
+        "inbox": {"path": "data/inbox", "md5": pointer_hash(root, tag, "data/inbox.dvc")},
+        "champion": {"path": "models/champion", "md5": pointer_hash(root, tag,
+                                                                    "models/champion.dvc")},
+        "stages": stages,
+    }
+    if generation == 0:
+        out["gate"] = None
+        out["started_from"] = None
+        out["init"] = read_at(root, tag, "metrics/init.json")
+        out["training_traces"] = []
+        out["inbox_files"] = {}
+    else:
+        gate = read_at(root, tag, "metrics/gate.json") or {}
+        out["gate"] = {k: gate.get(k) for k in ("passed", "candidate_score", "champion_score",
+                                                "difference", "interval", "confidence", "rule",
+                                                "reason")}
+        start_md5 = next((d["md5"] for d in stages.get("train", {}).get("deps", [])
+                          if d["path"] == "models/champion"), None)
+        parent = champion_generation(root, start_md5, generation)
+        parent_record = read_at(root, f"gen-{parent}", "metrics/promotion.json") or {} \
+            if parent is not None else {}
+        out["started_from"] = {"md5": start_md5, "generation": parent,
+                               "tag": None if parent is None else f"gen-{parent}",
+                               "model_version": parent_record.get("champion_version")}
+        replay = out_hash(stages, "data/replay") if with_traces else None
+        ids = training_trace_ids(root, replay, {}) if replay else set()
+        out["training_traces"] = sorted(ids)
+        out["inbox_files"] = inbox_files_of(root, out_hash(stages, "data/traces"), ids)
+    if with_mlflow:
+        out["mlflow"] = mlflow_info(root, generation, record.get("model_version"))
+    return out
+
+
+def text(chain: dict) -> str:
+    """The chain for a person to read."""
+    lines = [f"{chain['tag']}: {chain['message']}",
+             f"  git commit     {chain['git_commit']} ({chain['committed']})",
+             f"  model version  {chain['model_version']}"
+             f"{' (promoted to champion)' if chain['promoted'] else ' (not promoted)'}"]
+    ml = chain.get("mlflow") or {}
+    if ml.get("run_id"):
+        lines.append(f"  MLflow run     {ml['run_id']} ({ml.get('run_status')})")
+    if chain["started_from"]:
+        start = chain["started_from"]
+        lines.append(f"  started from   {start['tag'] or 'an unknown champion'} (model version "
+                     f"{start['model_version']}, md5 {start['md5']})")
+    if chain["gate"]:
+        gate = chain["gate"]
+        interval = gate.get("interval") or [None, None]
+        lines.append(f"  gate           {'pass' if gate['passed'] else 'fail'}: candidate "
+                     f"{gate['candidate_score']} vs champion {gate['champion_score']}, "
+                     f"difference {gate['difference']} in [{interval[0]}, {interval[1]}] "
+                     f"({gate['confidence']}): {gate['reason']}")
+    lines.append(f"  approver       {chain['approver'] or '-'}"
+                 f"{': ' + chain['approval_reason'] if chain.get('approval_reason') else ''}")
+    if chain["overrides"]:
+        lines.append(f"  run overrides  {json.dumps(chain['overrides'])}")
+    lines.append(f"  inbox snapshot {chain['inbox']['md5']}")
+    if chain["inbox_files"]:
+        lines.append(f"  learned from   {len(chain['training_traces'])} traces, from these inbox "
+                     f"files:")
+        lines += [f"                   {name}: {count} traces"
+                  for name, count in chain["inbox_files"].items()]
+        shown = chain["training_traces"][:5]
+        lines.append(f"                 trace ids: {', '.join(shown)}"
+                     f"{', ...' if len(chain['training_traces']) > 5 else ''} (--json lists all)")
+    lines.append("  stages (dvc.lock at the tag):")
+    for name, stage in chain["stages"].items():
+        lines.append(f"    {name}")
+        for kind in ("deps", "outs"):
+            for item in stage[kind]:
+                lines.append(f"      {kind[:-1]:<4} {item['path']:<34} {item['md5']}")
+    lines.append(f"  champion after {chain['champion']['md5']}")
+    return "\n".join(lines)
+
+
+# --- verify ---------------------------------------------------------------------------------
+
+def _check_object(root: Path, md5: str) -> tuple[str, list[str]]:
+    """"ok", "altered" or "missing" for one object, and where each copy stands."""
+    notes, good, bad = [], False, False
+    for name, store in stores(root).items():
+        path = object_path(store, md5)
+        if not path.is_file():
+            continue
+        if md5_of(path.read_bytes()) == md5.removesuffix(".dir"):
+            good = True
+        else:
+            bad = True
+            notes.append(f"altered in the {name} ({path})")
+    if bad:
+        return "altered", notes
+    return ("ok" if good else "missing"), notes
+
+
+def _dir_hash_of_files(files: list[tuple[str, bytes]]) -> str:
+    """DVC's hash of a folder: md5 of its sorted manifest, serialized the way dvc-data does."""
+    entries = sorted(({"md5": md5_of(data), "relpath": rel} for rel, data in files),
+                     key=lambda e: e["relpath"])
+    return md5_of(json.dumps(entries, sort_keys=True).encode()) + ".dir"
+
+
+def _check_git(root: Path, tag: str, path: str, md5: str) -> tuple[str, list[str]]:
+    """A dep that lives in git (code, benchmarks): its content at the tag must hash the same."""
+    if md5.endswith(".dir"):
+        names = run(["git", "ls-tree", "-r", "--name-only", tag, "--", path], root,
+                    check=False).stdout.split()
+        files = [(n[len(path) + 1:], show(root, tag, n) or b"") for n in names]
+        ok = names and _dir_hash_of_files(files) == md5
+    else:
+        data = show(root, tag, path)
+        if data is None:
+            return "missing", [f"not in git at {tag}"]
+        ok = md5_of(data) == md5
+    return ("ok", []) if ok else ("altered", [f"its content in git at {tag} hashes differently"])
+
+
+def verify(root: Path, ref: str) -> dict:
+    """Check every hash a generation recorded; returns the findings (`ok` is the verdict)."""
+    chain = lineage(root, ref, with_mlflow=False, with_traces=False)  # reads no object yet
+    tag = chain["tag"]
+    # what git holds at the tag (code, benchmarks, `cache: false` metrics) is checked in git;
+    # everything else must be in the DVC cache or the remote
+    in_git = set(run(["git", "ls-tree", "-r", "--name-only", tag], root).stdout.split())
+    tracked = {p for s in chain["stages"].values() for kind in ("deps", "outs") for p in
+               (i["path"] for i in s[kind])
+               if p not in in_git and not any(g.startswith(p + "/") for g in in_git)}
+    tracked |= {"data/inbox", "models/champion"}
+    items: dict[tuple[str, str], str] = {}  # (path, md5) -> who recorded it
+    for name, stage in chain["stages"].items():
+        for kind in ("deps", "outs"):
+            for item in stage[kind]:
+                if item["md5"]:
+                    items.setdefault((item["path"], item["md5"]), f"{name} {kind[:-1]}")
+    for key in ("inbox", "champion"):
+        if chain[key]["md5"]:
+            items.setdefault((chain[key]["path"], chain[key]["md5"]), f"{key} pointer (.dvc)")
+    results = []
+    for (path, md5), who in sorted(items.items()):
+        if path not in tracked:
+            status, notes = _check_git(root, tag, path, md5)
+            results.append({"path": path, "md5": md5, "recorded_by": who, "where": "git",
+                            "status": status, "notes": notes})
+            continue
+        status, notes = _check_object(root, md5)
+        entry = {"path": path, "md5": md5, "recorded_by": who, "where": "dvc", "status": status,
+                 "notes": notes, "files": []}
+        if md5.endswith(".dir") and status == "ok":
+            for file in manifest(root, md5):
+                file_status, file_notes = _check_object(root, file["md5"])
+                if file_status != "ok":
+                    entry["files"].append({"path": f"{path}/{file['relpath']}",
+                                           "md5": file["md5"], "status": file_status,
+                                           "notes": file_notes})
+            if entry["files"]:
+                entry["status"] = "altered" if any(f["status"] == "altered"
+                                                   for f in entry["files"]) else "missing"
+        results.append(entry)
+    problems = [r for r in results if r["status"] != "ok"]
+    return {"generation": chain["generation"], "tag": tag, "ok": not problems,
+            "checked": len(results), "problems": problems, "results": results}
+
+
+def verify_text(report: dict) -> str:
+    lines = [f"{report['tag']}: {report['checked']} recorded hashes checked against git, the DVC "
+             f"cache and the remote"]
+    for problem in report["problems"]:
+        lines.append(f"  {problem['status'].upper():<8} {problem['path']} ({problem['md5']}, "
+                     f"recorded by {problem['recorded_by']})")
+        lines += [f"           {note}" for note in problem["notes"]]
+        for file in problem.get("files", []):
+            lines.append(f"    {file['status']:<8} {file['path']} ({file['md5']})"
+                         + "".join(f"; {n}" for n in file["notes"]))
+    lines.append("all hashes resolve and match" if report["ok"] else
+                 f"{len(report['problems'])} problem(s): restore the named files from a good "
+                 f"copy (`dvc fetch`, `dvc pull`), or treat this generation as unverifiable")
+    return "\n".join(lines)
+
+
+# --- trace ----------------------------------------------------------------------------------
+
+def trace(root: Path, trace_id: str, champion_tags: set[str]) -> dict:
+    """Every generation that learned from a trace, directly or through its starting champion."""
+    cache: dict = {}
+    direct, inherited = [], []
+    affected: set[int] = set()
+    for generation in generations(root):
+        tag = f"gen-{generation}"
+        if generation == 0:
+            continue
+        stages = stage_files(root, tag)
+        replay = out_hash(stages, "data/replay")
+        start_md5 = next((d["md5"] for d in stages.get("train", {}).get("deps", [])
+                          if d["path"] == "models/champion"), None)
+        parent = champion_generation(root, start_md5, generation)
+        if replay and trace_id in training_trace_ids(root, replay, cache):
+            direct.append(tag)
+            affected.add(generation)
+        elif parent in affected:
+            inherited.append(tag)
+            affected.add(generation)
+    tags = [f"gen-{g}" for g in sorted(affected)]
+    files = {}
+    if direct:
+        first = stage_files(root, direct[0])
+        files = inbox_files_of(root, out_hash(first, "data/traces"), {trace_id})
+    return {"trace_id": trace_id, "generations": tags, "direct": direct, "inherited": inherited,
+            "inbox_files": sorted(files), "current_champion": sorted(champion_tags & set(tags)),
+            "champion_affected": bool(champion_tags & set(tags))}
+
+
+def trace_text(found: dict) -> str:
+    if not found["generations"]:
+        return f"trace {found['trace_id']}: no generation learned from it"
+    lines = [f"trace {found['trace_id']} (inbox file: {', '.join(found['inbox_files']) or '?'})",
+             f"  trained on it directly: {', '.join(found['direct']) or '-'}",
+             f"  started from a champion that did: {', '.join(found['inherited']) or '-'}"]
+    if found["champion_affected"]:
+        lines.append(f"  the current champion ({', '.join(found['current_champion'])}) is among "
+                     f"them: a deletion request means training a new champion without this trace")
+    else:
+        lines.append("  the current champion is not among them")
+    return "\n".join(lines)

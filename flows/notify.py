@@ -1,0 +1,62 @@
+"""Optional notifications: a JSON POST to a webhook when a cycle promotes, rejects, waits or fails.
+
+Off unless `OFFSEASON_WEBHOOK_URL` is set (a secret, so from the environment only, never from
+params.yaml). The body is one JSON object:
+
+    {"event": "promoted" | "rejected" | "waiting-approval" | "failed", "generation": 3,
+     "message": "...", "workspace": "/path/to/repo", "at": "2026-12-02T16:20:00+00:00", ...}
+
+plus whatever the caller adds (model version, scores, run ids). Slack-style incoming webhooks read
+the `text` field, which repeats the message. A notification never fails a cycle: each attempt has
+a timeout (`OFFSEASON_WEBHOOK_TIMEOUT`, default 5 s), three attempts with a short back-off, then a
+warning in the log.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+EVENTS = ("promoted", "rejected", "waiting-approval", "failed")
+log = logging.getLogger("offseason.notify")
+
+
+def send(event: str, message: str, *, attempts: int = 3, **fields) -> bool:
+    """POST the event to the webhook; returns whether it was delivered. Never raises."""
+    url = os.environ.get("OFFSEASON_WEBHOOK_URL", "").strip()
+    if not url:
+        return False
+    if event not in EVENTS:
+        raise ValueError(f"unknown notification event {event!r}; one of {EVENTS}")
+    body = {"event": event, "message": message, "text": f"offseason: {message}",
+            "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **fields}
+    data = json.dumps(body, default=str).encode()
+    timeout = float(os.environ.get("OFFSEASON_WEBHOOK_TIMEOUT", "5"))
+    error = None
+    for attempt in range(attempts):
+        request = urllib.request.Request(url, data=data, method="POST", headers={
+            "Content-Type": "application/json", "User-Agent": "offseason"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                if 200 <= response.status < 300:
+                    return True
+                error = f"HTTP {response.status}"
+        except urllib.error.HTTPError as err:
+            error = f"HTTP {err.code}"
+            if 400 <= err.code < 500 and err.code != 429:
+                break  # the request itself is wrong: retrying will not help
+        except (OSError, ValueError) as err:  # refused, timed out, bad URL
+            error = f"{type(err).__name__}: {err}"
+        if attempt + 1 < attempts:
+            time.sleep(0.5 * 2 ** attempt)
+    # the URL may hold a token: name the host only
+    host = urllib.parse.urlparse(url).netloc or "?"
+    log.warning("notification %r to the webhook at %s not delivered (%s); the cycle goes on",
+                event, host, error)
+    return False

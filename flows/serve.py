@@ -1,0 +1,126 @@
+"""Deployments of the cycle flow: schedules and a Run button, from params.yaml's `deployments:`.
+
+    offseason serve                      # register the deployments and run their flow runs here
+    offseason serve --work-pool NAME     # register them to a Prefect work pool instead; a worker runs them
+
+Three deployments of the flow `offseason-cycle`: `nightly` and `weekly` on cron schedules (in
+`deployments.timezone`) and `manual` without one. Each carries its default run parameters
+(`deployments.<name>.parameters`), which the Prefect UI's Run form shows and lets a person edit for
+one run: the parameters of `flows.cycle.cycle()` (`algorithm`, `samples_per_task`, `epochs`,
+`require_approval`), each overriding its params.yaml key for that run (see flows/overrides.py).
+
+One cycle per workspace, by three locks that agree: each deployment has a Prefect concurrency limit
+of 1 (further runs wait, as AwaitingConcurrencySlot, instead of piling up), every served run takes
+the workspace's global concurrency limit `offseason-cycle:<workspace>` (so nightly, weekly and
+manual runs never overlap), and then the workspace's file lock, which also keeps out an `offseason
+run` from a terminal.
+
+Served, the flow runs execute in subprocesses of this process, in this checkout; stop it with
+Ctrl-C (its schedules are paused on the way out, so nothing piles up while nobody serves).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from contextlib import contextmanager
+from pathlib import Path
+
+from flows.workspace import cycle_lock
+from stages import config as cfg
+
+ENTRYPOINT = "flows/cycle.py:cycle"
+
+
+def limit_name(root: Path) -> str:
+    """The workspace's global concurrency limit: its folder name and a hash of its path."""
+    return f"offseason-cycle:{root.name}-{hashlib.sha256(str(root).encode()).hexdigest()[:8]}"
+
+
+@contextmanager
+def workspace_slot(root: Path):
+    """Inside a deployment's flow run: the workspace's concurrency slot, then its file lock.
+
+    Outside one (`offseason run`), the CLI holds the file lock already and nothing is taken here.
+    """
+    from prefect.runtime import deployment, flow_run
+
+    if not deployment.id:
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    with concurrency(limit_name(root), occupy=1), \
+            cycle_lock(root, f"deployment {deployment.name}, flow run {flow_run.name} "
+                             f"({flow_run.id})"):
+        yield
+
+
+def specs(root: Path) -> dict[str, dict]:
+    """The deployments params.yaml defines: name -> {cron, parameters, description}."""
+    config = cfg.load_all(root / "params.yaml")["deployments"]
+    found = {}
+    for name, spec in {"nightly": config.nightly, "weekly": config.weekly,
+                       "manual": config.manual}.items():
+        if name != "manual" and not spec.get("cron"):
+            continue  # an empty cron turns a scheduled deployment off
+        found[name] = {"cron": spec.get("cron") or None, "timezone": config.timezone,
+                       "parameters": {"repo": str(root), **(spec.get("parameters") or {})},
+                       "description": spec.get("description") or f"offseason cycle ({name})"}
+    return found
+
+
+def deployments(root: Path, flow=None, work_pool: str | None = None) -> list:
+    """RunnerDeployments of the cycle flow, one per spec, each limited to one run at a time."""
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+    from prefect.schedules import Cron
+
+    if flow is None:
+        from flows.cycle import cycle as flow
+    out = []
+    for name, spec in specs(root).items():
+        out.append(flow.to_deployment(
+            name=name,
+            schedules=[Cron(spec["cron"], timezone=spec["timezone"])] if spec["cron"] else None,
+            parameters=spec["parameters"],
+            description=spec["description"],
+            tags=["offseason", root.name],
+            concurrency_limit=ConcurrencyLimitConfig(
+                limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
+            work_pool_name=work_pool,
+        ))
+    return out
+
+
+def ensure_limit(root: Path) -> str:
+    from prefect.client.orchestration import get_client
+
+    name = limit_name(root)
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(name, 1)
+    return name
+
+
+def serve(root: Path) -> None:
+    """Register the deployments and run their flow runs in this process until stopped."""
+    from prefect import serve as prefect_serve
+
+    found = deployments(root)
+    name = ensure_limit(root)
+    print(f"serve: {len(found)} deployments of offseason-cycle ("
+          + ", ".join(f"{d.name}: {d.schedules[0].schedule.cron if d.schedules else 'manual'}"
+                      for d in found)
+          + f"); one cycle at a time (concurrency limit {name!r}). Ctrl-C stops.", flush=True)
+    prefect_serve(*found, limit=1)
+
+
+def deploy(root: Path, work_pool: str) -> list[str]:
+    """Register the deployments to a work pool, loading the flow from this folder's code."""
+    from prefect import deploy as prefect_deploy
+    from prefect import flow as load_flow
+
+    flow = load_flow.from_source(source=str(root), entrypoint=ENTRYPOINT)
+    found = deployments(root, flow=flow, work_pool=work_pool)
+    ensure_limit(root)
+    ids = prefect_deploy(*found, work_pool_name=work_pool, build=False, push=False,
+                         print_next_steps_message=False)
+    return [str(i) for i in ids]

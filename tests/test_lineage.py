@@ -1,0 +1,195 @@
+"""Lineage audits and the HTML report, on a project that really learned for two cycles."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import TINY, make_project, offseason
+
+pytestmark = pytest.mark.slow
+
+# TINY, with a warm start long enough that some rollouts are verified correct, so the train stage
+# has examples (and trace ids) to learn from
+LEARN = {**TINY, "init": {**TINY["init"], "n_layer": 2, "n_embd": 64, "warmup_steps": 150,
+                          "tool_fraction": 0.9},
+         "rollout": {"samples_per_task": 4, "batch_size": 256}}
+
+
+def git(root, *args):
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory):
+    root = make_project(tmp_path_factory.mktemp("lineage") / "project", LEARN)
+    offseason(root, "init")
+    for _ in range(2):
+        offseason(root, "simulate")
+        offseason(root, "run")
+    return root
+
+
+def chain(root, ref):
+    return json.loads(offseason(root, "lineage", ref, "--json").stdout)
+
+
+def test_lineage_of_a_generation(learned):
+    found = chain(learned, "gen-2")
+    assert found["generation"] == 2 and found["git_commit"] == git(learned, "rev-parse", "gen-2")
+    lock = yaml.safe_load(git(learned, "show", "gen-2:dvc.lock"))["stages"]
+    for stage in ("ingest", "validate", "rollout", "reward", "train", "gate"):
+        assert {o["path"]: o["md5"] for o in found["stages"][stage]["outs"]} == \
+            {o["path"]: o["md5"] for o in lock[stage]["outs"]}
+    promotion = json.loads(git(learned, "show", "gen-2:metrics/promotion.json"))
+    assert found["model_version"] == promotion["model_version"]
+    gen1 = json.loads(git(learned, "show", "gen-1:metrics/promotion.json"))
+    assert found["started_from"]["tag"] == ("gen-1" if gen1["promoted"] else "gen-0")
+    gate = json.loads(git(learned, "show", "gen-2:metrics/gate.json"))
+    assert found["gate"]["interval"] == gate["interval"]
+    # it learned from real traces of the inbox: their ids, and the files they came in
+    assert found["training_traces"], "no verified-correct rollouts: nothing was learned from"
+    assert set(found["inbox_files"]) <= {"traffic-000.jsonl", "traffic-001.jsonl"}
+    assert sum(found["inbox_files"].values()) == len(found["training_traces"])
+    inbox = "".join((learned / "data/inbox" / f).read_text() for f in found["inbox_files"])
+    assert all(f'"{trace_id}"' in inbox for trace_id in found["training_traces"])
+    assert found["mlflow"]["run_id"] and found["approver"] is None
+
+    # by MLflow model version: the same generation
+    assert chain(learned, str(found["model_version"]))["generation"] == 2
+    text = offseason(learned, "lineage", "gen-2").stdout
+    assert found["git_commit"] in text and "learned from" in text and "data/replay" in text
+    bad = offseason(learned, "lineage", "gen-9", check=False)
+    assert bad.returncode == 2 and "no generation gen-9" in bad.stderr
+
+
+def replay_part(root, tag):
+    """A training-data file of the tag (a data/replay part) and its DVC cache path."""
+    found = chain(root, tag)
+    replay = next(o["md5"] for o in found["stages"]["train"]["outs"]
+                  if o["path"] == "data/replay")
+    cache = root / ".dvc/cache/files/md5"
+    entries = json.loads((cache / replay[:2] / replay[2:]).read_text())
+    part = entries[0]
+    return part["relpath"], cache / part["md5"][:2] / part["md5"][2:], \
+        root / ".dvcstore/files/md5" / part["md5"][:2] / part["md5"][2:]
+
+
+def test_verify_names_a_tampered_and_a_missing_file(learned, tmp_path):
+    ok = offseason(learned, "lineage", "--verify", "gen-2")
+    assert "all hashes resolve and match" in ok.stdout
+    name, cached, remote = replay_part(learned, "gen-2")
+    backup = tmp_path / "backup"
+    shutil.copy2(cached, backup)
+    try:
+        os.chmod(cached, 0o644)
+        cached.write_bytes(cached.read_bytes()[:-3] + b"xyz")  # altered, same size
+        result = offseason(learned, "lineage", "--verify", "gen-2", check=False)
+        assert result.returncode == 1
+        assert f"data/replay/{name}" in result.stdout and "altered in the cache" in result.stdout
+        report = json.loads(offseason(learned, "lineage", "--verify", "gen-2", "--json",
+                                      check=False).stdout)
+        assert not report["ok"]
+        assert [f["path"] for p in report["problems"] for f in p["files"]] == [
+            f"data/replay/{name}"]
+
+        cached.unlink()
+        remote_backup = tmp_path / "remote-backup"
+        shutil.move(remote, remote_backup)
+        try:
+            result = offseason(learned, "lineage", "--verify", "gen-2", check=False)
+            assert result.returncode == 1 and "missing" in result.stdout
+            assert f"data/replay/{name}" in result.stdout
+        finally:
+            shutil.move(remote_backup, remote)
+        # the remote's copy alone is enough
+        assert "all hashes resolve" in offseason(learned, "lineage", "--verify", "gen-2").stdout
+    finally:
+        cached.unlink(missing_ok=True)
+        shutil.copy2(backup, cached)
+
+
+def test_trace_finds_every_generation_that_learned_from_it(learned):
+    first = chain(learned, "gen-1")
+    assert first["training_traces"]
+    trace_id = first["training_traces"][0]
+    found = json.loads(offseason(learned, "lineage", "--trace", trace_id, "--json").stdout)
+    # gen-1 trained on it; gen-2 replayed it (replay_fraction 1.0) or inherited it
+    assert found["direct"][0] == "gen-1" and found["generations"] == ["gen-1", "gen-2"]
+    assert found["inbox_files"] == ["traffic-000.jsonl"]
+    champion = next(r["tag"] for r in json.loads(offseason(learned, "history", "--json").stdout)
+                    if r["champion"])
+    assert found["champion_affected"] == (champion in ("gen-1", "gen-2"))
+    text = offseason(learned, "lineage", "--trace", trace_id).stdout
+    assert "trained on it directly: gen-1" in text
+    none = offseason(learned, "lineage", "--trace", "no-such-trace").stdout
+    assert "no generation learned from it" in none
+
+
+PROBE = """<pre id="probe"></pre><script>
+window.addEventListener('load', () => {
+  const images = [...document.images].map(i => ({id: i.id, w: i.naturalWidth, h: i.naturalHeight}));
+  const svg = document.getElementById('lineage-graph');
+  const box = svg ? svg.getBBox() : {width: 0, height: 0};
+  document.getElementById('probe').textContent = JSON.stringify({images,
+    nodes: svg ? svg.querySelectorAll('g.node').length : 0,
+    edges: svg ? svg.querySelectorAll('path.edge').length : 0,
+    svg: [box.width, box.height],
+    labels: svg ? [...svg.querySelectorAll('g.node text')].map(t => t.textContent) : []});
+});
+</script>"""
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    path = shutil.which("chromium")
+    if path is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]
+        for attempt in range(2):
+            done = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
+            if done.returncode == 0:
+                break
+            subprocess.run(["apt-get", "update"], capture_output=True, env=env, timeout=600)
+        path = shutil.which("chromium")
+    if path is None:
+        pytest.skip("Debian's chromium is not installed and cannot be installed here (needs root "
+                    "and apt-get: `apt-get install -y chromium`)")
+    return path
+
+
+def test_html_report_renders_in_headless_chromium(learned, chromium, tmp_path):
+    out = offseason(learned, "report")
+    page = learned / "reports/index.html"
+    assert str(page) in out.stdout
+    html = page.read_text()
+    assert html.count('src="data:image/png;base64,') == 3 and "<svg" in html
+    probe = tmp_path / "probe.html"
+    probe.write_text(html.replace("</body>", PROBE + "</body>"))
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+             "--virtual-time-budget=5000"]
+    dom = subprocess.run([*flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True,
+                         timeout=180).stdout
+    found = json.loads(re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S).group(1)
+                       .replace("&quot;", '"').replace("&amp;", "&"))
+    assert [i["id"] for i in found["images"]] == ["plot-scores", "plot-rewards",
+                                                  "plot-quarantine"]
+    assert all(i["w"] > 300 and i["h"] > 200 for i in found["images"]), found["images"]
+    assert found["nodes"] >= 20 and found["edges"] >= found["nodes"] - 5
+    assert found["svg"][0] > 500 and found["svg"][1] > 500
+    labels = " ".join(found["labels"])
+    for name in ("ingest", "validate", "rollout", "reward", "train", "gate", "data/replay",
+                 "models/champion", "gen-2: model version"):
+        assert name in labels
+    shot = tmp_path / "report.png"
+    subprocess.run([*flags, "--window-size=1200,3400", f"--screenshot={shot}", page.as_uri()],
+                   capture_output=True, timeout=180)
+    assert shot.read_bytes()[:4] == b"\x89PNG"
+    keep = os.environ.get("OFFSEASON_KEEP_SCREENSHOT")
+    if keep:  # for a person to look at
+        shutil.copy2(shot, Path(keep))
