@@ -59,6 +59,9 @@ from stages.traces import SCHEMA, BadRecord, make_row
 
 MANIFEST = "manifest.json"
 BATCH = 5000
+# Deeper JSON than any trace format nests is junk, and would overflow recursive code downstream.
+MAX_DEPTH = 100
+DETECT_WITHIN = 100  # records looked at for one a format recognizes, before "unknown format"
 # Detection order matters: OpenInference exports are OTLP too, but carry its span kinds.
 LINE_FORMATS = {m.NAME: m for m in (openai_chat, openai_responses)}
 TRACE_FORMATS = {m.NAME: m for m in (openinference, otel_genai, langfuse, langsmith)}
@@ -106,6 +109,8 @@ def read_records(path: Path, max_line_bytes: int) -> Iterator[tuple[int, object]
 def _items(number: int, value, numbered: bool = False) -> Iterator[tuple[int, object]]:
     """A JSON array holds records; anything else is one record."""
     if isinstance(value, list):
+        if not value and not numbered:  # a line is counted, even one that holds no record
+            yield number, Unreadable("an empty JSON array: no trace in it", "[]")
         for i, item in enumerate(value, start=1):
             yield (i if numbered else number), item
     else:
@@ -115,7 +120,7 @@ def _items(number: int, value, numbered: bool = False) -> Iterator[tuple[int, ob
 def _is_json(raw: bytes) -> bool:
     try:
         json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 
@@ -130,9 +135,40 @@ def _parse_line(raw: bytes, max_line_bytes: int):
         return Unreadable(f"not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})",
                           raw[:2000].decode("utf-8", "replace"))
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as err:
         return Unreadable(f"not valid JSON ({err.msg} at column {err.colno})", text[:2000])
+    except ValueError as err:  # valid JSON that Python will not convert: a number of 5000 digits
+        return Unreadable(f"not readable JSON ({str(err)[:200]})", text[:2000])
+    except RecursionError:
+        return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000])
+    # cheap tests first: most lines have neither many brackets nor \u escapes
+    if text.count("[") + text.count("{") > MAX_DEPTH and _depth(value) > MAX_DEPTH:
+        return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000])
+    if ("\\ud" in text or "\\uD" in text) and _lone_surrogate(value):
+        return Unreadable("an unpaired UTF-16 surrogate escape (\\ud800-\\udfff): not valid "
+                          "Unicode text", text[:2000])
+    return value
+
+
+def _depth(value) -> int:
+    """How deeply a JSON value nests, without recursion (so it cannot overflow the stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, (list, dict)):
+            deepest = max(deepest, level)
+            stack.extend((v, level + 1) for v in (value.values() if isinstance(value, dict)
+                                                  else value))
+    return deepest
+
+
+def _lone_surrogate(value) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _read_document(path: Path, limit: int):
@@ -158,18 +194,19 @@ def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, o
     """(line, format, normalized trace or a quarantine reason with its raw text) for one file."""
     records = read_records(path, config.max_line_bytes)  # a generator: line formats stream
     fmt, held = None, []
+    # the first record a format recognizes decides: a junk first line does not sink the file
     for number, record in records:
-        if isinstance(record, Unreadable):
-            held.append((number, record))
-            continue
-        fmt = detect(record)
         held.append((number, record))
-        break
+        if not isinstance(record, Unreadable):
+            fmt = detect(record)
+            if fmt is not None or len(held) >= DETECT_WITHIN:
+                break
     if fmt is None:
         expected = ", ".join(m.NAME for m in FORMATS)
+        first = next((r for _, r in held if not isinstance(r, Unreadable)), None)
         for number, record in chain(held, records):
             reason = record.reason if isinstance(record, Unreadable) else \
-                f"unknown format (first record has {_keys(held[-1][1])}); expected one of {expected}"
+                f"unknown format (first record has {_keys(first)}); expected one of {expected}"
             yield number, "unknown", (reason, _raw(record))
         return
     if fmt in LINE_FORMATS:
