@@ -144,7 +144,7 @@ def replace_value(data: bytes, where: int, raw: str) -> bytes:
         document = json.loads(data)
         pieces = [document]
         whole = True
-    except ValueError:
+    except (ValueError, RecursionError):
         pieces = data.split(b"\n")
         whole = False
     if whole:
@@ -158,7 +158,7 @@ def replace_value(data: bytes, where: int, raw: str) -> bytes:
     i = candidates[where % len(candidates)]
     try:
         record = json.loads(pieces[i])
-    except ValueError:
+    except (ValueError, RecursionError):
         return data
     paths = list(_nodes(record))
     path = paths[(where // len(candidates)) % len(paths)]
