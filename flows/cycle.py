@@ -21,7 +21,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger, runtime, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows import tracking
@@ -33,6 +33,7 @@ from flows.workspace import (
     generations,
     git,
     inputs_fingerprint,
+    note_cycle,
     read_at,
 )
 from stages import config as cfg
@@ -149,6 +150,8 @@ def cycle(repo: str = ".") -> dict:
     logger = get_run_logger()
     root = find_root(repo)
     configure_env(root)
+    # a second `offseason run` is refused naming this flow run
+    note_cycle(root, flow_run=f"{runtime.flow_run.name} ({runtime.flow_run.id})")
     configs = cfg.load_all(root / "params.yaml")
     if not (root / "models" / "champion.dvc").exists():
         raise WorkspaceError("no champion yet (models/champion.dvc is missing); run "
@@ -176,6 +179,7 @@ def cycle(repo: str = ".") -> dict:
         "offseason.generation": str(generation),
         "offseason.parent_commit": git(root, "rev-parse", "HEAD")})
     run_id = parent.info.run_id
+    note_cycle(root, mlflow_run_id=run_id)
     client = mlflow.MlflowClient()
     tracking.log_params(run_id, {section: asdict(values) for section, values in configs.items()})
     metrics, reran = {}, {}

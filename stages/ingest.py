@@ -312,7 +312,11 @@ class Writer:
     def add(self, row: dict) -> None:
         self.rows.append(row)
         if len(self.rows) >= BATCH:
-            self.flush()
+            try:
+                self.flush()
+            except BaseException:  # e.g. the disk is full: leave nothing half-written behind
+                self.tmp.unlink(missing_ok=True)
+                raise
 
     def flush(self) -> None:
         if self.rows:
@@ -321,9 +325,21 @@ class Writer:
             self.writer.write_table(pa.Table.from_pydict(columns, schema=SCHEMA))
             self.rows = []
 
+    def abort(self) -> None:
+        """Drop what was written (the stage failed); the final path is not touched."""
+        try:
+            self.writer.close()
+        except OSError:
+            pass
+        self.tmp.unlink(missing_ok=True)
+
     def close(self) -> None:
-        self.flush()
-        self.writer.close()
+        try:
+            self.flush()
+            self.writer.close()
+        except BaseException:  # e.g. the disk is full: leave nothing half-written behind
+            self.tmp.unlink(missing_ok=True)
+            raise
         os.replace(self.tmp, self.path)
 
 
@@ -354,49 +370,56 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
     redactions = dict.fromkeys(KINDS, 0)
     bad_rows, new_files = [], 0
     out = Writer(ingested)
-    for path in files:
-        if path.name in earlier:
-            continue
-        new_files += 1
-        part = f"part-{path.name.split('.')[0]}.parquet"
-        writer, counts = Writer(traces / part), _counts()
-        for number, fmt, item in traces_of_file(path, config):
-            fmt_counts = per_format.setdefault(fmt, _counts())
-            for bucket in (counts, fmt_counts):
-                bucket["rows_read"] += 1
-            scrubber = Scrubber(kinds)
-            try:
-                if isinstance(item, tuple):
-                    raise BadRecord(item[0])
-                row = make_row(item, path.name, number, fmt, scrubber)
-                if row["n_messages"] > config.max_messages:
-                    raise BadRecord(f"{row['n_messages']} messages, more than "
-                                    f"ingest.max_messages={config.max_messages}")
-            except BadRecord as err:
-                raw = item[1] if isinstance(item, tuple) else json.dumps(item, default=str)[:2000]
-                for bucket in (counts, fmt_counts):
-                    bucket["quarantined"] += 1
-                bad_rows.append({"source_file": path.name, "source_line": number, "format": fmt,
-                                 "stage": "ingest", "reason": str(err),
-                                 "raw": Scrubber(kinds).text(raw)})
+    writers = [out]
+    try:
+        for path in files:
+            if path.name in earlier:
                 continue
-            digest = bytes.fromhex(row["content_hash"])
-            if digest in seen:
+            new_files += 1
+            part = f"part-{path.name.split('.')[0]}.parquet"
+            writer, counts = Writer(traces / part), _counts()
+            writers.append(writer)
+            for number, fmt, item in traces_of_file(path, config):
+                fmt_counts = per_format.setdefault(fmt, _counts())
                 for bucket in (counts, fmt_counts):
-                    bucket["duplicates"] += 1
-                continue
-            seen.add(digest)
-            for kind, n in scrubber.counts.items():
-                redactions[kind] += n
-            for bucket in (counts, fmt_counts):
-                bucket["accepted"] += 1
-            writer.add(row)
-            out.add(row)
-        writer.close()
-        manifest[path.name] = {"part": part, "inbox_key": key, **counts}
-        for name, value in counts.items():
-            totals[name] += value
-    out.close()
+                    bucket["rows_read"] += 1
+                scrubber = Scrubber(kinds)
+                try:
+                    if isinstance(item, tuple):
+                        raise BadRecord(item[0])
+                    row = make_row(item, path.name, number, fmt, scrubber)
+                    if row["n_messages"] > config.max_messages:
+                        raise BadRecord(f"{row['n_messages']} messages, more than "
+                                        f"ingest.max_messages={config.max_messages}")
+                except BadRecord as err:
+                    raw = item[1] if isinstance(item, tuple) else json.dumps(item, default=str)[:2000]
+                    for bucket in (counts, fmt_counts):
+                        bucket["quarantined"] += 1
+                    bad_rows.append({"source_file": path.name, "source_line": number, "format": fmt,
+                                     "stage": "ingest", "reason": str(err),
+                                     "raw": Scrubber(kinds).text(raw)})
+                    continue
+                digest = bytes.fromhex(row["content_hash"])
+                if digest in seen:
+                    for bucket in (counts, fmt_counts):
+                        bucket["duplicates"] += 1
+                    continue
+                seen.add(digest)
+                for kind, n in scrubber.counts.items():
+                    redactions[kind] += n
+                for bucket in (counts, fmt_counts):
+                    bucket["accepted"] += 1
+                writer.add(row)
+                out.add(row)
+            writer.close()
+            manifest[path.name] = {"part": part, "inbox_key": key, **counts}
+            for name, value in counts.items():
+                totals[name] += value
+        out.close()
+    except BaseException:  # a full disk, say: no temporary file is left behind
+        for writer in writers:
+            writer.abort()
+        raise
     io.write_json(manifest_path, manifest)  # last: the parts it names are whole
     io.write_jsonl(quarantine, bad_rows)
     assert totals["rows_read"] == totals["accepted"] + totals["quarantined"] + totals["duplicates"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,11 +19,23 @@ def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def write_text(path: str | Path, text: str) -> None:
-    path = Path(path)
+@contextmanager
+def _whole(path: Path):
+    """The temporary path to write; renamed onto `path` on success, removed on failure (a full
+    disk, say), so neither a partial file nor its remains are left for a later stage.
+    """
     tmp = _tmp(path)
-    tmp.write_text(text)
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with _whole(Path(path)) as tmp:
+        tmp.write_text(text)
 
 
 def write_json(path: str | Path, data) -> None:
@@ -43,10 +56,8 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> None:
 
 
 def write_parquet(path: str | Path, table: pa.Table) -> None:
-    path = Path(path)
-    tmp = _tmp(path)
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    with _whole(Path(path)) as tmp:
+        pq.write_table(table, tmp)
 
 
 def replace_dir(tmp: Path, path: Path) -> None:
