@@ -72,8 +72,9 @@ READER_ERRORS = (BadRecord, ValueError, TypeError, KeyError, AttributeError, Ind
 class Unreadable:
     """A line that is not a JSON value; `reason` says why."""
 
-    def __init__(self, reason: str, raw: str):
-        self.reason, self.raw = reason, raw
+    def __init__(self, reason: str, raw: str, parsed: bool = False):
+        # parsed: decoded whole, then refused (nested too deep, an unpaired surrogate)
+        self.reason, self.raw, self.parsed = reason, raw, parsed
 
 
 def _open(path: Path):
@@ -93,6 +94,9 @@ def read_records(path: Path, max_line_bytes: int) -> Iterator[tuple[int, object]
         head = b""
     if head[:1] in (b"[", b"{") and not _is_json(head.split(b"\n", 1)[0]):
         document = _read_document(path, max_line_bytes * 10)
+        if isinstance(document, Unreadable):  # one document, refused whole: one row
+            yield 1, document
+            return
         if document is not None:
             yield from _items(1, document, numbered=True)
             return
@@ -144,10 +148,10 @@ def _parse_line(raw: bytes, max_line_bytes: int):
         return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000])
     # cheap tests first: most lines have neither many brackets nor \u escapes
     if text.count("[") + text.count("{") > MAX_DEPTH and _depth(value) > MAX_DEPTH:
-        return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000])
+        return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000], parsed=True)
     if ("\\ud" in text or "\\uD" in text) and _lone_surrogate(value):
         return Unreadable("an unpaired UTF-16 surrogate escape (\\ud800-\\udfff): not valid "
-                          "Unicode text", text[:2000])
+                          "Unicode text", text[:2000], parsed=True)
     return value
 
 
@@ -178,7 +182,7 @@ def _read_document(path: Path, limit: int):
     if len(raw) > limit:
         return None
     value = _parse_line(raw, limit + 1)
-    return None if isinstance(value, Unreadable) else value
+    return None if isinstance(value, Unreadable) and not value.parsed else value
 
 
 def detect(record) -> str | None:

@@ -225,6 +225,17 @@ def build(spec) -> tuple[str, bytes]:
     return name, data
 
 
+def depth(value) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, (list, dict)):
+            deepest = max(deepest, level)
+            stack.extend((v, level + 1) for v in (value.values() if isinstance(value, dict)
+                                                  else value))
+    return deepest
+
+
 def expected_rows(data: bytes) -> int | None:
     """How many rows a line-format file must give, worked out independently of ingest: one per
     non-blank line, or per item of a JSON array (on a line, or the file as one document).
@@ -255,10 +266,16 @@ def expected_rows(data: bytes) -> int | None:
         if not first_is_json:
             try:
                 value = json.loads(data.decode("utf-8"))
-                json.dumps(value, ensure_ascii=False).encode("utf-8")
-                return len(value) if isinstance(value, list) else 1
             except (ValueError, RecursionError):
-                pass
+                value = None  # not one document (as far as the decoder got): line by line
+            if value is not None:
+                try:
+                    json.dumps(value, ensure_ascii=False).encode("utf-8")
+                except UnicodeEncodeError:
+                    return 1  # one document refused whole
+                if depth(value) > ingest.MAX_DEPTH:
+                    return 1
+                return len(value) if isinstance(value, list) else 1
     return sum(count(raw) for raw in io.BytesIO(data) if raw.strip())
 
 
@@ -528,3 +545,10 @@ def test_params_not_utf8_or_nested_too_deep_name_the_file(tmp_path):
     path.write_text("base: " + "[" * 5000)
     with pytest.raises(cfg.ParamsError, match=r"params.yaml: not valid YAML"):
         cfg.load_all(path)
+
+
+def test_a_document_nested_too_deep_is_one_quarantined_row(tmp_path):
+    data = mutate(SEEDS["otel_genai_legacy.json"], [("nest", 0, 586)])
+    m = check_ingest(tmp_path, [("doc.json", data)])
+    assert (m["rows_read"], m["quarantined"]) == (1, 1)
+    assert "nested deeper than 100 levels" in (tmp_path / "q.jsonl").read_text()
