@@ -49,6 +49,32 @@ def benchmark_path(root: Path) -> Path:
     return root / next(d for d in deps if str(d).startswith("data/benchmarks/"))
 
 
+def read_benchmark(root: Path) -> list[dict]:
+    """The benchmark's items; a missing, empty or unreadable file fails naming it, before any
+    model is built or stage runs (the gate would otherwise fail only at the end of a cycle).
+    """
+    path = benchmark_path(root)
+    if not path.exists():
+        raise WorkspaceError(f"{path}: benchmark not found; restore it (`git checkout -- "
+                             f"{path.relative_to(root)}`) or write one")
+    items = []
+    for number, line in enumerate(path.read_text(errors="replace").split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as err:
+            raise WorkspaceError(f"{path}, line {number}: not valid JSON ({err})") from None
+        if not isinstance(item, dict) or not {"id", "question"} <= set(item):
+            raise WorkspaceError(f"{path}, line {number}: a benchmark item is an object with "
+                                 f"'id' and 'question'")
+        items.append(item)
+    if not items:
+        raise WorkspaceError(f"{path}: the benchmark is empty; the gate needs items to compare "
+                             f"candidate and champion on")
+    return items
+
+
 def cmd_init(args) -> int:
     root = find_root()
     configure_env(root)
@@ -61,12 +87,12 @@ def cmd_init(args) -> int:
     from stages import gate, init, io
     from stages.environments import ENVIRONMENTS
 
+    items = read_benchmark(root)
     with cycle_lock(root, "offseason init"):
         print("init: building generation 0 ...", flush=True)
         champion = root / "models" / "champion"
         metrics = init.run(configs["base"], configs["init"], champion, args.base_model)
         env = ENVIRONMENTS[configs["base"].environment]
-        items = io.read_jsonl(benchmark_path(root))
         scores = gate.score(champion, env, items, configs["base"].seed)
         metrics["benchmark_score"] = round(sum(r["correct"] or 0.0 for r in scores) / len(scores),
                                            4)
@@ -134,12 +160,24 @@ def cmd_run(args) -> int:
     root = find_root()
     configure_env(root)
     cfg.load_all(root / "params.yaml")  # fail before any stage (or Prefect) starts
+    read_benchmark(root)
+    import os
+
+    from mlflow.exceptions import MlflowException
+
     from flows.cycle import cycle, nothing_changed
 
     with cycle_lock(root, "offseason run"):
         # checked before Prefect's temporary server starts: a no-change run takes seconds
         message = nothing_changed(root)
-        result = {"message": message} if message else cycle(str(root))
+        try:
+            result = {"message": message} if message else cycle(str(root))
+        except MlflowException as err:  # MLflow's client retried with backoff before this
+            raise WorkspaceError(
+                f"MLflow at {os.environ['MLFLOW_TRACKING_URI']} did not answer ({str(err)[:300]}); "
+                f"the cycle stopped (a cycle counts once it is committed and tagged gen-N). "
+                f"Start that server (or unset MLFLOW_TRACKING_URI for the embedded default) and "
+                f"run `offseason run` again: finished stages are not redone") from None
     print(f"run: {result['message']}")
     return 0
 

@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger, runtime, task
 
 from flows import notify, overrides, promotion, tracking
 from flows import report as cycle_report
@@ -33,6 +33,7 @@ from flows.workspace import (
     generations,
     git,
     inputs_fingerprint,
+    note_cycle,
     read_at,
 )
 from stages import config as cfg
@@ -135,6 +136,8 @@ def cycle(repo: str = ".", algorithm: str | None = None, samples_per_task: int |
 def run_cycle(root: Path, changes: dict) -> dict:
     """The cycle's steps, inside the flow run (params.yaml already holds this run's overrides)."""
     logger = get_run_logger()
+    # a second `offseason run` is refused naming this flow run
+    note_cycle(root, flow_run=f"{runtime.flow_run.name} ({runtime.flow_run.id})")
     configs = cfg.load_all(root / "params.yaml")
     if not (root / "models" / "champion.dvc").exists():
         raise WorkspaceError("no champion yet (models/champion.dvc is missing); run "
@@ -166,6 +169,7 @@ def run_cycle(root: Path, changes: dict) -> dict:
         "offseason.generation": str(generation),
         "offseason.parent_commit": git(root, "rev-parse", "HEAD")})
     run_id = parent.info.run_id
+    note_cycle(root, mlflow_run_id=run_id)
     client = mlflow.MlflowClient()
     tracking.log_params(run_id, {section: asdict(values) for section, values in configs.items()})
     metrics, reran = {}, {}

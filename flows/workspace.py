@@ -9,6 +9,7 @@ remote in `<repo>/.dvcstore`. Each is one environment variable away from a real 
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import hashlib
 import json
 import os
@@ -104,35 +105,79 @@ def read_at(root: Path, ref: str, path: str) -> dict | None:
     return json.loads(out.stdout) if out.returncode == 0 else None
 
 
+_HELD: dict[Path, tuple[int, dict]] = {}  # lock path -> (fd, what the lock file says)
+
+
+def _write_lock(fd: int, info: dict) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode(), 0)
+
+
 @contextmanager
 def cycle_lock(root: Path, label: str):
-    """One cycle at a time per workspace; a lock left by a dead process is cleared."""
+    """One cycle at a time per workspace; a lock left by a killed process is cleared.
+
+    The kernel holds the lock (`flock` on `.offseason/cycle.lock`) for exactly as long as the
+    process that took it lives, so a process killed with SIGKILL frees it at once, a reused pid
+    cannot keep it taken, and two processes clearing a stale lock at the same moment cannot both
+    get it. The file only says who holds it: pid, what, start time and, once the flow started,
+    its Prefect flow run and MLflow run (`note_cycle`).
+    """
     path = root / ".offseason" / "cycle.lock"
     path.parent.mkdir(exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise WorkspaceError(_held_by(root, path)) from None
+        try:  # the holder before us may have removed the file after we opened it
+            current = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)
+    left = os.pread(fd, 1 << 16, 0)
+    if left.strip():
+        try:
+            stale = json.loads(left)
+            print(f"offseason: cleared a stale cycle lock: {stale.get('what')} (pid "
+                  f"{stale.get('pid')}, started {stale.get('started')}) is no longer running",
+                  file=sys.stderr)
+        except ValueError:
+            print(f"offseason: cleared an unreadable stale cycle lock ({path})", file=sys.stderr)
     info = {"pid": os.getpid(), "what": label,
             "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            break
-        except FileExistsError:
-            try:
-                held = json.loads(path.read_text())
-                os.kill(held["pid"], 0)
-            except (ProcessLookupError, ValueError, KeyError, json.JSONDecodeError):
-                path.unlink(missing_ok=True)  # stale: its process is gone
-                continue
-            raise WorkspaceError(
-                f"another cycle is running in {root}: {held['what']} (pid {held['pid']}, started "
-                f"{held['started']}); wait for it, or stop that process") from None
-    else:
-        raise WorkspaceError(f"could not take the cycle lock {path}; remove it if no cycle runs")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(info, handle)
+    _write_lock(fd, info)
+    _HELD[path] = (fd, info)
     try:
         yield
     finally:
+        del _HELD[path]
         path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def note_cycle(root: Path, **fields: str) -> None:
+    """Add to what the cycle lock this process holds says (run ids); no-op without the lock."""
+    held = _HELD.get(root / ".offseason" / "cycle.lock")
+    if held:
+        held[1].update(fields)
+        _write_lock(held[0], held[1])
+
+
+def _held_by(root: Path, path: Path) -> str:
+    try:
+        held = json.loads(path.read_text())
+    except ValueError:  # its holder is writing it this very moment
+        held = {}
+    runs = "".join(f", {name} {held[key]}" for key, name in (
+        ("flow_run", "Prefect flow run"), ("mlflow_run_id", "MLflow run")) if held.get(key))
+    return (f"another cycle is running in {root}: {held.get('what', 'offseason')} (pid "
+            f"{held.get('pid', '?')}, started {held.get('started', '?')}{runs}); wait for it, or "
+            f"stop that process")
 
 
 def inputs_fingerprint(root: Path) -> dict[str, str]:

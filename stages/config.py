@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import typing
 from dataclasses import dataclass
@@ -355,15 +356,27 @@ def _check_type(where: str, key: str, value, expected: type):
     if not ok:
         example = {int: "a whole number like 4", float: "a number like 0.001", bool: "true or false",
                    str: "a string", dict: "a mapping like {cron: '0 2 * * *'}"}[expected]
-        _fail(where, f"{key}: expected {example}, got {value!r} ({type(value).__name__})")
-    return float(value) if expected is float else value
+        _fail(where, f"{key}: expected {example}, got {_short(value)} ({type(value).__name__})")
+    if expected is float:
+        try:
+            value = float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            value = math.inf
+        if not math.isfinite(value):
+            _fail(where, f"{key}: expected a finite number like 0.001, got {value}")
+    return value
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _build(cls: type, section: str, raw, where: str):
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        _fail(where, f"section '{section}' must be a mapping of keys to values, got {raw!r}")
+        _fail(where, f"section '{section}' must be a mapping of keys to values, got {_short(raw)}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     values = {}
@@ -393,9 +406,14 @@ def read_params(path: str | Path = "params.yaml") -> dict:
     if not path.exists():
         raise ParamsError(f"{path}: not found; run from the project root (where dvc.yaml is)")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ParamsError(f"{path}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at "
+                          f"offset {err.start})") from None
     except yaml.YAMLError as err:
         raise ParamsError(f"{path}: not valid YAML: {err}") from None
+    except RecursionError:
+        raise ParamsError(f"{path}: not valid YAML: nested too deeply") from None
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: must be a mapping of sections, got {type(raw).__name__}")
     return raw

@@ -59,6 +59,9 @@ from stages.traces import SCHEMA, BadRecord, make_row
 
 MANIFEST = "manifest.json"
 BATCH = 5000
+# Deeper JSON than any trace format nests is junk, and would overflow recursive code downstream.
+MAX_DEPTH = 100
+DETECT_WITHIN = 100  # records looked at for one a format recognizes, before "unknown format"
 # Detection order matters: OpenInference exports are OTLP too, but carry its span kinds.
 LINE_FORMATS = {m.NAME: m for m in (openai_chat, openai_responses)}
 TRACE_FORMATS = {m.NAME: m for m in (openinference, otel_genai, langfuse, langsmith)}
@@ -69,8 +72,9 @@ READER_ERRORS = (BadRecord, ValueError, TypeError, KeyError, AttributeError, Ind
 class Unreadable:
     """A line that is not a JSON value; `reason` says why."""
 
-    def __init__(self, reason: str, raw: str):
-        self.reason, self.raw = reason, raw
+    def __init__(self, reason: str, raw: str, parsed: bool = False):
+        # parsed: decoded whole, then refused (nested too deep, an unpaired surrogate)
+        self.reason, self.raw, self.parsed = reason, raw, parsed
 
 
 def _open(path: Path):
@@ -90,6 +94,9 @@ def read_records(path: Path, max_line_bytes: int) -> Iterator[tuple[int, object]
         head = b""
     if head[:1] in (b"[", b"{") and not _is_json(head.split(b"\n", 1)[0]):
         document = _read_document(path, max_line_bytes * 10)
+        if isinstance(document, Unreadable):  # one document, refused whole: one row
+            yield 1, document
+            return
         if document is not None:
             yield from _items(1, document, numbered=True)
             return
@@ -106,6 +113,8 @@ def read_records(path: Path, max_line_bytes: int) -> Iterator[tuple[int, object]
 def _items(number: int, value, numbered: bool = False) -> Iterator[tuple[int, object]]:
     """A JSON array holds records; anything else is one record."""
     if isinstance(value, list):
+        if not value and not numbered:  # a line is counted, even one that holds no record
+            yield number, Unreadable("an empty JSON array: no trace in it", "[]")
         for i, item in enumerate(value, start=1):
             yield (i if numbered else number), item
     else:
@@ -115,7 +124,7 @@ def _items(number: int, value, numbered: bool = False) -> Iterator[tuple[int, ob
 def _is_json(raw: bytes) -> bool:
     try:
         json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 
@@ -130,9 +139,40 @@ def _parse_line(raw: bytes, max_line_bytes: int):
         return Unreadable(f"not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})",
                           raw[:2000].decode("utf-8", "replace"))
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as err:
         return Unreadable(f"not valid JSON ({err.msg} at column {err.colno})", text[:2000])
+    except ValueError as err:  # valid JSON that Python will not convert: a number of 5000 digits
+        return Unreadable(f"not readable JSON ({str(err)[:200]})", text[:2000])
+    except RecursionError:
+        return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000])
+    # cheap tests first: most lines have neither many brackets nor \u escapes
+    if text.count("[") + text.count("{") > MAX_DEPTH and _depth(value) > MAX_DEPTH:
+        return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000], parsed=True)
+    if ("\\ud" in text or "\\uD" in text) and _lone_surrogate(value):
+        return Unreadable("an unpaired UTF-16 surrogate escape (\\ud800-\\udfff): not valid "
+                          "Unicode text", text[:2000], parsed=True)
+    return value
+
+
+def _depth(value) -> int:
+    """How deeply a JSON value nests, without recursion (so it cannot overflow the stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, (list, dict)):
+            deepest = max(deepest, level)
+            stack.extend((v, level + 1) for v in (value.values() if isinstance(value, dict)
+                                                  else value))
+    return deepest
+
+
+def _lone_surrogate(value) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _read_document(path: Path, limit: int):
@@ -142,7 +182,7 @@ def _read_document(path: Path, limit: int):
     if len(raw) > limit:
         return None
     value = _parse_line(raw, limit + 1)
-    return None if isinstance(value, Unreadable) else value
+    return None if isinstance(value, Unreadable) and not value.parsed else value
 
 
 def detect(record) -> str | None:
@@ -158,18 +198,19 @@ def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, o
     """(line, format, normalized trace or a quarantine reason with its raw text) for one file."""
     records = read_records(path, config.max_line_bytes)  # a generator: line formats stream
     fmt, held = None, []
+    # the first record a format recognizes decides: a junk first line does not sink the file
     for number, record in records:
-        if isinstance(record, Unreadable):
-            held.append((number, record))
-            continue
-        fmt = detect(record)
         held.append((number, record))
-        break
+        if not isinstance(record, Unreadable):
+            fmt = detect(record)
+            if fmt is not None or len(held) >= DETECT_WITHIN:
+                break
     if fmt is None:
         expected = ", ".join(m.NAME for m in FORMATS)
+        first = next((r for _, r in held if not isinstance(r, Unreadable)), None)
         for number, record in chain(held, records):
             reason = record.reason if isinstance(record, Unreadable) else \
-                f"unknown format (first record has {_keys(held[-1][1])}); expected one of {expected}"
+                f"unknown format (first record has {_keys(first)}); expected one of {expected}"
             yield number, "unknown", (reason, _raw(record))
         return
     if fmt in LINE_FORMATS:
@@ -275,7 +316,11 @@ class Writer:
     def add(self, row: dict) -> None:
         self.rows.append(row)
         if len(self.rows) >= BATCH:
-            self.flush()
+            try:
+                self.flush()
+            except BaseException:  # e.g. the disk is full: leave nothing half-written behind
+                self.tmp.unlink(missing_ok=True)
+                raise
 
     def flush(self) -> None:
         if self.rows:
@@ -284,9 +329,21 @@ class Writer:
             self.writer.write_table(pa.Table.from_pydict(columns, schema=SCHEMA))
             self.rows = []
 
+    def abort(self) -> None:
+        """Drop what was written (the stage failed); the final path is not touched."""
+        try:
+            self.writer.close()
+        except OSError:
+            pass
+        self.tmp.unlink(missing_ok=True)
+
     def close(self) -> None:
-        self.flush()
-        self.writer.close()
+        try:
+            self.flush()
+            self.writer.close()
+        except BaseException:  # e.g. the disk is full: leave nothing half-written behind
+            self.tmp.unlink(missing_ok=True)
+            raise
         os.replace(self.tmp, self.path)
 
 
@@ -317,49 +374,56 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
     redactions = dict.fromkeys(KINDS, 0)
     bad_rows, new_files = [], 0
     out = Writer(ingested)
-    for path in files:
-        if path.name in earlier:
-            continue
-        new_files += 1
-        part = f"part-{path.name.split('.')[0]}.parquet"
-        writer, counts = Writer(traces / part), _counts()
-        for number, fmt, item in traces_of_file(path, config):
-            fmt_counts = per_format.setdefault(fmt, _counts())
-            for bucket in (counts, fmt_counts):
-                bucket["rows_read"] += 1
-            scrubber = Scrubber(kinds)
-            try:
-                if isinstance(item, tuple):
-                    raise BadRecord(item[0])
-                row = make_row(item, path.name, number, fmt, scrubber)
-                if row["n_messages"] > config.max_messages:
-                    raise BadRecord(f"{row['n_messages']} messages, more than "
-                                    f"ingest.max_messages={config.max_messages}")
-            except BadRecord as err:
-                raw = item[1] if isinstance(item, tuple) else json.dumps(item, default=str)[:2000]
-                for bucket in (counts, fmt_counts):
-                    bucket["quarantined"] += 1
-                bad_rows.append({"source_file": path.name, "source_line": number, "format": fmt,
-                                 "stage": "ingest", "reason": str(err),
-                                 "raw": Scrubber(kinds).text(raw)})
+    writers = [out]
+    try:
+        for path in files:
+            if path.name in earlier:
                 continue
-            digest = bytes.fromhex(row["content_hash"])
-            if digest in seen:
+            new_files += 1
+            part = f"part-{path.name.split('.')[0]}.parquet"
+            writer, counts = Writer(traces / part), _counts()
+            writers.append(writer)
+            for number, fmt, item in traces_of_file(path, config):
+                fmt_counts = per_format.setdefault(fmt, _counts())
                 for bucket in (counts, fmt_counts):
-                    bucket["duplicates"] += 1
-                continue
-            seen.add(digest)
-            for kind, n in scrubber.counts.items():
-                redactions[kind] += n
-            for bucket in (counts, fmt_counts):
-                bucket["accepted"] += 1
-            writer.add(row)
-            out.add(row)
-        writer.close()
-        manifest[path.name] = {"part": part, "inbox_key": key, **counts}
-        for name, value in counts.items():
-            totals[name] += value
-    out.close()
+                    bucket["rows_read"] += 1
+                scrubber = Scrubber(kinds)
+                try:
+                    if isinstance(item, tuple):
+                        raise BadRecord(item[0])
+                    row = make_row(item, path.name, number, fmt, scrubber)
+                    if row["n_messages"] > config.max_messages:
+                        raise BadRecord(f"{row['n_messages']} messages, more than "
+                                        f"ingest.max_messages={config.max_messages}")
+                except BadRecord as err:
+                    raw = item[1] if isinstance(item, tuple) else json.dumps(item, default=str)[:2000]
+                    for bucket in (counts, fmt_counts):
+                        bucket["quarantined"] += 1
+                    bad_rows.append({"source_file": path.name, "source_line": number, "format": fmt,
+                                     "stage": "ingest", "reason": str(err),
+                                     "raw": Scrubber(kinds).text(raw)})
+                    continue
+                digest = bytes.fromhex(row["content_hash"])
+                if digest in seen:
+                    for bucket in (counts, fmt_counts):
+                        bucket["duplicates"] += 1
+                    continue
+                seen.add(digest)
+                for kind, n in scrubber.counts.items():
+                    redactions[kind] += n
+                for bucket in (counts, fmt_counts):
+                    bucket["accepted"] += 1
+                writer.add(row)
+                out.add(row)
+            writer.close()
+            manifest[path.name] = {"part": part, "inbox_key": key, **counts}
+            for name, value in counts.items():
+                totals[name] += value
+        out.close()
+    except BaseException:  # a full disk, say: no temporary file is left behind
+        for writer in writers:
+            writer.abort()
+        raise
     io.write_json(manifest_path, manifest)  # last: the parts it names are whole
     io.write_jsonl(quarantine, bad_rows)
     assert totals["rows_read"] == totals["accepted"] + totals["quarantined"] + totals["duplicates"]

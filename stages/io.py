@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,26 +19,45 @@ def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def write_text(path: str | Path, text: str) -> None:
-    path = Path(path)
+@contextmanager
+def _whole(path: Path):
+    """The temporary path to write; renamed onto `path` on success, removed on failure (a full
+    disk, say), so neither a partial file nor its remains are left for a later stage.
+    """
     tmp = _tmp(path)
-    tmp.write_text(text)
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with _whole(Path(path)) as tmp:
+        tmp.write_text(text)
 
 
 def write_json(path: str | Path, data) -> None:
     write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+# Characters that str.splitlines() (and many JSONL readers) take for line breaks: inside a JSON
+# string they are legal, so they are written escaped to keep one record a line for every reader.
+_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def jsonl_line(row: dict) -> str:
+    return json.dumps(row, ensure_ascii=False, sort_keys=True).translate(_BREAKS) + "\n"
+
+
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:
-    write_text(path, "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows))
+    write_text(path, "".join(jsonl_line(r) for r in rows))
 
 
 def write_parquet(path: str | Path, table: pa.Table) -> None:
-    path = Path(path)
-    tmp = _tmp(path)
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    with _whole(Path(path)) as tmp:
+        pq.write_table(table, tmp)
 
 
 def replace_dir(tmp: Path, path: Path) -> None:
@@ -48,4 +68,5 @@ def replace_dir(tmp: Path, path: Path) -> None:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    # split on newlines only: splitlines() also breaks at U+2028, U+0085 and others
+    return [json.loads(line) for line in Path(path).read_text().split("\n") if line.strip()]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import SafetensorError
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -51,17 +52,53 @@ def build_model(tokenizer, n_layer: int, n_embd: int, n_head: int, n_positions: 
     return GPT2LMHeadModel(config)
 
 
+class ModelFolderError(FileNotFoundError):
+    """The folder is not a usable model: a file missing, corrupt, or not matching the others."""
+
+
 def load(path: str | Path):
-    """Model and tokenizer from a Hugging Face folder; names the folder when it is not one."""
+    """Model and tokenizer from a Hugging Face folder; names the file to fix when it is not one.
+
+    Also checks that the weights fit the config (transformers would otherwise fill missing or
+    misshapen weights with random values and only warn) and the tokenizer fits the model.
+    """
     path = Path(path)
     missing = [name for name in ("config.json", "tokenizer.json") if not (path / name).exists()]
     if missing:
-        raise FileNotFoundError(
+        raise ModelFolderError(
             f"{path} is not a Hugging Face model folder (missing {', '.join(missing)}); "
             f"run `offseason init` to create generation 0"
         )
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if not any((path / name).exists() for name in ("model.safetensors",
+                                                    "model.safetensors.index.json")):
+        raise ModelFolderError(
+            f"{path / 'model.safetensors'}: the model's weights are missing (no model.safetensors "
+            f"or model.safetensors.index.json in {path}); restore the folder (`dvc checkout`) or "
+            f"rebuild it with `offseason init --force`")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise ModelFolderError(f"{path / 'tokenizer.json'}: the tokenizer cannot be loaded "
+                               f"({type(err).__name__}: {err})") from None
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                           output_loading_info=True)
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError, SafetensorError) as err:
+        raise ModelFolderError(f"{path}: config.json and model.safetensors cannot be loaded "
+                               f"together ({type(err).__name__}: {str(err)[:500]})") from None
+    wrong = {kind: sorted(map(str, info[kind]))[:5] for kind in
+             ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(kind)}
+    if wrong:
+        raise ModelFolderError(
+            f"{path / 'model.safetensors'} does not match {path / 'config.json'}: "
+            + "; ".join(f"{kind.replace('_', ' ')}: {', '.join(keys)}"
+                        for kind, keys in wrong.items())
+            + ". Restore the folder (`dvc checkout`) or rebuild it with `offseason init --force`")
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        raise ModelFolderError(
+            f"{path / 'tokenizer.json'}: {len(tokenizer)} tokens, more than the "
+            f"{model.get_input_embeddings().num_embeddings} embeddings of the model in "
+            f"{path / 'model.safetensors'}; the tokenizer belongs to another model")
     model.eval()
     return model, tokenizer
 

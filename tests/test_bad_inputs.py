@@ -1,0 +1,112 @@
+"""Broken model folders, an empty benchmark, an unknown environment: through the real CLI, each
+fails with exit code 2 (or a stage failure) whose message names the file or key to fix.
+"""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from conftest import make_project, offseason, write_params
+
+from stages import arith, tinylm
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """A small, valid Hugging Face folder, as `offseason init --base-model` takes it."""
+    folder = tmp_path_factory.mktemp("models") / "good"
+    tokenizer = tinylm.build_tokenizer(arith)
+    model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
+    tinylm.save(model, tokenizer, folder)
+    return folder
+
+
+def broken_copy(model_folder, tmp_path, how):
+    folder = tmp_path / f"broken-{how}"
+    shutil.copytree(model_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    if how == "no-weights":
+        (folder / "model.safetensors").unlink()
+    elif how == "no-tokenizer":
+        (folder / "tokenizer.json").unlink()
+    elif how == "more-layers":  # transformers would fill the missing layer with random weights
+        config["n_layer"] = 2
+    elif how == "wider":
+        config["n_embd"] = 64
+    elif how == "small-vocab":
+        config["vocab_size"] = 8
+    elif how == "corrupt-weights":
+        data = (folder / "model.safetensors").read_bytes()
+        (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("how, names", [
+    ("no-weights", ["model.safetensors", "weights are missing"]),
+    ("no-tokenizer", ["missing tokenizer.json"]),
+    ("more-layers", ["model.safetensors does not match", "config.json", "missing keys"]),
+    ("wider", ["model.safetensors", "config.json"]),
+    ("small-vocab", ["model.safetensors", "config.json"]),
+    ("corrupt-weights", ["model.safetensors"]),
+])
+def test_init_from_a_broken_model_folder_names_the_file(tmp_path, model_folder, how, names):
+    root = make_project(tmp_path / "p")
+    folder = broken_copy(model_folder, tmp_path, how)
+    result = offseason(root, "init", "--base-model", str(folder), check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("offseason init: error: ") and str(folder) in error, error
+    for name in names:
+        assert name in error, error
+    assert not (root / "models" / "champion.dvc").exists()
+
+
+def test_a_good_model_folder_loads(model_folder):
+    model, tokenizer = tinylm.load(model_folder)
+    assert len(tokenizer) <= model.get_input_embeddings().num_embeddings
+
+
+@pytest.mark.parametrize("content, says", [
+    ("", "the benchmark is empty"),
+    ("\n\n", "the benchmark is empty"),
+    ('{"id": "a", "question": "1+1"}\n{"id": \n', "line 2: not valid JSON"),
+    ('["1+1"]\n', "line 1: a benchmark item is an object with 'id' and 'question'"),
+])
+def test_a_bad_benchmark_fails_init_and_run_naming_the_file(tmp_path, content, says):
+    root = make_project(tmp_path / "p")
+    (root / "data/benchmarks/arith.jsonl").write_text(content)
+    for command in ("init", "run"):
+        result = offseason(root, command, check=False)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        assert "data/benchmarks/arith.jsonl" in result.stderr and says in result.stderr
+    assert not (root / "models" / "champion").exists()
+
+
+def test_an_unknown_environment_is_refused_naming_the_key(tmp_path):
+    root = make_project(tmp_path / "p")
+    write_params(root, {"base": {"environment": "chess"}})
+    for command in ("init", "simulate", "run", "check"):
+        result = offseason(root, command, check=False)
+        assert result.returncode == 2, (command, result.stderr[-3000:])
+        assert "base.environment: unknown environment 'chess'; choose one of" in result.stderr
+        assert "'arith'" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_champion_broken_after_init_fails_the_cycle_naming_the_file(tmp_path):
+    root = make_project(tmp_path / "p")
+    offseason(root, "init")
+    offseason(root, "simulate")
+    config = json.loads((root / "models/champion/config.json").read_text())
+    config["n_layer"] += 1
+    (root / "models/champion/config.json").write_text(json.dumps(config))
+    result = offseason(root, "run", check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "models/champion/model.safetensors does not match" in result.stderr
+    assert "rollout" in result.stderr  # the stage that found it
+    tags = subprocess.run(["git", "tag"], cwd=root, capture_output=True, text=True).stdout
+    assert tags.split() == ["gen-0"]
