@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export GX_ANALYTICS_ENABLED := False
 
-.PHONY: setup demo test lint clean-state
+.PHONY: setup demo test lint clean-state vllm-env
 
 setup: $(VENV)/.installed
 
@@ -37,3 +37,16 @@ lint: setup
 # forget local MLflow, Prefect and DVC remote state (not the git history)
 clean-state:
 	rm -rf mlflow.db mlartifacts .prefect .dvcstore .offseason
+
+# vLLM for `rollout.backend: openai` on a GPU machine (rollout.server_command:
+# .venv-vllm/bin/vllm serve {model} --port {port} --host 127.0.0.1). Its own venv: vLLM pins its
+# own torch (a CUDA build) and cannot share Prefect's environment. Not used by make test or demo;
+# benchmarks/gpu_rollout_vllm.sh uses it.
+VLLM_VENV := .venv-vllm
+VLLM_VERSION ?= 0.33.0
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check vllm==$(VLLM_VERSION)
+	touch $@
