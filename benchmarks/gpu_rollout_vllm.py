@@ -10,8 +10,10 @@ What it does, in a temporary folder: builds generation 0 with `stages.init` (the
 1. `rollout.backend: openai` with `rollout.server_command` = `.venv-vllm/bin/vllm serve {model}
    --port {port} ...`: the stage starts vLLM on the champion folder in its own process group, waits
    for /health, runs the multi-turn episodes (tool results injected between turns) and stops it;
-2. `rollout.backend: transformers` (on the GPU if torch sees one: the model is moved there by the
-   stage only if `stages.tinylm.load` does; otherwise on CPU: the printed device says which).
+2. `rollout.backend: transformers`, the stage as it is (it loads the model where
+   `stages.tinylm.load` puts it: the printed device says which);
+3. when torch sees a GPU, `stages.generate.generate` on the same prompts with the model moved to
+   it (the loop's tensors follow the model's device), for a like-for-like GPU figure.
 It prints episodes, generated tokens and tokens/s of both (the server's start-up is not counted),
 the share of episodes whose completions agree (greedy runs with `--temperature 0` should agree on
 most; float32 vs vLLM's kernels may flip near-ties), and exits non-zero if vLLM gave no tool calls
@@ -40,6 +42,7 @@ import random
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -49,7 +52,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from stages import arith, init, rollout, tinylm  # noqa: E402
+from stages import arith, generate, init, rollout, tinylm  # noqa: E402
 from stages import config as cfg  # noqa: E402
 
 VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
@@ -100,6 +103,21 @@ def main(argv: list[str] | None = None) -> int:
             metrics = rollout.run(base, config, validated, champion, out)
             results[name] = (metrics, pq.read_table(out).to_pylist())
         device = "cuda" if next(tinylm.load(champion)[0].parameters()).is_cuda else "cpu"
+        if torch.cuda.is_available():
+            model, tokenizer = tinylm.load(champion)
+            model.cuda()
+            prompts = [arith.prompt(q) for q in questions for _ in range(args.samples)]
+            started = time.time()
+            episodes = generate.generate(model, tokenizer, arith, prompts,
+                                         temperature=args.temperature, max_new_tokens=48, seed=0,
+                                         batch_size=1024, progress=False)
+            seconds = time.time() - started
+            tokens = sum(sum(e.model_mask) for e in episodes)
+            results["transformers, generate() on the GPU"] = (
+                {"episodes": len(episodes), "generated_tokens": tokens,
+                 "seconds": round(seconds, 2), "tokens_per_second": round(tokens / seconds),
+                 "tool_use_rate": round(sum(e.tool_calls > 0 for e in episodes) / len(episodes), 4)},
+                [])
         print(f"\ntorch {torch.__version__}, GPU: "
               f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}; "
               f"transformers backend on {device}\n")
@@ -109,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {metrics['episodes']} | {metrics['generated_tokens']} | "
                   f"{metrics['seconds']} | {metrics['tokens_per_second']} | "
                   f"{metrics['tool_use_rate']} |")
-        (served, served_rows), (_, local_rows) = results.values()
+        (served, served_rows), (_, local_rows) = list(results.values())[:2]
         same = sum(a["completion"] == b["completion"] for a, b in zip(served_rows, local_rows))
         print(f"\ncompletions identical in both: {same}/{len(local_rows)}; server retries: "
               f"{served['retries']}; requests by URL: {served['requests_by_url']}")

@@ -1,8 +1,9 @@
 """The transformers generation backend: batched, seeded, multi-turn episodes with a tool.
 
 Every row of a batch advances exactly one token per step, so one KV cache serves the whole batch
-with no padding: prompt tokens and the environment's injected tool results are fed as *forced*
-tokens, one per step, while the other rows sample. For each episode we keep the token ids, a mask of
+with no padding: the first pass feeds the length of the shortest prompt at once, then the rest of
+the prompts and the environment's injected tool results are fed as *forced* tokens, one per step,
+while the other rows sample. For each episode we keep the token ids, a mask of
 which tokens the model chose itself (training loss and GRPO use only those), the log-probability
 of each chosen token under the policy (temperature 1, before top-k/top-p: what GRPO needs) and the
 turn each token belongs to.
@@ -185,22 +186,26 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
     may_end = _ending_mask(tokenizer, watch, vocab).to(device) if watch else None
 
     cache = DynamicCache()
-    current = buf[:, :1]
-    for position in range(limit - 1):
+    # the tokens every row has forced at the same positions (the shortest prompt) go in one pass
+    common = min(len(p) for p in prefixes)
+    current = buf[:, :common]
+    for position in range(common - 1, limit - 1):
         logits = model(input_ids=current, cache=cache, use_cache=True).logits[:, -1, :]
         logits = logits.float()
+        nxt = position + 1
+        forced = forced_end > nxt
+        model_turn = active & ~forced
         if temperature > 0:
             probs = torch.softmax(_filtered(logits / temperature, top_k, top_p), dim=-1)
             if isinstance(generator, list):
-                sampled = torch.cat([torch.multinomial(probs[i], 1, generator=g)
-                                     for i, g in enumerate(generator)])
+                # a row draws only for its own tokens, so its samples do not depend on the batch
+                sampled = torch.full((rows,), pad, dtype=torch.long, device=device)
+                for i in model_turn.nonzero().flatten().tolist():
+                    sampled[i] = torch.multinomial(probs[i], 1, generator=generator[i])[0]
             else:
                 sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         else:
             sampled = logits.argmax(dim=-1)
-        nxt = position + 1
-        forced = forced_end > nxt
-        model_turn = active & ~forced
         ended = model_turn & ((sampled == eos) | (nxt - prefix_len >= budget))
         if ended.any():
             for i in ended.nonzero().flatten().tolist():

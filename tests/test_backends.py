@@ -328,3 +328,8 @@ def test_api_key_only_from_the_environment(monkeypatch):
     monkeypatch.setenv("OFFSEASON_NO_SUCH_KEY", "k")
     assert openai_backend.api_key_from("OFFSEASON_NO_SUCH_KEY") == "k"
     assert os.environ["OFFSEASON_NO_SUCH_KEY"] == "k"
+
+
+def test_progress_lines_on_stderr(trained, capsys):
+    run_transformers(trained, progress=True, prompts=prompts(1))
+    assert "generate: 8/8 episodes" in capsys.readouterr().err
