@@ -24,6 +24,7 @@ OpenAI-compatible server of the demo model); `generate` is the environment-aware
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -92,7 +93,8 @@ def _filtered(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
-def _ending_mask(tokenizer, texts: list[str], vocab: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=8)  # decoding a 50k vocabulary token by token takes a second
+def _ending_mask(tokenizer, texts: tuple[str, ...], vocab: int) -> torch.Tensor:
     """Tokens whose decoded text ends with the last character of one of `texts`."""
     lasts = {t[-1] for t in texts if t}
     mask = torch.zeros(vocab, dtype=torch.bool)
@@ -183,7 +185,7 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
     tool_close = env.TOOL_CLOSE if env is not None else None
     close_id = single_token(tokenizer, tool_close) if tool_close else None
     watch = [s for s in stop if s] + ([tool_close] if tool_close and close_id is None else [])
-    may_end = _ending_mask(tokenizer, watch, vocab).to(device) if watch else None
+    may_end = _ending_mask(tokenizer, tuple(watch), vocab).to(device) if watch else None
 
     cache = DynamicCache()
     # the tokens every row has forced at the same positions (the shortest prompt) go in one pass
