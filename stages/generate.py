@@ -3,7 +3,8 @@
 Every row of a batch advances exactly one token per step, so one KV cache serves the whole batch
 with no padding: the first pass feeds the length of the shortest prompt at once, then the rest of
 the prompts and the environment's injected tool results are fed as *forced* tokens, one per step,
-while the other rows sample. For each episode we keep the token ids, a mask of
+while the other rows sample. Rows that ended are dropped from the batch (and its KV cache) once
+they are half of it, instead of being fed padding until the longest episode ends. For each episode we keep the token ids, a mask of
 which tokens the model chose itself (training loss and GRPO use only those), the log-probability
 of each chosen token under the policy (temperature 1, before top-k/top-p: what GRPO needs) and the
 turn each token belongs to.
@@ -166,7 +167,6 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
                          f"context is {limit})")
     vocab = model.config.vocab_size
     device = model.device  # CPU here; the same loop runs on a GPU (the tensors follow the model)
-    arange = torch.arange(rows, device=device)
     buf = torch.full((rows, limit), pad, dtype=torch.long)
     for i, prefix in enumerate(prefixes):
         buf[i, :len(prefix)] = torch.tensor(prefix, dtype=torch.long)
@@ -178,9 +178,23 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
     chosen_mask = torch.zeros((rows, limit), dtype=torch.bool, device=device)
     logp_buf = torch.zeros((rows, limit), dtype=torch.float32, device=device)
     active = torch.ones(rows, dtype=torch.bool, device=device)
+    # the tensors hold the rows still in the batch; these lists are indexed by the original row
+    orig = list(range(rows))  # batch position -> original row
     end = [limit] * rows  # one past the last recorded token, set when a row ends
     finish = ["length"] * rows
     calls, closes, stopped = [0] * rows, [[] for _ in range(rows)], [None] * rows
+    results: list[Row | None] = [None] * rows
+
+    def collect(positions: list[int]) -> None:
+        for i in positions:
+            o = orig[i]
+            start, stop_at = int(prefix_len[i]), end[o]
+            results[o] = Row(
+                token_ids=buf[i, start:stop_at].tolist(),
+                model_mask=chosen_mask[i, start:stop_at].to(torch.int8).tolist(),
+                logprobs=logp_buf[i, start:stop_at].tolist(),
+                finish=finish[o], tool_calls=calls[o], closes=closes[o], stop=stopped[o],
+            )
 
     tool_close = env.TOOL_CLOSE if env is not None else None
     close_id = single_token(tokenizer, tool_close) if tool_close else None
@@ -194,6 +208,7 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
     for position in range(common - 1, limit - 1):
         logits = model(input_ids=current, cache=cache, use_cache=True).logits[:, -1, :]
         logits = logits.float()
+        batch = len(orig)
         nxt = position + 1
         forced = forced_end > nxt
         model_turn = active & ~forced
@@ -201,9 +216,9 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
             probs = torch.softmax(_filtered(logits / temperature, top_k, top_p), dim=-1)
             if isinstance(generator, list):
                 # a row draws only for its own tokens, so its samples do not depend on the batch
-                sampled = torch.full((rows,), pad, dtype=torch.long, device=device)
+                sampled = torch.full((batch,), pad, dtype=torch.long, device=device)
                 for i in model_turn.nonzero().flatten().tolist():
-                    sampled[i] = torch.multinomial(probs[i], 1, generator=generator[i])[0]
+                    sampled[i] = torch.multinomial(probs[i], 1, generator=generator[orig[i]])[0]
             else:
                 sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         else:
@@ -211,8 +226,8 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
         ended = model_turn & ((sampled == eos) | (nxt - prefix_len >= budget))
         if ended.any():
             for i in ended.nonzero().flatten().tolist():
-                finish[i] = "eos" if int(sampled[i]) == eos else "length"
-                end[i] = nxt
+                finish[orig[i]] = "eos" if int(sampled[i]) == eos else "length"
+                end[orig[i]] = nxt
             active &= ~ended
             model_turn &= ~ended
         token = torch.where(forced, buf[:, nxt], sampled)
@@ -220,7 +235,7 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
         buf[:, nxt] = token
         chosen_mask[:, nxt] = model_turn
         if model_turn.any():
-            logp = torch.log_softmax(logits, dim=-1)[arange, token]
+            logp = torch.log_softmax(logits, dim=-1)[torch.arange(batch, device=device), token]
             logp_buf[:, nxt] = torch.where(model_turn, logp, 0.0)
         if close_id is not None:
             closing = model_turn & (token == close_id)
@@ -229,20 +244,20 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
         check = closing | (model_turn & may_end[token]) if may_end is not None else closing
         if check.any():
             for i in check.nonzero().flatten().tolist():
-                text = None
+                o, text = orig[i], None
                 if watch:
                     text = tokenizer.decode(buf[i, prefix_len[i]:nxt + 1].tolist(),
                                             skip_special_tokens=True)
                     hit = next((s for s in stop if s and text.endswith(s)), None)
                     if hit is not None:
-                        finish[i], stopped[i], end[i] = "stop", hit, nxt + 1
+                        finish[o], stopped[o], end[o] = "stop", hit, nxt + 1
                         active[i] = False
                         continue
                 if not (closing[i] or (tool_close and text is not None
                                        and text.endswith(tool_close))):
                     continue
-                if calls[i] >= max_turns:
-                    finish[i], end[i] = "turns", nxt + 1
+                if calls[o] >= max_turns:
+                    finish[o], end[o] = "turns", nxt + 1
                     active[i] = False
                     continue
                 if text is None:
@@ -253,23 +268,25 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
                 buf[i, nxt + 1:nxt + 1 + len(injected)] = torch.tensor(injected, dtype=torch.long,
                                                                         device=device)
                 forced_end[i] = nxt + 1 + len(injected)
-                calls[i] += 1
-                closes[i].append(nxt - int(prefix_len[i]))
+                calls[o] += 1
+                closes[o].append(nxt - int(prefix_len[i]))
+        alive = int(active.sum())
         if on_step is not None:
-            on_step(rows - int(active.sum()))
-        if not active.any():
+            on_step(rows - alive)
+        if not alive:
             break
+        if alive * 2 <= batch and batch >= 16:
+            # half the batch has ended: drop those rows (and their KV cache) instead of feeding
+            # them padding until the longest episode ends
+            collect((~active).nonzero().flatten().tolist())
+            keep = active.nonzero().flatten()
+            cache.batch_select_indices(keep)
+            buf, prefix_len, forced_end, budget = buf[keep], prefix_len[keep], forced_end[keep], \
+                budget[keep]
+            chosen_mask, logp_buf, active = chosen_mask[keep], logp_buf[keep], active[keep]
+            orig = [orig[k] for k in keep.tolist()]
         current = buf[:, nxt:nxt + 1]
-    results = []
-    buf, chosen_mask, logp_buf = buf.tolist(), chosen_mask.to(torch.int8).tolist(), logp_buf.tolist()
-    for i in range(rows):
-        start, stop_at = int(prefix_len[i]), end[i]
-        results.append(Row(
-            token_ids=buf[i][start:stop_at],
-            model_mask=chosen_mask[i][start:stop_at],
-            logprobs=logp_buf[i][start:stop_at],
-            finish=finish[i], tool_calls=calls[i], closes=closes[i], stop=stopped[i],
-        ))
+    collect(list(range(len(orig))))
     return results
 
 
