@@ -222,14 +222,17 @@ class Handler(BaseHTTPRequestHandler):
         self.reply(200, answer)
 
 
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # the default 5 refuses connections when many requests arrive at once
+
+
 def make_server(folder: Path, host: str = "127.0.0.1", port: int = 0, name: str = "",
-                handler: type[Handler] = Handler, threads: int = 0) -> ThreadingHTTPServer:
+                handler: type[Handler] = Handler, threads: int = 0) -> Server:
     """A server bound to host:port (0 = a free port; see `.server_address`), not yet serving."""
     engine = Engine(Path(folder), name or str(folder), threads)
     bound = type("BoundHandler", (handler,), {"engine": engine})
-    server = ThreadingHTTPServer((host, port), bound)
-    server.daemon_threads = True
-    return server
+    return Server((host, port), bound)
 
 
 def main(argv: list[str] | None = None) -> None:
