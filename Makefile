@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export GX_ANALYTICS_ENABLED := False
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test lint clean-state sandbox-tools
+.PHONY: setup demo test lint clean-state sandbox-tools vllm-env
 
 setup: $(VENV)/.installed sandbox-tools
 
@@ -49,3 +49,16 @@ lint: setup
 # forget local MLflow, Prefect and DVC remote state (not the git history)
 clean-state:
 	rm -rf mlflow.db mlartifacts .prefect .dvcstore .offseason
+
+# vLLM for `rollout.backend: openai` on a GPU machine (rollout.server_command:
+# .venv-vllm/bin/vllm serve {model} --port {port} --host 127.0.0.1). Its own venv: vLLM pins its
+# own torch (a CUDA build) and cannot share Prefect's environment. Not used by make test or demo;
+# benchmarks/gpu_rollout_vllm.sh uses it.
+VLLM_VENV := .venv-vllm
+VLLM_VERSION ?= 0.33.0
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check vllm==$(VLLM_VERSION)
+	touch $@

@@ -123,28 +123,72 @@ class Validate:
 class Rollout:
     """The champion re-attempting the tasks of the validated traces."""
 
-    backend: str = "transformers"
+    backend: str = "transformers"  # or "openai": OpenAI-compatible servers (vLLM, SGLang, TGI)
     samples_per_task: int = 4
     temperature: float = 1.0
+    top_p: float = 1.0  # nucleus sampling; 1.0 = off
+    top_k: int = 0  # 0 = off
     max_new_tokens: int = 48
+    max_turns: int = 0  # tool calls answered per episode; 0 = the environment's MAX_TURNS
+    stop: str = ""  # the episode also ends when its text ends with this ("" = at <eos> only)
     batch_size: int = 1024  # sequences generated together; 1024 is fastest on 2 CPU cores
     max_tasks: int = 0  # 0 = every task; otherwise the first N (sorted by trace id)
+    # openai backend: servers already up (base URLs ending in /v1, separated by commas), or a
+    # command that starts one on the champion ({model}, {port} filled in) for this stage only
+    urls: str = ""
+    server_command: str = ""
+    server_timeout: float = 600.0  # seconds to wait for the started server's /health
+    model: str = ""  # the served model's name; "" = the first one GET /v1/models lists
+    concurrency: int = 64  # requests in flight, over all URLs
+    request_timeout: float = 120.0  # seconds per request before it is retried
+    retries: int = 5  # per request, on timeouts, 429 and 5xx, with exponential backoff
+    api_key_env: str = "OPENAI_API_KEY"  # the environment variable holding the API key, if any
 
     def __post_init__(self):
-        if self.backend != "transformers":
+        if self.backend not in ("transformers", "openai"):
             raise ParamsError(
-                f"rollout.backend: {self.backend!r} is not available yet; use 'transformers'"
+                f"rollout.backend: {self.backend!r} is not a backend; use 'transformers' or "
+                f"'openai'"
             )
         _positive(
             "rollout",
             samples_per_task=self.samples_per_task,
             max_new_tokens=self.max_new_tokens,
             batch_size=self.batch_size,
+            concurrency=self.concurrency,
+            server_timeout=self.server_timeout,
+            request_timeout=self.request_timeout,
         )
         if self.temperature < 0:
             raise ParamsError("rollout.temperature: must be >= 0 (0 is greedy)")
-        if self.max_tasks < 0:
-            raise ParamsError("rollout.max_tasks: must be >= 0 (0 means every task)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ParamsError("rollout.top_p: must be in (0, 1] (1 turns it off)")
+        for key, value in {"top_k": self.top_k, "max_turns": self.max_turns,
+                           "max_tasks": self.max_tasks, "retries": self.retries}.items():
+            if value < 0:
+                raise ParamsError(f"rollout.{key}: must be >= 0")
+        for url in self.url_list:
+            if not url.startswith(("http://", "https://")):
+                raise ParamsError(f"rollout.urls: {url!r} is not an http(s) URL; write e.g. "
+                                  f"http://127.0.0.1:8000/v1")
+        if self.server_command and self.urls:
+            raise ParamsError("rollout.server_command and rollout.urls are both set; set "
+                              "server_command to have the stage start a server, or urls to use "
+                              "servers already running")
+        if self.server_command and "{port}" not in self.server_command:
+            raise ParamsError("rollout.server_command: must contain {port} (the stage picks a "
+                              "free port), e.g. '.venv-vllm/bin/vllm serve {model} --port {port} "
+                              "--host 127.0.0.1'")
+        if self.backend == "openai" and not (self.urls or self.server_command):
+            raise ParamsError("rollout.backend 'openai' needs rollout.urls (servers already up) "
+                              "or rollout.server_command (a server the stage starts)")
+        if not self.api_key_env.replace("_", "a").isalnum():
+            raise ParamsError(f"rollout.api_key_env: {self.api_key_env!r} is not an environment "
+                              f"variable name (the key itself never goes in params.yaml)")
+
+    @property
+    def url_list(self) -> list[str]:
+        return [u for u in self.urls.replace(",", " ").split() if u]
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,39 @@
 """The transformers generation backend: batched, seeded, multi-turn episodes with a tool.
 
 Every row of a batch advances exactly one token per step, so one KV cache serves the whole batch
-with no padding: prompt tokens and the environment's injected tool results are fed as *forced*
-tokens, one per step, while the other rows sample. For each episode we keep the token ids, a mask of
-which tokens the model chose itself (training loss and GRPO use only those), and the log-probability
-of each chosen token under the policy (temperature 1).
+with no padding: the first pass feeds the length of the shortest prompt at once, then the rest of
+the prompts and the environment's injected tool results are fed as *forced* tokens, one per step,
+while the other rows sample. Rows that ended are dropped from the batch (and its KV cache) once
+they are half of it, instead of being fed padding until the longest episode ends. For each episode we keep the token ids, a mask of
+which tokens the model chose itself (training loss and GRPO use only those), the log-probability
+of each chosen token under the policy (temperature 1, before top-k/top-p: what GRPO needs) and the
+turn each token belongs to.
+
+The per-step work stays in tensors (a token buffer, a mask, a log-prob buffer, one row each);
+Python runs per row only when a row may have closed a tool call or hit a stop string. A tool call
+ends when the completion's text ends with `env.TOOL_CLOSE`: when that is one token of the
+vocabulary (the demo tokenizer) the check is a token comparison, otherwise (a BPE model) only rows
+whose new token ends in TOOL_CLOSE's last character are decoded and checked.
+
+An episode ends with `finish`: "eos" (the model ended it), "stop" (its text ended with one of the
+stop strings), "length" (`max_new_tokens` or the model's context), or "turns" (it closed one tool
+call more than `max_turns` allows; that call is not answered).
+
+`generate_ids` is the core, on token ids, also used by `stages.serve_tiny` (the CPU
+OpenAI-compatible server of the demo model); `generate` is the environment-aware entry point.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+
+PROGRESS_EVERY_S = 10.0
 
 
 @dataclass
@@ -25,77 +43,274 @@ class Episode:
     token_ids: list[int] = field(default_factory=list)  # prompt + completion, without <bos>/<eos>
     model_mask: list[int] = field(default_factory=list)  # 1 where the model chose the token
     logprobs: list[float] = field(default_factory=list)  # policy log-prob; 0.0 where forced
-    finish: str = "length"  # "eos" or "length"
-    tool_calls: int = 0
+    finish: str = "length"  # "eos", "stop", "length" or "turns"
+    tool_calls: int = 0  # tool calls the environment answered
+    # per token: 0 for the prompt, k for the model's k-th turn and the tool result answering it
+    turns: list[int] = field(default_factory=list)
 
 
-def _text(tokenizer, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True)
+@dataclass
+class Row:
+    """One generated continuation of a prefix (the core's result, before any environment view)."""
+
+    token_ids: list[int]  # the continuation only (forced and chosen), no <eos>
+    model_mask: list[int]
+    logprobs: list[float]
+    finish: str
+    tool_calls: int
+    closes: list[int]  # index in token_ids of each answered tool call's closing token
+    stop: str | None = None  # the stop string the text ended with, when finish == "stop"
+
+
+def turn_index(prompt_len: int, mask: list[int], closes: list[int]) -> list[int]:
+    """Per token: 0 for the prompt; model turn k (from 1) and the tool result answering it: k."""
+    turns, closed, pending = [0] * prompt_len, 0, iter(closes)
+    following = next(pending, None)
+    for i, chosen in enumerate(mask):
+        turns.append(closed + 1 if chosen else closed)
+        if i == following:
+            closed += 1
+            following = next(pending, None)
+    return turns
+
+
+def _filtered(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        drop = probs.cumsum(dim=-1) - probs > top_p  # keeps the first token always
+        ordered = ordered.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, ordered)
+    return logits
+
+
+@functools.lru_cache(maxsize=8)  # decoding a 50k vocabulary token by token takes a second
+def _ending_mask(tokenizer, texts: tuple[str, ...], vocab: int) -> torch.Tensor:
+    """Tokens whose decoded text ends with the last character of one of `texts`."""
+    lasts = {t[-1] for t in texts if t}
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    for token in range(vocab):
+        piece = tokenizer.decode([token])
+        if piece and piece[-1] in lasts:
+            mask[token] = True
+    return mask
+
+
+def single_token(tokenizer, text: str) -> int | None:
+    """The id of `text` when the tokenizer encodes it as exactly one token."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+class Progress:
+    """Episodes done: a line on stderr every PROGRESS_EVERY_S (the Prefect log shows those) and a
+    tqdm bar when stderr is a terminal.
+    """
+
+    def __init__(self, total: int, label: str, enabled: bool):
+        self.total, self.label, self.enabled, self.done = total, label, enabled, 0
+        self.started = self.last = time.time()
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=label, unit="ep", file=sys.stderr, leave=False)
+
+    def update(self, done: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(done - self.done)
+        self.done = done
+        now = time.time()
+        if now - self.last >= PROGRESS_EVERY_S or done == self.total:
+            self.last = now
+            rate = done / max(now - self.started, 1e-9)
+            print(f"{self.label}: {done}/{self.total} episodes ({rate:.1f}/s)", file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 @torch.inference_mode()
+def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: float,
+                 max_new_tokens: int | list[int], generator: torch.Generator | list[torch.Generator],
+                 top_p: float = 1.0, top_k: int = 0, stop: tuple[str, ...] = (), env=None,
+                 max_turns: int = 0, on_step=None) -> list[Row]:
+    """Continue each prefix (token ids, starting with <bos> or whatever the model expects).
+
+    `env` (optional) answers tool calls: after a completion ending with env.TOOL_CLOSE its
+    `on_tool_close(text)` is fed as forced tokens, up to `max_turns` calls. `generator` is one for
+    the batch or one per row (so a row's samples do not depend on its neighbours: the server's
+    per-request seeds). `on_step(finished_rows)` is called after every step.
+    """
+    rows = len(prefixes)
+    if not rows:
+        return []
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    pad = eos if pad is None else pad
+    limit = model.config.max_position_embeddings
+    if any(not p or len(p) >= limit for p in prefixes):
+        raise ValueError(f"every prompt must have between 1 and {limit - 1} tokens (the model's "
+                         f"context is {limit})")
+    vocab = model.config.vocab_size
+    device = model.device  # CPU here; the same loop runs on a GPU (the tensors follow the model)
+    buf = torch.full((rows, limit), pad, dtype=torch.long)
+    for i, prefix in enumerate(prefixes):
+        buf[i, :len(prefix)] = torch.tensor(prefix, dtype=torch.long)
+    buf = buf.to(device)
+    prefix_len = torch.tensor([len(p) for p in prefixes], device=device)
+    forced_end = prefix_len.clone()  # positions below it are forced (prompt, injected results)
+    budget = (torch.tensor(max_new_tokens, device=device) if isinstance(max_new_tokens, list)
+              else torch.full((rows,), max_new_tokens, device=device))
+    chosen_mask = torch.zeros((rows, limit), dtype=torch.bool, device=device)
+    logp_buf = torch.zeros((rows, limit), dtype=torch.float32, device=device)
+    active = torch.ones(rows, dtype=torch.bool, device=device)
+    # the tensors hold the rows still in the batch; these lists are indexed by the original row
+    orig = list(range(rows))  # batch position -> original row
+    end = [limit] * rows  # one past the last recorded token, set when a row ends
+    finish = ["length"] * rows
+    calls, closes, stopped = [0] * rows, [[] for _ in range(rows)], [None] * rows
+    results: list[Row | None] = [None] * rows
+
+    def collect(positions: list[int]) -> None:
+        for i in positions:
+            o = orig[i]
+            start, stop_at = int(prefix_len[i]), end[o]
+            results[o] = Row(
+                token_ids=buf[i, start:stop_at].tolist(),
+                model_mask=chosen_mask[i, start:stop_at].to(torch.int8).tolist(),
+                logprobs=logp_buf[i, start:stop_at].tolist(),
+                finish=finish[o], tool_calls=calls[o], closes=closes[o], stop=stopped[o],
+            )
+
+    tool_close = env.TOOL_CLOSE if env is not None else None
+    close_id = single_token(tokenizer, tool_close) if tool_close else None
+    watch = [s for s in stop if s] + ([tool_close] if tool_close and close_id is None else [])
+    may_end = _ending_mask(tokenizer, tuple(watch), vocab).to(device) if watch else None
+
+    cache = DynamicCache()
+    # the tokens every row has forced at the same positions (the shortest prompt) go in one pass
+    common = min(len(p) for p in prefixes)
+    current = buf[:, :common]
+    for position in range(common - 1, limit - 1):
+        logits = model(input_ids=current, cache=cache, use_cache=True).logits[:, -1, :]
+        logits = logits.float()
+        batch = len(orig)
+        nxt = position + 1
+        forced = forced_end > nxt
+        model_turn = active & ~forced
+        if temperature > 0:
+            probs = torch.softmax(_filtered(logits / temperature, top_k, top_p), dim=-1)
+            if isinstance(generator, list):
+                # a row draws only for its own tokens, so its samples do not depend on the batch
+                sampled = torch.full((batch,), pad, dtype=torch.long, device=device)
+                for i in model_turn.nonzero().flatten().tolist():
+                    sampled[i] = torch.multinomial(probs[i], 1, generator=generator[orig[i]])[0]
+            else:
+                sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        else:
+            sampled = logits.argmax(dim=-1)
+        ended = model_turn & ((sampled == eos) | (nxt - prefix_len >= budget))
+        if ended.any():
+            for i in ended.nonzero().flatten().tolist():
+                finish[orig[i]] = "eos" if int(sampled[i]) == eos else "length"
+                end[orig[i]] = nxt
+            active &= ~ended
+            model_turn &= ~ended
+        token = torch.where(forced, buf[:, nxt], sampled)
+        token = torch.where(active, token, pad)
+        buf[:, nxt] = token
+        chosen_mask[:, nxt] = model_turn
+        if model_turn.any():
+            logp = torch.log_softmax(logits, dim=-1)[torch.arange(batch, device=device), token]
+            logp_buf[:, nxt] = torch.where(model_turn, logp, 0.0)
+        if close_id is not None:
+            closing = model_turn & (token == close_id)
+        else:
+            closing = torch.zeros_like(model_turn)
+        check = closing | (model_turn & may_end[token]) if may_end is not None else closing
+        if check.any():
+            for i in check.nonzero().flatten().tolist():
+                o, text = orig[i], None
+                if watch:
+                    text = tokenizer.decode(buf[i, prefix_len[i]:nxt + 1].tolist(),
+                                            skip_special_tokens=True)
+                    hit = next((s for s in stop if s and text.endswith(s)), None)
+                    if hit is not None:
+                        finish[o], stopped[o], end[o] = "stop", hit, nxt + 1
+                        active[i] = False
+                        continue
+                if not (closing[i] or (tool_close and text is not None
+                                       and text.endswith(tool_close))):
+                    continue
+                if calls[o] >= max_turns:
+                    finish[o], end[o] = "turns", nxt + 1
+                    active[i] = False
+                    continue
+                if text is None:
+                    text = tokenizer.decode(buf[i, prefix_len[i]:nxt + 1].tolist(),
+                                            skip_special_tokens=True)
+                injected = tokenizer.encode(env.on_tool_close(text), add_special_tokens=False)
+                injected = injected[:limit - nxt - 1]
+                buf[i, nxt + 1:nxt + 1 + len(injected)] = torch.tensor(injected, dtype=torch.long,
+                                                                        device=device)
+                forced_end[i] = nxt + 1 + len(injected)
+                calls[o] += 1
+                closes[o].append(nxt - int(prefix_len[i]))
+        alive = int(active.sum())
+        if on_step is not None:
+            on_step(rows - alive)
+        if not alive:
+            break
+        if alive * 2 <= batch and batch >= 16:
+            # half the batch has ended: drop those rows (and their KV cache) instead of feeding
+            # them padding until the longest episode ends
+            collect((~active).nonzero().flatten().tolist())
+            keep = active.nonzero().flatten()
+            cache.batch_select_indices(keep)
+            buf, prefix_len, forced_end, budget = buf[keep], prefix_len[keep], forced_end[keep], \
+                budget[keep]
+            chosen_mask, logp_buf, active = chosen_mask[keep], logp_buf[keep], active[keep]
+            orig = [orig[k] for k in keep.tolist()]
+        current = buf[:, nxt:nxt + 1]
+    collect(list(range(len(orig))))
+    return results
+
+
 def generate(model, tokenizer, env, prompts: list[str], *, temperature: float, max_new_tokens: int,
-             seed: int, batch_size: int, progress: bool = True) -> list[Episode]:
-    """One episode per prompt; deterministic for the same prompts, seed and batch size."""
-    generator = torch.Generator().manual_seed(seed)
-    tool_close = tokenizer.convert_tokens_to_ids(env.TOOL_CLOSE)
-    bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
-    limit = model.config.n_positions
-    episodes, started, done_count = [], time.time(), 0
+             seed: int, batch_size: int, progress: bool = True, top_p: float = 1.0,
+             top_k: int = 0, max_turns: int | None = None,
+             stop: tuple[str, ...] = ()) -> list[Episode]:
+    """One episode per prompt; deterministic for the same prompts, seed and batch size.
+
+    `max_turns`: tool calls answered per episode (None: the environment's MAX_TURNS).
+    """
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    max_turns = env.MAX_TURNS if max_turns is None else max_turns
+    bos = tokenizer.bos_token_id
+    episodes = []
+    bar = Progress(len(prompts), "generate", progress)
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
-        batch = [Episode(prompt=p) for p in chunk]
-        queues = [deque(tokenizer.encode(p, add_special_tokens=False)) for p in chunk]
-        prompt_len = [len(q) for q in queues]
-        finished = [False] * len(chunk)
-        cache = DynamicCache()
-        current = torch.full((len(chunk), 1), bos, dtype=torch.long)
-        for position in range(1, limit):
-            logits = model(input_ids=current, cache=cache, use_cache=True).logits[:, -1, :].float()
-            logp = torch.log_softmax(logits, dim=-1)
-            if temperature > 0:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-            else:
-                sampled = logits.argmax(dim=-1)
-            chosen_logp = logp.gather(1, sampled[:, None]).squeeze(1).tolist()
-            sampled = sampled.tolist()
-            nxt = []
-            for i, episode in enumerate(batch):
-                if finished[i]:
-                    nxt.append(pad)
-                    continue
-                if queues[i]:
-                    token = queues[i].popleft()
-                    episode.token_ids.append(token)
-                    episode.model_mask.append(0)
-                    episode.logprobs.append(0.0)
-                    nxt.append(token)
-                    continue
-                token = sampled[i]
-                if token == eos or len(episode.token_ids) - prompt_len[i] >= max_new_tokens:
-                    finished[i] = True
-                    episode.finish = "eos" if token == eos else "length"
-                    nxt.append(pad)
-                    continue
-                episode.token_ids.append(token)
-                episode.model_mask.append(1)
-                episode.logprobs.append(chosen_logp[i])
-                nxt.append(token)
-                if token == tool_close:
-                    episode.tool_calls += 1
-                    text = _text(tokenizer, episode.token_ids[prompt_len[i]:])
-                    queues[i].extend(tokenizer.encode(env.on_tool_close(text),
-                                                      add_special_tokens=False))
-            if all(finished):
-                break
-            current = torch.tensor(nxt, dtype=torch.long)[:, None]
-        for i, episode in enumerate(batch):
-            episode.completion = _text(tokenizer, episode.token_ids[prompt_len[i]:])
-        episodes.extend(batch)
-        done_count += len(chunk)
-        if progress:
-            rate = done_count / max(time.time() - started, 1e-9)
-            print(f"generate: {done_count}/{len(prompts)} episodes ({rate:.0f}/s)",
-                  file=sys.stderr, flush=True)
+        encoded = [tokenizer.encode(p, add_special_tokens=False) for p in chunk]
+        prefixes = [([bos] if bos is not None else []) + ids for ids in encoded]
+        rows = generate_ids(model, tokenizer, prefixes, temperature=temperature,
+                            max_new_tokens=max_new_tokens, generator=generator, top_p=top_p,
+                            top_k=top_k, stop=stop, env=env, max_turns=max_turns,
+                            on_step=lambda done, base=start: bar.update(base + done))
+        for text, ids, row in zip(chunk, encoded, rows):
+            episodes.append(Episode(
+                prompt=text, completion=tokenizer.decode(row.token_ids, skip_special_tokens=True),
+                token_ids=ids + row.token_ids, model_mask=[0] * len(ids) + row.model_mask,
+                logprobs=[0.0] * len(ids) + row.logprobs, finish=row.finish,
+                tool_calls=row.tool_calls, turns=turn_index(len(ids), row.model_mask, row.closes),
+            ))
+        bar.update(start + len(chunk))
+    bar.close()
     return episodes

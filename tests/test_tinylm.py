@@ -74,13 +74,15 @@ def test_generation_injects_tool_results_and_is_seeded(trained):
                 assert episode.token_ids[i + 1] == result_open
                 assert episode.model_mask[i + 1] == 0
     checked = 0
-    for episode in with_tool:
-        text = episode.completion
-        if "<calc>" in text and "</result>" in text and text.index("<calc>") < text.index("</calc>"):
-            expression = text.split("</calc>")[0].rsplit("<calc>", 1)[-1]
-            injected = text.split("<result>")[1].split("</result>")[0]
-            assert injected == arith.tool_result(expression)
-            checked += 1
+    for episode in with_tool:  # each forced run after the prompt is the environment's answer
+        ids, mask = episode.token_ids, episode.model_mask
+        start = mask.index(1)
+        for i in range(start, len(ids)):
+            if mask[i] == 0 and mask[i - 1] == 1:
+                end = next((j for j in range(i, len(ids)) if mask[j]), len(ids))
+                before = tokenizer.decode(ids[start:i])
+                assert tokenizer.decode(ids[i:end]) == arith.on_tool_close(before)
+                checked += 1
     assert checked
 
 

@@ -1,0 +1,147 @@
+"""GPU check: the rollout stage through vLLM on the demo's tiny model, against the transformers backend.
+
+    make setup vllm-env                                   # .venv (offseason) and .venv-vllm (vLLM)
+    .venv/bin/python benchmarks/gpu_rollout_vllm.py       # prints both throughputs (Markdown)
+    .venv/bin/python benchmarks/gpu_rollout_vllm.py --tasks 512 --samples 8 --keep /tmp/gpu-check
+
+What it does, in a temporary folder: builds generation 0 with `stages.init` (the demo's params.yaml
+`init:` section; `--warmup-steps` shortens the warm start), writes a validated-tasks file of
+`--tasks` arithmetic questions, then runs `stages.rollout.run` twice on the same tasks and seed:
+1. `rollout.backend: openai` with `rollout.server_command` = `.venv-vllm/bin/vllm serve {model}
+   --port {port} ...`: the stage starts vLLM on the champion folder in its own process group, waits
+   for /health, runs the multi-turn episodes (tool results injected between turns) and stops it;
+2. `rollout.backend: transformers`, the stage as it is (it loads the model where
+   `stages.tinylm.load` puts it: the printed device says which);
+3. when torch sees a GPU, `stages.generate.generate` on the same prompts with the model moved to
+   it (the loop's tensors follow the model's device), for a like-for-like GPU figure.
+It prints episodes, generated tokens and tokens/s of both (the server's start-up is not counted),
+the share of episodes whose completions agree (greedy runs with `--temperature 0` should agree on
+most; float32 vs vLLM's kernels may flip near-ties), and exits non-zero if vLLM gave no tool calls
+or no token ids.
+
+What was checked and what was not (written without a GPU; vLLM could not be installed or run):
+- checked on CPU: the same rollout stage through `rollout.server_command` starting
+  `stages.serve_tiny` (an OpenAI-compatible server with vLLM's extensions) in
+  tests/test_backends.py, episodes identical to the transformers backend, server stopped after;
+- NOT checked: that vLLM 0.33 loads the demo folder. It is a standard GPT-2 (`config.json`,
+  `model.safetensors`) with a character-level `PreTrainedTokenizerFast` (`tokenizer.json`): vLLM
+  supports GPT-2 and loads tokenizers with AutoTokenizer, but the tiny vocabulary (~30 tokens), the
+  80-position context and the head size 32 are untested with its kernels. If the tokenizer is the
+  problem, try `--tokenizer-mode slow` or `--skip-tokenizer-init` (the backend sends token ids; stop
+  strings then need `--tokenizer`); if the kernels are, `--enforce-eager` is already set and
+  `--dtype float32` keeps the comparison fair;
+- NOT checked: that vLLM returns `stop_reason` and honours `include_stop_str_in_output` and
+  `return_tokens_as_token_ids` for the completions API as documented (the backend reads them; the
+  script fails loudly if token ids are missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from stages import arith, generate, init, rollout, tinylm  # noqa: E402
+from stages import config as cfg  # noqa: E402
+
+VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
+COMMAND = (f"{VLLM} serve {{model}} --port {{port}} --host 127.0.0.1 --dtype float32 "
+           "--enforce-eager --gpu-memory-utilization 0.3 --max-logprobs 1 "
+           "--return-tokens-as-token-ids")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=4, help="rollout.samples_per_task")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--warmup-steps", type=int, default=300)
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--server-command", default=COMMAND,
+                        help="rollout.server_command ({model} and {port} are filled in)")
+    parser.add_argument("--keep", type=Path, help="work in this folder and keep it")
+    args = parser.parse_args(argv)
+    if not VLLM.exists() and args.server_command == COMMAND:
+        print(f"error: {VLLM} not found; run `make vllm-env` first (needs a GPU machine with PyPI)",
+              file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("warning: torch sees no CUDA GPU; vLLM will most likely refuse to start",
+              file=sys.stderr)
+    work = args.keep or Path(tempfile.mkdtemp(prefix="offseason-gpu-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        base = cfg.Base(seed=0)
+        params = cfg.load("init", ROOT / "params.yaml")
+        champion = work / "champion"
+        init.run(base, cfg.Init(**{**params.__dict__, "warmup_steps": args.warmup_steps}), champion)
+        rng = random.Random(7)
+        questions = [arith.sample_question(rng) for _ in range(args.tasks)]
+        validated = work / "validated.parquet"
+        pq.write_table(pa.Table.from_pylist([
+            {"trace_id": f"t{i:05d}", "question": q, "answer": str(arith.gold_answer(q))}
+            for i, q in enumerate(questions)]), validated)
+        common = {"samples_per_task": args.samples, "temperature": args.temperature}
+        results = {}
+        for name, config in (
+            ("vllm (openai backend)", cfg.Rollout(backend="openai", concurrency=args.concurrency,
+                                                  server_command=args.server_command, **common)),
+            ("transformers", cfg.Rollout(**common)),
+        ):
+            out = work / f"rollouts-{config.backend}.parquet"
+            metrics = rollout.run(base, config, validated, champion, out)
+            results[name] = (metrics, pq.read_table(out).to_pylist())
+        device = "cuda" if next(tinylm.load(champion)[0].parameters()).is_cuda else "cpu"
+        if torch.cuda.is_available():
+            model, tokenizer = tinylm.load(champion)
+            model.cuda()
+            prompts = [arith.prompt(q) for q in questions for _ in range(args.samples)]
+            started = time.time()
+            episodes = generate.generate(model, tokenizer, arith, prompts,
+                                         temperature=args.temperature, max_new_tokens=48, seed=0,
+                                         batch_size=1024, progress=False)
+            seconds = time.time() - started
+            tokens = sum(sum(e.model_mask) for e in episodes)
+            results["transformers, generate() on the GPU"] = (
+                {"episodes": len(episodes), "generated_tokens": tokens,
+                 "seconds": round(seconds, 2), "tokens_per_second": round(tokens / seconds),
+                 "tool_use_rate": round(sum(e.tool_calls > 0 for e in episodes) / len(episodes), 4)},
+                [])
+        print(f"\ntorch {torch.__version__}, GPU: "
+              f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}; "
+              f"transformers backend on {device}\n")
+        print("| backend | episodes | generated tokens | seconds | tokens/s | tool use |")
+        print("|---|---|---|---|---|---|")
+        for name, (metrics, _) in results.items():
+            print(f"| {name} | {metrics['episodes']} | {metrics['generated_tokens']} | "
+                  f"{metrics['seconds']} | {metrics['tokens_per_second']} | "
+                  f"{metrics['tool_use_rate']} |")
+        (served, served_rows), (_, local_rows) = list(results.values())[:2]
+        same = sum(a["completion"] == b["completion"] for a, b in zip(served_rows, local_rows))
+        print(f"\ncompletions identical in both: {same}/{len(local_rows)}; server retries: "
+              f"{served['retries']}; requests by URL: {served['requests_by_url']}")
+        if not any(r["token_ids"] for r in served_rows):
+            print("error: vLLM returned no token ids (return_tokens_as_token_ids)", file=sys.stderr)
+            return 1
+        if not any(r["tool_calls"] for r in served_rows):
+            print("error: no episode through vLLM called the tool", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,411 @@
+"""The openai generation backend: multi-turn episodes from OpenAI-compatible completion servers.
+
+Any server with the completions API works (vLLM's `vllm serve`, SGLang, TGI, `stages.serve_tiny`).
+Each model turn is one `POST {url}/completions` with `stop=[env.TOOL_CLOSE, *stop]`; when the
+turn ends with TOOL_CLOSE the environment's `on_tool_close(text)` is appended and the next turn is
+requested, up to `max_turns` answered calls (one more call ends the episode with finish="turns").
+The result is the same `stages.generate.Episode` rows as the transformers backend.
+
+Token ids: with a tokenizer (the rollout stage passes models/champion's) the prompt is sent as
+token ids (`<bos>` + prompt + completion so far, exactly what the transformers backend feeds), the
+prompt and the injected tool results are encoded locally (model_mask 0) and the model's own
+tokens come from the server's log-probs (`logprobs=1` and vLLM's `return_tokens_as_token_ids`,
+"token_id:N"). A server that returns only token strings leaves `token_ids`, `model_mask` and
+`turns` empty; `logprobs` then holds the model's tokens' log-probs only, and later turns are sent
+as text. We also ask for vLLM's `include_stop_str_in_output` and read `stop_reason` (vLLM) or
+`matched_stop` (SGLang) to tell a tool call from the end of the answer; a server with neither
+(plain OpenAI) ends an episode that stopped on a stop string as "eos".
+
+Requests: async (httpx), at most `concurrency` in flight, each to the least-loaded URL (ties in
+turn: round-robin), so several servers share the work. Timeouts, connection failures, 429 and 5xx
+are retried with exponential backoff (honouring Retry-After), each retry on the least-loaded URL;
+any other status fails at once with the server's message. Seeds are per request (`seed` + episode
++ turn), so episodes do not depend on the order requests complete in.
+
+`serve(command, ...)` starts a server (`rollout.server_command`, e.g. `.venv-vllm/bin/vllm serve
+{model} --port {port} --host 127.0.0.1`) in its own process group, waits for `GET /health`, and
+always stops it (SIGTERM, then SIGKILL), also on an error or a SIGTERM to the stage.
+
+An API key is read from the environment variable the caller names (default `OPENAI_API_KEY`),
+sent as a Bearer token and never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from stages.generate import Episode, Progress, turn_index
+
+RETRY_STATUS = {429, 500, 502, 503, 504}
+RETRY_ERRORS = (httpx.TimeoutException, httpx.ConnectError, httpx.RemoteProtocolError,
+                httpx.ReadError, httpx.WriteError)
+MAX_BACKOFF_S = 30.0
+
+
+class ServerError(RuntimeError):
+    """A server failed a request for good; the message names the URL and what to do."""
+
+
+@dataclass
+class Stats:
+    requests: int = 0  # completion requests answered
+    retries: int = 0
+    by_url: dict[str, int] = field(default_factory=dict)  # successful requests per URL
+
+
+class Pool:
+    """The URLs and their requests in flight: the next request goes to the least loaded."""
+
+    def __init__(self, urls: list[str]):
+        self.urls = [u.rstrip("/") for u in urls]
+        self.inflight = dict.fromkeys(self.urls, 0)
+        self.turn = 0
+
+    def acquire(self, avoid: str | None = None) -> str:
+        """The least-loaded URL, ties in turn; not `avoid` (the one that just failed) if possible."""
+        n = len(self.urls)
+        order = [self.urls[(self.turn + k) % n] for k in range(n)]
+        order = [u for u in order if u != avoid] or order
+        url = min(order, key=self.inflight.__getitem__)
+        self.turn = (self.urls.index(url) + 1) % n
+        self.inflight[url] += 1
+        return url
+
+    def release(self, url: str) -> None:
+        self.inflight[url] -= 1
+
+
+def split_urls(text: str) -> list[str]:
+    return [u for u in text.replace(",", " ").split() if u]
+
+
+class Client:
+    def __init__(self, urls: list[str], *, concurrency: int, timeout: float, retries: int,
+                 backoff: float, api_key: str | None, seed: int):
+        self.pool = Pool(urls)
+        self.limit = asyncio.Semaphore(concurrency)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(
+            timeout=timeout, headers=headers,
+            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency))
+        self.retries, self.backoff = retries, backoff
+        self.jitter = random.Random(seed)
+        self.stats = Stats(by_url=dict.fromkeys(self.pool.urls, 0))
+
+    async def request(self, method: str, path: str, payload: dict | None = None,
+                      url: str | None = None) -> dict:
+        """JSON of a successful answer; retries what may pass, raises ServerError otherwise."""
+        last, tried = "", []
+        for attempt in range(self.retries + 1):
+            async with self.limit:
+                base = url or self.pool.acquire(avoid=tried[-1] if tried else None)
+                tried.append(base)
+                wait = 0.0
+                try:
+                    response = await self.http.request(method, base + path, json=payload)
+                except RETRY_ERRORS as err:
+                    last = f"{type(err).__name__}: {err}"
+                else:
+                    if response.status_code == 200:
+                        if method == "POST":  # completions; not the GET /models lookup
+                            self.stats.requests += 1
+                            self.stats.by_url[base] = self.stats.by_url.get(base, 0) + 1
+                        return response.json()
+                    message = _message(response)
+                    if response.status_code not in RETRY_STATUS:
+                        raise ServerError(
+                            f"{method} {base}{path} answered HTTP {response.status_code} (a request "
+                            f"error; not retried): {message}")
+                    last = f"HTTP {response.status_code}: {message}"
+                    wait = _retry_after(response)
+                finally:
+                    if url is None:
+                        self.pool.release(base)
+            if attempt == self.retries:
+                break
+            self.stats.retries += 1
+            delay = min(MAX_BACKOFF_S, self.backoff * 2 ** attempt) * (0.5 + self.jitter.random())
+            await asyncio.sleep(max(delay, min(wait, MAX_BACKOFF_S)))
+        servers = ", ".join(dict.fromkeys(tried))
+        raise ServerError(
+            f"{method} {tried[-1]}{path} failed after {len(tried)} attempts (servers tried: "
+            f"{servers}); last error: {last}. Check that the server is up and healthy "
+            f"(rollout.urls or rollout.server_command in params.yaml)")
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+        error = body.get("error", body) if isinstance(body, dict) else body
+        text = error.get("message", error) if isinstance(error, dict) else error
+        return str(text)[:500]
+    except ValueError:
+        return response.text[:500]
+
+
+def _retry_after(response: httpx.Response) -> float:
+    try:
+        return float(response.headers.get("retry-after", 0))
+    except ValueError:
+        return 0.0
+
+
+def _token_ids(tokens: list[str]) -> list[int] | None:
+    """Ids from the "token_id:N" strings of vLLM's `return_tokens_as_token_ids`; None otherwise."""
+    ids = []
+    for token in tokens:
+        if not token.startswith("token_id:"):
+            return None
+        ids.append(int(token.removeprefix("token_id:")))
+    return ids
+
+
+@dataclass
+class _State:
+    completion: str = ""
+    ids: list[int] | None = None  # completion token ids; None once the server gave no ids
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # aligned with ids (0.0 where forced)
+    model_logprobs: list[float] = field(default_factory=list)  # the model's tokens only
+    closes: list[int] = field(default_factory=list)
+    calls: int = 0
+    finish: str = "length"
+
+    def force(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+
+async def _episode(client: Client, model: str, env, prompt: str, index: int, *, tokenizer,
+                   sampling: dict, max_new_tokens: int, max_turns: int, stop: tuple[str, ...],
+                   seed: int) -> Episode:
+    close = env.TOOL_CLOSE
+    encode = (lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer else None
+    prompt_ids = encode(prompt) if tokenizer else []
+    bos = [tokenizer.bos_token_id] if tokenizer and tokenizer.bos_token_id is not None else []
+    state = _State(ids=[] if tokenizer else None)
+    for turn in range(max_turns + 1):
+        used = len(state.ids) if state.ids is not None else len(state.model_logprobs)
+        if used >= max_new_tokens:
+            state.finish = "length"
+            break
+        request = bos + prompt_ids + state.ids if state.ids is not None else prompt + state.completion
+        payload = {"model": model, "prompt": request, "max_tokens": max_new_tokens - used,
+                   "stop": [close, *stop], "logprobs": 1, "include_stop_str_in_output": True,
+                   "return_tokens_as_token_ids": True, "n": 1,
+                   "seed": (seed * 1_000_003 + index * 101 + turn) % 2 ** 31, **sampling}
+        choice = (await client.request("POST", "/completions", payload))["choices"][0]
+        text = choice.get("text") or ""
+        logprobs = choice.get("logprobs") or {}
+        token_lps = [float(lp) for lp in logprobs.get("token_logprobs") or []]
+        ids = _token_ids(logprobs.get("tokens") or [])
+        reason = choice.get("stop_reason", choice.get("matched_stop"))
+        closed = text.endswith(close) or reason == close
+        state.completion += text
+        state.model_logprobs += token_lps
+        if state.ids is not None and ids is not None and len(ids) == len(token_lps):
+            state.ids += ids
+            state.mask += [1] * len(ids)
+            state.logprobs += token_lps
+        else:  # the server gave no ids: from here on only text and the model's log-probs
+            state.ids = None
+        if closed and not text.endswith(close):  # the server cut the stop string off
+            state.completion += close
+            if state.ids is not None:
+                state.force(encode(close))
+        if closed:
+            if state.calls >= max_turns:
+                state.finish = "turns"
+                break
+            if state.ids is not None:
+                state.closes.append(len(state.ids) - 1)
+            injected = env.on_tool_close(state.completion)
+            state.completion += injected
+            state.calls += 1
+            if state.ids is not None:
+                state.force(encode(injected))
+            continue
+        if choice.get("finish_reason") == "length":
+            state.finish = "length"
+        elif reason in stop or any(s and text.endswith(s) for s in stop):
+            state.finish = "stop"
+        else:
+            state.finish = "eos"
+        break
+    episode = Episode(prompt=prompt, completion=state.completion, finish=state.finish,
+                      tool_calls=state.calls)
+    if state.ids is not None:
+        episode.token_ids = prompt_ids + state.ids
+        episode.model_mask = [0] * len(prompt_ids) + state.mask
+        episode.logprobs = [0.0] * len(prompt_ids) + state.logprobs
+        episode.turns = turn_index(len(prompt_ids), state.mask, state.closes)
+    else:
+        episode.logprobs = state.model_logprobs
+    return episode
+
+
+async def _generate(prompts: list[str], env, *, urls: list[str], model: str, tokenizer,
+                    sampling: dict, max_new_tokens: int, max_turns: int, stop: tuple[str, ...],
+                    seed: int, concurrency: int, timeout: float, retries: int, backoff: float,
+                    api_key: str | None, progress: bool) -> tuple[list[Episode], Stats]:
+    client = Client(urls, concurrency=concurrency, timeout=timeout, retries=retries,
+                    backoff=backoff, api_key=api_key, seed=seed)
+    bar = Progress(len(prompts), "generate (openai)", progress)
+    try:
+        if not model:  # the name the server serves its model under
+            models = await client.request("GET", "/models", url=client.pool.urls[0])
+            model = models["data"][0]["id"]
+        done = 0
+
+        async def one(index: int, prompt: str) -> Episode:
+            nonlocal done
+            episode = await _episode(client, model, env, prompt, index, tokenizer=tokenizer,
+                                     sampling=sampling, max_new_tokens=max_new_tokens,
+                                     max_turns=max_turns, stop=stop, seed=seed)
+            done += 1
+            bar.update(done)
+            return episode
+
+        tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
+        try:
+            episodes = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+    finally:
+        bar.close()
+        await client.close()
+    return list(episodes), client.stats
+
+
+def generate(prompts: list[str], env, *, urls: list[str], tokenizer=None, model: str = "",
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+             max_new_tokens: int = 48, max_turns: int = 4, stop: tuple[str, ...] = (),
+             seed: int = 0, concurrency: int = 64, timeout: float = 60.0, retries: int = 5,
+             backoff: float = 0.5, api_key: str | None = None,
+             progress: bool = True) -> tuple[list[Episode], Stats]:
+    """One episode per prompt, from the servers at `urls` (each ending in /v1); and the stats.
+
+    `model`: the name to request ("" = the first model `GET /models` lists); `tokenizer`: the
+    served model's, to send and record token ids (see the module docstring).
+    """
+    if not urls:
+        raise ValueError("no server URL given (rollout.urls, or rollout.server_command)")
+    sampling = {"temperature": temperature, "top_p": top_p}
+    if top_k:
+        sampling["top_k"] = top_k  # not in OpenAI's API; vLLM, SGLang and TGI take it
+    return asyncio.run(_generate(
+        prompts, env, urls=urls, model=model, tokenizer=tokenizer, sampling=sampling,
+        max_new_tokens=max_new_tokens, max_turns=max_turns, stop=tuple(stop), seed=seed,
+        concurrency=concurrency, timeout=timeout, retries=retries, backoff=backoff,
+        api_key=api_key, progress=progress))
+
+
+def api_key_from(variable: str) -> str | None:
+    """The API key from the environment variable `variable` (never from params, never logged)."""
+    return os.environ.get(variable) or None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def stop_process_group(process: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGTERM to the server's whole process group, SIGKILL after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout=wait)
+            # the leader is gone; children that ignored SIGTERM may not be: kill the group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextlib.contextmanager
+def serve(command: str, model: Path, *, timeout: float = 600.0, host: str = "127.0.0.1"):
+    """Start `command` ({model} and {port} filled in), yield its base URL once healthy, stop it."""
+    port = free_port()
+    argv = shlex.split(command.format(model=model, port=port))
+    log_file = tempfile.NamedTemporaryFile(prefix="offseason-server-", suffix=".log", delete=False)
+    log = Path(log_file.name)
+    print(f"rollout: starting the server: {' '.join(argv)} (log: {log})", file=sys.stderr,
+          flush=True)
+    try:
+        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as err:
+        raise ServerError(f"rollout.server_command: cannot start {argv[0]!r}: {err}") from None
+    finally:
+        log_file.close()
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def terminated(signum, frame):  # DVC or Prefect stopping the stage: still stop the server
+        raise SystemExit(128 + signum)
+
+    in_main = _main_thread()
+    if in_main:
+        signal.signal(signal.SIGTERM, terminated)
+    try:
+        base = f"http://{host}:{port}"
+        _wait_healthy(base, process, timeout, log)
+        print(f"rollout: server up at {base}", file=sys.stderr, flush=True)
+        yield f"{base}/v1"
+    finally:
+        stop_process_group(process)
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+        print("rollout: server stopped", file=sys.stderr, flush=True)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _wait_healthy(base: str, process: subprocess.Popen, timeout: float, log: Path) -> None:
+    deadline, last = time.time() + timeout, ""
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise ServerError(
+                f"rollout.server_command exited with code {process.returncode} before it was "
+                f"healthy; its last output ({log}):\n{_tail(log)}")
+        try:
+            if httpx.get(f"{base}/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError as err:
+            last = f"{type(err).__name__}: {err}"
+        time.sleep(0.5)
+    raise ServerError(
+        f"rollout.server_command: {base}/health did not answer 200 within {timeout:.0f} s "
+        f"(rollout.server_timeout; last: {last or 'a non-200 answer'}); its last output "
+        f"({log}):\n{_tail(log)}")

@@ -1,0 +1,258 @@
+"""A small OpenAI-compatible completions server for a local model folder, on CPU.
+
+Serves the demo model (or any Hugging Face causal LM folder) through the transformers backend's
+core (`stages.generate.generate_ids`), so `rollout.backend: openai` can be tried without vLLM:
+
+    python -m stages.serve_tiny models/champion --port 8000     # then rollout.urls: http://127.0.0.1:8000/v1
+
+Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions` with what the openai backend
+sends: `prompt` (text or token ids; text is tokenized without adding <bos>, as vLLM does with this
+tokenizer), `max_tokens`, `temperature`, `top_p`, `top_k`, `seed` (per request, honoured in a batch),
+`stop`, `logprobs` (the chosen token's), and vLLM's `include_stop_str_in_output` and
+`return_tokens_as_token_ids`; the answer carries vLLM's `stop_reason`. A prompt plus max_tokens
+longer than the model's context is refused with 400, as vLLM does. Requests that arrive together
+are generated as one batch (grouped by sampling parameters). Binds 127.0.0.1 by default; there is
+no authentication.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+
+from stages import generate, tinylm
+
+MAX_BATCH = 256
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _number(body: dict, key: str, default, kind=float, low=None, high=None):
+    value = body.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (kind is int and not isinstance(value, int)):
+        raise BadRequest(f"'{key}' must be a{'n integer' if kind is int else ' number'}, "
+                         f"got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise BadRequest(f"'{key}' must be between {low} and {high}, got {value!r}")
+    return kind(value)
+
+
+class Engine:
+    """The model behind a lock-free queue: one worker thread generates batches of requests."""
+
+    def __init__(self, folder: Path, name: str, threads: int = 0):
+        tinylm.set_threads(threads)
+        self.model, self.tokenizer = tinylm.load(folder)
+        self.name = name
+        self.context = self.model.config.max_position_embeddings
+        self.jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._work, daemon=True).start()
+
+    def parse(self, body: dict) -> dict:
+        """A completions request checked; BadRequest names the field."""
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                              for t in prompt):
+            ids = prompt
+            if any(not 0 <= t < self.model.config.vocab_size for t in ids):
+                raise BadRequest("'prompt' has a token id outside the vocabulary")
+        else:
+            raise BadRequest("'prompt' must be a string or a list of token ids (one prompt)")
+        if not ids:
+            raise BadRequest("'prompt' is empty")
+        if body.get("n", 1) != 1:
+            raise BadRequest("'n' must be 1")
+        max_tokens = _number(body, "max_tokens", 16, int, 1)
+        if len(ids) + max_tokens > self.context:
+            raise BadRequest(
+                f"This model's maximum context length is {self.context} tokens. However, you "
+                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.")
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise BadRequest("'stop' must be a string or a list of strings")
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise BadRequest(f"'seed' must be an integer, got {seed!r}")
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (not isinstance(logprobs, int) or logprobs < 0):
+            raise BadRequest(f"'logprobs' must be a non-negative integer, got {logprobs!r}")
+        return {
+            "ids": ids, "max_tokens": max_tokens, "stop": tuple(stop), "seed": seed,
+            "temperature": _number(body, "temperature", 1.0, float, 0.0, 100.0),
+            "top_p": _number(body, "top_p", 1.0, float, 0.0, 1.0),
+            "top_k": _number(body, "top_k", 0, int, -1),
+            "logprobs": logprobs, "echo_stop": bool(body.get("include_stop_str_in_output")),
+            "as_ids": bool(body.get("return_tokens_as_token_ids")),
+        }
+
+    def submit(self, request: dict) -> dict:
+        future: Future = Future()
+        self.jobs.put((request, future))
+        return future.result()
+
+    def _work(self) -> None:
+        while True:
+            batch = [self.jobs.get()]
+            time.sleep(0.002)  # let the requests sent together arrive
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.append(self.jobs.get_nowait())
+                except queue.Empty:
+                    break
+            groups: dict[tuple, list] = {}
+            for request, future in batch:
+                key = (request["temperature"], request["top_p"], max(request["top_k"], 0),
+                       request["stop"])
+                groups.setdefault(key, []).append((request, future))
+            for (temperature, top_p, top_k, stop), jobs in groups.items():
+                try:
+                    rows = generate.generate_ids(
+                        self.model, self.tokenizer, [r["ids"] for r, _ in jobs],
+                        temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
+                        max_new_tokens=[r["max_tokens"] for r, _ in jobs],
+                        generator=[torch.Generator().manual_seed(
+                            r["seed"] if r["seed"] is not None else int(time.time_ns() % 2**62))
+                            for r, _ in jobs])
+                except Exception as err:  # noqa: BLE001 - answered as a 500, the server goes on
+                    for _, future in jobs:
+                        future.set_exception(err)
+                    continue
+                for (request, future), row in zip(jobs, rows):
+                    future.set_result(self._answer(request, row))
+
+    def _answer(self, request: dict, row: generate.Row) -> dict:
+        tokenizer = self.tokenizer
+        text = tokenizer.decode(row.token_ids, skip_special_tokens=True)
+        if row.stop is not None and not request["echo_stop"]:
+            text = text.removesuffix(row.stop)
+        choice = {"index": 0, "text": text,
+                  "finish_reason": "length" if row.finish == "length" else "stop",
+                  "stop_reason": row.stop, "logprobs": None}
+        if request["logprobs"] is not None:
+            pieces = [tokenizer.decode([t]) for t in row.token_ids]
+            tokens = [f"token_id:{t}" for t in row.token_ids] if request["as_ids"] else pieces
+            offsets, at = [], 0
+            for piece in pieces:
+                offsets.append(at)
+                at += len(piece)
+            choice["logprobs"] = {
+                "tokens": tokens, "token_logprobs": row.logprobs, "text_offset": offsets,
+                "top_logprobs": [{t: lp} for t, lp in zip(tokens, row.logprobs)],
+            }
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": self.name, "choices": [choice],
+                "usage": {"prompt_tokens": len(request["ids"]),
+                          "completion_tokens": len(row.token_ids),
+                          "total_tokens": len(request["ids"]) + len(row.token_ids)}}
+
+
+class Handler(BaseHTTPRequestHandler):
+    engine: Engine  # set on the subclass make_server builds
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format, *args):  # noqa: A002 - quiet; errors are answered, not printed
+        pass
+
+    def reply(self, status: int, body: dict, headers: dict | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def error(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        self.reply(status, {"error": {"message": message, "type": kind, "code": status}})
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        if self.path == "/health":
+            self.reply(200, {"status": "ok"})
+        elif self.path == "/v1/models":
+            self.reply(200, {"object": "list", "data": [
+                {"id": self.engine.name, "object": "model", "owned_by": "offseason",
+                 "max_model_len": self.engine.context}]})
+        else:
+            self.error(404, f"no route {self.path}")
+
+    def do_POST(self):  # noqa: N802
+        self.complete(self.body())
+
+    def body(self) -> bytes:
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+    def complete(self, raw: bytes) -> None:
+        if self.path != "/v1/completions":
+            self.error(404, f"no route {self.path}; this server has /v1/completions")
+            return
+        try:
+            request = self.engine.parse(json.loads(raw or b"null"))
+        except (BadRequest, json.JSONDecodeError) as err:
+            self.error(400, str(err))
+            return
+        try:
+            answer = self.engine.submit(request)
+        except Exception as err:  # noqa: BLE001
+            self.error(500, f"generation failed: {type(err).__name__}: {err}", "server_error")
+            return
+        self.reply(200, answer)
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # the default 5 refuses connections when many requests arrive at once
+
+
+def make_server(folder: Path, host: str = "127.0.0.1", port: int = 0, name: str = "",
+                handler: type[Handler] = Handler, threads: int = 0) -> Server:
+    """A server bound to host:port (0 = a free port; see `.server_address`), not yet serving."""
+    engine = Engine(Path(folder), name or str(folder), threads)
+    bound = type("BoundHandler", (handler,), {"engine": engine})
+    return Server((host, port), bound)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path, help="a Hugging Face model folder, e.g. models/champion")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--name", default="", help="the model's name in requests (default: the folder)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = all cores)")
+    args = parser.parse_args(argv)
+    server = make_server(args.model, args.host, args.port, args.name, threads=args.threads)
+    host, port = server.server_address[:2]
+    print(f"serve_tiny: {args.model} at http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+if __name__ == "__main__":
+    main()
