@@ -133,6 +133,9 @@ class Rollout:
     stop: str = ""  # the episode also ends when its text ends with this ("" = at <eos> only)
     batch_size: int = 1024  # sequences generated together; 1024 is fastest on 2 CPU cores
     max_tasks: int = 0  # 0 = every task; otherwise the first N (sorted by trace id)
+    # tasks of the environment's suite (data/tasks/<environment>.jsonl) attempted every cycle
+    # beside those of the traces: 0 = none, otherwise the first N (sorted by task id)
+    suite_tasks: int = 0
     # openai backend: servers already up (base URLs ending in /v1, separated by commas), or a
     # command that starts one on the champion ({model}, {port} filled in) for this stage only
     urls: str = ""
@@ -164,7 +167,8 @@ class Rollout:
         if not 0.0 < self.top_p <= 1.0:
             raise ParamsError("rollout.top_p: must be in (0, 1] (1 turns it off)")
         for key, value in {"top_k": self.top_k, "max_turns": self.max_turns,
-                           "max_tasks": self.max_tasks, "retries": self.retries}.items():
+                           "max_tasks": self.max_tasks, "retries": self.retries,
+                           "suite_tasks": self.suite_tasks}.items():
             if value < 0:
                 raise ParamsError(f"rollout.{key}: must be >= 0")
         for url in self.url_list:

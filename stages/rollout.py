@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 
 from stages import config as cfg
 from stages import generate, io, openai_backend, tinylm
-from stages.environments import ENVIRONMENTS
+from stages.environments import ENVIRONMENTS, load_tasks
 
 SCHEMA = pa.schema([
     ("task_id", pa.string()), ("trace_id", pa.string()), ("sample", pa.int64()),
@@ -39,8 +39,23 @@ SCHEMA = pa.schema([
 ])
 
 
+def suite(config: cfg.Rollout, env, suites: Path | None) -> list[dict]:
+    """The first `rollout.suite_tasks` tasks of the environment's suite, as trace-like rows."""
+    if not config.suite_tasks:
+        return []
+    path = (suites or Path("data/tasks")) / f"{env.NAME}.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: rollout.suite_tasks={config.suite_tasks} asks for tasks "
+                                f"of the {env.NAME} suite, but there is none; write it (one JSON "
+                                f"object a line: task_id, question, answer) or set "
+                                f"rollout.suite_tasks: 0")
+    tasks = sorted(load_tasks(path), key=lambda t: t["task_id"])[:config.suite_tasks]
+    return [{"trace_id": f"suite:{t['task_id']}", "question": t["question"],
+             "answer": t["answer"]} for t in tasks]
+
+
 def run(base: cfg.Base, config: cfg.Rollout, validated: Path, champion: Path,
-        rollouts: Path) -> dict:
+        rollouts: Path, suites: Path | None = None) -> dict:
     """Generate the episodes; returns the stage metrics."""
     tinylm.set_threads(base.threads)
     env = ENVIRONMENTS[base.environment]
@@ -48,6 +63,8 @@ def run(base: cfg.Base, config: cfg.Rollout, validated: Path, champion: Path,
     tasks.sort(key=lambda t: t["trace_id"])
     if config.max_tasks:
         tasks = tasks[:config.max_tasks]
+    from_traces = len(tasks)
+    tasks += suite(config, env, suites)
     jobs = [(task, sample) for task in tasks for sample in range(config.samples_per_task)]
     prompts = [env.prompt(task["question"]) for task, _ in jobs]
     max_turns = config.max_turns or env.MAX_TURNS
@@ -88,7 +105,7 @@ def run(base: cfg.Base, config: cfg.Rollout, validated: Path, champion: Path,
     io.write_parquet(rollouts, pa.Table.from_pylist(rows, schema=SCHEMA))
     # the model's own tokens (a server that gives no token ids: its log-probs count them)
     generated = sum(sum(e.model_mask) if e.token_ids else len(e.logprobs) for e in episodes)
-    return {"backend": config.backend, "tasks": len(tasks), "episodes": len(episodes),
+    return {"backend": config.backend, "tasks": len(tasks), "suite_tasks": len(tasks) - from_traces, "episodes": len(episodes),
             "generated_tokens": generated,
             "seconds": round(seconds, 2), "tokens_per_second": round(generated / max(seconds, 1e-9)),
             "tool_use_rate": round(sum(e.tool_calls > 0 for e in episodes) / max(1, len(episodes)), 4),
@@ -100,10 +117,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("validated", "champion", "rollouts", "metrics"):
         parser.add_argument(name, type=Path)
+    parser.add_argument("--tasks", type=Path, default=Path("data/tasks"),
+                        help="the folder of task suites, <environment>.jsonl (rollout.suite_tasks)")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     metrics = run(cfg.load("base", args.params), cfg.load("rollout", args.params), args.validated,
-                  args.champion, args.rollouts)
+                  args.champion, args.rollouts, args.tasks)
     io.write_json(args.metrics, metrics)
     print(f"rollout: {metrics['episodes']} episodes for {metrics['tasks']} tasks in "
           f"{metrics['seconds']} s", file=sys.stderr)

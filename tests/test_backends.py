@@ -335,3 +335,24 @@ def test_api_key_only_from_the_environment(monkeypatch):
 def test_progress_lines_on_stderr(trained, capsys):
     run_transformers(trained, progress=True, prompts=prompts(1))
     assert "generate: 8/8 episodes" in capsys.readouterr().err
+
+
+def test_suite_tasks_join_the_trace_tasks(trained, tmp_path):
+    _, _, folder = trained
+    validated = _validated(tmp_path / "validated.parquet")
+    suites = tmp_path / "tasks"
+    suites.mkdir()
+    (suites / "arith.jsonl").write_text(
+        '{"task_id": "s2", "question": "2+2", "answer": "4"}\n'
+        '{"task_id": "s1", "question": "9*9", "answer": 81}\n')
+    config = cfg.Rollout(samples_per_task=1, temperature=0.0, max_new_tokens=40, suite_tasks=1)
+    out = tmp_path / "rollouts.parquet"
+    metrics = rollout.run(cfg.Base(), config, validated, folder, out, suites)
+    rows = pq.read_table(out).to_pylist()
+    assert metrics["tasks"] == len(QUESTIONS) + 1 and metrics["suite_tasks"] == 1
+    assert [(r["trace_id"], r["question"], r["answer"]) for r in rows if
+            r["trace_id"].startswith("suite:")] == [("suite:s1", "9*9", "81")]
+
+    (suites / "arith.jsonl").unlink()
+    with pytest.raises(FileNotFoundError, match=r"arith\.jsonl.*rollout\.suite_tasks"):
+        rollout.run(cfg.Base(), config, validated, folder, out, suites)
