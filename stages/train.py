@@ -245,6 +245,20 @@ def _fingerprint(examples: list[dict], champion: Path, config: cfg.Train, seed: 
     return digest.hexdigest()[:16]
 
 
+def last_checkpoint(work: Path) -> str | None:
+    """The newest complete checkpoint in `work` (the Trainer writes trainer_state.json last, so a
+    folder without it is one the run was killed while saving: deleted)."""
+    if not work.exists():
+        return None
+    found = {}
+    for folder in work.glob("checkpoint-*"):
+        if (folder / "trainer_state.json").exists():
+            found[int(folder.name.rsplit("-", 1)[-1])] = folder
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+    return str(found[max(found)]) if found else None
+
+
 def _steps_csv(history: list[dict]) -> str:
     rows = [h for h in history if "loss" in h]
     extra = sorted({k for h in rows for k in h} - set(STEP_COLUMNS))
@@ -299,9 +313,8 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
 
     trainer = TRAIN[config.algorithm](model, tokenizer, champion, data, args_for, config)
     from transformers import PrinterCallback
-    from transformers.trainer_utils import get_last_checkpoint
 
-    resume = get_last_checkpoint(str(work)) if work.exists() else None
+    resume = last_checkpoint(work)
     if resume:
         print(f"train: resuming from {resume}", file=sys.stderr, flush=True)
     started = time.time()

@@ -178,7 +178,9 @@ def reference_logprobs(model, rows: list[dict], bos: int, pad: int, batch_size: 
     model.eval()
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        batch = collate(chunk)
+        batch = collate([{"token_ids": r["token_ids"], "model_mask": r["model_mask"],
+                          "logprobs": [0.0] * len(r["token_ids"]), "advantage": 0.0}
+                         for r in chunk])
         logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
         for i, row in enumerate(chunk):
             row["ref_logprobs"] = logp[i, :len(row["token_ids"])].tolist()
