@@ -247,7 +247,8 @@ def _fingerprint(examples: list[dict], champion: Path, config: cfg.Train, seed: 
 
 def last_checkpoint(work: Path) -> str | None:
     """The newest complete checkpoint in `work` (the Trainer writes trainer_state.json last, so a
-    folder without it is one the run was killed while saving: deleted)."""
+    folder without it is one the run was killed while saving: deleted).
+    """
     if not work.exists():
         return None
     found = {}
