@@ -1,7 +1,7 @@
 """Training throughput: the train stage's trainers against a plain PyTorch loop, same model and data.
 
     .venv/bin/python benchmarks/train.py                 # prints a Markdown table for BENCHMARKS.md
-    .venv/bin/python benchmarks/train.py --steps 50      # shorter
+    .venv/bin/python benchmarks/train.py --steps 50 --threads 1   # shorter, one thread
 
 The model is the demo's generation-0 architecture (params.yaml `init:`, 0.8M parameters), the data
 `steps x batch` warm-start demonstrations (prompt, tool call, injected result, answer; loss on the
@@ -130,8 +130,9 @@ def trl_sft(init, tokenizer, rows, batch, lr, work):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores")
     args = parser.parse_args(argv)
-    tinylm.quiet()
+    tinylm.set_threads(args.threads)
     init = cfg.load("init", ROOT / "params.yaml")
     batch, lr = init.batch_size, 1e-3
     tokenizer = tinylm.build_tokenizer(arith)
