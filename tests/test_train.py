@@ -1,6 +1,7 @@
 """The train stage's algorithms (SFT, DPO, GRPO), LoRA, DeepSpeed ZeRO-2 on CPU, and resuming."""
 
 import csv
+import os
 import random
 import signal
 import subprocess
@@ -154,7 +155,25 @@ def test_lora_is_merged_into_full_weights(tmp_path, champion):
     assert gate.weights_hash(tmp_path / "candidate") != gate.weights_hash(champion)
 
 
-def test_deepspeed_zero2_trains_on_cpu(tmp_path, champion):
+DISTRIBUTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "DS_ACCELERATOR")
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    """The stage sets these for its own (one) process; they must not leak into later tests."""
+    for key in DISTRIBUTED:
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    before = set(os.environ)
+    yield
+    for key in DISTRIBUTED:
+        os.environ.pop(key, None)
+    for key in set(os.environ) - before:  # transformers sets ACCELERATE_USE_DEEPSPEED & co.
+        if key.startswith("ACCELERATE_"):
+            os.environ.pop(key)
+
+
+def test_deepspeed_zero2_trains_on_cpu(tmp_path, champion, one_process_group):
     """DeepSpeed for real: ZeRO stage 2, one CPU process (gloo), fp32, a few optimizer steps."""
     rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD])] * 4)
     m = run_train(tmp_path, champion, rewards, algorithm="sft", deepspeed=2, epochs=2)
@@ -168,11 +187,22 @@ def test_deepspeed_zero2_trains_on_cpu(tmp_path, champion):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_deepspeed_zero2_bf16_on_gpu(tmp_path, champion):
+def test_deepspeed_zero2_bf16_on_gpu(tmp_path, champion, one_process_group):
     rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD])] * 4)
     m = run_train(tmp_path, champion, rewards, algorithm="sft", deepspeed=2, epochs=2)
     assert m["device"] == "cuda" and m["trained"] is True
     assert m["precision"] == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")
+
+
+def clean_env():
+    return {k: v for k, v in os.environ.items()
+            if k not in DISTRIBUTED and not k.startswith("ACCELERATE_")}
+
+
+def run_stage(command):
+    env = clean_env()
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def stage_command(folder, champion, rewards, params):
@@ -189,10 +219,9 @@ def test_killed_stage_resumes_to_the_same_weights(tmp_path, champion):
                            checkpoint_steps=4, kl_coef=0.05)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    subprocess.run(stage_command(whole, champion, rewards, tmp_path / "params.yaml"),
-                   cwd=REPO, check=True, capture_output=True)
+    run_stage(stage_command(whole, champion, rewards, tmp_path / "params.yaml"))
     proc = subprocess.Popen(stage_command(killed, champion, rewards, tmp_path / "params.yaml"),
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not list((killed / "candidate.ckpt").glob("*/checkpoint-*/trainer_state.json")):
         assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
@@ -200,8 +229,7 @@ def test_killed_stage_resumes_to_the_same_weights(tmp_path, champion):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "candidate").exists()
-    subprocess.run(stage_command(killed, champion, rewards, tmp_path / "params.yaml"),
-                   cwd=REPO, check=True, capture_output=True)
+    run_stage(stage_command(killed, champion, rewards, tmp_path / "params.yaml"))
     metrics = yaml.safe_load((killed / "train.json").read_text())
     assert metrics["resumed_from_step"] >= 4 and metrics["steps"] == 36
     assert gate.weights_hash(killed / "candidate") == gate.weights_hash(whole / "candidate")
