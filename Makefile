@@ -31,8 +31,10 @@ sandbox-tools:
 
 # torch first and pinned: this machine has the CPU build of 2.13.0 on disk; an unpinned torch
 # would pull a multi-GB CUDA build. constraints.txt pins the rest to versions tested together.
+# g++: DeepSpeed compiles its small CPU ops (shared-memory comm) on first use.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $@

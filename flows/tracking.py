@@ -76,8 +76,27 @@ def log_stage(root: Path, parent_id: str, experiment_id: str, stage: str, params
         tags=[RunTag(k, v) for k, v in dvc_hashes(root, stage).items()],
     )
     client.log_dict(run_id, metrics, f"{stage}.json")
+    if stage == "train":
+        log_steps(run_id, root / "metrics" / "train_steps.csv")
     client.set_terminated(run_id)
     return run_id
+
+
+def log_steps(run_id: str, path: Path) -> int:
+    """The train stage's per-step curves (loss, learning rate, gradient norm, tokens/s, ...) as
+    MLflow metrics with their step numbers; returns how many values were logged.
+    """
+    if not path.exists():
+        return 0
+    import csv
+
+    now = int(time.time() * 1000)
+    values = [Metric(f"step.{key}", float(value), now, int(row["step"]))
+              for row in csv.DictReader(path.open()) for key, value in row.items()
+              if key != "step" and value not in ("", None)]
+    for start in range(0, len(values), 1000):  # MLflow takes at most 1000 metrics a request
+        MlflowClient().log_batch(run_id, metrics=values[start:start + 1000])
+    return len(values)
 
 
 def register(model_dir: Path, run_id: str, name: str, tags: dict) -> str:

@@ -224,21 +224,37 @@ class Reward:
 
 @dataclass(frozen=True)
 class Train:
-    """Supervised fine-tuning of the champion on its verified-correct rollouts."""
+    """Training the champion on its scored rollouts: SFT, DPO or GRPO (stages/train.py)."""
 
-    algorithm: str = "sft"
+    algorithm: str = "sft"  # sft | dpo | grpo
     epochs: float = 8.0  # passes over this cycle's examples plus the replayed ones
     lr: float = 1e-3
     batch_size: int = 64
-    min_examples: int = 8  # fewer verified-correct rollouts than this: the champion is kept as is
+    min_examples: int = 8  # fewer SFT examples / DPO pairs / GRPO groups: the champion is kept
     replay_fraction: float = 1.0  # share of earlier cycles' examples trained on again
+    beta: float = 0.1  # dpo: strength of the pull towards the reference (the champion)
+    clip: float = 0.2  # grpo: the ratio against the rollout policy is clipped to 1 +- clip
+    kl_coef: float = 0.0  # grpo: weight of the KL term to the champion; 0 = none
+    lora_r: int = 0  # LoRA rank through PEFT, merged into the candidate; 0 = full fine-tuning
+    # DeepSpeed: 0 = off, 1 / 2 / 3 = that ZeRO stage, or the path of a DeepSpeed JSON config
+    deepspeed: int | str = 0
+    checkpoint_steps: int = 50  # optimizer steps between checkpoints (a killed stage resumes)
 
     def __post_init__(self):
-        if self.algorithm != "sft":
-            raise ParamsError(f"train.algorithm: {self.algorithm!r} is not available yet; use 'sft'")
-        _positive("train", epochs=self.epochs, lr=self.lr, batch_size=self.batch_size)
+        if self.algorithm not in ("sft", "dpo", "grpo"):
+            raise ParamsError(f"train.algorithm: unknown algorithm {self.algorithm!r}; choose "
+                              f"one of sft, dpo, grpo")
+        _positive("train", epochs=self.epochs, lr=self.lr, batch_size=self.batch_size,
+                  beta=self.beta, clip=self.clip, checkpoint_steps=self.checkpoint_steps)
         if not 0.0 <= self.replay_fraction <= 1.0:
             raise ParamsError("train.replay_fraction: must be between 0 and 1")
+        if self.kl_coef < 0 or self.lora_r < 0:
+            raise ParamsError("train.kl_coef and train.lora_r: must be >= 0 (0 turns them off)")
+        if isinstance(self.deepspeed, bool) or (
+                isinstance(self.deepspeed, int) and self.deepspeed not in (0, 1, 2, 3)) or (
+                isinstance(self.deepspeed, str) and not self.deepspeed.endswith(".json")):
+            raise ParamsError(f"train.deepspeed: {self.deepspeed!r} is neither a ZeRO stage "
+                              f"(0 = off, 1, 2, 3) nor the path of a DeepSpeed .json config")
 
 
 @dataclass(frozen=True)
@@ -403,7 +419,7 @@ def _check_type(where: str, key: str, value, expected: type):
     )
     if not ok:
         example = {int: "a whole number like 4", float: "a number like 0.001", bool: "true or false",
-                   str: "a string", dict: "a mapping like {cron: '0 2 * * *'}"}[expected]
+                   str: "a string", dict: "a mapping like {cron: '0 2 * * *'}"}.get(expected, f"one of {expected}")
         _fail(where, f"{key}: expected {example}, got {_short(value)} ({type(value).__name__})")
     if expected is float:
         try:

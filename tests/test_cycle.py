@@ -80,6 +80,11 @@ def test_init_simulate_and_one_cycle(project):
     assert ingest_run.data.metrics["accepted"] == 49
     assert ingest_run.data.tags["dvc.out.data/ingested.parquet"] == next(
         o["md5"] for o in lock["ingest"]["outs"] if o["path"] == "data/ingested.parquet")
+    train_run = next(c for c in children if c.data.tags["offseason.stage"] == "train")
+    train_metrics = json.loads((project / "metrics/train.json").read_text())
+    if train_metrics["trained"]:  # the per-step curve, with its step numbers
+        losses = client.get_metric_history(train_run.info.run_id, "step.loss")
+        assert sorted(m.step for m in losses) == list(range(1, train_metrics["steps"] + 1))
     versions = client.search_model_versions("name = 'offseason-agent'")
     assert sorted(int(v.version) for v in versions) == [1, 2]
     new = next(v for v in versions if str(v.version) == "2")

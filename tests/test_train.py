@@ -1,0 +1,254 @@
+"""The train stage's algorithms (SFT, DPO, GRPO), LoRA, DeepSpeed ZeRO-2 on CPU, and resuming."""
+
+import csv
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from conftest import REPO
+
+from stages import arith, gate, reward, rollout, sft, tinylm, train, trainers
+from stages import config as cfg
+from stages.init import demonstrations, encode_completion
+
+GOOD = "<calc>2*3</calc><result>6</result>answer:6"
+BAD = "answer:5"
+
+
+@pytest.fixture(scope="module")
+def champion(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models") / "champion"
+    tokenizer = tinylm.build_tokenizer(arith)
+    model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
+    sft.train(model, demonstrations(tokenizer, arith, random.Random(0), 0.5, 16), steps=10,
+              lr=1e-2, tokenizer=tokenizer, seed=0)
+    tinylm.save(model, tokenizer, folder)
+    return folder
+
+
+def scored(tmp_path, champion, groups):
+    """A rewards file: one task per group of completions, log-probs from the champion itself."""
+    model, tokenizer = tinylm.load(champion)
+    rows = []
+    for t, (question, completions) in enumerate(groups):
+        for s, completion in enumerate(completions):
+            ids, mask = encode_completion(tokenizer, arith, arith.prompt(question), completion)
+            rows.append({"task_id": f"t{t}", "trace_id": f"t{t}", "sample": s,
+                         "question": question, "answer": str(arith.gold_answer(question)),
+                         "prompt": arith.prompt(question), "completion": completion,
+                         "token_ids": ids, "model_mask": mask, "logprobs": None,
+                         "finish": "eos", "tool_calls": completion.count("<calc>")})
+    trainers.reference_logprobs(model, rows, tokenizer.bos_token_id, tokenizer.pad_token_id, 16)
+    for row in rows:  # as the rollout records them: the policy's log-prob where the model chose
+        row["logprobs"] = [lp if m else 0.0 for lp, m in zip(row.pop("ref_logprobs"),
+                                                             row["model_mask"])]
+    path = tmp_path / "rollouts.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=rollout.SCHEMA), path)
+    reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards.parquet")
+    return tmp_path / "rewards.parquet"
+
+
+def sequence_logprob(folder, completion, question="2*3"):
+    """Summed log-probability of the model's own tokens of `completion`."""
+    model, tokenizer = tinylm.load(folder)
+    ids, mask = encode_completion(tokenizer, arith, arith.prompt(question), completion)
+    batch = trainers.collate_grpo(tokenizer.bos_token_id, tokenizer.pad_token_id)(
+        [{"token_ids": ids, "model_mask": mask, "logprobs": [0.0] * len(ids), "advantage": 0.0}])
+    with torch.no_grad():
+        logp = trainers.token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+    return float((logp * batch["mask"]).sum())
+
+
+def run_train(tmp_path, champion, rewards, **params):
+    config = cfg.Train(**{"min_examples": 1, "batch_size": 4, **params})
+    return train.run(cfg.Base(), config, rewards, champion, tmp_path / "candidate",
+                     tmp_path / "replay", tmp_path / "candidate.ckpt", tmp_path / "steps.csv")
+
+
+def steps(tmp_path):
+    return list(csv.DictReader((tmp_path / "steps.csv").open()))
+
+
+def test_dpo_pairs_keep_the_model_tokens_only(tmp_path, champion):
+    rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD, BAD, GOOD]), ("4+4", [BAD] * 2)])
+    pairs, counts = train.dpo_pairs(pq.read_table(rewards).to_pylist())
+    assert len(pairs) == 1 and counts == {"tasks_without_pair": 1}  # distinct completions only
+    _, tokenizer = tinylm.load(champion)
+    pair = pairs[0]
+    assert tokenizer.decode(pair["prompt_ids"]) == "Q:2*3"
+    assert tokenizer.decode(pair["chosen_ids"]) == GOOD
+    # the injected <result>6</result> is context, not a target
+    masked = [t for t, m in zip(pair["chosen_ids"], pair["chosen_mask"]) if not m]
+    assert tokenizer.decode(masked) == "<result>6</result>"
+    assert all(pair["rejected_mask"])
+
+
+def test_grpo_groups_and_flat_groups_counted(tmp_path, champion):
+    rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD, BAD, BAD]), ("4+4", [BAD] * 4),
+                                          ("5+1", ["answer:6"] * 4)])
+    groups, counts = train.grpo_groups(pq.read_table(rewards).to_pylist())
+    assert counts == {"groups_without_spread": 2} and len(groups) == 1
+    advantages = [e["advantage"] for e in groups[0]["episodes"]]
+    assert advantages[0] == pytest.approx(3 ** 0.5) and sum(advantages) == pytest.approx(0)
+
+
+@pytest.mark.parametrize("algorithm", ["dpo", "grpo"])
+def test_preference_algorithms_move_towards_the_better_answer(tmp_path, champion, algorithm):
+    rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD, BAD, BAD])] * 4)
+    before = sequence_logprob(champion, GOOD) - sequence_logprob(champion, BAD)
+    m = run_train(tmp_path, champion, rewards, algorithm=algorithm, epochs=10, lr=3e-3)
+    assert m["trained"] is True and m["algorithm"] == algorithm and m["examples"] == 4
+    after = sequence_logprob(tmp_path / "candidate", GOOD) - \
+        sequence_logprob(tmp_path / "candidate", BAD)
+    assert after > before + 1.0
+    rows = steps(tmp_path)
+    assert len(rows) == m["steps"] == (10 if algorithm == "dpo" else 40) and {"loss", "learning_rate", "grad_norm",
+                                              "tokens_per_second"} <= set(rows[0])
+    if algorithm == "dpo":  # TRL's own metrics come along: the reward margin grew
+        assert float(rows[-1]["rewards/margins"]) > float(rows[0]["rewards/margins"])
+    else:
+        assert "clip_fraction" in rows[0]
+
+
+@pytest.mark.parametrize("algorithm,reason", [
+    ("sft", "0 verified-correct rollouts"), ("dpo", "0 preference pairs"),
+    ("grpo", "0 task groups with a reward spread")])
+def test_too_little_data_emits_the_champion(tmp_path, champion, algorithm, reason):
+    rewards = scored(tmp_path, champion, [("2*3", [BAD, BAD])])
+    m = run_train(tmp_path, champion, rewards, algorithm=algorithm)
+    assert m["trained"] is False and reason in m["reason"] and "train.min_examples" in m["reason"]
+    assert gate.weights_hash(tmp_path / "candidate") == gate.weights_hash(champion)
+
+
+def test_grpo_kl_and_replay_of_earlier_groups(tmp_path, champion):
+    first = tmp_path / "one"
+    first.mkdir()
+    rewards = scored(first, champion, [("2*3", [GOOD, BAD])])
+    run_train(tmp_path, champion, rewards, algorithm="grpo", epochs=1)
+    second = tmp_path / "two"
+    second.mkdir()
+    rewards = scored(second, champion, [("4+4", ["answer:8", "answer:9"])])
+    m = run_train(tmp_path, champion, rewards, algorithm="grpo", epochs=1, kl_coef=0.1)
+    assert (m["examples"], m["replayed"], m["replay_available"]) == (1, 1, 1)
+    assert m["trained"] is True
+
+
+def test_lora_is_merged_into_full_weights(tmp_path, champion):
+    rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD])] * 2)
+    m = run_train(tmp_path, champion, rewards, algorithm="sft", lora_r=4, epochs=4, lr=1e-2)
+    assert m["trained"] is True and m["lora_r"] == 4
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "candidate/model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    with safe_open(str(champion / "model.safetensors"), "pt") as f:
+        assert sorted(names) == sorted(f.keys())  # no adapter left: loads anywhere
+    tinylm.load(tmp_path / "candidate")
+    assert gate.weights_hash(tmp_path / "candidate") != gate.weights_hash(champion)
+
+
+DISTRIBUTED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "DS_ACCELERATOR")
+
+
+@pytest.fixture
+def one_process_group(monkeypatch):
+    """The stage sets these for its own (one) process; they must not leak into later tests."""
+    for key in DISTRIBUTED:
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    before = set(os.environ)
+    yield
+    for key in DISTRIBUTED:
+        os.environ.pop(key, None)
+    for key in set(os.environ) - before:  # transformers sets ACCELERATE_USE_DEEPSPEED & co.
+        if key.startswith("ACCELERATE_"):
+            os.environ.pop(key)
+
+
+def test_deepspeed_zero2_trains_on_cpu(tmp_path, champion, one_process_group):
+    """DeepSpeed for real: ZeRO stage 2, one CPU process (gloo), fp32, a few optimizer steps."""
+    rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD])] * 4)
+    m = run_train(tmp_path, champion, rewards, algorithm="sft", deepspeed=2, epochs=2)
+    assert m["trained"] is True and m["deepspeed"] == 2 and m["precision"] == "fp32"
+    assert m["steps"] == 2 and len(steps(tmp_path)) == 2
+    assert gate.weights_hash(tmp_path / "candidate") != gate.weights_hash(champion)
+    from deepspeed.accelerator import get_accelerator
+
+    assert get_accelerator().device_name() == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_deepspeed_zero2_bf16_on_gpu(tmp_path, champion, one_process_group):
+    rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD])] * 4)
+    m = run_train(tmp_path, champion, rewards, algorithm="sft", deepspeed=2, epochs=2)
+    assert m["device"] == "cuda" and m["trained"] is True
+    assert m["precision"] == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")
+
+
+def clean_env():
+    return {k: v for k, v in os.environ.items()
+            if k not in DISTRIBUTED and not k.startswith("ACCELERATE_")}
+
+
+def run_stage(command):
+    env = clean_env()
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def stage_command(folder, champion, rewards, params):
+    return [sys.executable, "-m", "stages.train", str(rewards), str(champion),
+            str(folder / "candidate"), str(folder / "replay"), str(folder / "candidate.ckpt"),
+            str(folder / "train.json"), str(folder / "steps.csv"), "--params", str(params)]
+
+
+def test_killed_stage_resumes_to_the_same_weights(tmp_path, champion):
+    rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD, BAD, BAD])] * 8)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["base"]["threads"] = 1
+    params["train"].update(algorithm="grpo", epochs=4.5, batch_size=4, min_examples=1,
+                           checkpoint_steps=4, kl_coef=0.05)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    run_stage(stage_command(whole, champion, rewards, tmp_path / "params.yaml"))
+    proc = subprocess.Popen(stage_command(killed, champion, rewards, tmp_path / "params.yaml"),
+                            cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not list((killed / "candidate.ckpt").glob("*/checkpoint-*/trainer_state.json")):
+        assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "candidate").exists()
+    run_stage(stage_command(killed, champion, rewards, tmp_path / "params.yaml"))
+    metrics = yaml.safe_load((killed / "train.json").read_text())
+    assert metrics["resumed_from_step"] >= 4 and metrics["steps"] == 36
+    assert gate.weights_hash(killed / "candidate") == gate.weights_hash(whole / "candidate")
+    assert not list((killed / "candidate.ckpt").iterdir())  # cleaned once the candidate is out
+    # the per-step log covers every step, across the kill
+    assert [int(r["step"]) for r in steps_file(killed)] == list(range(1, 37))
+
+
+def steps_file(folder):
+    return list(csv.DictReader((folder / "steps.csv").open()))
+
+
+def test_train_params_are_checked(tmp_path):
+    for bad, key in [({"algorithm": "ppo"}, "train.algorithm"),
+                     ({"deepspeed": 4}, "train.deepspeed"), ({"deepspeed": "zero.yaml"},
+                                                             "train.deepspeed"),
+                     ({"deepspeed": 1.5}, "train.deepspeed")]:
+        params = yaml.safe_load((REPO / "params.yaml").read_text())
+        params["train"].update(bad)
+        (tmp_path / "p.yaml").write_text(yaml.safe_dump(params))
+        with pytest.raises(cfg.ParamsError, match=key):
+            cfg.load("train", tmp_path / "p.yaml")
