@@ -99,7 +99,9 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, tmp_
     offseason(project, "init")
     offseason(project, "simulate")
     standing = (project / "params.yaml").read_text()
-    env = {**cli_env(project), "PREFECT_API_URL": prefect_server}
+    # the served process looks for scheduled (and resumed) runs every 2 s instead of 10
+    env = {**cli_env(project), "PREFECT_API_URL": prefect_server,
+           "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
     log = tmp_path / "serve.log"
     serve = subprocess.Popen([str(BIN / "offseason"), "serve"], cwd=project, env=env,
                              stdout=log.open("w"), stderr=subprocess.STDOUT,
