@@ -375,8 +375,17 @@ def cmd_decide(args) -> int:
                              f"`offseason pending` lists those that are"
                              + (f" ({', '.join(waiting)})" if waiting else " (none now)"))
     approve = args.command == "approve"
-    resume_flow_run(uuid.UUID(args.run_id), run_input={"approve": approve, "reason": args.reason,
-                                            "approver": args.approver or who()})
+    from prefect.exceptions import FlowPauseTimeout
+
+    try:
+        resume_flow_run(uuid.UUID(args.run_id), run_input={"approve": approve,
+                                                            "reason": args.reason,
+                                                            "approver": args.approver or who()})
+    except FlowPauseTimeout:
+        # a suspended (served) run past promotion.approval_timeout: Prefect fails it now
+        raise WorkspaceError(f"flow run {args.run_id} waited longer than "
+                             f"promotion.approval_timeout and can no longer be resumed; nothing "
+                             f"was promoted. The next cycle (`offseason run`) tries again") from None
     print(f"{args.command}: {waiting[args.run_id].name} {'approved' if approve else 'rejected'} "
           f"by {args.approver or who()}: {args.reason}")
     return 0

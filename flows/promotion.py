@@ -87,6 +87,40 @@ def fault(step: str) -> None:
 # --- approval ------------------------------------------------------------------------------
 
 
+def answered(flow_run_id, key: str) -> bool:
+    """Whether a suspension with this key was already resumed with the form's answer."""
+    from prefect.input.actions import read_flow_run_input
+    from prefect.input.run_input import keyset_from_paused_state
+    from prefect.states import Suspended
+
+    keyset = keyset_from_paused_state(Suspended(pause_key=key))
+    return read_flow_run_input(keyset["response"], flow_run_id=flow_run_id) is not None
+
+
+def form(generation: int, summary: str) -> type[ApprovalForm]:
+    """The form the Prefect UI shows, with the gate summary as its description."""
+    return ApprovalForm.with_initial_data(
+        description=f"**gen-{generation} passed the gate.** {summary}\n\nPromote it?",
+        approve=False, reason="", approver="")
+
+
+def ask(generation: int, summary: str, flow_run, config: cfg.Promotion, key: str) -> None:
+    """Tell everyone a decision is wanted: the gate summary artifact, a notification, the log."""
+    from prefect import get_run_logger
+    from prefect.artifacts import create_markdown_artifact
+
+    from flows import notify
+
+    create_markdown_artifact(f"gen-{generation}: {summary}", key=GATE_ARTIFACT,
+                             description=f"gen-{generation} waiting for approval")
+    notify.send("waiting-approval", f"gen-{generation} passed the gate and waits for approval: "
+                f"{summary}", generation=generation, run_id=str(flow_run.id))
+    get_run_logger().info(
+        "gen-%d passed the gate and waits for approval (promotion.approval_timeout=%ds): "
+        "`offseason approve %s --reason ...` or `offseason reject %s --reason ...`, or the "
+        "Prefect UI", generation, config.approval_timeout, flow_run.id, flow_run.id)
+
+
 def await_approval(generation: int, verdict: dict, config: cfg.Promotion) -> dict:
     """Wait for a person's decision when params ask for one; returns the decision."""
     if not verdict["passed"]:
@@ -95,7 +129,6 @@ def await_approval(generation: int, verdict: dict, config: cfg.Promotion) -> dic
         return {"decision": "not-required", "approver": None,
                 "reason": "promotion.require_approval is false"}
     from prefect import get_run_logger
-    from prefect.artifacts import create_markdown_artifact
     from prefect.context import get_run_context
     from prefect.exceptions import FlowPauseTimeout
     from prefect.flow_runs import pause_flow_run, suspend_flow_run
@@ -103,26 +136,21 @@ def await_approval(generation: int, verdict: dict, config: cfg.Promotion) -> dic
     logger = get_run_logger()
     summary = gate_summary(verdict)
     flow_run = get_run_context().flow_run
-    create_markdown_artifact(f"gen-{generation}: {summary}", key=GATE_ARTIFACT,
-                             description=f"gen-{generation} waiting for approval")
-    form = ApprovalForm.with_initial_data(
-        description=f"**gen-{generation} passed the gate.** {summary}\n\nPromote it?",
-        approve=False, reason="", approver="")
     key = f"approval-gen-{generation}"
-    from flows import notify
-
-    notify.send("waiting-approval", f"gen-{generation} passed the gate and waits for approval: "
-                f"{summary}", generation=generation, run_id=str(flow_run.id))
-    logger.info("gen-%d passed the gate and waits for approval (promotion.approval_timeout=%ds): "
-                "`offseason approve %s --reason ...` or `offseason reject %s --reason ...`, or the "
-                "Prefect UI", generation, config.approval_timeout, flow_run.id, flow_run.id)
+    served = flow_run.deployment_id is not None
+    if served and answered(flow_run.id, key):
+        # the rerun of a resumed suspension: the decision is in, nobody is to be asked again
+        # (suspend_flow_run below returns it at once)
+        logger.info("gen-%d: the run was resumed with a decision; reading it", generation)
+    else:
+        ask(generation, summary, flow_run, config, key)
     try:
-        if flow_run.deployment_id is not None:  # served: free the worker, rerun on resume
-            answer = suspend_flow_run(wait_for_input=form, timeout=config.approval_timeout,
-                                      key=key)
+        if served:  # free the worker; the run is rescheduled and rerun on resume
+            answer = suspend_flow_run(wait_for_input=form(generation, summary),
+                                      timeout=config.approval_timeout, key=key)
         else:
-            answer = pause_flow_run(wait_for_input=form, timeout=config.approval_timeout,
-                                    poll_interval=2, key=key)
+            answer = pause_flow_run(wait_for_input=form(generation, summary),
+                                    timeout=config.approval_timeout, poll_interval=2, key=key)
     except FlowPauseTimeout:
         # the run goes on (nothing promoted, the cycle committed as such): take it out of Paused,
         # or Prefect fails it at the end for never having been resumed
@@ -182,9 +210,11 @@ def tag_alias_change(model_name: str, version: str, entry: dict) -> list[str]:
     client = MlflowClient()
     stamp = entry["at"].replace(":", "").replace("+0000", "Z")
     tags = {f"alias.{stamp}": json.dumps({k: entry.get(k) for k in
-                                          ("action", "generation", "approver", "reason")}),
+                                          ("action", "generation", "approver", "reason",
+                                           "approval_reason") if k in entry}),
             "champion_since": entry["at"], "approver": str(entry.get("approver")),
-            "approval_reason": str(entry.get("reason")),
+            # the approver's words on a promotion; a rollback's or init's reason otherwise
+            "approval_reason": str(entry.get("approval_reason", entry.get("reason"))),
             "gate_summary": str(entry.get("gate_summary"))[:4000]}
     for key, value in tags.items():
         client.set_model_version_tag(model_name, version, key, value)
@@ -367,6 +397,8 @@ def _records(root: Path, generation: int, verdict: dict, decision: dict, version
              "approver": decision.get("approver"), "reason": reason,
              "decision": decision["decision"], "gate_summary": gate_summary(verdict),
              "at": record["at"]}
+    if decision["decision"] in ("approved", "rejected"):  # a person's words, kept beside the gate's
+        entry["approval_reason"] = decision["reason"]
     message = (f"gen-{generation}: candidate {verdict['candidate_score']:.3f} vs champion "
                f"{verdict['champion_score']:.3f} -> "
                f"{'promoted' if promoted else 'not promoted'} (model version {version}; {reason})")

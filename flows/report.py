@@ -82,9 +82,11 @@ def decision(record: dict) -> str:
         words = "passed the gate, waiting for approval"
     else:
         words = "not promoted: the champion stays"
-    approver = record.get("approver") or record.get("approved_by")
-    if approver:
-        words += f" (approved by {approver}{': ' + record['approval_reason'] if record.get('approval_reason') else ''})"
+    # the person's decision, as flows/promotion.py records it (absent when none was asked for)
+    chosen = record.get("decision") or {}
+    if chosen.get("decision") in ("approved", "rejected"):
+        words += (f" ({chosen['decision']} by {chosen.get('approver')}"
+                  f"{': ' + chosen['reason'] if chosen.get('reason') else ''})")
     return words
 
 

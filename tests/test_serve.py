@@ -10,9 +10,17 @@ import urllib.request
 
 import pytest
 import yaml
-from conftest import BIN, cli_env, offseason
+from conftest import BIN, TINY, cli_env, make_project, offseason
 
 pytestmark = pytest.mark.slow
+
+# TINY, with a warm start long enough that some rollouts are verified correct (so a candidate is
+# trained: one identical to the champion never passes) and gate margins no trained candidate can
+# miss: the run must reach the approval, whatever the tiny model learned
+APPROVABLE = {**TINY, "init": {**TINY["init"], "n_layer": 2, "n_embd": 64, "warmup_steps": 150,
+                               "tool_fraction": 0.9},
+              "gate": {**TINY["gate"], "min_improvement": -1.0, "max_length_increase": 100.0,
+                       "max_format_regression": 1.0, "max_tool_error_regression": 1.0}}
 
 
 def free_port():
@@ -41,6 +49,14 @@ def wait_until(check, timeout, what, proc=None, log=None):
 def answers(url):
     with urllib.request.urlopen(url, timeout=3) as response:
         return response.status == 200
+
+
+def api_cli(root, api, *args):
+    """The real CLI, talking to the served Prefect server."""
+    result = subprocess.run([str(BIN / "offseason"), *args], cwd=root, capture_output=True,
+                            text=True, env={**cli_env(root), "PREFECT_API_URL": api})
+    assert result.returncode == 0, f"offseason {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
+    return result
 
 
 def stop(proc):
@@ -73,16 +89,19 @@ def prefect_server(tmp_path):
         stop(proc)
 
 
-def test_served_deployment_runs_a_cycle_from_the_run_button(project, prefect_server, tmp_path):
+def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.serve import limit_name
 
+    project = make_project(tmp_path / "project", APPROVABLE)
     offseason(project, "init")
     offseason(project, "simulate")
     standing = (project / "params.yaml").read_text()
-    env = {**cli_env(project), "PREFECT_API_URL": prefect_server}
+    # the served process looks for scheduled (and resumed) runs every 2 s instead of 10
+    env = {**cli_env(project), "PREFECT_API_URL": prefect_server,
+           "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
     log = tmp_path / "serve.log"
     serve = subprocess.Popen([str(BIN / "offseason"), "serve"], cwd=project, env=env,
                              stdout=log.open("w"), stderr=subprocess.STDOUT,
@@ -104,18 +123,27 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(project, prefect_ser
                 manual.parameter_openapi_schema["properties"])
             assert client.read_global_concurrency_limit_by_name(limit_name(project)).limit == 1
 
-            # what the UI's Run button does: a flow run of the deployment, one parameter edited
-            run = client.create_flow_run_from_deployment(manual.id,
-                                                         parameters={"samples_per_task": 3})
+            # what the UI's Run button does: a flow run of the deployment, two parameters edited
+            run = client.create_flow_run_from_deployment(
+                manual.id, parameters={"samples_per_task": 3, "require_approval": True})
+            state = lambda: client.read_flow_run(run.id).state  # noqa: E731
+            waiting = wait_until(lambda: (lambda s: s if s.is_paused() or s.is_final() else None)(
+                state()), 900, "the flow run to wait for approval", serve, log)
+            # suspended, not paused: the served process is free, the overrides are undone
+            assert waiting.name == "Suspended", (waiting, log.read_text()[-4000:])
+            wait_until(lambda: (project / "params.yaml").read_text() == standing, 30,
+                       "params.yaml back to the standing values while the run waits")
+            pending = api_cli(project, prefect_server, "pending").stdout
+            assert f"{run.id}  {run.name}  Suspended" in pending, pending
+            assert "gen-1: arith: candidate" in pending and "passed" in pending, pending
+            out = api_cli(project, prefect_server, "approve", str(run.id), "--reason",
+                          "better on arithmetic", "--approver", "alice").stdout
+            assert "approved by alice" in out
+            # the served process reruns the resumed run: DVC skips the finished stages
             final = wait_until(lambda: (lambda r: r if r.state.is_final() else None)(
-                client.read_flow_run(run.id)), 900, "the flow run", serve, log)
+                client.read_flow_run(run.id)), 600, "the resumed flow run", serve, log)
             assert final.state.is_completed(), log.read_text()[-4000:]
-
-            # >>> APPROVAL STEP (gate branch, issue 6) goes here: with require_approval=True the
-            # run pauses/suspends after the gate; `offseason pending` lists it, `offseason
-            # approve RUN_ID --reason ...` resumes it, and the promotion appears in MLflow, git
-            # and the promotion log. Not testable on this branch: promotion.require_approval
-            # does not exist here yet.
+            assert "no cycle is waiting" in api_cli(project, prefect_server, "pending").stdout
 
             artifacts = {a.key: a for a in client.read_artifacts()
                          if a.flow_run_id == run.id}
@@ -125,6 +153,11 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(project, prefect_ser
             table = artifacts["cycle-metrics"].data
             table = json.loads(table) if isinstance(table, str) else table
             assert [row["stage"] for row in table][:2] == ["ingest", "validate"]
+            # the rerun saw the run's overrides again: not one stage ran twice
+            assert [row["reran"] for row in table] == [False] * len(table), table
+            assert "approved by alice: better on arithmetic" in report
+            summaries = [a for a in client.read_artifacts() if a.key == "gate-summary"]
+            assert len(summaries) == 1  # asked once, not again on the rerun
 
         # the cycle is in git, with the run's override recorded and the standing params back
         tags = subprocess.run(["git", "tag", "--list"], cwd=project, capture_output=True,
@@ -135,8 +168,23 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(project, prefect_ser
         assert yaml.safe_load(show("params.yaml"))["rollout"]["samples_per_task"] == 3
         lock = yaml.safe_load(show("dvc.lock"))["stages"]
         assert lock["rollout"]["params"]["params.yaml"]["rollout"]["samples_per_task"] == 3
-        assert json.loads(show("metrics/promotion.json"))["overrides"] == {
-            "rollout.samples_per_task": 3}
+        record = json.loads(show("metrics/promotion.json"))
+        assert record["overrides"] == {"rollout.samples_per_task": 3,
+                                       "promotion.require_approval": True}
+        assert record["promoted"] is True, record["reason"]
+        assert (record["decision"]["decision"], record["decision"]["approver"],
+                record["decision"]["reason"]) == ("approved", "alice", "better on arithmetic")
+        assert json.loads(show("metrics/train.json"))["trained"] is True
+        assert yaml.safe_load(show("params.yaml"))["promotion"]["require_approval"] is True
+        entry = json.loads(show("promotions.jsonl").splitlines()[-1])
+        assert (entry["action"], entry["generation"], entry["decision"], entry["approver"],
+                entry["approval_reason"]) == ("promote", 1, "approved", "alice",
+                                              "better on arithmetic")
+        assert entry["reason"] == json.loads(show("metrics/gate.json"))["reason"]
+        assert entry["model_version"] == record["model_version"]
+        assert show("models/champion.dvc") != subprocess.run(
+            ["git", "show", "gen-0:models/champion.dvc"], cwd=project, capture_output=True,
+            text=True, check=True).stdout
         assert (project / "params.yaml").read_text() == standing
         rollout = json.loads(show("metrics/rollout.json"))
         assert rollout["episodes"] == 3 * rollout["tasks"] > 0
@@ -148,6 +196,14 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(project, prefect_ser
         experiment = client.get_experiment_by_name("offseason")
         runs = client.search_runs([experiment.experiment_id], "tags.`offseason.git_tag` = 'gen-1'")
         assert len(runs) == 1 and runs[0].data.params["rollout.samples_per_task"] == "3"
+        # the attempt that suspended ended as KILLED; the resumed one promoted
+        attempts = client.search_runs([experiment.experiment_id], "attributes.run_name = 'gen-1'")
+        assert sorted(r.info.status for r in attempts) == ["FINISHED", "KILLED"]
+        assert runs[0].data.tags["offseason.outcome"] == "promoted"
+        champion = client.get_model_version_by_alias("offseason-agent", "champion")
+        assert str(champion.version) == str(record["model_version"])
+        assert champion.tags["approver"] == "alice"
+        assert champion.tags["approval_reason"] == "better on arithmetic"
     finally:
         stop(serve)
     assert serve.returncode is not None
