@@ -13,7 +13,8 @@ it. `score` adds `format` (every `<calc>` closed and answered, and a final integ
 
 In production traces the same episode is OpenAI chat messages: the user's question, an assistant
 message with a `calculator` tool call, the tool's reply, and the assistant's final answer.
-`task_from_messages` and `messages_from_completion` translate between the two.
+`task_from_messages`, `messages_from_completion` and `completion_from_messages` translate between
+the two.
 
 This module is pure Python (no torch), so ingestion and validation stay light.
     python -m stages.arith --write-benchmark data/benchmarks/arith.jsonl   # the held-out suite
@@ -198,6 +199,56 @@ def messages_from_completion(user_text: str, completion: str, call_prefix: str) 
     answer = final_answer(rest)
     messages.append({"role": "assistant", "content": answer if answer is not None else rest})
     return messages
+
+
+def _arguments(call: dict) -> dict:
+    arguments = (call.get("function") or {}).get("arguments")
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return {}
+    return arguments if isinstance(arguments, dict) else {}
+
+
+def completion_from_messages(messages: list[dict]) -> str | None:
+    """The trace's answer in the model's text: the inverse of `messages_from_completion`.
+
+    Everything after the first user message: each calculator call as `<calc>EXPR</calc>` followed by
+    the tool's reply as `<result>VALUE</result>`, then `answer:N` from the final assistant message.
+    None when the trace cannot be written in the model's alphabet (another user turn, another tool,
+    a call without a reply, a final answer that is not an integer): such a trace gives no pair.
+    """
+    start = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if start is None:
+        return None
+    replies = {m.get("tool_call_id"): m.get("content") for m in messages[start + 1:]
+               if m.get("role") == "tool"}
+    text, final = "", None
+    for message in messages[start + 1:]:
+        role, content = message.get("role"), message.get("content")
+        if role == "tool":
+            continue
+        if role != "assistant" or final is not None:
+            return None  # a second user turn, or text after the final answer
+        calls = message.get("tool_calls") or []
+        if not calls:
+            final = str(content or "").strip()
+            continue
+        text += content or ""
+        for call in calls:
+            expression = re.sub(r"\s+", "", str(_arguments(call).get("expression", "")))
+            reply = replies.get(call.get("id"))
+            if (call.get("function") or {}).get("name") != TOOL_NAME or reply is None:
+                return None
+            text += (f"{TOOL_OPEN}{expression}{TOOL_CLOSE}"
+                     f"{RESULT_OPEN}{str(reply).strip()}{RESULT_CLOSE}")
+    if final is None or not re.fullmatch(r"-?\d+", final):
+        return None
+    text += f"{ANSWER}{final}"
+    plain = text
+    for tag in TAGS:
+        plain = plain.replace(tag, "")
+    return text if all(c in CHARS for c in plain) else None
 
 
 def task_from_messages(messages: list[dict], tools: list[dict] | None = None) -> dict | None:

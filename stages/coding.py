@@ -173,6 +173,11 @@ def messages_from_completion(user_text: str, completion: str, call_prefix: str) 
     return messages
 
 
+def completion_from_messages(messages: list[dict]) -> str | None:
+    """None: chat traces give no code tasks (see `task_from_messages`), so no trace answer pairs."""
+    return None
+
+
 def _demo_only(*args, **kwargs):
     raise NotImplementedError("the code environment has no simulated traffic or warm start: its "
                               "tasks come from data/tasks/code.jsonl")

@@ -23,7 +23,9 @@ An environment is one module that defines:
   scoring; a task whose gold does not is set aside and counted).
 - `task_from_messages(messages, tools=None) -> {"question", "answer"} | None`: the task behind an
   OpenAI chat trace (`tools`: the trace's tool schemas, chat `tools` shape, which validate passes
-  from the trace row), `messages_from_completion(user_text, completion, call_prefix)`, `task_kind(question)`
+  from the trace row), `messages_from_completion(user_text, completion, call_prefix)` and its
+  inverse `completion_from_messages(messages) -> str | None` (the trace's answer in the model's
+  text, None when it cannot be written so; the train stage's feedback pairs use it), `task_kind(question)`
   (for drift reports), and for the demo's simulated traffic and warm start
   `sample_question(rng, weights)`, `mix_for_day(day, shift)`, `demonstration(question, use_tool)`
   (an environment without a demo may raise NotImplementedError there).

@@ -252,6 +252,13 @@ def messages_from_completion(user_text: str, completion: str, call_prefix: str) 
     return messages
 
 
+def completion_from_messages(messages: list[dict]) -> str | None:
+    """None for now: a trace's own answer is not turned back into this environment's text, so its
+    feedback gives no DPO pair (the train stage counts such traces as unusable).
+    """
+    return None
+
+
 def task_kind(question: str) -> str:
     return "tool_call"
 

@@ -1,6 +1,7 @@
 """Train: a better candidate from the champion's scored rollouts, by SFT, DPO or GRPO.
 
-Reads `data/rewards.parquet` and `models/champion`; writes `models/candidate` (a Hugging Face model
+Reads `data/rewards.parquet`, `models/champion` and (for DPO's feedback pairs, with
+`--validated`) `data/validated.parquet`; writes `models/candidate` (a Hugging Face model
 folder), this cycle's scored rollouts into `data/replay/` (a persistent DVC output: one Parquet
 part per cycle), `metrics/train.json` and `metrics/train_steps.csv` (loss, learning rate, gradient
 norm and tokens/s per optimizer step: a DVC plot, and the flow logs it to the stage's MLflow run).
@@ -9,8 +10,10 @@ never on the prompt or on a tool result the environment injected):
 
 - `sft`: rejection-sampling fine-tuning on the verified-correct episodes (once per distinct
   completion of a task), through the transformers Trainer;
-- `dpo`: preference pairs from the same task's higher- and lower-reward episodes, through TRL's
-  DPOTrainer with the champion as the explicit reference model;
+- `dpo`: preference pairs from the same task's higher- and lower-reward episodes, and from the
+  traces' thumbs (the trace's own answer against a rollout of its task, only where the verifier
+  agrees with the thumbs: `feedback_pairs`), through TRL's DPOTrainer with the champion as the
+  explicit reference model;
 - `grpo`: group-relative advantages over each task's samples and a clipped ratio against the
   log-probabilities recorded at rollout time, optionally a KL term to the champion: our loss on
   the transformers Trainer (TRL's GRPO generates online, which would fold rollout and reward into
@@ -30,7 +33,8 @@ depends on (data, champion, params), so only a rerun of the same training resume
 is deleted once the candidate is written.
 
     python -m stages.train data/rewards.parquet models/champion models/candidate data/replay \
-        models/candidate.ckpt metrics/train.json metrics/train_steps.csv
+        models/candidate.ckpt metrics/train.json metrics/train_steps.csv \
+        --validated data/validated.parquet
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import argparse
 import csv
 import hashlib
 import io as textio
+import json
 import os
 import random
 import shutil
@@ -52,6 +57,7 @@ import pyarrow.parquet as pq
 
 from stages import config as cfg
 from stages import io, tinylm, trainers
+from stages.environments import ENVIRONMENTS
 
 REPLAY = pa.schema([("task_id", pa.string()), ("completion", pa.string()),
                     ("token_ids", pa.list_(pa.int32())), ("model_mask", pa.list_(pa.int8())),
@@ -113,6 +119,90 @@ def dpo_pairs(rows: list[dict]) -> tuple[list[dict], dict]:
                 "rejected_ids": rejected["token_ids"][rcut:],
                 "rejected_mask": rejected["model_mask"][rcut:]})
     return pairs, {"tasks_without_pair": no_pair}
+
+
+def _injected_as_env(env, completion: str) -> bool:
+    """Whether every tool result in `completion` is what the environment itself would inject
+    (`encode_completion` masks exactly that many tokens after each call, as a rollout does).
+    """
+    pos = 0
+    while (close := completion.find(env.TOOL_CLOSE, pos)) >= 0:
+        end = close + len(env.TOOL_CLOSE)
+        injected = env.on_tool_close(completion[:end])
+        if not completion.startswith(injected, end):
+            return False
+        pos = end + len(injected)
+    return True
+
+
+def feedback_pairs(rows: list[dict], traces: list[dict], env, tokenizer,
+                   taken: set | None = None) -> tuple[list[dict], dict]:
+    """Pairs from the traces' thumbs: the trace's own answer against one of its task's rollouts.
+
+    A thumbs-down answer the verifier scores wrong is `rejected` against the task's best verified-
+    correct rollout; a thumbs-up answer the verifier scores correct is `chosen` against its worst
+    failing rollout. Feedback never overrules the verifier: a thumbs-up answer it scores wrong (or a
+    thumbs-down one it scores correct) is not used, only counted. The trace's answer is written in
+    the model's text by `env.completion_from_messages` and tokenized with the champion's tokenizer,
+    mask 1 on its own tokens and 0 on the tool results, like a rollout. `taken`: the (task_id,
+    completion) keys of the rollout pairs, so the same pair is not added twice.
+    """
+    from stages.init import encode_completion
+
+    tasks = _by_task(rows)
+    counts = dict.fromkeys(("feedback_traces", "thumbs_up_verifier_wrong",
+                            "thumbs_down_verifier_correct", "feedback_unusable",
+                            "feedback_without_partner"), 0)
+    pairs = []
+    for trace in sorted(traces, key=lambda t: t["trace_id"]):
+        group = tasks.get(trace["trace_id"])
+        if trace["thumbs_up"] is None or not group:
+            continue
+        counts["feedback_traces"] += 1
+        completion = env.completion_from_messages(json.loads(trace["messages"]))
+        verdict = None if completion is None else \
+            env.verify(trace["question"], trace["answer"], completion)
+        if verdict is None or not _injected_as_env(env, completion):
+            counts["feedback_unusable"] += 1
+            continue
+        ids, mask = encode_completion(tokenizer, env, env.prompt(trace["question"]), completion)
+        if tokenizer.unk_token_id in ids:
+            counts["feedback_unusable"] += 1
+            continue
+        if trace["thumbs_up"] and verdict < 1.0:
+            counts["thumbs_up_verifier_wrong"] += 1
+            continue
+        if not trace["thumbs_up"] and verdict == 1.0:
+            counts["thumbs_down_verifier_correct"] += 1
+            continue
+        ranked = sorted((r for r in group if r["correct"] is not None),
+                        key=lambda r: (-r["reward"], r["completion"]))
+        if trace["thumbs_up"]:
+            partner = next((r for r in reversed(ranked) if r["correct"] < 1.0), None)
+        else:
+            partner = next((r for r in ranked if r["correct"] == 1.0), None)
+        if partner is None:
+            counts["feedback_without_partner"] += 1
+            continue
+        own = {"token_ids": ids, "model_mask": mask, "completion": completion}
+        chosen, rejected = (own, partner) if trace["thumbs_up"] else (partner, own)
+        key = (trace["trace_id"], f"{chosen['completion']}\x00{rejected['completion']}")
+        if key in (taken or set()):
+            continue
+        cut, rcut = _prompt_length(chosen["model_mask"]), _prompt_length(rejected["model_mask"])
+        pairs.append({
+            "task_id": key[0], "completion": key[1], "prompt_ids": chosen["token_ids"][:cut],
+            "chosen_ids": chosen["token_ids"][cut:], "chosen_mask": chosen["model_mask"][cut:],
+            "rejected_ids": rejected["token_ids"][rcut:],
+            "rejected_mask": rejected["model_mask"][rcut:]})
+    return pairs, counts
+
+
+def read_traces(validated: Path) -> list[dict]:
+    """The validated traces that carry a thumbs signal, with their task."""
+    table = pq.read_table(validated, columns=["trace_id", "messages", "thumbs_up", "question",
+                                              "answer"], filters=[("thumbs_up", "in", [True, False])])
+    return table.to_pylist()
 
 
 def grpo_groups(rows: list[dict]) -> tuple[list[dict], dict]:
@@ -272,12 +362,27 @@ def _steps_csv(history: list[dict]) -> str:
 
 
 def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candidate: Path,
-        replay: Path, checkpoints: Path | None = None, steps_csv: Path | None = None) -> dict:
-    """Train and write the candidate; returns the stage metrics."""
+        replay: Path, checkpoints: Path | None = None, steps_csv: Path | None = None,
+        validated: Path | None = None) -> dict:
+    """Train and write the candidate; returns the stage metrics. `validated`: the traces whose
+    feedback adds DPO pairs (see `feedback_pairs`).
+    """
     tinylm.set_threads(base.threads)
     checkpoints = checkpoints or candidate.with_name(candidate.name + ".ckpt")
     rows = _read(rewards)
     examples, counts = EXAMPLES[config.algorithm](rows)
+    if config.algorithm == "dpo":
+        counts["pairs_from_rollouts"] = len(examples)
+        if validated is not None:
+            from transformers import AutoTokenizer
+
+            more, feedback = feedback_pairs(
+                rows, read_traces(validated), ENVIRONMENTS[base.environment],
+                AutoTokenizer.from_pretrained(champion),
+                {(e["task_id"], e["completion"]) for e in examples})
+            examples = examples + more
+            counts.update(feedback)
+        counts["pairs_from_feedback"] = len(examples) - counts["pairs_from_rollouts"]
     tmp = candidate.with_name(candidate.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     replayed, available = store_and_replay(rows, replay, config.algorithm, config.replay_fraction,
@@ -349,12 +454,14 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("rewards", "champion", "candidate", "replay", "checkpoints", "metrics",
                  "steps"):
         parser.add_argument(name, type=Path)
+    parser.add_argument("--validated", type=Path,
+                        help="data/validated.parquet: DPO also learns from the traces' thumbs")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     base, config = cfg.load("base", args.params), cfg.load("train", args.params)
     trainers.relaunch_on_gpus(config.deepspeed, "stages.train", sys.argv[1:])
     metrics = run(base, config, args.rewards, args.champion, args.candidate, args.replay,
-                  args.checkpoints, args.steps)
+                  args.checkpoints, args.steps, args.validated)
     if int(os.environ.get("RANK", "0")) == 0:
         io.write_json(args.metrics, metrics)
 

@@ -62,6 +62,33 @@ def test_messages_round_trip():
     assert arith.task_from_messages(messages) == {"question": "47*38", "answer": "1786"}
 
 
+def test_completion_from_messages_inverts_messages_from_completion():
+    for completion in ["<calc>47*38</calc><result>1786</result>answer:1786", "answer:-3",
+                       "<calc>1+1</calc><result>2</result><calc>2*9</calc><result>18</result>"
+                       "answer:18"]:
+        messages = arith.messages_from_completion("what is it?", completion, "c")
+        assert arith.completion_from_messages(messages) == completion
+    # a production trace: spaces in the tool's arguments, a system prompt first
+    trace = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "47 x 38?"},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": "a", "function": {
+                 "name": "calculator", "arguments": {"expression": "47 * 38"}}}]},
+             {"role": "tool", "tool_call_id": "a", "content": "1786"},
+             {"role": "assistant", "content": " 1786 "}]
+    assert arith.completion_from_messages(trace) == \
+        "<calc>47*38</calc><result>1786</result>answer:1786"
+    # not writable in the model's text: prose, another tool, a call never answered, a second turn
+    user = {"role": "user", "content": "2+2?"}
+    other = [{"id": "b", "function": {"name": "search", "arguments": "{}"}}]
+    for messages in ([user, {"role": "assistant", "content": "four"}],
+                     [user, {"role": "assistant", "tool_calls": other},
+                      {"role": "tool", "tool_call_id": "b", "content": "4"},
+                      {"role": "assistant", "content": "4"}],
+                     trace[:3] + [trace[4]],
+                     [user, {"role": "assistant", "content": "4"}, user],
+                     [{"role": "assistant", "content": "4"}]):
+        assert arith.completion_from_messages(messages) is None
+
+
 def test_mix_shifts_towards_products():
     assert arith.mix_for_day(0, 0.15)[2] < arith.mix_for_day(3, 0.15)[2]
     rng = random.Random(0)

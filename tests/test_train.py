@@ -1,6 +1,7 @@
 """The train stage's algorithms (SFT, DPO, GRPO), LoRA, DeepSpeed ZeRO-2 on CPU, and resuming."""
 
 import csv
+import json
 import os
 import random
 import signal
@@ -67,10 +68,11 @@ def sequence_logprob(folder, completion, question="2*3"):
     return float((logp * batch["mask"]).sum())
 
 
-def run_train(tmp_path, champion, rewards, **params):
+def run_train(tmp_path, champion, rewards, validated=None, **params):
     config = cfg.Train(**{"min_examples": 1, "batch_size": 4, **params})
     return train.run(cfg.Base(), config, rewards, champion, tmp_path / "candidate",
-                     tmp_path / "replay", tmp_path / "candidate.ckpt", tmp_path / "steps.csv")
+                     tmp_path / "replay", tmp_path / "candidate.ckpt", tmp_path / "steps.csv",
+                     validated)
 
 
 def steps(tmp_path):
@@ -89,6 +91,66 @@ def test_dpo_pairs_keep_the_model_tokens_only(tmp_path, champion):
     masked = [t for t, m in zip(pair["chosen_ids"], pair["chosen_mask"]) if not m]
     assert tokenizer.decode(masked) == "<result>6</result>"
     assert all(pair["rejected_mask"])
+
+
+def validated_traces(tmp_path, traces):
+    """A validated.parquet of (trace_id, question, the trace's answer as model text, thumbs)."""
+    rows = [{"trace_id": trace_id, "question": question, "answer": str(arith.gold_answer(question)),
+             "thumbs_up": thumbs, "messages": json.dumps(
+                 arith.messages_from_completion(f"what is {question}?", answer, trace_id))}
+            for trace_id, question, answer, thumbs in traces]
+    path = tmp_path / "validated.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([
+        ("trace_id", pa.string()), ("question", pa.string()), ("answer", pa.string()),
+        ("thumbs_up", pa.bool_()), ("messages", pa.string())])), path)
+    return path
+
+
+FEEDBACK = [("t0", "2*3", "answer:7", False),  # wrong, thumbs down: rejected against GOOD
+            ("t1", "4+4", "answer:9", True),  # thumbs up, but the verifier says wrong
+            ("t2", "5+1", "<calc>5+1</calc><result>6</result>answer:6", True),  # chosen
+            ("t3", "2+2", "answer:4", False),  # thumbs down, but the verifier says right
+            ("t4", "3+3", "<calc>3+3</calc><result>7</result>answer:7", False),  # forged tool
+            ("t5", "1+1", "answer:2", None)]  # no feedback
+ROLLOUTS = [("2*3", [GOOD, GOOD]), ("4+4", ["answer:8", "answer:5"]), ("5+1", ["answer:5"] * 2),
+            ("2+2", ["answer:4", "answer:3"]), ("3+3", ["answer:6", "answer:5"]),
+            ("1+1", ["answer:2", "answer:3"])]
+
+
+def test_feedback_pairs_follow_the_verifier_not_the_thumbs(tmp_path, champion):
+    rewards = scored(tmp_path, champion, ROLLOUTS)
+    rows = pq.read_table(rewards).to_pylist()
+    _, tokenizer = tinylm.load(champion)
+    traces = train.read_traces(validated_traces(tmp_path, FEEDBACK))
+    assert sorted(t["trace_id"] for t in traces) == ["t0", "t1", "t2", "t3", "t4"]
+    pairs, counts = train.feedback_pairs(rows, traces, arith, tokenizer)
+    assert counts == {"feedback_traces": 5, "thumbs_up_verifier_wrong": 1,
+                      "thumbs_down_verifier_correct": 1, "feedback_unusable": 1,
+                      "feedback_without_partner": 0}
+    by_task = {p["task_id"]: p for p in pairs}
+    assert sorted(by_task) == ["t0", "t2"]
+    down, up = by_task["t0"], by_task["t2"]
+    assert tokenizer.decode(down["prompt_ids"]) == "Q:2*3"
+    assert tokenizer.decode(down["chosen_ids"]) == GOOD  # the verified rollout
+    assert tokenizer.decode(down["rejected_ids"]) == "answer:7"  # the trace's own answer
+    assert all(down["rejected_mask"])
+    assert tokenizer.decode(up["prompt_ids"]) == "Q:5+1"
+    assert tokenizer.decode(up["chosen_ids"]) == "<calc>5+1</calc><result>6</result>answer:6"
+    assert tokenizer.decode(up["rejected_ids"]) == "answer:5"
+    # the trace's tool result is context, as in a rollout: only the model's tokens are targets
+    masked = [t for t, m in zip(up["chosen_ids"], up["chosen_mask"]) if not m]
+    assert tokenizer.decode(masked) == "<result>6</result>"
+
+
+def test_dpo_counts_rollout_and_feedback_pairs_apart(tmp_path, champion):
+    rewards = scored(tmp_path, champion, ROLLOUTS)
+    validated = validated_traces(tmp_path, FEEDBACK)
+    m = run_train(tmp_path, champion, rewards, validated, algorithm="dpo", epochs=1)
+    # rollout pairs: 4+4, 2+2, 3+3 and 1+1 have a better and a worse completion
+    assert (m["pairs_from_rollouts"], m["pairs_from_feedback"], m["examples"]) == (4, 2, 6)
+    assert m["thumbs_up_verifier_wrong"] == 1 and m["trained"] is True
+    without = run_train(tmp_path / "no", champion, rewards, algorithm="dpo", epochs=1)
+    assert (without["pairs_from_rollouts"], without["pairs_from_feedback"]) == (4, 0)
 
 
 def test_grpo_groups_and_flat_groups_counted(tmp_path, champion):
