@@ -17,6 +17,9 @@ on (`data/replay/` as committed at its tag: this cycle's examples and the replay
 with `train.replay_fraction` below 1 only a sample of the replayed ones was used, so this is the
 conservative answer a deletion request needs), and by inheritance when the champion it started from
 learned from it.
+
+`check_champion` uses verify's per-file checks on `models/champion` alone: every cycle runs it
+before its first stage, and `offseason rollback` before it restores a generation's champion.
 """
 
 from __future__ import annotations
