@@ -22,7 +22,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime, task
 
-from flows import notify, overrides, promotion, tracking
+from flows import lineage, notify, overrides, promotion, tracking
 from flows import report as cycle_report
 from flows.serve import workspace_slot
 from flows.workspace import (
@@ -144,6 +144,8 @@ def run_cycle(root: Path, changes: dict) -> dict:
                              "`offseason init` first")
     for line in promotion.recover(root, configs["base"].registered_model):
         logger.warning("an unfinished promotion was undone: %s", line)
+    # before any stage reads it: `dvc checkout` restores altered cache bytes without a word
+    lineage.check_champion(root)
     files = snapshot_inbox(root)
     if files == 0:
         message = ("the inbox is empty (no *.jsonl in data/inbox): nothing to learn from. Put "

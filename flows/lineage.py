@@ -17,6 +17,9 @@ on (`data/replay/` as committed at its tag: this cycle's examples and the replay
 with `train.replay_fraction` below 1 only a sample of the replayed ones was used, so this is the
 conservative answer a deletion request needs), and by inheritance when the champion it started from
 learned from it.
+
+`check_champion` uses verify's per-file checks on `models/champion` alone: every cycle runs it
+before its first stage, and `offseason rollback` before it restores a generation's champion.
 """
 
 from __future__ import annotations
@@ -343,6 +346,26 @@ def _check_object(root: Path, md5: str) -> tuple[str, list[str]]:
     return ("ok" if good else "missing"), notes
 
 
+def _check_files(root: Path, path: str, md5: str, workspace: bool = False) -> list[dict]:
+    """The files of a folder version (`md5` ends in .dir) whose objects are altered or missing;
+    with `workspace`, also those whose copy in the working tree differs or is missing.
+    """
+    problems = []
+    for file in manifest(root, md5):
+        status, notes = _check_object(root, file["md5"])
+        local = root / path / file["relpath"]
+        if workspace and not local.is_file():
+            notes.append(f"missing in the workspace ({local})")
+            status = "missing" if status == "ok" else status
+        elif workspace and md5_of(local.read_bytes()) != file["md5"]:
+            notes.append(f"altered in the workspace ({local})")
+            status = "altered"
+        if status != "ok":
+            problems.append({"path": f"{path}/{file['relpath']}", "md5": file["md5"],
+                             "status": status, "notes": notes})
+    return problems
+
+
 def _dir_hash_of_files(files: list[tuple[str, bytes]]) -> str:
     """DVC's hash of a folder: md5 of its sorted manifest, serialized the way dvc-data does."""
     entries = sorted(({"md5": md5_of(data), "relpath": rel} for rel, data in files),
@@ -396,12 +419,7 @@ def verify(root: Path, ref: str) -> dict:
         entry = {"path": path, "md5": md5, "recorded_by": who, "where": "dvc", "status": status,
                  "notes": notes, "files": []}
         if md5.endswith(".dir") and status == "ok":
-            for file in manifest(root, md5):
-                file_status, file_notes = _check_object(root, file["md5"])
-                if file_status != "ok":
-                    entry["files"].append({"path": f"{path}/{file['relpath']}",
-                                           "md5": file["md5"], "status": file_status,
-                                           "notes": file_notes})
+            entry["files"] = _check_files(root, path, md5)
             if entry["files"]:
                 entry["status"] = "altered" if any(f["status"] == "altered"
                                                    for f in entry["files"]) else "missing"
@@ -425,6 +443,60 @@ def verify_text(report: dict) -> str:
                  f"{len(report['problems'])} problem(s): restore the named files from a good "
                  f"copy (`dvc fetch`, `dvc pull`), or treat this generation as unverifiable")
     return "\n".join(lines)
+
+
+# --- the champion, before it is used or restored -------------------------------------------
+
+CHAMPION = "models/champion"
+
+
+def check_champion(root: Path, ref: str | None = None) -> None:
+    """Raise LineageError naming each champion file that does not match `models/champion.dvc`.
+
+    `dvc checkout` (and the one `promotion.recover` does) copies whatever bytes the cache holds
+    without checking them, and DVC then trusts that copy, so an altered cache object silently
+    becomes the champion that rollout starts from and train fine-tunes. This hashes every file of the
+    folder's manifest (a few MB for the demo) in the DVC cache and the local remote, and, for
+    the pointer in the working tree (`ref` None: before a cycle), the workspace copy too. With
+    `ref` (a tag: before a rollback restores it) only the stored objects are checked: the
+    workspace copy is about to be replaced. An object absent from the cache but intact in the
+    remote is fine (`dvc pull` fetches it); one absent from both is reported missing.
+    """
+    pointer = f"{CHAMPION}.dvc"
+    where = f"{pointer} at {ref}" if ref else pointer
+    if ref:
+        md5 = pointer_hash(root, ref, pointer)
+    else:
+        outs = (yaml.safe_load((root / pointer).read_text()) or {}).get("outs") or [{}]
+        md5 = outs[0].get("md5")
+    if not md5:
+        raise LineageError(f"{where} records no md5 for {CHAMPION}; restore it from git "
+                           f"(`git checkout -- {pointer}`) or run `offseason rollback`")
+    status, notes = _check_object(root, md5)
+    problems = [{"path": f"{CHAMPION} (its file list)", "md5": md5, "status": status,
+                 "notes": notes}] if status != "ok" else \
+        _check_files(root, CHAMPION, md5, workspace=ref is None)
+    if not problems:
+        return
+    lines = [f"  {p['path']} (md5 {p['md5']} in {where}): {p['status']}"
+             + "".join(f"; {n}" for n in p["notes"] or ["in neither the DVC cache nor the "
+                                                        "remote"]) for p in problems]
+    if ref:
+        raise LineageError(
+            f"the champion of {ref} does not match {where} (found before restoring it; nothing "
+            f"was changed):\n" + "\n".join(lines) + "\n"
+            "Roll back to another generation (`offseason rollback --to gen-N`; `offseason "
+            "lineage --verify gen-N` checks one first), or put good copies of the named files "
+            "back into the DVC remote and delete the altered cache files.")
+    raise LineageError(
+        f"the champion does not match {where} (the cycle stopped before any stage used it):\n"
+        + "\n".join(lines) + "\n"
+        f"To repair: `rm -rf {CHAMPION} && dvc pull {CHAMPION}` (`dvc pull` replaces an "
+        f"altered cache copy with the remote's; `dvc checkout --force` alone is not enough: "
+        f"DVC trusts a copy it checked out itself). Remote copy altered or missing too, but "
+        f"the workspace intact: delete each altered cache file named above, then `dvc commit "
+        f"--force {pointer}`. No good copy left: `offseason rollback` to an earlier champion. "
+        f"`offseason lineage --verify gen-N` checks every hash a generation recorded.")
 
 
 # --- trace ----------------------------------------------------------------------------------

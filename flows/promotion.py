@@ -459,6 +459,9 @@ def rollback(root: Path, model_name: str, reason: str, approver: str,
     if record is None or pointer is None or not record.get("promoted"):
         raise WorkspaceError(f"{tag} was never a champion (no promoted record at git tag {tag}); "
                              f"`offseason history` shows which generations were")
+    from flows.lineage import check_champion
+
+    check_champion(root, tag)  # `dvc pull` would check out an altered cache object as it is
     version = str(record["champion_version"])
     entry = {"action": "rollback", "generation": to, "model_version": version,
              "champion_version": version, "champion_generation": to, "approver": approver,

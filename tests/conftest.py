@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ["flows", "stages", "dvc.yaml", "params.yaml", "data/benchmarks", ".dvc/config",
+SOURCES = ["flows", "stages", "dvc.yaml", "params.yaml", "data/benchmarks", "data/tasks", ".dvc/config",
            ".dvc/.gitignore", ".dvcignore", ".gitignore"]
 BIN = Path(sys.executable).parent
 

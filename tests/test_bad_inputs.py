@@ -7,7 +7,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import make_project, offseason, write_params
+from conftest import BIN, make_project, offseason, write_params
 
 from stages import arith, tinylm
 
@@ -104,6 +104,11 @@ def test_a_champion_broken_after_init_fails_the_cycle_naming_the_file(tmp_path):
     config = json.loads((root / "models/champion/config.json").read_text())
     config["n_layer"] += 1
     (root / "models/champion/config.json").write_text(json.dumps(config))
+    # recorded and committed as the champion (else the cycle's pre-flight check stops at the
+    # changed file, and tests/test_faults.py's corrupted cache test covers that)
+    subprocess.run([str(BIN / "dvc"), "add", "-q", "models/champion"], cwd=root, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm",
+                    "a broken champion", "models/champion.dvc"], cwd=root, check=True)
     result = offseason(root, "run", check=False)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "models/champion/model.safetensors does not match" in result.stderr

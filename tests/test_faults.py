@@ -234,3 +234,48 @@ def test_mlflow_server_lost_mid_cycle_fails_naming_it_and_promotes_nothing(tmp_p
     assert tags == ["gen-0"]  # no cycle committed
     assert (root / "models/champion.dvc").read_text() == champion  # no champion replaced
     assert json.loads((root / "metrics/promotion.json").read_text())["generation"] == 0
+
+
+@pytest.mark.slow
+def test_a_corrupted_champion_in_the_dvc_cache_is_found_before_anything_trains(tmp_path):
+    root = make_project(tmp_path / "p")
+    offseason(root, "init")
+    offseason(root, "simulate")
+    folder = yaml.safe_load((root / "models/champion.dvc").read_text())["outs"][0]["md5"]
+    cache = root / ".dvc/cache/files/md5"
+    files = json.loads((cache / folder[:2] / folder[2:]).read_text())
+    weights = next(f["md5"] for f in files if f["relpath"] == "model.safetensors")
+    cached = cache / weights[:2] / weights[2:]
+    os.chmod(cached, 0o644)
+    data = bytearray(cached.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped weight byte: same size, still loads
+    cached.write_bytes(bytes(data))
+    # what a user's `dvc checkout` (say, going back to gen-0) does with it: the corrupt bytes,
+    # without a word
+    shutil.rmtree(root / "models/champion")
+    subprocess.run([str(BIN / "dvc"), "checkout", "-q", "models/champion"], cwd=root, check=True)
+    assert (root / "models/champion/model.safetensors").read_bytes() == bytes(data)
+
+    result = offseason(root, "run", check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "the champion does not match models/champion.dvc" in result.stderr
+    assert f"models/champion/model.safetensors (md5 {weights}" in result.stderr
+    assert f"altered in the cache ({cached})" in result.stderr
+    assert "altered in the workspace" in result.stderr
+    assert "dvc pull models/champion" in result.stderr and "offseason rollback" in result.stderr
+    # nothing trained on it: no stage ran, no candidate, no tag
+    assert "Running stage" not in result.stdout + result.stderr
+    assert not (root / "models/candidate").exists()
+    tags = subprocess.run(["git", "tag"], cwd=root, capture_output=True, text=True).stdout
+    assert tags.split() == ["gen-0"]
+
+    verify = offseason(root, "lineage", "--verify", "gen-0", check=False)
+    assert verify.returncode == 1
+    assert f"models/champion/model.safetensors ({weights})" in verify.stdout
+    assert "altered in the cache" in verify.stdout
+
+    # the repair the message gives: the remote's good copy replaces both
+    subprocess.run(f"rm -rf models/champion && {BIN / 'dvc'} pull -q models/champion",
+                   shell=True, cwd=root, check=True)
+    assert "all hashes resolve and match" in offseason(root, "lineage", "--verify",
+                                                       "gen-0").stdout

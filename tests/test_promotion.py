@@ -211,6 +211,24 @@ def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(tmp_p
 
     # rollback: the weights come back from the DVC remote (the local cache is gone)
     shutil.rmtree(root / ".dvc/cache")
+    # ... but not altered ones: `dvc pull` would check them out as they are
+    folder = git(root, "show", "gen-0:models/champion.dvc").split("md5: ")[1].split()[0]
+    store = root / ".dvcstore/files/md5"
+    files = json.loads((store / folder[:2] / folder[2:]).read_text())
+    part = next(f["md5"] for f in files if f["relpath"] == "model.safetensors")
+    remote = store / part[:2] / part[2:]
+    good = remote.read_bytes()
+    os.chmod(remote, 0o644)
+    remote.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    refused = offseason(root, "rollback", "--reason", "x", check=False)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "the champion of gen-0 does not match models/champion.dvc at gen-0" in refused.stderr
+    assert f"models/champion/model.safetensors (md5 {part}" in refused.stderr
+    assert f"altered in the remote local ({remote})" in refused.stderr
+    assert weights(root) == candidate
+    assert [json.loads(line)["action"] for line in
+            (root / "promotions.jsonl").read_text().splitlines()] == ["init", "promote"]
+    remote.write_bytes(good)
     out = offseason(root, "rollback", "--reason", "answers got worse in production",
                     "--approver", "bob")
     assert "gen-0 is the champion again" in out.stdout
