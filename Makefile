@@ -55,7 +55,7 @@ clean-state:
 # vLLM for `rollout.backend: openai` on a GPU machine (rollout.server_command:
 # .venv-vllm/bin/vllm serve {model} --port {port} --host 127.0.0.1). Its own venv: vLLM pins its
 # own torch (a CUDA build) and cannot share Prefect's environment. Not used by make test or demo;
-# benchmarks/gpu_rollout_vllm.sh uses it.
+# benchmarks/gpu_rollout_vllm.py uses it.
 VLLM_VENV := .venv-vllm
 VLLM_VERSION ?= 0.33.0
 vllm-env: $(VLLM_VENV)/.installed
