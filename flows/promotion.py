@@ -431,8 +431,12 @@ def recover(root: Path, model_name: str) -> list[str]:
     entries = log_entries(root)
     version = entries[-1]["champion_version"] if entries else None
     if version is not None and str(tracking.champion_version(model_name)) != str(version):
-        tracking.set_champion(model_name, str(version))
-        did.append(f"moved the MLflow alias back to version {version}, as the log says")
+        if tracking.version_exists(model_name, str(version)):
+            tracking.set_champion(model_name, str(version))
+            did.append(f"moved the MLflow alias back to version {version}, as the log says")
+        else:  # a fresh or replaced MLflow store: nothing to move, the next promotion registers
+            did.append(f"MLflow has no version {version} of {model_name!r} (a new tracking "
+                       f"store?): the alias was left alone")
     return did
 
 

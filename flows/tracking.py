@@ -122,6 +122,14 @@ def champion_version(name: str) -> str | None:
         return None
 
 
+def version_exists(name: str, version: str) -> bool:
+    try:
+        MlflowClient().get_model_version(name, version)
+        return True
+    except mlflow.exceptions.MlflowException:
+        return False
+
+
 def metrics_file(root: Path, stage: str) -> dict:
     path = root / "metrics" / f"{stage}.json"
     return json.loads(path.read_text()) if path.exists() else {}
