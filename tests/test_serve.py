@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 # TINY, with a warm start long enough that some rollouts are verified correct (so a candidate is
 # trained: one identical to the champion never passes) and gate margins no trained candidate can
 # miss: the run must reach the approval, whatever the tiny model learned
-APPROVABLE = {**TINY, "init": {**TINY["init"], "n_layer": 2, "n_embd": 64, "warmup_steps": 150,
+APPROVABLE = {**TINY, "init": {**TINY["init"], "n_layer": 2, "n_embd": 64, "warmup_steps": 300,
                                "tool_fraction": 0.9},
               "gate": {**TINY["gate"], "min_improvement": -1.0, "max_length_increase": 100.0,
                        "max_format_regression": 1.0, "max_tool_error_regression": 1.0}}
@@ -125,7 +125,7 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, tmp_
 
             # what the UI's Run button does: a flow run of the deployment, two parameters edited
             run = client.create_flow_run_from_deployment(
-                manual.id, parameters={"samples_per_task": 3, "require_approval": True})
+                manual.id, parameters={"samples_per_task": 6, "require_approval": True})
             state = lambda: client.read_flow_run(run.id).state  # noqa: E731
             waiting = wait_until(lambda: (lambda s: s if s.is_paused() or s.is_final() else None)(
                 state()), 900, "the flow run to wait for approval", serve, log)
@@ -165,11 +165,11 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, tmp_
         assert "gen-1" in tags
         show = lambda path: subprocess.run(["git", "show", f"gen-1:{path}"], cwd=project,  # noqa: E731
                                            capture_output=True, text=True, check=True).stdout
-        assert yaml.safe_load(show("params.yaml"))["rollout"]["samples_per_task"] == 3
+        assert yaml.safe_load(show("params.yaml"))["rollout"]["samples_per_task"] == 6
         lock = yaml.safe_load(show("dvc.lock"))["stages"]
-        assert lock["rollout"]["params"]["params.yaml"]["rollout"]["samples_per_task"] == 3
+        assert lock["rollout"]["params"]["params.yaml"]["rollout"]["samples_per_task"] == 6
         record = json.loads(show("metrics/promotion.json"))
-        assert record["overrides"] == {"rollout.samples_per_task": 3,
+        assert record["overrides"] == {"rollout.samples_per_task": 6,
                                        "promotion.require_approval": True}
         assert record["promoted"] is True, record["reason"]
         assert (record["decision"]["decision"], record["decision"]["approver"],
@@ -187,7 +187,7 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, tmp_
             text=True, check=True).stdout
         assert (project / "params.yaml").read_text() == standing
         rollout = json.loads(show("metrics/rollout.json"))
-        assert rollout["episodes"] == 3 * rollout["tasks"] > 0
+        assert rollout["episodes"] == 6 * rollout["tasks"] > 0
 
         # and in MLflow, the cycle's run with the commit it made
         import mlflow
@@ -195,7 +195,7 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, tmp_
         client = mlflow.MlflowClient()
         experiment = client.get_experiment_by_name("offseason")
         runs = client.search_runs([experiment.experiment_id], "tags.`offseason.git_tag` = 'gen-1'")
-        assert len(runs) == 1 and runs[0].data.params["rollout.samples_per_task"] == "3"
+        assert len(runs) == 1 and runs[0].data.params["rollout.samples_per_task"] == "6"
         # the attempt that suspended ended as KILLED; the resumed one promoted
         attempts = client.search_runs([experiment.experiment_id], "attributes.run_name = 'gen-1'")
         assert sorted(r.info.status for r in attempts) == ["FINISHED", "KILLED"]
