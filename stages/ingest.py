@@ -308,8 +308,7 @@ class Writer:
 
     def __init__(self, path: Path):
         self.path = path
-        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = io.tmp_name(path)
         self.writer = pq.ParquetWriter(self.tmp, SCHEMA)
         self.rows: list[dict] = []
 

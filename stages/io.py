@@ -14,8 +14,25 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
-def _tmp(path: Path) -> Path:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def tmp_name(path: Path) -> Path:
+    """This process's temporary name for `path`. The remains of a writer that was killed (SIGKILL
+    leaves no chance to clean up) are removed here, when the next one writes the same file.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
@@ -24,7 +41,7 @@ def _whole(path: Path):
     """The temporary path to write; renamed onto `path` on success, removed on failure (a full
     disk, say), so neither a partial file nor its remains are left for a later stage.
     """
-    tmp = _tmp(path)
+    tmp = tmp_name(path)
     try:
         yield tmp
     except BaseException:

@@ -56,7 +56,11 @@ def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_pat
             log.append(line)
             if f"Running stage '{stage}'" in line:
                 seen = True
+                time.sleep(0.3)  # into the stage's work, not only its start
                 if stage == "ingest":  # a second cycle meanwhile is refused, naming this one
+                    # stopped meanwhile: the check takes seconds, in which ingest and validate
+                    # would finish; a stopped holder still holds the lock
+                    os.killpg(proc.pid, signal.SIGSTOP)
                     second = offseason(killed, "run", check=False)
                     held = json.loads((killed / ".offseason/cycle.lock").read_text())
                     assert second.returncode == 2, second.stderr[-2000:]
@@ -64,7 +68,6 @@ def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_pat
                     assert f"started {held['started']}" in second.stderr
                     assert f"Prefect flow run {held['flow_run']}" in second.stderr
                     assert f"MLflow run {held['mlflow_run_id']}" in second.stderr
-                time.sleep(0.3)  # into the stage's work, not only its start
                 os.killpg(proc.pid, signal.SIGKILL)
                 break
         proc.wait()
@@ -85,6 +88,23 @@ def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_pat
         assert json.loads((killed / f"metrics/{name}.json").read_text()) == \
             json.loads((reference / f"metrics/{name}.json").read_text()), name
     assert not list((killed / "data").rglob(".*.tmp*"))  # nothing half-written left behind
+
+
+def test_the_remains_of_a_killed_writer_are_removed_by_the_next_write(tmp_path):
+    import pyarrow as pa
+
+    from stages import io
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    target = tmp_path / "rows.parquet"
+    stale = tmp_path / f".rows.parquet.tmp-{dead.pid}"  # what a SIGKILL mid-write leaves
+    live = tmp_path / f".rows.parquet.tmp-{os.getppid()}"  # a writer still running: kept
+    other = tmp_path / f".other.parquet.tmp-{dead.pid}"  # another file's: not this write's to clear
+    for path in (stale, live, other):
+        path.write_bytes(b"PAR1 half")
+    io.write_parquet(target, pa.table({"x": [1]}))
+    assert target.exists() and not stale.exists()
+    assert live.exists() and other.exists()
 
 
 def test_a_killed_holder_of_the_lock_is_detected_and_cleared(tmp_path):
