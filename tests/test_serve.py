@@ -5,8 +5,10 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
@@ -204,6 +206,61 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, tmp_
         assert str(champion.version) == str(record["model_version"])
         assert champion.tags["approver"] == "alice"
         assert champion.tags["approval_reason"] == "better on arithmetic"
+
+        # a schedule firing while a manual `offseason run` holds the workspace: refused at once,
+        # naming the holder (the scheduler creates the same flow run the Run button does)
+        holder = subprocess.Popen([sys.executable, "-c", (
+            "import sys, time; from pathlib import Path; from flows.workspace import cycle_lock\n"
+            "with cycle_lock(Path(sys.argv[1]), 'offseason run'):\n"
+            "    print('held', flush=True); time.sleep(600)"), str(project)],
+            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            held = json.loads((project / ".offseason/cycle.lock").read_text())
+            with temporary_settings({PREFECT_API_URL: prefect_server}), \
+                    get_client(sync_client=True) as prefect:
+                fired = prefect.create_flow_run_from_deployment(nightly.id)
+                refused = wait_until(lambda: (lambda s: s if s.is_final() else None)(
+                    prefect.read_flow_run(fired.id).state), 300, "the fired run", serve, log)
+            assert refused.is_failed(), refused
+            assert f"another cycle is running in {project}: offseason run (pid {holder.pid}, " \
+                   f"started {held['started']}" in refused.message, refused.message
+        finally:
+            holder.kill()
+            holder.wait()
+        assert "gen-2" not in subprocess.run(["git", "tag", "--list"], cwd=project,
+                                             capture_output=True, text=True).stdout.split()
+
+        # no decision within promotion.approval_timeout: the suspended run holds no process
+        # that could notice, so Prefect's server fails it; nothing is promoted
+        offseason(project, "simulate")  # new traces: a cycle that trains and passes the gate
+        params = yaml.safe_load(standing)
+        params["promotion"]["approval_timeout"] = 15
+        (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        with temporary_settings({PREFECT_API_URL: prefect_server}), \
+                get_client(sync_client=True) as prefect:
+            late = prefect.create_flow_run_from_deployment(
+                manual.id, parameters={"require_approval": True})
+            seen = wait_until(lambda: (lambda s: s if s.is_paused() or s.is_final() else None)(
+                prefect.read_flow_run(late.id).state), 900, "the second run to wait", serve, log)
+            assert seen.is_paused() or "never resumed" in (seen.message or ""), seen
+            ended = wait_until(lambda: (lambda s: s if s.is_final() else None)(
+                prefect.read_flow_run(late.id).state), 120, "the expired suspension to end")
+            assert ended.is_failed() and "paused and never resumed" in ended.message, ended
+        refused = subprocess.run([str(BIN / "offseason"), "approve", str(late.id), "--reason",
+                                  "too late"], cwd=project, capture_output=True, text=True,
+                                 env={**cli_env(project), "PREFECT_API_URL": prefect_server})
+        assert refused.returncode != 0 and "not waiting for a decision" in refused.stderr, \
+            refused.stderr
+        assert "gen-2" not in subprocess.run(["git", "tag", "--list"], cwd=project,
+                                             capture_output=True, text=True).stdout.split()
+        assert str(client.get_model_version_by_alias("offseason-agent", "champion").version) \
+            == str(record["model_version"])
+        late_runs = client.search_runs([experiment.experiment_id],
+                                       "attributes.run_name = 'gen-2'")
+        assert [r.info.status for r in late_runs] == ["KILLED"]
+        assert yaml.safe_load((project / "params.yaml").read_text()) == params
+        (project / "params.yaml").write_text(standing)
     finally:
         stop(serve)
     assert serve.returncode is not None
