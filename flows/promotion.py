@@ -6,7 +6,9 @@ deployment it suspends (the worker is freed, and on resume the flow runs again f
 skips the finished stages and the stored decision is read back). The Prefect UI shows the form
 (approve yes/no, reason, approver); `offseason approve|reject RUN_ID --reason ...` send the same
 input from a terminal. No decision within `promotion.approval_timeout` seconds: nothing is
-promoted, the champion stays and the cycle ends saying so. The paused flow and the terminal talk
+promoted, the champion stays and the cycle ends saying so (paused) or, suspended, the Prefect
+server fails the run ("The flow was paused and never resumed": no process of ours is left to
+notice; its log says which timeout it waited under). The paused flow and the terminal talk
 through Prefect's database in `PREFECT_HOME` (each process's temporary local server opens the same
 one) or through the server `PREFECT_API_URL` names.
 
