@@ -20,8 +20,10 @@ import datetime as dt
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
+import uuid
 from pathlib import Path
 
 import pandas as pd
@@ -81,6 +83,28 @@ def suites() -> dict[str, list]:
         "messages": [e.ExpectColumnValuesToBeInSet(column="role", value_set=ROLES)],
         "tool_calls": [e.ExpectColumnValuesToBeJsonParseable(column="arguments")],
     }
+
+
+_STAMP = re.compile(r"\d{8}T\d{6}\.\d{6}Z")
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def settle_docs(docs: Path) -> None:
+    """Make the same input render byte-identical Data Docs, so DVC sees an unchanged output.
+
+    GE stamps each page with the wall-clock time it rendered (the logo's cache-buster, the
+    validation time) and gives its collapsible blocks random uuid4 ids. The times become the run
+    id's fixed time (when a cycle ran is in its git commit and MLflow run), and each uuid a uuid5 of
+    the page and its order of appearance, so ids that link to each other still match.
+    """
+    fixed = EPOCH.strftime("%Y%m%dT%H%M%S.%fZ")
+    for page in sorted(docs.rglob("*.html")):
+        text = page.read_text()
+        names: dict[str, str] = {}
+        where = page.relative_to(docs).as_posix()
+        text = _UUID.sub(lambda m: names.setdefault(m.group(0), str(uuid.uuid5(
+            uuid.NAMESPACE_URL, f"{where}#{len(names)}"))), text)
+        page.write_text(_STAMP.sub(fixed, text))
 
 
 class Checker:
@@ -202,6 +226,7 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
         writer.write_table(pa.Table.from_pandas(good, schema=schema, preserve_index=False))
     writer.close()
     os.replace(tmp, validated)
+    settle_docs(docs_tmp)
     io.replace_dir(docs_tmp, docs)
     io.write_jsonl(quarantine, quarantined)
     total = source.metadata.num_rows

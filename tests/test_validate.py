@@ -91,3 +91,26 @@ def test_drift_against_the_previous_cycle(tmp_path):
     with pytest.raises(validate.ValidationFailed, match=r"task mix moved 0.75 .*max_drift=0.5"):
         validate.run(cfg.Base(), cfg.Validate(max_drift=0.5), second, tmp_path / "v.parquet",
                      tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs")
+
+
+def test_the_same_input_renders_the_same_data_docs(tmp_path):
+    # DVC hashes data/docs: a rerun on the same traces (after a kill, say) must give equal bytes
+    bad = good("r", "2+2")
+    bad["messages"][1]["role"] = "robot"
+    path = ingested(tmp_path, [good(f"g{i}", f"{i}+1") for i in range(4)] + [bad])
+    pages = []
+    for n in (1, 2):
+        validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.5), path,
+                     tmp_path / f"valid{n}.parquet", tmp_path / f"q{n}.jsonl",
+                     tmp_path / f"profiles{n}", tmp_path / f"docs{n}")
+        docs = tmp_path / f"docs{n}"
+        pages.append({p.relative_to(docs).as_posix(): p.read_bytes()
+                      for p in docs.rglob("*") if p.is_file()})
+    assert len(pages[0]) > 5 and pages[0] == pages[1]
+    # the collapsible blocks still open: each link's target id is on the same page
+    page = next(v.decode() for k, v in pages[0].items() if k.startswith("validations/"))
+    import re
+    targets = re.findall(r'href="#([^"]*collapse-body-[0-9a-f-]+)"', page)
+    assert targets
+    for target in targets:
+        assert f"id={target} " in page or f'id="{target}"' in page, target
