@@ -25,8 +25,8 @@ def _alive(pid: int) -> bool:
 
 
 def tmp_name(path: Path) -> Path:
-    """This process's temporary name for `path`. The remains of a writer that was killed (SIGKILL
-    leaves no chance to clean up) are removed here, when the next one writes the same file.
+    """The temporary name this process writes `path` under. The remains of a writer that was
+    killed (SIGKILL leaves no chance to clean up) are removed here, by the next writer of `path`.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.name}.tmp-*"):

@@ -87,7 +87,8 @@ def arguments(output_dir: Path, *, steps: int, batch_size: int, lr: float, seed:
         single_process_distributed(hw["device"])
     return cls(
         output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=batch_size,
-        learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=steps // 20,  # none under 20 steps: HF warm-up starts at lr 0
+        # no warm-up under 20 steps: HF's warm-up gives step 0 a learning rate of 0
+        learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=steps // 20,
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
         seed=seed, data_seed=seed, bf16=hw["bf16"], use_cpu=hw["device"] == "cpu",
         logging_steps=1, save_strategy="steps", save_steps=checkpoint_steps, save_total_limit=1,

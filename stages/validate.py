@@ -98,20 +98,23 @@ def settle_docs(docs: Path) -> None:
     the page and its order of appearance, so ids that link to each other still match.
     """
     fixed = EPOCH.strftime("%Y%m%dT%H%M%S.%fZ")
-    for page in sorted(docs.rglob("*.html")):
-        text = page.read_text()
-        names: dict[str, str] = {}
+    for page in docs.rglob("*.html"):
         where = page.relative_to(docs).as_posix()
-        text = _UUID.sub(lambda m: names.setdefault(m.group(0), str(uuid.uuid5(
-            uuid.NAMESPACE_URL, f"{where}#{len(names)}"))), text)
-        page.write_text(_STAMP.sub(fixed, text))
+        order: dict[str, int] = {}  # each uuid's place among the page's distinct ones
+
+        def stable(match: re.Match) -> str:
+            n = order.setdefault(match.group(0), len(order))
+            return str(uuid.uuid5(uuid.NAMESPACE_URL, f"{where}#{n}"))
+
+        page.write_text(_STAMP.sub(fixed, _UUID.sub(stable, page.read_text())))
 
 
 class Checker:
     """The GE context, suites and checkpoints, built once and run on batch after batch.
 
     Each run also renders GE's Data Docs (HTML: the suites and every batch's results) into
-    `docs`. Run ids carry a fixed time, so the same input renders the same pages.
+    `docs`. Run ids carry a fixed time; `settle_docs` fixes the rest of what varies from run to
+    run, so the same input renders the same pages.
     """
 
     def __init__(self, docs: Path):

@@ -73,6 +73,17 @@ def offseason(root: Path, *args: str, check: bool = True) -> subprocess.Complete
     return result
 
 
+def hold_cycle_lock(root: Path) -> subprocess.Popen:
+    """Another process holding the workspace's cycle lock as `offseason run` does, until killed."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from flows.workspace import cycle_lock\n"
+        "with cycle_lock(Path(sys.argv[1]), 'offseason run'):\n"
+        "    print('held', flush=True); time.sleep(600)"), str(root)],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
     return make_project(tmp_path / "project")

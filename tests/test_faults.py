@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, cli_env, make_project, offseason
+from conftest import BIN, cli_env, hold_cycle_lock, make_project, offseason
 
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
 
@@ -109,12 +109,7 @@ def test_the_remains_of_a_killed_writer_are_removed_by_the_next_write(tmp_path):
 
 def test_a_killed_holder_of_the_lock_is_detected_and_cleared(tmp_path):
     root = make_project(tmp_path / "p")
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from flows.workspace import cycle_lock\n"
-        "with cycle_lock(Path(sys.argv[1]), 'offseason run'):\n"
-        "    print('held', flush=True); time.sleep(600)"), str(root)],
-        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
-    assert holder.stdout.readline().strip() == "held"
+    holder = hold_cycle_lock(root)
     refused = offseason(root, "run", check=False)
     assert refused.returncode == 2
     assert f"another cycle is running in {root}: offseason run (pid {holder.pid}, started" in \
