@@ -161,25 +161,48 @@ def cmd_run(args) -> int:
     configure_env(root)
     cfg.load_all(root / "params.yaml")  # fail before any stage (or Prefect) starts
     read_benchmark(root)
+    from flows import pipeline
+    from flows.ui import temporary_prefect
+
+    with cycle_lock(root, "offseason run"):
+        # repairs, checks and the no-change decision, before Prefect or MLflow load; when there
+        # is work, the stages start here and run while Prefect's temporary server starts
+        start = pipeline.begin(root)
+        try:
+            if start.status != "run":
+                result = {"message": start.message}
+                for line in start.recovered:
+                    print(f"run: an unfinished promotion was undone: {line}", file=sys.stderr)
+            else:
+                with temporary_prefect(root) as prefect_ready:
+                    result = run_flow(root, start, prefect_ready)
+        finally:
+            start.close()
+    print(f"run: {result['message']}")
+    return 0
+
+
+def run_flow(root: Path, start, prefect_ready) -> dict:
+    """The cycle flow, adopting the stages `start` set going."""
     import os
 
     from mlflow.exceptions import MlflowException
 
-    from flows.cycle import cycle, nothing_changed
+    from flows import pipeline
+    from flows.cycle import cycle
 
-    with cycle_lock(root, "offseason run"):
-        # checked before Prefect's temporary server starts: a no-change run takes seconds
-        message = nothing_changed(root)
-        try:
-            result = {"message": message} if message else cycle(str(root))
-        except MlflowException as err:  # MLflow's client retried with backoff before this
-            raise WorkspaceError(
-                f"MLflow at {os.environ['MLFLOW_TRACKING_URI']} did not answer ({str(err)[:300]}); "
-                f"the cycle stopped (a cycle counts once it is committed and tagged gen-N). "
-                f"Start that server (or unset MLFLOW_TRACKING_URI for the embedded default) and "
-                f"run `offseason run` again: finished stages are not redone") from None
-    print(f"run: {result['message']}")
-    return 0
+    pipeline.hand_over(root, start)
+    prefect_ready()
+    try:
+        return cycle(str(root))
+    except MlflowException as err:  # MLflow's client retried with backoff before this
+        raise WorkspaceError(
+            f"MLflow at {os.environ['MLFLOW_TRACKING_URI']} did not answer ({str(err)[:300]}); "
+            f"the cycle stopped (a cycle counts once it is committed and tagged gen-N). "
+            f"Start that server (or unset MLFLOW_TRACKING_URI for the embedded default) and "
+            f"run `offseason run` again: finished stages are not redone") from None
+    finally:
+        pipeline.adopt(root)  # not adopted (the flow failed to start): start.close() stops it
 
 
 def history_rows(root: Path) -> list[dict]:
@@ -289,10 +312,14 @@ def cmd_demo(args) -> int:
     started = time.time()
     if not (root / "models" / "champion.dvc").exists():
         cmd_init(argparse.Namespace(base_model=None, force=False))
-    for i in range(args.cycles):
-        print(f"\n=== demo: day {i + 1} of {args.cycles}: new traffic, then a cycle ===", flush=True)
-        cmd_simulate(argparse.Namespace(days=1))
-        cmd_run(argparse.Namespace())
+    from flows.ui import temporary_prefect
+
+    with temporary_prefect(root):  # one for the demo's cycles (Prefect reads its url once)
+        for i in range(args.cycles):
+            print(f"\n=== demo: day {i + 1} of {args.cycles}: new traffic, then a cycle ===",
+                  flush=True)
+            cmd_simulate(argparse.Namespace(days=1))
+            cmd_run(argparse.Namespace())
     rows = history_rows(root)
     print(f"\n=== demo finished in {time.time() - started:.0f} s ===\n")
     print_history(rows)

@@ -1,14 +1,18 @@
 """The cycle flow: DVC stages in order, then promotion, recorded in MLflow and git.
 
-One Prefect flow run is one cycle. Each stage is a Prefect task that runs `dvc repro --single-item
-<stage>` in the repo root and streams its output into the run log; DVC skips what is up to date,
-so a cycle killed midway and run again redoes only the stages that had not finished. The flow opens
-one MLflow run per cycle (`gen-N`) with a child run per stage (params, metrics, DVC hashes), logs
-and registers the candidate as a new model version, and on a gate pass (approved by a person when
-`promotion.require_approval` asks for it) promotes it: the MLflow alias `champion`,
-`models/champion` with `dvc add`, the promotion log, as one transaction (flows/promotion.py). Every cycle that reaches the gate is committed
-(`dvc.lock`, pointer files, metrics, params) and tagged `gen-N`, passed or not, so a rejected
-candidate can be audited like a promoted one.
+One Prefect flow run is one cycle. The stages run in one long-lived DVC process (flows/pipeline.py:
+`dvc repro validate`, then `dvc repro gate`), and each is a Prefect task that streams that stage's
+output into the run log as DVC prints it; DVC skips what is up to date, so a cycle killed midway and
+run again redoes only the stages that had not finished. The flow opens one MLflow run per cycle
+(`gen-N`) with a child run per stage (params, metrics, DVC hashes), logged while DVC runs the next
+stage; it logs and registers the candidate as a new model version, and on a gate pass (approved by
+a person when `promotion.require_approval` asks for it) promotes it: the MLflow alias `champion`,
+`models/champion` with `dvc add`, the promotion log, as one transaction (flows/promotion.py). Every
+cycle that reaches the gate is committed (`dvc.lock`, pointer files, metrics, params) and tagged
+`gen-N`, passed or not, so a rejected candidate can be audited like a promoted one.
+
+`offseason run` starts the stages before this flow (and Prefect's temporary server) is up and the
+flow adopts them; a flow run of a deployment starts them itself.
 
     offseason run          # the CLI entry; `python -m flows.cycle` does the same
 """
@@ -21,78 +25,30 @@ from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime, task
+from prefect.cache_policies import NO_CACHE
 
-from flows import lineage, notify, overrides, promotion, tracking
+from flows import notify, overrides, pipeline, promotion, tracking
 from flows import report as cycle_report
 from flows.serve import workspace_slot
-from flows.workspace import (
-    WorkspaceError,
-    configure_env,
-    dvc,
-    find_root,
-    generations,
-    git,
-    inputs_fingerprint,
-    note_cycle,
-    read_at,
-)
+from flows.workspace import WorkspaceError, configure_env, find_root, git, note_cycle
 from stages import config as cfg
 
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
 SECTION = {"champion_scores": "gate"}  # the params section of a stage named otherwise
 
 
-def changed_since_last_cycle(root: Path) -> list[str]:
-    """Which inputs differ from the last committed cycle's, in words."""
-    last = (read_at(root, "HEAD", "metrics/promotion.json") or {}).get("inputs", {})
-    now = inputs_fingerprint(root)
-    words = {"inbox": "new traces in data/inbox", "params": "params.yaml changed",
-             "code": "stage code or dvc.yaml changed"}
-    return [words[key] for key in now if now[key] != last.get(key)]
-
-
-def nothing_changed(root: Path) -> str | None:
-    """Before any Prefect or MLflow start: the no-change message when the inbox snapshot is up
-    to date and inbox, params and code all equal the last cycle's; else None (run the cycle).
-    """
-    if not (root / "data" / "inbox.dvc").exists():
-        return None
-    try:  # `dvc status -q` exits 1 when the inbox differs from its snapshot
-        dvc(root, "status", "--quiet", "data/inbox.dvc")
-    except WorkspaceError:
-        return None
-    if changed_since_last_cycle(root):
-        return None
-    last = generations(root)
-    return (f"nothing changed since gen-{last[-1] if last else 0} (no new traces, same params, "
-            f"same code): nothing to learn from, no stage reran")
-
-
-@task(task_run_name="{stage}")
-def run_stage(root: Path, stage: str) -> bool:
-    """Run one DVC stage, streaming its output into the Prefect log; returns whether it reran."""
+@task(task_run_name="{name}", cache_policy=NO_CACHE)
+def run_stage(name: str, stage: pipeline.Stage) -> bool:
+    """One DVC stage: its output into the Prefect log as DVC prints it; returns whether it reran."""
     logger = get_run_logger()
-    reran = False
-
-    def forward(line: str) -> None:
-        nonlocal reran
-        reran |= line.startswith(f"Running stage '{stage}'")
+    for line in stage:
         if line.strip():
-            logger.info("%s | %s", stage, line)
-
-    dvc(root, "repro", "--single-item", stage, on_line=forward)
-    if not reran:
-        logger.info("%s: up to date, skipped (DVC)", stage)
-    return reran
-
-
-@task
-def snapshot_inbox(root: Path) -> int:
-    """`dvc add` the inbox, so the exact traces of this cycle are versioned; returns the file count."""
-    files = [p for p in (root / "data" / "inbox").glob("*.jsonl")]
-    if files:
-        dvc(root, "add", "--quiet", "data/inbox")
-    return len(files)
+            logger.info("%s | %s", name, line)
+    if stage.error is not None:
+        raise stage.error
+    if not stage.reran:
+        logger.info("%s: up to date, skipped (DVC)", name)
+    return stage.reran
 
 
 @task
@@ -135,32 +91,26 @@ def cycle(repo: str = ".", algorithm: str | None = None, samples_per_task: int |
 
 def run_cycle(root: Path, changes: dict) -> dict:
     """The cycle's steps, inside the flow run (params.yaml already holds this run's overrides)."""
-    logger = get_run_logger()
     # a second `offseason run` is refused naming this flow run
     note_cycle(root, flow_run=f"{runtime.flow_run.name} ({runtime.flow_run.id})")
     configs = cfg.load_all(root / "params.yaml")
-    if not (root / "models" / "champion.dvc").exists():
-        raise WorkspaceError("no champion yet (models/champion.dvc is missing); run "
-                             "`offseason init` first")
-    for line in promotion.recover(root, configs["base"].registered_model):
+    start = pipeline.adopt(root) or pipeline.begin(root)
+    try:
+        return follow(root, start, configs, changes)
+    finally:
+        start.close()  # stages still running when the flow failed are stopped
+
+
+def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict) -> dict:
+    """Record the running stages stage by stage, then gate and promote."""
+    logger = get_run_logger()
+    for line in start.recovered:
         logger.warning("an unfinished promotion was undone: %s", line)
-    # before any stage reads it: `dvc checkout` restores altered cache bytes without a word
-    lineage.check_champion(root)
-    files = snapshot_inbox(root)
-    if files == 0:
-        message = ("the inbox is empty (no *.jsonl in data/inbox): nothing to learn from. Put "
-                   "trace files there or run `offseason simulate`")
-        logger.warning(message)
-        return {"status": "empty-inbox", "message": message}
-    reasons = changed_since_last_cycle(root)
-    last = generations(root)
-    if not reasons:
-        message = (f"nothing changed since gen-{last[-1] if last else 0} (no new traces, same "
-                   f"params, same code): nothing to learn from, no stage reran")
-        logger.info(message)
-        return {"status": "nothing-changed", "message": message}
-    generation = (last[-1] + 1) if last else 1
-    logger.info("cycle gen-%d: %s", generation, "; ".join(reasons))
+    if start.status != "run":
+        (logger.warning if start.status == "empty-inbox" else logger.info)(start.message)
+        return {"status": start.status, "message": start.message}
+    generation = start.generation
+    logger.info("cycle gen-%d: %s", generation, "; ".join(start.reasons))
     if changes:
         logger.info("run overrides (written into params.yaml for this run): %s", changes)
 
@@ -174,16 +124,19 @@ def run_cycle(root: Path, changes: dict) -> dict:
     note_cycle(root, mlflow_run_id=run_id)
     client = mlflow.MlflowClient()
     tracking.log_params(run_id, {section: asdict(values) for section, values in configs.items()})
+    for line in promotion.recover_alias(root, configs["base"].registered_model):
+        logger.warning("an unfinished promotion was undone: %s", line)
     metrics, reran = {}, {}
     try:
-        for stage in STAGES:
-            reran[stage] = run_stage(root, stage)
-            metrics[stage] = tracking.metrics_file(root, stage)
-            section = SECTION.get(stage, stage)
+        while (stage := start.pipeline.stage(on_other=lambda line: logger.info("dvc | %s", line))):
+            name = stage.name
+            reran[name] = run_stage(name, stage)
+            metrics[name] = tracking.metrics_file(root, name)
+            section = SECTION.get(name, name)
             params = {"base": asdict(configs["base"]), section: asdict(configs[section])}
-            tracking.log_stage(root, run_id, experiment_id, stage, params, metrics[stage],
-                               reran[stage])
-            if stage == "validate" and metrics["validate"].get("accepted", 0) == 0:
+            tracking.log_stage(root, run_id, experiment_id, name, params, metrics[name],
+                               reran[name], stage.lock)
+            if name == "validate" and pipeline.accepted_traces(root) == 0:
                 message = (f"no new valid traces this cycle ({metrics['ingest'].get('rows_read')} "
                            f"lines read, {metrics['ingest'].get('accepted')} new): nothing to "
                            f"learn from; quarantine reasons are in data/quarantine/")
@@ -191,6 +144,10 @@ def run_cycle(root: Path, changes: dict) -> dict:
                 client.set_tag(run_id, "offseason.outcome", "no-new-traces")
                 client.set_terminated(run_id)
                 return {"status": "no-new-traces", "message": message, "run_id": run_id}
+        missing = [name for name in STAGES if name not in reran]
+        if missing:  # dvc.yaml lost a stage, or DVC ended without running them
+            raise WorkspaceError(f"DVC ended without running {', '.join(missing)}; check "
+                                 f"dvc.yaml (`dvc dag` shows the stages)")
         verdict = metrics["gate"]
         decision = promotion.await_approval(generation, verdict, configs["promotion"])
         record = promote(root, generation, verdict, decision, run_id,

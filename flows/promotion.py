@@ -28,6 +28,7 @@ alias change also leaves tags on the model version (`alias.<time>` with the even
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import getpass
 import json
 import os
@@ -35,10 +36,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from prefect.input import RunInput
-
-# MLflow (flows.tracking) is imported where it is used: `offseason approve` and `pending` start
-# faster without it
+# Prefect and MLflow (flows.tracking) are imported where they are used: `offseason run` repairs
+# files with recover_files() before either is loaded, and `approve` and `pending` skip MLflow
 from flows.workspace import WorkspaceError, dvc, git, inputs_fingerprint, read_at
 from stages import config as cfg
 from stages import io
@@ -47,12 +46,19 @@ LOG = "promotions.jsonl"
 GATE_ARTIFACT = "gate-summary"
 
 
-class ApprovalForm(RunInput):
-    """The decision on a candidate that passed the gate."""
+@functools.cache
+def approval_form() -> type:
+    """The decision on a candidate that passed the gate (a Prefect RunInput)."""
+    from prefect.input import RunInput
 
-    approve: bool = False
-    reason: str = ""
-    approver: str = ""
+    class ApprovalForm(RunInput):
+        """The decision on a candidate that passed the gate."""
+
+        approve: bool = False
+        reason: str = ""
+        approver: str = ""
+
+    return ApprovalForm
 
 
 class PromotionFailed(RuntimeError):
@@ -99,9 +105,9 @@ def answered(flow_run_id, key: str) -> bool:
     return read_flow_run_input(keyset["response"], flow_run_id=flow_run_id) is not None
 
 
-def form(generation: int, summary: str) -> type[ApprovalForm]:
+def form(generation: int, summary: str) -> type:
     """The form the Prefect UI shows, with the gate summary as its description."""
-    return ApprovalForm.with_initial_data(
+    return approval_form().with_initial_data(
         description=f"**gen-{generation} passed the gate.** {summary}\n\nPromote it?",
         approve=False, reason="", approver="")
 
@@ -415,8 +421,13 @@ def champion_generation(root: Path) -> int:
 
 def recover(root: Path, model_name: str) -> list[str]:
     """Put back the committed state a process that died mid-promotion left; returns what it did."""
-    from flows import tracking
+    return recover_files(root) + recover_alias(root, model_name)
 
+
+def recover_files(root: Path) -> list[str]:
+    """The files part of recover(): the champion's weights and pointer, and the log, as committed.
+    Run before any stage reads the champion; needs neither MLflow nor Prefect.
+    """
     did = []
     backup = root / "models" / "champion.prev"
     if backup.exists():  # the old champion, moved aside by an unfinished promotion
@@ -430,6 +441,14 @@ def recover(root: Path, model_name: str) -> list[str]:
             did.append(f"restored {path} as committed")
     if did:
         dvc(root, "checkout", "--quiet", "models/champion")
+    return did
+
+
+def recover_alias(root: Path, model_name: str) -> list[str]:
+    """The MLflow part of recover(): the alias back on the version the log names."""
+    from flows import tracking
+
+    did = []
     entries = log_entries(root)
     version = entries[-1]["champion_version"] if entries else None
     if version is not None and str(tracking.champion_version(model_name)) != str(version):

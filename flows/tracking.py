@@ -49,9 +49,14 @@ def log_params(run_id: str, params: dict) -> None:
     MlflowClient().log_batch(run_id, params=[Param(k, str(v)) for k, v in flat("", params, {}).items()])
 
 
-def dvc_hashes(root: Path, stage: str) -> dict[str, str]:
-    """The md5 of each dep and out of a stage, as recorded in dvc.lock."""
-    lock = yaml.safe_load((root / "dvc.lock").read_text()) if (root / "dvc.lock").exists() else {}
+def dvc_hashes(root: Path, stage: str, lock_text: str | None = None) -> dict[str, str]:
+    """The md5 of each dep and out of a stage, as recorded in dvc.lock (or in `lock_text`, the
+    file as it was when the stage ended: DVC may be rewriting it for the next stage by now).
+    """
+    if lock_text is None:
+        path = root / "dvc.lock"
+        lock_text = path.read_text() if path.exists() else ""
+    lock = yaml.safe_load(lock_text) if lock_text else {}
     entry = (lock or {}).get("stages", {}).get(stage, {})
     hashes = {}
     for kind in ("deps", "outs"):
@@ -61,7 +66,7 @@ def dvc_hashes(root: Path, stage: str) -> dict[str, str]:
 
 
 def log_stage(root: Path, parent_id: str, experiment_id: str, stage: str, params: dict,
-              metrics: dict, ran: bool) -> str:
+              metrics: dict, ran: bool, lock_text: str | None = None) -> str:
     """A child run of the cycle's run: the stage's params, metrics and DVC hashes."""
     client = MlflowClient()
     run = client.create_run(experiment_id, run_name=stage, tags={
@@ -73,7 +78,7 @@ def log_stage(root: Path, parent_id: str, experiment_id: str, stage: str, params
         run_id,
         metrics=[Metric(k, v, now, 0) for k, v in numeric(metrics).items()],
         params=[Param(k, str(v)) for k, v in flat("", params, {}).items()],
-        tags=[RunTag(k, v) for k, v in dvc_hashes(root, stage).items()],
+        tags=[RunTag(k, v) for k, v in dvc_hashes(root, stage, lock_text).items()],
     )
     client.log_dict(run_id, metrics, f"{stage}.json")
     if stage == "train":

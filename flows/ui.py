@@ -13,6 +13,7 @@ logs are in `.offseason/ui/`.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 from flows.workspace import TELEMETRY_OFF, WorkspaceError
@@ -145,3 +147,70 @@ def serve_ui(root: Path, prefect_port: int = 4200, mlflow_port: int = 5000,
             signal.signal(signum, handler)
         if procs:
             print("ui: stopped", flush=True)
+
+
+_STARTING: dict[str, object] = {}  # API url -> waits until that temporary server answers
+
+
+@contextmanager
+def temporary_prefect(root: Path):
+    """Prefect's temporary local server for this process, started at once, stopped at the end.
+
+    Prefect starts the same server itself (`SubprocessASGIServer`: uvicorn on a free port of
+    127.0.0.1, no UI, its database in PREFECT_HOME) when a flow first needs the API, and waits for
+    it then. Started here instead, it comes up while the first stages run. Yields a function that
+    waits until the server answers. Does nothing when PREFECT_API_URL names a server already, or
+    when Prefect is loaded already (its settings were read then: the flow will start its own).
+    """
+    if os.environ.get("PREFECT_API_URL") or "prefect" in sys.modules:
+        # an enclosing temporary_prefect (`offseason demo`'s cycles share one) or a real server
+        yield _STARTING.get(os.environ.get("PREFECT_API_URL"), lambda: None)
+        return
+    port = free_port()
+    package = Path(importlib.util.find_spec("prefect").origin).parent
+    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+           "PREFECT__SERVER_FINAL": "1"}
+    log_path = root / ".offseason" / "prefect-server.log"
+    log_path.parent.mkdir(exist_ok=True)
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(package.parent), "--factory",
+             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+             "--log-level", "error", "--lifespan", "on"], cwd=root, env=env, stdout=log,
+            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/api"
+    os.environ["PREFECT_API_URL"] = url  # read once, when Prefect loads: before that
+    timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 180))
+
+    def ready() -> None:
+        started = time.time()
+        while not up and not answers(f"{url}/health"):
+            if server.poll() is not None or time.time() - started > timeout:
+                tail = log_path.read_text(errors="replace").splitlines()[-15:]
+                raise WorkspaceError(
+                    f"Prefect's temporary server did not answer on {url} ("
+                    + (f"it exited with {server.returncode}" if server.poll() is not None else
+                       f"not within {timeout:.0f} s") + f"; its log is {log_path}):\n"
+                    + "\n".join(tail))
+            time.sleep(0.1)
+        up.append(True)
+
+    up: list[bool] = []
+    _STARTING[url] = ready
+    try:
+        yield ready
+    finally:
+        del _STARTING[url]
+        if "prefect" in sys.modules:  # what the flow logged is sent before the server goes
+            from prefect.events.worker import EventsWorker
+            from prefect.logging.handlers import APILogWorker
+
+            APILogWorker.drain_all(timeout=10)
+            EventsWorker.drain_all(timeout=10)
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        del os.environ["PREFECT_API_URL"]

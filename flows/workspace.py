@@ -90,7 +90,16 @@ def git(root: Path, *args: str, check: bool = True) -> str:
     return run(["git", *identity, *args], root, check=check).stdout.strip()
 
 
+SESSIONS: dict[Path, object] = {}  # repo root -> its open flows.pipeline.Session, during a cycle
+
+
 def dvc(root: Path, *args: str, on_line=None) -> str:
+    """`dvc ARGS` in the repo root: in the cycle's DVC session while one is open (flows/pipeline.py),
+    else as a process of its own.
+    """
+    session = SESSIONS.get(root)
+    if session is not None:
+        return session.run(list(args), on_line=on_line)[1]
     return run([str(Path(sys.executable).parent / "dvc"), *args], root, on_line=on_line).stdout
 
 

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,25 @@ def hold_cycle_lock(root: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
     assert holder.stdout.readline().strip() == "held"
     return holder
+
+
+def stage_process(root: Path, stage: str, proc: subprocess.Popen, timeout: float = 600) -> int:
+    """The pid of the project's `python -m stages.<stage>` once DVC has started it, while `proc`
+    runs. Read from /proc, not from the run's output: `offseason run` starts the stages before
+    its Prefect flow logs them, so a stage's lines can reach the terminal after it ended.
+    """
+    needle = f"\0-m\0stages.{stage}\0".encode()
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        for entry in Path("/proc").glob("[0-9]*"):
+            try:
+                if needle in (entry / "cmdline").read_bytes() and \
+                        (entry / "cwd").resolve() == root.resolve():
+                    return int(entry.name)
+            except OSError:  # ended meanwhile, or not ours to read
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"stage {stage} never started (offseason run exit {proc.poll()})")
 
 
 @pytest.fixture

@@ -15,15 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, cli_env, hold_cycle_lock, make_project, offseason
+from conftest import BIN, cli_env, hold_cycle_lock, make_project, offseason, stage_process
 
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
-
-
-def start_run(root):
-    return subprocess.Popen([str(BIN / "offseason"), "run"], cwd=root, env=cli_env(root),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
 
 
 def outs(root) -> dict[str, str]:
@@ -48,30 +42,30 @@ def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_pat
             (killed / name).unlink(missing_ok=True)
     offseason(reference, "run")
 
-    log = []
     for stage in STAGES:
-        proc = start_run(killed)
-        seen = False
-        for line in proc.stdout:
-            log.append(line)
-            if f"Running stage '{stage}'" in line:
-                seen = True
-                time.sleep(0.3)  # into the stage's work, not only its start
-                if stage == "ingest":  # a second cycle meanwhile is refused, naming this one
-                    # stopped meanwhile: the check takes seconds, in which ingest and validate
-                    # would finish; a stopped holder still holds the lock
-                    os.killpg(proc.pid, signal.SIGSTOP)
-                    second = offseason(killed, "run", check=False)
-                    held = json.loads((killed / ".offseason/cycle.lock").read_text())
-                    assert second.returncode == 2, second.stderr[-2000:]
-                    assert f"pid {proc.pid}" in second.stderr
-                    assert f"started {held['started']}" in second.stderr
-                    assert f"Prefect flow run {held['flow_run']}" in second.stderr
-                    assert f"MLflow run {held['mlflow_run_id']}" in second.stderr
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
+        with open(tmp_path / f"run-{stage}.log", "w") as out:
+            proc = subprocess.Popen([str(BIN / "offseason"), "run"], cwd=killed,
+                                    env=cli_env(killed), stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        pid = stage_process(killed, stage, proc)
+        time.sleep(0.3)  # into the stage's work, not only its start
+        if stage == "ingest":  # a second cycle meanwhile is refused, naming this one
+            # the stage held until the flow (it starts after the stages) has noted its runs
+            os.kill(pid, signal.SIGSTOP)
+            lock = killed / ".offseason/cycle.lock"
+            deadline = time.time() + 300
+            while "mlflow_run_id" not in lock.read_text() and time.time() < deadline:
+                time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGSTOP)  # a stopped holder still holds the lock
+            second = offseason(killed, "run", check=False)
+            held = json.loads(lock.read_text())
+            assert second.returncode == 2, second.stderr[-2000:]
+            assert f"pid {proc.pid}" in second.stderr
+            assert f"started {held['started']}" in second.stderr
+            assert f"Prefect flow run {held['flow_run']}" in second.stderr
+            assert f"MLflow run {held['mlflow_run_id']}" in second.stderr
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        assert seen, f"stage {stage} never started:\n{''.join(log[-40:])}"
         assert "gen-1" not in subprocess.run(["git", "tag"], cwd=killed, capture_output=True,
                                              text=True).stdout
     final = offseason(killed, "run")

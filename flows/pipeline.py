@@ -1,0 +1,329 @@
+"""A cycle's DVC work in one long-lived DVC process, read back by the flow one stage at a time.
+
+- **Session**: one `python -m flows.pipeline` process per cycle that runs DVC's own command-line
+  entry point (`dvc.cli.main`) for each command it is sent, one at a time, in the repo root: the
+  output, exit codes and `dvc.lock` are what the `dvc` command gives, but DVC's start-up (imports,
+  the repo's index) is paid once per cycle instead of once per command. While a session is open,
+  `flows.workspace.dvc()` sends its commands there (promotion's `dvc add` and `dvc push`).
+- **Pipeline**: the cycle's stages as two commands in that session, sent from a thread of their
+  own: `dvc repro validate` (ingest, validate; DVC first snapshots a changed `data/inbox` into its
+  cache and `data/inbox.dvc`), then, when validate accepted traces, `dvc repro gate` (rollout,
+  reward, train, champion_scores, gate). The stages never wait for the Prefect flow that records
+  them: the flow reads their output back split by stage (DVC's `Running stage 'X':` and `Stage 'X'
+  didn't change, skipping` lines), one Prefect task per stage, and logs a stage to MLflow while DVC
+  runs the next one.
+- **begin()**, before any stage: undo what an unfinished promotion left in the files, check the
+  champion's bytes, and decide whether anything changed since the last cycle; only then start the
+  pipeline. `offseason run` calls it before Prefect's temporary server is up, so the first stages
+  run while that server starts, and the flow adopts the running pipeline (`adopt()`); a flow run
+  of a deployment calls it itself.
+
+DVC still runs each stage command as a child process of its own, so `dvc repro` alone runs the same
+cycle. BENCHMARKS.md ("Orchestration overhead") measures what this saves.
+
+    python -m flows.pipeline MARKER   # the session process (internal): one JSON argv per stdin line
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flows import workspace
+from flows.workspace import WorkspaceError, generations, inputs_fingerprint, read_at
+
+# DVC's lines that open a stage's part of the output (dvc/stage/run.py, dvc/stage/__init__.py)
+ANNOUNCED = re.compile(r"(?:Running stage '([^']+)':|Stage '([^']+)' (?:didn't change, skipping|"
+                       r"is cached - skipping run))")
+NEW_TRACES = "new traces in data/inbox"
+EMPTY_INBOX = ("the inbox is empty (no *.jsonl in data/inbox): nothing to learn from. Put trace "
+               "files there or run `offseason simulate`")
+
+
+def kill_tree(pid: int) -> None:
+    """SIGTERM a process and every process below it (DVC's stage commands), deepest first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # the command name in parentheses may hold spaces: the fields follow the last ")"
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    order, todo = [], [pid]
+    while todo:
+        order.append(todo.pop())
+        todo.extend(children.get(order[-1], []))
+    for each in reversed(order):
+        try:
+            os.kill(each, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+class Session:
+    """One DVC process for a cycle's DVC commands, run one at a time, each as `dvc ARGS` would."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.marker = f"offseason-dvc-session-{uuid.uuid4().hex[:12]}"
+        self.lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.pipeline", self.marker], cwd=root, text=True,
+            bufsize=1, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        workspace.SESSIONS[root] = self
+
+    def run(self, args: list[str], on_line=None, check: bool = True,
+            on_end=None) -> tuple[int, str]:
+        """Run `dvc ARGS` in the session; returns the exit code and the output. `on_line` gets
+        each line as it comes; `on_end` gets the exit code (None: the process ended first) as the
+        command ends, before another command can run.
+        """
+        command = f"`dvc {' '.join(args)}`"
+        with self.lock:
+            lines, code = [], None
+            try:
+                self.proc.stdin.write(json.dumps(args) + "\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, ValueError):  # ended (killed) or closed
+                pass
+            else:
+                for raw in self.proc.stdout:
+                    text, found, rest = raw.rstrip("\n").partition(self.marker)
+                    if found:
+                        code = int(rest)
+                        break
+                    lines.append(text)
+                    if on_line is not None:
+                        on_line(text)
+            if on_end is not None:
+                on_end(code)
+        while lines and not lines[-1].strip():  # the session's own newline before its marker
+            lines.pop()
+        if code is None:
+            raise WorkspaceError(f"{command} did not finish: the DVC process ended (exit "
+                                 f"{self.proc.wait()})" + "".join(f"\n{x}" for x in lines[-15:]))
+        if check and code != 0:
+            raise WorkspaceError(f"{command} failed (exit {code}):\n" + "\n".join(lines[-15:]))
+        return code, "\n".join(lines)
+
+    def close(self, kill: bool = False) -> None:
+        """End the session; with `kill`, stop a command still running (and its stage) first."""
+        if workspace.SESSIONS.get(self.root) is self:
+            del workspace.SESSIONS[self.root]
+        if kill and self.proc.poll() is None:
+            kill_tree(self.proc.pid)
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+def accepted_traces(root: Path) -> int:
+    """How many traces validate accepted in its last run (0 when it has not run)."""
+    path = root / "metrics" / "validate.json"
+    return json.loads(path.read_text()).get("accepted", 0) if path.exists() else 0
+
+
+class Stage:
+    """One stage's part of DVC's output, read while DVC runs it."""
+
+    def __init__(self, pipeline: Pipeline, name: str, first: str):
+        self.name, self.reran = name, first.startswith("Running stage")
+        self.error: Exception | None = None
+        self.lock = ""  # dvc.lock as it was when the stage ended
+        self._pipeline, self._first, self._open = pipeline, first, True
+
+    def __iter__(self):
+        """Its lines, as DVC prints them, until the next stage or the command's end."""
+        if self._first is not None:
+            yield self._first
+            self._first = None
+        while self._open:
+            kind, text, lock = self._pipeline.events.get()
+            if kind == "line" and not ANNOUNCED.match(text):
+                yield text
+                continue
+            self._open, self.lock = False, lock
+            if kind == "line":  # the next stage's first line: the next stage() reads it
+                self._pipeline.pending = (kind, text, lock)
+            elif kind == "end":
+                self.error = text
+                self._pipeline.pending = (kind, None, lock)
+
+
+class Pipeline:
+    """The cycle's stages, run in a session by a thread of their own; read back by stage."""
+
+    def __init__(self, session: Session):
+        self.session, self.root = session, session.root
+        self.events: queue.Queue = queue.Queue()
+        self.pending: tuple | None = None
+        self.seen: set[str] = set()
+        self.current: Stage | None = None
+        self.thread = threading.Thread(target=self._drive, name="offseason-stages", daemon=True)
+        self.thread.start()
+
+    def _lock_text(self) -> str:
+        # read between DVC's writes: at a stage's first line and at a command's end
+        path = self.root / "dvc.lock"
+        return path.read_text() if path.exists() else ""
+
+    def _drive(self) -> None:
+        def line(text: str) -> None:
+            self.events.put(("line", text, self._lock_text() if ANNOUNCED.match(text) else ""))
+
+        def done(code: int | None) -> None:
+            if code == 0:  # a failure ends the stage that failed, with its error ("end")
+                self.events.put(("command-end", None, self._lock_text()))
+
+        error = None
+        try:
+            self.session.run(["repro", "validate"], on_line=line, on_end=done)
+            if accepted_traces(self.root):  # else the flow stops: nothing new to learn from
+                self.session.run(["repro", "gate"], on_line=line, on_end=done)
+        except Exception as err:  # a stage failed; the flow raises it in that stage's task
+            error = err
+        self.events.put(("end", error, self._lock_text()))
+
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+    def stage(self, on_other=None) -> Stage | None:
+        """The next stage DVC opens (each once a cycle), None once it has run them all. Lines
+        between stages (DVC checking a data source) go to `on_other`; a failure before any stage
+        opened is raised here.
+        """
+        if self.current is not None:
+            for _ in self.current:  # what the last stage's reader left unread
+                pass
+        while True:
+            kind, text, lock = self.pending or self.events.get()
+            self.pending = None
+            if kind == "end":
+                self.pending = (kind, text, lock)  # asked again: still the end
+                if text is not None and (self.current is None or self.current.error is None):
+                    raise text
+                return None
+            if kind == "command-end":
+                continue
+            match = ANNOUNCED.match(text)
+            name = match and (match.group(1) or match.group(2))
+            if name and name not in self.seen:
+                self.seen.add(name)
+                self.current = Stage(self, name, text)
+                return self.current
+            if not name and text.strip() and on_other is not None:
+                on_other(text)  # a stage announced again (a later `repro` rechecks it): dropped
+
+
+@dataclass
+class Start:
+    """What begin() found: run a cycle (its stages are running), or why not."""
+
+    status: str  # run | empty-inbox | nothing-changed
+    message: str
+    generation: int = 0
+    reasons: list[str] = field(default_factory=list)
+    recovered: list[str] = field(default_factory=list)  # what an unfinished promotion left
+    pipeline: Pipeline | None = None
+    started: float = field(default_factory=time.time)
+
+    def close(self) -> None:
+        """End the session; stages still running (the flow failed) are stopped."""
+        if self.pipeline is not None:
+            self.pipeline.session.close(kill=self.pipeline.running())
+
+
+def changed_since_last_cycle(root: Path) -> list[str]:
+    """Which inputs differ from the last committed cycle's, in words."""
+    last = (read_at(root, "HEAD", "metrics/promotion.json") or {}).get("inputs", {})
+    now = inputs_fingerprint(root)
+    words = {"inbox": NEW_TRACES, "params": "params.yaml changed",
+             "code": "stage code or dvc.yaml changed"}
+    return [words[key] for key in now if now[key] != last.get(key)]
+
+
+def begin(root: Path) -> Start:
+    """Before any stage: repair, check, and decide; starts the stages when there is work."""
+    from flows import lineage, promotion
+
+    if not (root / "models" / "champion.dvc").exists():
+        raise WorkspaceError("no champion yet (models/champion.dvc is missing); run "
+                             "`offseason init` first")
+    recovered = promotion.recover_files(root)
+    # before any stage reads it: `dvc checkout` restores altered cache bytes without a word
+    lineage.check_champion(root)
+    last = generations(root)
+    if not list((root / "data" / "inbox").glob("*.jsonl")):
+        return Start("empty-inbox", EMPTY_INBOX, recovered=recovered)
+    session = Session(root)
+    try:
+        if (root / "data" / "inbox.dvc").exists():
+            # exit 1: the inbox differs from its snapshot (`dvc repro` takes a new one)
+            new_traces = session.run(["status", "--quiet", "data/inbox.dvc"], check=False)[0] != 0
+        else:  # the first cycle: the snapshot that `dvc repro` keeps up to date from now on
+            session.run(["add", "--quiet", "data/inbox"])
+            new_traces = True
+        reasons = changed_since_last_cycle(root)
+        if new_traces and NEW_TRACES not in reasons:
+            reasons.insert(0, NEW_TRACES)
+        if not reasons:
+            session.close()
+            return Start("nothing-changed",
+                         f"nothing changed since gen-{last[-1] if last else 0} (no new traces, "
+                         f"same params, same code): nothing to learn from, no stage reran",
+                         recovered=recovered)
+        return Start("run", "", (last[-1] + 1) if last else 1, reasons, recovered,
+                     Pipeline(session))
+    except BaseException:
+        session.close(kill=True)
+        raise
+
+
+_HANDED_OVER: dict[Path, Start] = {}
+
+
+def hand_over(root: Path, start: Start) -> None:
+    """Leave a started cycle for the flow this process runs next (`offseason run`)."""
+    _HANDED_OVER[root] = start
+
+
+def adopt(root: Path) -> Start | None:
+    """The cycle `offseason run` started before the flow began, if any."""
+    return _HANDED_OVER.pop(root, None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The session process: each stdin line a JSON list of DVC arguments, run in turn."""
+    marker = (argv if argv is not None else sys.argv[1:])[0]
+    from dvc.cli import main as dvc_main
+
+    try:
+        for line in sys.stdin:
+            code = dvc_main(json.loads(line))
+            sys.stderr.flush()
+            # on a line of its own, whatever the stage's last output line ended with
+            print(f"\n{marker}{code}", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
