@@ -20,7 +20,9 @@ Run from the project folder (where dvc.yaml is). Each command's --help says more
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -159,25 +161,30 @@ def cmd_simulate(args) -> int:
 def cmd_run(args) -> int:
     root = find_root()
     configure_env(root)
-    cfg.load_all(root / "params.yaml")  # fail before any stage (or Prefect) starts
-    read_benchmark(root)
     from flows import pipeline
     from flows.ui import temporary_prefect
 
-    with cycle_lock(root, "offseason run"):
-        # repairs, checks and the no-change decision, before Prefect or MLflow load; when there
-        # is work, the stages start here and run while Prefect's temporary server starts
-        start = pipeline.begin(root)
-        try:
-            if start.status != "run":
-                result = {"message": start.message}
-                for line in start.recovered:
-                    print(f"run: an unfinished promotion was undone: {line}", file=sys.stderr)
-            else:
-                with temporary_prefect(root) as prefect_ready:
-                    result = run_flow(root, start, prefect_ready)
-        finally:
-            start.close()
+    session = pipeline.Session(root)  # DVC loads in it while the checks below run
+    try:
+        cfg.load_all(root / "params.yaml")  # fail before any stage (or Prefect) starts
+        read_benchmark(root)
+        with cycle_lock(root, "offseason run"):
+            # repairs, checks and the no-change decision, before Prefect or MLflow load; when
+            # there is work, the stages start here and run while Prefect's temporary server starts
+            start = pipeline.begin(root, session)
+            try:
+                if start.status != "run":
+                    result = {"message": start.message}
+                    for line in start.recovered:
+                        print(f"run: an unfinished promotion was undone: {line}", file=sys.stderr)
+                else:
+                    with temporary_prefect(root) as prefect_ready:
+                        result = run_flow(root, start, prefect_ready)
+            finally:
+                start.close()
+    except BaseException:
+        session.close(kill=True)  # closed already, unless it failed before begin() took it
+        raise
     print(f"run: {result['message']}")
     return 0
 
@@ -190,11 +197,21 @@ def run_flow(root: Path, start, prefect_ready) -> dict:
 
     from flows import pipeline
     from flows.cycle import cycle
+    from flows.ui import on_temporary_prefect
 
     pipeline.hand_over(root, start)
     prefect_ready()
+    heartbeats = contextlib.nullcontext()
+    if on_temporary_prefect():
+        # a flow run's heartbeats let a lasting server tell a crashed run; this server ends
+        # with the process. Off, the run also ends at once: Prefect joins the heartbeat thread,
+        # which sleeps in one-second steps
+        from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+        heartbeats = temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
     try:
-        return cycle(str(root))
+        with heartbeats:
+            return cycle(str(root))
     except MlflowException as err:  # MLflow's client retried with backoff before this
         raise WorkspaceError(
             f"MLflow at {os.environ['MLFLOW_TRACKING_URI']} did not answer ({str(err)[:300]}); "
@@ -686,6 +703,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def console() -> int:
+    """The `offseason` command: main(), then a quick exit."""
+    code = main()
+    exit_soon()
+    return code
+
+
+def exit_soon() -> None:
+    """The process ends next. Python's last garbage collections would walk every object Prefect,
+    MLflow and pandas made (about a second on 2 cores) only to free memory the OS frees anyway:
+    moved out of their way. atexit handlers (Prefect sending its last logs) still run.
+    """
+    sys.stdout.flush()
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -696,4 +729,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

@@ -135,7 +135,7 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict) -> d
             section = SECTION.get(name, name)
             params = {"base": asdict(configs["base"]), section: asdict(configs[section])}
             tracking.log_stage(root, run_id, experiment_id, name, params, metrics[name],
-                               reran[name], stage.lock)
+                               reran[name], stage.lock, (stage.started, stage.ended))
             if name == "validate" and pipeline.accepted_traces(root) == 0:
                 message = (f"no new valid traces this cycle ({metrics['ingest'].get('rows_read')} "
                            f"lines read, {metrics['ingest'].get('accepted')} new): nothing to "
@@ -153,12 +153,10 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict) -> d
         record = promote(root, generation, verdict, decision, run_id,
                          configs["base"].registered_model, changes)
         message, commit = record["message"], record["commit"]
-        for key, value in {"offseason.git_commit": commit, "offseason.git_tag": f"gen-{generation}",
-                           "offseason.outcome": "promoted" if record["promoted"] else "rejected",
-                           "offseason.model_version": record["model_version"]}.items():
-            client.set_tag(run_id, key, value)
-        for key, value in tracking.numeric({"gate": verdict}).items():
-            client.log_metric(run_id, key, value)
+        tracking.log_outcome(run_id, {
+            "offseason.git_commit": commit, "offseason.git_tag": f"gen-{generation}",
+            "offseason.outcome": "promoted" if record["promoted"] else "rejected",
+            "offseason.model_version": record["model_version"]}, {"gate": verdict})
         client.set_terminated(run_id)
     except BaseException as err:
         from prefect.exceptions import Pause

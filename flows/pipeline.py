@@ -7,8 +7,8 @@
   `flows.workspace.dvc()` sends its commands there (promotion's `dvc add` and `dvc push`).
 - **Pipeline**: the cycle's stages as two commands in that session, sent from a thread of their
   own: `dvc repro validate` (ingest, validate; DVC first snapshots a changed `data/inbox` into its
-  cache and `data/inbox.dvc`), then, when validate accepted traces, `dvc repro gate` (rollout,
-  reward, train, champion_scores, gate). The stages never wait for the Prefect flow that records
+  cache and `data/inbox.dvc`), then, when validate accepted traces, `dvc repro --single-item` of
+  the other stages in their order (rollout, reward, train, champion_scores, gate). The stages never wait for the Prefect flow that records
   them: the flow reads their output back split by stage (DVC's `Running stage 'X':` and `Stage 'X'
   didn't change, skipping` lines), one Prefect task per stage, and logs a stage to MLflow while DVC
   runs the next one.
@@ -26,6 +26,7 @@ cycle. BENCHMARKS.md ("Orchestration overhead") measures what this saves.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import queue
@@ -38,6 +39,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import yaml
 
 from flows import workspace
 from flows.workspace import WorkspaceError, generations, inputs_fingerprint, read_at
@@ -134,6 +137,28 @@ class Session:
         self.proc.stdout.close()
 
 
+def stage_order(root: Path) -> list[str]:
+    """dvc.yaml's stages, each after every stage whose outputs it reads (file order otherwise)."""
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+
+    def paths(entries) -> list[str]:
+        return [next(iter(e)) if isinstance(e, dict) else str(e) for e in entries or []]
+
+    outs = {name: paths(spec.get("outs")) + paths(spec.get("metrics")) + paths(spec.get("plots"))
+            for name, spec in stages.items()}
+
+    def reads(reader: str, writer: str) -> bool:
+        return any(dep == out or dep.startswith(out + "/") or out.startswith(dep + "/")
+                   for dep in paths(stages[reader].get("deps")) for out in outs[writer])
+
+    order, left = [], list(stages)
+    while left:  # a cycle (DVC refuses one) would leave none ready: take the first then
+        ready = next((n for n in left if not any(reads(n, m) for m in left if m != n)), left[0])
+        order.append(ready)
+        left.remove(ready)
+    return order
+
+
 def accepted_traces(root: Path) -> int:
     """How many traces validate accepted in its last run (0 when it has not run)."""
     path = root / "metrics" / "validate.json"
@@ -143,10 +168,11 @@ def accepted_traces(root: Path) -> int:
 class Stage:
     """One stage's part of DVC's output, read while DVC runs it."""
 
-    def __init__(self, pipeline: Pipeline, name: str, first: str):
+    def __init__(self, pipeline: Pipeline, name: str, first: str, started: float):
         self.name, self.reran = name, first.startswith("Running stage")
         self.error: Exception | None = None
         self.lock = ""  # dvc.lock as it was when the stage ended
+        self.started, self.ended = started, started  # when DVC opened and closed it (time.time)
         self._pipeline, self._first, self._open = pipeline, first, True
 
     def __iter__(self):
@@ -155,16 +181,16 @@ class Stage:
             yield self._first
             self._first = None
         while self._open:
-            kind, text, lock = self._pipeline.events.get()
+            kind, text, lock, when = self._pipeline.events.get()
             if kind == "line" and not ANNOUNCED.match(text):
                 yield text
                 continue
-            self._open, self.lock = False, lock
+            self._open, self.lock, self.ended = False, lock, when
             if kind == "line":  # the next stage's first line: the next stage() reads it
-                self._pipeline.pending = (kind, text, lock)
+                self._pipeline.pending = (kind, text, lock, when)
             elif kind == "end":
                 self.error = text
-                self._pipeline.pending = (kind, None, lock)
+                self._pipeline.pending = (kind, None, lock, when)
 
 
 class Pipeline:
@@ -185,21 +211,28 @@ class Pipeline:
         return path.read_text() if path.exists() else ""
 
     def _drive(self) -> None:
+        first: set[str] = set()
+
         def line(text: str) -> None:
-            self.events.put(("line", text, self._lock_text() if ANNOUNCED.match(text) else ""))
+            match = ANNOUNCED.match(text)
+            if match:
+                first.add(match.group(1) or match.group(2))
+            self.events.put(("line", text, self._lock_text() if match else "", time.time()))
 
         def done(code: int | None) -> None:
             if code == 0:  # a failure ends the stage that failed, with its error ("end")
-                self.events.put(("command-end", None, self._lock_text()))
+                self.events.put(("command-end", None, self._lock_text(), time.time()))
 
         error = None
         try:
             self.session.run(["repro", "validate"], on_line=line, on_end=done)
             if accepted_traces(self.root):  # else the flow stops: nothing new to learn from
-                self.session.run(["repro", "gate"], on_line=line, on_end=done)
+                # the rest in order, without checking again what the first command just ran
+                rest = [name for name in stage_order(self.root) if name not in first]
+                self.session.run(["repro", "--single-item", *rest], on_line=line, on_end=done)
         except Exception as err:  # a stage failed; the flow raises it in that stage's task
             error = err
-        self.events.put(("end", error, self._lock_text()))
+        self.events.put(("end", error, self._lock_text(), time.time()))
 
     def running(self) -> bool:
         return self.thread.is_alive()
@@ -213,10 +246,10 @@ class Pipeline:
             for _ in self.current:  # what the last stage's reader left unread
                 pass
         while True:
-            kind, text, lock = self.pending or self.events.get()
+            kind, text, lock, when = self.pending or self.events.get()
             self.pending = None
             if kind == "end":
-                self.pending = (kind, text, lock)  # asked again: still the end
+                self.pending = (kind, text, lock, when)  # asked again: still the end
                 if text is not None and (self.current is None or self.current.error is None):
                     raise text
                 return None
@@ -226,7 +259,7 @@ class Pipeline:
             name = match and (match.group(1) or match.group(2))
             if name and name not in self.seen:
                 self.seen.add(name)
-                self.current = Stage(self, name, text)
+                self.current = Stage(self, name, text, when)
                 return self.current
             if not name and text.strip() and on_other is not None:
                 on_other(text)  # a stage announced again (a later `repro` rechecks it): dropped
@@ -259,21 +292,24 @@ def changed_since_last_cycle(root: Path) -> list[str]:
     return [words[key] for key in now if now[key] != last.get(key)]
 
 
-def begin(root: Path) -> Start:
-    """Before any stage: repair, check, and decide; starts the stages when there is work."""
+def begin(root: Path, session: Session | None = None) -> Start:
+    """Before any stage: repair, check, and decide; starts the stages when there is work. Takes
+    over `session` (a caller may open it early: DVC loads in it meanwhile).
+    """
     from flows import lineage, promotion
 
-    if not (root / "models" / "champion.dvc").exists():
-        raise WorkspaceError("no champion yet (models/champion.dvc is missing); run "
-                             "`offseason init` first")
-    recovered = promotion.recover_files(root)
-    # before any stage reads it: `dvc checkout` restores altered cache bytes without a word
-    lineage.check_champion(root)
-    last = generations(root)
-    if not list((root / "data" / "inbox").glob("*.jsonl")):
-        return Start("empty-inbox", EMPTY_INBOX, recovered=recovered)
-    session = Session(root)
+    session = session or Session(root)
     try:
+        if not (root / "models" / "champion.dvc").exists():
+            raise WorkspaceError("no champion yet (models/champion.dvc is missing); run "
+                                 "`offseason init` first")
+        recovered = promotion.recover_files(root)
+        # before any stage reads it: `dvc checkout` restores altered cache bytes without a word
+        lineage.check_champion(root)
+        last = generations(root)
+        if not list((root / "data" / "inbox").glob("*.jsonl")):
+            session.close()
+            return Start("empty-inbox", EMPTY_INBOX, recovered=recovered)
         if (root / "data" / "inbox.dvc").exists():
             # exit 1: the inbox differs from its snapshot (`dvc repro` takes a new one)
             new_traces = session.run(["status", "--quiet", "data/inbox.dvc"], check=False)[0] != 0
@@ -312,8 +348,12 @@ def adopt(root: Path) -> Start | None:
 def main(argv: list[str] | None = None) -> int:
     """The session process: each stdin line a JSON list of DVC arguments, run in turn."""
     marker = (argv if argv is not None else sys.argv[1:])[0]
+    # loaded while the parent is still busy with its own checks, not when the first command comes
     from dvc.cli import main as dvc_main
+    from dvc.cli import parse_args
+    from dvc.repo import Repo  # noqa: F401
 
+    parse_args(["status"])  # builds DVC's parser: every command's module
     try:
         for line in sys.stdin:
             code = dvc_main(json.loads(line))
@@ -322,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{marker}{code}", flush=True)
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group
         return 130
+    gc.freeze()  # exiting: no last garbage collections over DVC's objects (see flows/cli.py)
     return 0
 
 

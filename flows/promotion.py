@@ -258,7 +258,7 @@ class Transaction:
 
 
 def swap_champion(root: Path, source: Path, tx: Transaction) -> None:
-    """models/champion becomes a copy of `source`, added to DVC and pushed to the remote."""
+    """models/champion becomes a copy of `source`, added to DVC (promote() pushes it)."""
     champion, backup = root / "models" / "champion", root / "models" / "champion.prev"
     pointer = root / "models" / "champion.dvc"
     before = _read(pointer)
@@ -280,7 +280,6 @@ def swap_champion(root: Path, source: Path, tx: Transaction) -> None:
     tmp.rename(champion)
     dvc(root, "add", "--quiet", "models/champion")
     fault("weights")
-    dvc(root, "push", "--quiet", "models/champion")  # rollback later pulls it from there
 
 
 def write_records(root: Path, record: dict, entry: dict | None, tx: Transaction) -> None:
@@ -365,7 +364,9 @@ def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: 
             record["overrides"] = changes
         if promoted:
             swap_champion(root, root / "models" / "candidate", tx)
-        dvc(root, "push", "--quiet")  # additive: the remote keeps every version the tags name
+        # the cycle's outputs and a new champion (a rollback pulls it from there); additive: the
+        # remote keeps every version the tags name
+        dvc(root, "push", "--quiet")
         write_records(root, record, entry, tx)
         record["commit"] = commit(root, message, f"gen-{generation}", tx)
         if promoted:

@@ -66,10 +66,14 @@ def dvc_hashes(root: Path, stage: str, lock_text: str | None = None) -> dict[str
 
 
 def log_stage(root: Path, parent_id: str, experiment_id: str, stage: str, params: dict,
-              metrics: dict, ran: bool, lock_text: str | None = None) -> str:
-    """A child run of the cycle's run: the stage's params, metrics and DVC hashes."""
+              metrics: dict, ran: bool, lock_text: str | None = None,
+              times: tuple[float, float] | None = None) -> str:
+    """A child run of the cycle's run: the stage's params, metrics and DVC hashes; `times`: when
+    the stage started and ended (time.time()), which the run's own times then show.
+    """
     client = MlflowClient()
-    run = client.create_run(experiment_id, run_name=stage, tags={
+    start, end = (int(t * 1000) for t in times) if times else (None, None)
+    run = client.create_run(experiment_id, run_name=stage, start_time=start, tags={
         "mlflow.parentRunId": parent_id, "offseason.stage": stage,
         "offseason.reran": str(ran).lower()})
     run_id = run.info.run_id
@@ -83,8 +87,16 @@ def log_stage(root: Path, parent_id: str, experiment_id: str, stage: str, params
     client.log_dict(run_id, metrics, f"{stage}.json")
     if stage == "train":
         log_steps(run_id, root / "metrics" / "train_steps.csv")
-    client.set_terminated(run_id)
+    client.set_terminated(run_id, end_time=end)
     return run_id
+
+
+def log_outcome(run_id: str, tags: dict[str, str], metrics: dict) -> None:
+    """The cycle's outcome on its run: tags and the numeric leaves of `metrics`, in one request."""
+    now = int(time.time() * 1000)
+    MlflowClient().log_batch(run_id, metrics=[Metric(k, v, now, 0)
+                                              for k, v in numeric(metrics).items()],
+                             tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
 
 def log_steps(run_id: str, path: Path) -> int:

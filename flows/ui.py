@@ -152,6 +152,11 @@ def serve_ui(root: Path, prefect_port: int = 4200, mlflow_port: int = 5000,
 _STARTING: dict[str, object] = {}  # API url -> waits until that temporary server answers
 
 
+def on_temporary_prefect() -> bool:
+    """Whether this process's flows go to a temporary_prefect() server (gone when it ends)."""
+    return os.environ.get("PREFECT_API_URL") in _STARTING
+
+
 @contextmanager
 def temporary_prefect(root: Path):
     """Prefect's temporary local server for this process, started at once, stopped at the end.

@@ -90,7 +90,7 @@ def git(root: Path, *args: str, check: bool = True) -> str:
     return run(["git", *identity, *args], root, check=check).stdout.strip()
 
 
-SESSIONS: dict[Path, object] = {}  # repo root -> its open flows.pipeline.Session, during a cycle
+SESSIONS: dict[Path, object] = {}  # repo root -> its open flows.pipeline.Session (a cycle's)
 
 
 def dvc(root: Path, *args: str, on_line=None) -> str:

@@ -53,7 +53,7 @@ def read_all(pipe: pipeline.Pipeline) -> dict:
     while (item := pipe.stage(on_other=other.append)) is not None:
         lines = list(item)
         found[item.name] = {"reran": item.reran, "lines": lines, "error": item.error,
-                            "lock": item.lock}
+                            "lock": item.lock, "times": (item.started, item.ended)}
     return found
 
 
@@ -82,7 +82,6 @@ def test_a_session_is_one_dvc_process_giving_dvcs_output_and_exit_codes(repo):
 
 def test_the_pipeline_is_read_back_stage_by_stage_each_once(repo):
     found = read_all(pipeline.Pipeline(pipeline.Session(repo)))
-    # `repro gate` announces ingest and validate again (skipped): each stage comes once
     assert list(found) == ["ingest", "validate", "rollout", "gate"]
     assert all(s["reran"] and s["error"] is None for s in found.values())
     assert "ingesting" in found["ingest"]["lines"]
@@ -91,6 +90,10 @@ def test_the_pipeline_is_read_back_stage_by_stage_each_once(repo):
     # dvc.lock as it was when each stage ended: that stage in it, later ones not yet
     assert "rollout:" in found["rollout"]["lock"] and "gate:" not in found["rollout"]["lock"]
     assert (repo / "g.txt").read_text() == "3"
+    # when DVC opened and closed each (MLflow's child runs show these)
+    times = [s["times"] for s in found.values()]
+    assert all(start <= end for start, end in times)
+    assert all(a[1] <= b[0] for a, b in zip(times, times[1:]))
 
     again = read_all(pipeline.Pipeline(pipeline.Session(repo)))  # nothing changed: all skipped
     assert list(again) == ["ingest", "validate", "rollout", "gate"]
@@ -114,7 +117,7 @@ def test_a_failed_stage_fails_in_its_own_part_and_the_rest_never_runs(repo):
     assert list(found) == ["ingest", "validate", "rollout"]
     error = found["rollout"]["error"]
     assert isinstance(error, WorkspaceError)
-    assert "`dvc repro gate` failed (exit" in str(error) and "about to fail" in str(error)
+    assert "`dvc repro --single-item rollout gate` failed (exit" in str(error) and "about to fail" in str(error)
     assert found["validate"]["error"] is None
 
 
