@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -102,6 +103,28 @@ def stage_process(root: Path, stage: str, proc: subprocess.Popen, timeout: float
                 continue
         time.sleep(0.05)
     raise AssertionError(f"stage {stage} never started (offseason run exit {proc.poll()})")
+
+
+def killed(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGKILL `proc`'s process group (started with start_new_session) and wait until none of it
+    is left, zombies included: an orphan is reaped by init, which can take a second, and DVC takes
+    the lock entries of a pid that still exists (a zombie) as held.
+    """
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        left = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == proc.pid:
+                    left.append(stat.parent.name)
+            except (OSError, IndexError, ValueError):
+                continue
+        if not left:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes of group {proc.pid} still there after {timeout} s")
 
 
 @pytest.fixture

@@ -1,13 +1,11 @@
 """The whole loop, end to end, through the real CLI, Prefect flow, DVC, MLflow and GE."""
 
 import json
-import os
-import signal
 import subprocess
 
 import pytest
 import yaml
-from conftest import BIN, cli_env, make_project, offseason, stage_process, write_params
+from conftest import BIN, cli_env, killed, make_project, offseason, stage_process, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -119,8 +117,7 @@ def test_killed_cycle_redoes_only_unfinished_stages(project):
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                             start_new_session=True)
     stage_process(project, "train", proc)
-    os.killpg(proc.pid, signal.SIGKILL)  # killed midway, like a lost machine
-    proc.wait()
+    killed(proc)  # midway, like a lost machine
     assert "gen-1" not in git(project, "tag", "--list")
 
     result = offseason(project, "run")  # the stale lock of the killed process is cleared

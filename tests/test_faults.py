@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, cli_env, hold_cycle_lock, make_project, offseason, stage_process
+from conftest import (
+    BIN,
+    cli_env,
+    hold_cycle_lock,
+    make_project,
+    offseason,
+    stage_process,
+)
 
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
 
@@ -64,8 +71,7 @@ def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_pat
             assert f"started {held['started']}" in second.stderr
             assert f"Prefect flow run {held['flow_run']}" in second.stderr
             assert f"MLflow run {held['mlflow_run_id']}" in second.stderr
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        killed(proc)
         assert "gen-1" not in subprocess.run(["git", "tag"], cwd=killed, capture_output=True,
                                              text=True).stdout
     final = offseason(killed, "run")
