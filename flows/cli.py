@@ -161,7 +161,7 @@ def cmd_simulate(args) -> int:
 def cmd_run(args) -> int:
     root = find_root()
     configure_env(root)
-    from flows import pipeline
+    from flows import notify, pipeline
     from flows.ui import temporary_prefect
 
     session = pipeline.Session(root)  # DVC loads in it while the checks below run
@@ -171,7 +171,11 @@ def cmd_run(args) -> int:
         with cycle_lock(root, "offseason run"):
             # repairs, checks and the no-change decision, before Prefect or MLflow load; when
             # there is work, the stages start here and run while Prefect's temporary server starts
-            start = pipeline.begin(root, session)
+            try:
+                start = pipeline.begin(root, session)
+            except Exception as err:  # before the flow, which notifies its own failures
+                notify.cycle_failed(root, err)
+                raise
             try:
                 if start.status != "run":
                     result = {"message": start.message}
@@ -195,12 +199,16 @@ def run_flow(root: Path, start, prefect_ready) -> dict:
 
     from mlflow.exceptions import MlflowException
 
-    from flows import pipeline
+    from flows import notify, pipeline
     from flows.cycle import cycle
     from flows.ui import on_temporary_prefect
 
     pipeline.hand_over(root, start)
-    prefect_ready()
+    try:
+        prefect_ready()
+    except Exception as err:  # the flow never started: it cannot notify
+        notify.cycle_failed(root, err)
+        raise
     heartbeats = contextlib.nullcontext()
     if on_temporary_prefect():
         # a flow run's heartbeats let a lasting server tell a crashed run; this server ends
@@ -468,10 +476,9 @@ def stored_rewards(root: Path, generation: int) -> Path:
     copied to .offseason/rewards-gen-N.parquet.
     """
     import dvc.api
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     from dvc.exceptions import PathMissingError
 
+    from flows.lineage import read_parquet
     from stages import io
 
     tag = f"gen-{generation}"
@@ -485,7 +492,7 @@ def stored_rewards(root: Path, generation: int) -> Path:
     except PathMissingError:
         raise WorkspaceError(f"{tag} has no data/rewards.parquet (generation 0 ran no cycle)"
                              ) from None
-    io.write_parquet(target, pq.read_table(pa.BufferReader(data)))
+    io.write_parquet(target, read_parquet(data, None))
     return target
 
 

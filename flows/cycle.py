@@ -79,8 +79,7 @@ def cycle(repo: str = ".", algorithm: str | None = None, samples_per_task: int |
         try:
             result = run_cycle(root, changes)
         except Exception as err:  # not Prefect's pause/suspend signals (BaseException)
-            notify.send("failed", f"cycle in {root} failed: {type(err).__name__}: {err}",
-                        workspace=str(root))
+            notify.cycle_failed(root, err)
             raise
     if result.get("status") == "done":
         notify.send("promoted" if result["promoted"] else "rejected", result["message"],

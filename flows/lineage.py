@@ -25,11 +25,11 @@ before its first stage, and `offseason rollback` before it restores a generation
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import subprocess
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
@@ -105,7 +105,16 @@ def parquet_column(root: Path, md5: str, columns: list[str]) -> list[dict]:
     if data is None:
         raise LineageError(f"object {md5} is in neither the DVC cache nor the remote; run "
                            f"`dvc fetch` or `offseason lineage --verify`")
-    return pq.read_table(io.BytesIO(data), columns=columns).to_pylist()
+    return read_parquet(data, columns).to_pylist()
+
+
+def read_parquet(data: bytes, columns: list[str]):
+    """A Parquet file's columns from bytes in memory, read in this thread: an Arrow worker thread
+    holding these Python bytes could need the GIL while the interpreter exits, which aborted
+    the process now and then ("terminate called without an active exception").
+    """
+    return pq.read_table(pa.BufferReader(data), columns=columns, use_threads=False,
+                         pre_buffer=False)
 
 
 # --- what a generation recorded -------------------------------------------------------------

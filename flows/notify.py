@@ -60,3 +60,9 @@ def send(event: str, message: str, *, attempts: int = 3, **fields) -> bool:
     log.warning("notification %r to the webhook at %s not delivered (%s); the cycle goes on",
                 event, host, error)
     return False
+
+
+def cycle_failed(root, err: BaseException) -> bool:
+    """The `failed` notification of a cycle in `root` that raised `err`."""
+    return send("failed", f"cycle in {root} failed: {type(err).__name__}: {err}",
+                workspace=str(root))

@@ -191,10 +191,6 @@ def score_plot(rows: list[dict]) -> str:
 
 def per_cycle(root: Path, rows: list[dict]) -> list[dict]:
     """Per generation >= 1: ingest and validate counts and each task's mean reward (from DVC)."""
-    import io as bytes_io
-
-    import pyarrow.parquet as pq
-
     from flows import lineage
     from flows.workspace import read_at
 
@@ -208,7 +204,7 @@ def per_cycle(root: Path, rows: list[dict]) -> list[dict]:
         data = lineage.read_object(root, rewards_md5) if rewards_md5 else None
         per_task: dict[str, list[float]] = {}
         if data is not None:
-            for r in pq.read_table(bytes_io.BytesIO(data), columns=["task_id", "reward"]).to_pylist():
+            for r in lineage.read_parquet(data, ["task_id", "reward"]).to_pylist():
                 if r["reward"] is not None:
                     per_task.setdefault(r["task_id"], []).append(r["reward"])
         out.append({"tag": row["tag"], "rows_read": ingest.get("rows_read", 0),

@@ -105,7 +105,7 @@ def stage_process(root: Path, stage: str, proc: subprocess.Popen, timeout: float
     raise AssertionError(f"stage {stage} never started (offseason run exit {proc.poll()})")
 
 
-def killed(proc: subprocess.Popen, timeout: float = 60) -> None:
+def kill_and_reap(proc: subprocess.Popen, timeout: float = 60) -> None:
     """SIGKILL `proc`'s process group (started with start_new_session) and wait until none of it
     is left, zombies included: an orphan is reaped by init, which can take a second, and DVC takes
     the lock entries of a pid that still exists (a zombie) as held.

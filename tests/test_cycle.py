@@ -5,7 +5,15 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import BIN, cli_env, killed, make_project, offseason, stage_process, write_params
+from conftest import (
+    BIN,
+    cli_env,
+    kill_and_reap,
+    make_project,
+    offseason,
+    stage_process,
+    write_params,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +125,7 @@ def test_killed_cycle_redoes_only_unfinished_stages(project):
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                             start_new_session=True)
     stage_process(project, "train", proc)
-    killed(proc)  # midway, like a lost machine
+    kill_and_reap(proc)  # midway, like a lost machine
     assert "gen-1" not in git(project, "tag", "--list")
 
     result = offseason(project, "run")  # the stale lock of the killed process is cleared

@@ -19,6 +19,7 @@ from conftest import (
     BIN,
     cli_env,
     hold_cycle_lock,
+    kill_and_reap,
     make_project,
     offseason,
     stage_process,
@@ -71,7 +72,7 @@ def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_pat
             assert f"started {held['started']}" in second.stderr
             assert f"Prefect flow run {held['flow_run']}" in second.stderr
             assert f"MLflow run {held['mlflow_run_id']}" in second.stderr
-        killed(proc)
+        kill_and_reap(proc)
         assert "gen-1" not in subprocess.run(["git", "tag"], cwd=killed, capture_output=True,
                                              text=True).stdout
     final = offseason(killed, "run")
