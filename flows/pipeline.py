@@ -134,7 +134,9 @@ class Session:
         except subprocess.TimeoutExpired:
             kill_tree(self.proc.pid)
             self.proc.wait()
-        self.proc.stdout.close()
+        if self.lock.acquire(timeout=30):  # a command's reader, if any, has seen the end
+            self.proc.stdout.close()
+            self.lock.release()
 
 
 def stage_order(root: Path) -> list[str]:
@@ -261,8 +263,9 @@ class Pipeline:
                 self.seen.add(name)
                 self.current = Stage(self, name, text, when)
                 return self.current
+            # a stage announced again (a later `repro` rechecks it) is dropped
             if not name and text.strip() and on_other is not None:
-                on_other(text)  # a stage announced again (a later `repro` rechecks it): dropped
+                on_other(text)
 
 
 @dataclass
@@ -275,7 +278,6 @@ class Start:
     reasons: list[str] = field(default_factory=list)
     recovered: list[str] = field(default_factory=list)  # what an unfinished promotion left
     pipeline: Pipeline | None = None
-    started: float = field(default_factory=time.time)
 
     def close(self) -> None:
         """End the session; stages still running (the flow failed) are stopped."""
