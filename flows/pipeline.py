@@ -263,8 +263,9 @@ class Pipeline:
                 self.seen.add(name)
                 self.current = Stage(self, name, text, when)
                 return self.current
-            # a stage announced again (a later `repro` rechecks it) is dropped
-            if not name and text.strip() and on_other is not None:
+            if name:  # a stage announced again (a later `repro` rechecks it): dropped
+                continue
+            if text.strip() and on_other is not None:
                 on_other(text)
 
 
