@@ -18,7 +18,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 setup: $(VENV)/.installed sandbox-tools
 
-# bubblewrap isolates the code sandbox (stages/sandbox.py; without it the sandbox falls back to
+# bubblewrap isolates the code sandbox (stages/envs/sandbox.py; without it the sandbox falls back to
 # rlimits). Installed when missing and we are root (as in CI); never fails the build when we are
 # not root or offline: it says so instead.
 sandbox-tools:
@@ -27,7 +27,7 @@ sandbox-tools:
 	    { apt-get update -qq >/dev/null 2>&1 && \
 	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; } && \
 	  echo "installed bubblewrap for the code sandbox"; } || \
-	  echo "note: bubblewrap is not installed (needs root and apt-get): the code sandbox falls back to rlimits, see stages/sandbox.py"
+	  echo "note: bubblewrap is not installed (needs root and apt-get): the code sandbox falls back to rlimits, see stages/envs/sandbox.py"
 
 # torch first and pinned: this machine has the CPU build of 2.13.0 on disk; an unpinned torch
 # would pull a multi-GB CUDA build. constraints.txt pins the rest to versions tested together.

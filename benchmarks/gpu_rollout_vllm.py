@@ -12,7 +12,7 @@ What it does, in a temporary folder: builds generation 0 with `stages.init` (the
    for /health, runs the multi-turn episodes (tool results injected between turns) and stops it;
 2. `rollout.backend: transformers`, the stage as it is (it loads the model where
    `stages.tinylm.load` puts it: the printed device says which);
-3. when torch sees a GPU, `stages.generate.generate` on the same prompts with the model moved to
+3. when torch sees a GPU, `stages.generation.transformers_backend.generate` on the same prompts with the model moved to
    it (the loop's tensors follow the model's device), for a like-for-like GPU figure.
 It prints episodes, generated tokens and tokens/s of both (the server's start-up is not counted),
 the share of episodes whose completions agree (greedy runs with `--temperature 0` should agree on
@@ -21,7 +21,7 @@ or no token ids.
 
 What was checked and what was not (written without a GPU; vLLM could not be installed or run):
 - checked on CPU: the same rollout stage through `rollout.server_command` starting
-  `stages.serve_tiny` (an OpenAI-compatible server with vLLM's extensions) in
+  `stages.generation.serve_tiny` (an OpenAI-compatible server with vLLM's extensions) in
   tests/test_backends.py, episodes identical to the transformers backend, server stopped after;
 - NOT checked: that vLLM 0.33 loads the demo folder. It is a standard GPT-2 (`config.json`,
   `model.safetensors`) with a character-level `PreTrainedTokenizerFast` (`tokenizer.json`): vLLM
@@ -52,8 +52,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from stages import arith, generate, init, rollout, tinylm  # noqa: E402
 from stages import config as cfg  # noqa: E402
+from stages import init, rollout, tinylm  # noqa: E402
+from stages.envs import arith  # noqa: E402
+from stages.generation import transformers_backend  # noqa: E402
 
 VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
 COMMAND = (f"{VLLM} serve {{model}} --port {{port}} --host 127.0.0.1 --dtype float32 "
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             model.cuda()
             prompts = [arith.prompt(q) for q in questions for _ in range(args.samples)]
             started = time.time()
-            episodes = generate.generate(model, tokenizer, arith, prompts,
+            episodes = transformers_backend.generate(model, tokenizer, arith, prompts,
                                          temperature=args.temperature, max_new_tokens=48, seed=0,
                                          batch_size=1024, progress=False)
             seconds = time.time() - started

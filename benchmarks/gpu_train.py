@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from stages import arith, tinylm, train, trainers  # noqa: E402
 from stages import config as cfg  # noqa: E402
+from stages import tinylm  # noqa: E402
+from stages.envs import arith  # noqa: E402
+from stages.training import sft, trainers  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,18 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = tinylm.build_tokenizer(arith)
     rows = demonstrations(tokenizer, args.steps * args.batch, seed=0)
     hw = trainers.hardware()
-    config = cfg.Train(epochs=1, lr=1e-3, batch_size=args.batch, deepspeed=2)
+    config = cfg.SFT(epochs=1, lr=1e-3)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tinylm.save(fresh(init, tokenizer), tokenizer, work / "champion")
         ds = trainers.deepspeed_config(2, hw["bf16"])
 
-        def args_for(steps, cls=None, **extra):
-            return trainers.arguments(work / "run", steps=steps, batch_size=args.batch, lr=1e-3,
-                                      seed=0, checkpoint_steps=10 ** 9, deepspeed=ds, **extra)
-
-        trainer = train.train_sft(fresh(init, tokenizer), tokenizer, work / "champion", rows,
-                                  args_for, config)
+        args_for = trainers.ArgumentsFor(work / "run", batch_size=args.batch, epochs=1, lr=1e-3,
+                                         seed=0, checkpoint_steps=10 ** 9, deepspeed=ds)
+        trainer = sft.trainer(fresh(init, tokenizer), tokenizer, work / "champion", rows,
+                              args_for, config)
         torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
         trainer.train()

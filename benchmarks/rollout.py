@@ -33,9 +33,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from stages import arith, generate, sft, tinylm  # noqa: E402
 from stages import config as cfg  # noqa: E402
-from stages.init import demonstrations  # noqa: E402
+from stages import tinylm  # noqa: E402
+from stages.envs import arith  # noqa: E402
+from stages.generation import transformers_backend  # noqa: E402
+from stages.training import warmstart  # noqa: E402
+from stages.training.warmstart import demonstrations  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -45,7 +48,7 @@ def cpu_seconds() -> float:
 
 def backend(model, tokenizer, prompts, batch):
     started, cpu = time.time(), cpu_seconds()
-    episodes = generate.generate(model, tokenizer, arith, prompts, temperature=1.0,
+    episodes = transformers_backend.generate(model, tokenizer, arith, prompts, temperature=1.0,
                                  max_new_tokens=48, seed=0, batch_size=batch, progress=False,
                                  max_turns=4)
     seconds, cpu = time.time() - started, cpu_seconds() - cpu
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = tinylm.build_tokenizer(arith)
         model = tinylm.build_model(tokenizer, init.n_layer, init.n_embd, init.n_head,
                                    init.n_positions, seed=0)
-        sft.train(model, demonstrations(tokenizer, arith, random.Random(0), init.tool_fraction,
+        warmstart.train(model, demonstrations(tokenizer, arith, random.Random(0), init.tool_fraction,
                                         init.batch_size),
                   steps=args.warmup_steps, lr=init.lr, tokenizer=tokenizer, seed=0,
                   label="warm start")

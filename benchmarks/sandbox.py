@@ -6,10 +6,10 @@
 Each verification is one task of the code suites (data/tasks/code.jsonl and
 data/benchmarks/code.jsonl) with its reference solution: write the solution and its tests to a
 fresh temporary directory and run the tests in a new process of the real interpreter
-(`stages.sandbox.interpreter()`, the same in every row). The baseline is a bare
+(`stages.envs.sandbox.interpreter()`, the same in every row). The baseline is a bare
 `subprocess.run([python, "-I", "-B", "-c", <load the tests, run them>])` in that directory (the same
 unittest calls the sandbox's harness makes, without its report); the sandboxed rows are
-`stages.sandbox.run_tests` under bubblewrap and under the rlimit fallback. `--workers` threads
+`stages.envs.sandbox.run_tests` under bubblewrap and under the rlimit fallback. `--workers` threads
 run verifications at once (2: one per core of the project's machines; the work is in the child
 processes, so threads do not serialize it). The rows take turns, `--rounds` times, and each row's
 median rate is printed, so a neighbour's load spike does not land on one row only.
@@ -30,7 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages import coding, sandbox  # noqa: E402
+from stages.envs import (
+    coding,  # noqa: E402
+    sandbox,  # noqa: E402
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,9 +18,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages import arith, generate, sft, tinylm  # noqa: E402
 from stages import config as cfg  # noqa: E402
-from stages.init import demonstrations  # noqa: E402
+from stages import tinylm  # noqa: E402
+from stages.envs import arith  # noqa: E402
+from stages.generation import transformers_backend  # noqa: E402
+from stages.training import warmstart  # noqa: E402
+from stages.training.warmstart import demonstrations  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +41,7 @@ def main() -> None:
     print("|---|---|---|")
     for batch in (256, 1024, 4096):
         started = time.time()
-        episodes = generate.generate(model, tokenizer, arith, prompts, temperature=1.0,
+        episodes = transformers_backend.generate(model, tokenizer, arith, prompts, temperature=1.0,
                                      max_new_tokens=48, seed=0, batch_size=batch, progress=False)
         seconds = time.time() - started
         tokens = sum(len(e.token_ids) for e in episodes)
@@ -46,7 +49,7 @@ def main() -> None:
               f"{len(episodes) / seconds:.0f} episodes/s, {tokens / seconds:.0f} tokens/s |")
     batches = demonstrations(tokenizer, arith, rng, 0.4, init.batch_size)
     model.train()
-    stats = sft.train(model, batches, steps=50, lr=init.lr, tokenizer=tokenizer, seed=0,
+    stats = warmstart.train(model, batches, steps=50, lr=init.lr, tokenizer=tokenizer, seed=0,
                       label="benchmark")
     print(f"| SFT, 50 steps on demonstrations | {init.batch_size} | "
           f"{stats['tokens_per_second']} tokens/s |")

@@ -12,8 +12,8 @@ training call (optimizer set-up, data loading, logging and the stage's checkpoin
 plain loop and our stage run twice, interleaved, and the best of each is reported, so a burst of
 load from other processes on a shared machine does not decide the ratio.
 
-Rows: the plain loop (`stages/sft.py`, which `offseason init` uses); the stage's SFT (the
-transformers Trainer, `stages/trainers.py`); TRL's SFTTrainer used directly on the same
+Rows: the plain loop (`stages/training/warmstart.py`, which `offseason init` uses); the stage's SFT (the
+transformers Trainer, `stages/training/trainers.py`); TRL's SFTTrainer used directly on the same
 pre-tokenized data; and, for the record, the stage's DPO (TRL's DPOTrainer, chosen and rejected
 per pair, plus the reference model's forward) and GRPO (our loss on the Trainer) on pairs/groups
 built from the same demonstrations. DPO and GRPO do different work per token, so only the SFT rows
@@ -34,9 +34,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from stages import arith, sft, tinylm, train, trainers  # noqa: E402
 from stages import config as cfg  # noqa: E402
-from stages.init import encode_completion  # noqa: E402
+from stages import tinylm, train  # noqa: E402
+from stages.envs import arith  # noqa: E402
+from stages.training import trainers, warmstart  # noqa: E402
+from stages.training.sft import encode_completion  # noqa: E402
 
 
 def demonstrations(tokenizer, n: int, seed: int) -> list[dict]:
@@ -64,23 +66,20 @@ def tokens_of(rows: list[dict]) -> int:
 
 def plain_loop(init, tokenizer, rows, batch, lr):
     model = fresh(init, tokenizer)
-    data = [(r["token_ids"], r["model_mask"]) for r in rows]
+    data = [{"token_ids": r["token_ids"], "model_mask": r["model_mask"]} for r in rows]
     started = time.perf_counter()
-    sft.train(model, iter([data[i:i + batch] for i in range(0, len(data), batch)]),
+    warmstart.train(model, iter([data[i:i + batch] for i in range(0, len(data), batch)]),
               steps=len(data) // batch, lr=lr, tokenizer=tokenizer, seed=0, label="plain loop")
     return tokens_of(rows) / (time.perf_counter() - started)
 
 
 def args_for(work: Path, batch: int, lr: float):
-    def make(steps, cls=None, **extra):
-        return trainers.arguments(work, steps=steps, batch_size=batch, lr=lr, seed=0,
-                                  checkpoint_steps=cfg.Train().checkpoint_steps, deepspeed=None,
-                                  **({"cls": cls} if cls else {}), **extra)
-    return make
+    return trainers.ArgumentsFor(work, batch_size=batch, epochs=1, lr=lr, seed=0,
+                                 checkpoint_steps=cfg.Train().checkpoint_steps, deepspeed=None)
 
 
 def stage(algorithm, init, tokenizer, rows, batch, lr, work):
-    config = cfg.Train(algorithm=algorithm, epochs=1, lr=lr, batch_size=batch)
+    config = cfg.ALGORITHMS[algorithm](epochs=1, lr=lr)  # train.<algorithm>
     if algorithm == "sft":
         examples, tokens = rows, tokens_of(rows)
     elif algorithm == "dpo":
@@ -101,8 +100,8 @@ def stage(algorithm, init, tokenizer, rows, batch, lr, work):
     if not champion.exists():
         tinylm.save(fresh(init, tokenizer), tokenizer, champion)
     model = fresh(init, tokenizer)
-    trainer = train.TRAIN[algorithm](model, tokenizer, champion, examples,
-                                     args_for(work / algorithm, batch, lr), config)
+    trainer = train.algorithm(algorithm).trainer(model, tokenizer, champion, examples,
+                                                 args_for(work / algorithm, batch, lr), config)
     started = time.perf_counter()
     trainer.train()
     return tokens / (time.perf_counter() - started)
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.steps} steps of {batch} sequences, fp32\n")
     print("| what | tokens/s | vs plain loop |")
     print("|---|---|---|")
-    names = {"plain": "plain PyTorch loop (`stages/sft.py`)",
+    names = {"plain": "plain PyTorch loop (`stages/training/warmstart.py`)",
              "sft": "train stage, sft (transformers Trainer)",
              "trl-sft": "TRL SFTTrainer used directly",
              "dpo": "train stage, dpo (TRL DPOTrainer; chosen + rejected + reference)",

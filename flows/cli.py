@@ -31,6 +31,7 @@ from pathlib import Path
 
 import yaml
 
+from flows import params as settings
 from flows.workspace import (
     WorkspaceError,
     configure_env,
@@ -80,14 +81,14 @@ def read_benchmark(root: Path) -> list[dict]:
 def cmd_init(args) -> int:
     root = find_root()
     configure_env(root)
-    configs = cfg.load_all(root / "params.yaml")
+    configs = settings.load_all(root / "params.yaml")
     if (root / "models" / "champion.dvc").exists() and not args.force:
         print(f"already initialised: {root / 'models/champion.dvc'} exists (generation 0 was "
               f"made). Run `offseason run` for a cycle, or `offseason init --force` to start over.")
         return 0
     from flows import promotion, tracking
     from stages import gate, init, io
-    from stages.environments import ENVIRONMENTS
+    from stages.envs.registry import ENVIRONMENTS
 
     items = read_benchmark(root)
     with cycle_lock(root, "offseason init"):
@@ -145,7 +146,7 @@ def cmd_init(args) -> int:
 def cmd_simulate(args) -> int:
     root = find_root()
     configure_env(root)
-    configs = cfg.load_all(root / "params.yaml")
+    configs = settings.load_all(root / "params.yaml")
     if not (root / "models" / "champion").exists():
         raise WorkspaceError("no champion to answer the traffic; run `offseason init` first")
     from stages import simulate
@@ -166,7 +167,7 @@ def cmd_run(args) -> int:
 
     session = pipeline.Session(root)  # DVC loads in it while the checks below run
     try:
-        cfg.load_all(root / "params.yaml")  # fail before any stage (or Prefect) starts
+        settings.load_all(root / "params.yaml")  # fail before any stage (or Prefect) starts
         read_benchmark(root)
         with cycle_lock(root, "offseason run"):
             # repairs, checks and the no-change decision, before Prefect or MLflow load; when
@@ -280,47 +281,12 @@ def print_history(rows: list[dict]) -> None:
               f"{'*' if r['champion'] else ''}")
 
 
-def plot_history(rows: list[dict], path: Path) -> None:
-    """Pass@1 per generation: each candidate (filled if promoted) and the champion it faced."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    x = list(range(len(rows)))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    champion, line = None, []
-    for row in rows:
-        if row["promoted"]:
-            champion = row["score"]
-        line.append(champion)
-    ax.step(x, line, where="post", color="tab:gray", label="champion after the cycle")
-    for i, row in enumerate(rows):
-        low_high = row["difference_interval"]
-        if low_high and row["champion_score"] is not None:
-            # the interval of the difference, drawn around the champion it was measured against
-            ax.vlines(i, row["champion_score"] + low_high[0], row["champion_score"] + low_high[1],
-                      color="tab:blue", alpha=0.4, linewidth=6)
-        ax.plot(i, row["score"], "o", color="tab:blue",
-                fillstyle="full" if row["promoted"] else "none", markersize=9)
-    ax.plot([], [], "o", color="tab:blue", label="candidate (hollow: rejected)")
-    ax.plot([], [], color="tab:blue", alpha=0.4, linewidth=6,
-            label="gate interval, champion + difference")
-    ax.set_xticks(x, [r["tag"] for r in rows])
-    ax.set_ylabel("pass@1 on the held-out benchmark")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def cmd_history(args) -> int:
     root = find_root()
     rows = history_rows(root)
     if args.plot and rows:
+        from flows.report import plot_history
+
         plot_history(rows, args.plot)
         print(f"history: plot written to {args.plot}", file=sys.stderr)
     if args.json:
@@ -349,6 +315,8 @@ def cmd_demo(args) -> int:
     print(f"\n=== demo finished in {time.time() - started:.0f} s ===\n")
     print_history(rows)
     plot = root / "reports" / "history.png"
+    from flows.report import plot_history
+
     plot_history(rows, plot)
     first = rows[0]["score"]
     champion = next(r for r in rows if r["champion"])
@@ -446,7 +414,7 @@ def cmd_decide(args) -> int:
 def cmd_rollback(args) -> int:
     root = find_root()
     configure_env(root)
-    configs = cfg.load_all(root / "params.yaml")
+    configs = settings.load_all(root / "params.yaml")
     from flows import promotion
 
     to = None
@@ -465,7 +433,7 @@ def cmd_rollback(args) -> int:
 
 def cmd_check(args) -> int:
     root = find_root()
-    configs = cfg.load_all(root / "params.yaml")
+    configs = settings.load_all(root / "params.yaml")
     print(yaml.safe_dump({k: dataclasses.asdict(v) for k, v in configs.items()}, sort_keys=False))
     print("params.yaml is valid")
     return 0
@@ -498,7 +466,7 @@ def stored_rewards(root: Path, generation: int) -> Path:
 
 def cmd_rescore(args) -> int:
     root = find_root()
-    configs = cfg.load_all(root / "params.yaml")
+    configs = settings.load_all(root / "params.yaml")
     from stages import io, reward
 
     source = args.rewards or root / "data" / "rewards.parquet"
@@ -534,7 +502,7 @@ def cmd_ui(args) -> int:
 def cmd_serve(args) -> int:
     root = find_root()
     configure_env(root)
-    cfg.load_all(root / "params.yaml")
+    settings.load_all(root / "params.yaml")
     import os
 
     from flows import serve

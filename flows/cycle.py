@@ -28,10 +28,16 @@ from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
 
 from flows import notify, overrides, pipeline, promotion, tracking
+from flows import params as settings
 from flows import report as cycle_report
-from flows.serve import workspace_slot
-from flows.workspace import WorkspaceError, configure_env, find_root, git, note_cycle
-from stages import config as cfg
+from flows.workspace import (
+    WorkspaceError,
+    configure_env,
+    find_root,
+    git,
+    note_cycle,
+    workspace_slot,
+)
 
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
 SECTION = {"champion_scores": "gate"}  # the params section of a stage named otherwise
@@ -67,13 +73,13 @@ def cycle(repo: str = ".", algorithm: str | None = None, samples_per_task: int |
         repo: the project folder.
         algorithm: train.algorithm for this run (empty: params.yaml's value).
         samples_per_task: rollout.samples_per_task for this run (empty: params.yaml's value).
-        epochs: train.epochs for this run (empty: params.yaml's value).
+        epochs: train.<algorithm>.epochs for this run (empty: params.yaml's value).
         require_approval: promotion.require_approval for this run (empty: params.yaml's value).
 
     """
     root = find_root(repo)
     configure_env(root)
-    changes = overrides.from_parameters(algorithm=algorithm, samples_per_task=samples_per_task,
+    changes = overrides.from_parameters(root / "params.yaml", algorithm=algorithm, samples_per_task=samples_per_task,
                                         epochs=epochs, require_approval=require_approval)
     with workspace_slot(root), overrides.applied(root, changes):
         try:
@@ -92,7 +98,7 @@ def run_cycle(root: Path, changes: dict) -> dict:
     """The cycle's steps, inside the flow run (params.yaml already holds this run's overrides)."""
     # a second `offseason run` is refused naming this flow run
     note_cycle(root, flow_run=f"{runtime.flow_run.name} ({runtime.flow_run.id})")
-    configs = cfg.load_all(root / "params.yaml")
+    configs = settings.load_all(root / "params.yaml")
     start = pipeline.adopt(root) or pipeline.begin(root)
     try:
         return follow(root, start, configs, changes)

@@ -20,40 +20,58 @@ from pathlib import Path
 
 import yaml
 
+from flows import params as settings
 from stages import config as cfg
 from stages import io
 
 
-def from_parameters(**values) -> dict[str, object]:
-    """Flow parameters (None = keep params.yaml's value) -> {"section.key": value}."""
-    unknown = set(values) - set(cfg.RUN_OVERRIDES)
+def from_parameters(params: Path, **values) -> dict[str, object]:
+    """Flow parameters (None = keep params.yaml's value) -> {"section.key": value}. `epochs`
+    belongs to the run's algorithm (`train.<algorithm>.epochs`): the one this run sets, else the
+    one `params` (params.yaml) names.
+    """
+    unknown = set(values) - set(settings.RUN_OVERRIDES)
     if unknown:
         raise cfg.ParamsError(f"unknown run parameter(s) {sorted(unknown)}; valid: "
-                              f"{', '.join(cfg.RUN_OVERRIDES)}")
-    return {cfg.RUN_OVERRIDES[k]: v for k, v in values.items() if v is not None}
+                              f"{', '.join(settings.RUN_OVERRIDES)}")
+    chosen = {k: v for k, v in values.items() if v is not None}
+    if any("{algorithm}" in settings.RUN_OVERRIDES[k] for k in chosen):
+        algorithm = chosen.get("algorithm") or cfg.load("train", params).algorithm
+        return {settings.RUN_OVERRIDES[k].format(algorithm=algorithm): v for k, v in chosen.items()}
+    return {settings.RUN_OVERRIDES[k]: v for k, v in chosen.items()}
 
 
 def rewrite(text: str, overrides: dict[str, object]) -> str:
-    """params.yaml text with each `section.key` set to its value, everything else untouched."""
+    """params.yaml text with each dotted key (`section.key`, `section.sub.key`) set to its value,
+    everything else untouched; a missing key (or sub-section) is added at the top of its parent.
+    """
     lines = text.splitlines(keepends=True)
     for dotted, value in overrides.items():
-        section, key = dotted.split(".", 1)
         rendered = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...")
         rendered = rendered.strip()
-        start = next((i for i, line in enumerate(lines) if re.match(rf"{section}:(\s|$)", line)),
-                     None)
-        if start is None:
-            raise cfg.ParamsError(f"params.yaml: no section '{section}:' to override "
-                                  f"{dotted} in; add the section")
-        end = next((i for i in range(start + 1, len(lines))
-                    if lines[i].strip() and not lines[i][0].isspace()), len(lines))
-        for i in range(start + 1, end):
-            match = re.match(rf"(\s+{re.escape(key)}:\s*)([^#\n]*?)(\s*#.*)?(\n?)$", lines[i])
-            if match:
-                lines[i] = f"{match.group(1)}{rendered}{match.group(3) or ''}{match.group(4)}"
+        start, end, depth = -1, len(lines), 0  # the block the next key is looked up in
+        parts = dotted.split(".")
+        for depth, key in enumerate(parts):
+            indent = "  " * depth
+            found = next((i for i in range(start + 1, end)
+                          if re.match(rf"{indent}{re.escape(key)}:(\s|$)", lines[i])), None)
+            if found is None:
+                if depth == 0:
+                    raise cfg.ParamsError(f"params.yaml: no section '{key}:' to override "
+                                          f"{dotted} in; add the section")
+                new = [f"{'  ' * d}{k}:\n" for d, k in enumerate(parts[depth:-1], depth)]
+                new.append(f"{'  ' * (len(parts) - 1)}{parts[-1]}: {rendered}\n")
+                lines[start + 1:start + 1] = new
                 break
-        else:
-            lines.insert(start + 1, f"  {key}: {rendered}\n")
+            if depth == len(parts) - 1:
+                match = re.match(rf"(\s*{re.escape(key)}:\s*)([^#\n]*?)(\s*#.*)?(\n?)$",
+                                 lines[found])
+                lines[found] = f"{match.group(1)}{rendered}{match.group(3) or ''}{match.group(4)}"
+                break
+            start = found
+            end = next((i for i in range(found + 1, end) if lines[i].strip()
+                        and len(lines[i]) - len(lines[i].lstrip()) <= len(indent)
+                        and not lines[i].lstrip().startswith("#")), end)
     return "".join(lines)
 
 
@@ -67,7 +85,7 @@ def applied(root: Path, overrides: dict[str, object]):
     original = path.read_text()
     io.write_text(path, rewrite(original, overrides))
     try:
-        cfg.load_all(path)  # a bad value fails now, naming the key, before any stage runs
+        settings.load_all(path)  # a bad value fails now, naming the key, before any stage runs
         yield
     finally:
         io.write_text(path, original)

@@ -36,10 +36,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from flows import params as settings
+
 # Prefect and MLflow (flows.tracking) are imported where they are used: `offseason run` repairs
 # files with recover_files() before either is loaded, and `approve` and `pending` skip MLflow
 from flows.workspace import WorkspaceError, dvc, git, inputs_fingerprint, read_at
-from stages import config as cfg
 from stages import io
 
 LOG = "promotions.jsonl"
@@ -112,7 +113,7 @@ def form(generation: int, summary: str) -> type:
         approve=False, reason="", approver="")
 
 
-def ask(generation: int, summary: str, flow_run, config: cfg.Promotion, key: str) -> None:
+def ask(generation: int, summary: str, flow_run, config: settings.Promotion, key: str) -> None:
     """Tell everyone a decision is wanted: the gate summary artifact, a notification, the log."""
     from prefect import get_run_logger
     from prefect.artifacts import create_markdown_artifact
@@ -129,7 +130,7 @@ def ask(generation: int, summary: str, flow_run, config: cfg.Promotion, key: str
         "Prefect UI", generation, config.approval_timeout, flow_run.id, flow_run.id)
 
 
-def await_approval(generation: int, verdict: dict, config: cfg.Promotion) -> dict:
+def await_approval(generation: int, verdict: dict, config: settings.Promotion) -> dict:
     """Wait for a person's decision when params ask for one; returns the decision."""
     if not verdict["passed"]:
         return {"decision": "not-needed", "approver": None, "reason": "the gate failed"}

@@ -179,8 +179,6 @@ def _plt():
 def score_plot(rows: list[dict]) -> str:
     import tempfile
 
-    from flows.cli import plot_history
-
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "history.png"
         plot_history(rows, path)
@@ -429,3 +427,40 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
                        at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
     io.write_text(out, page)
     return out
+
+
+def plot_history(rows: list[dict], path: Path) -> None:
+    """Pass@1 per generation: each candidate (filled if promoted) and the champion it faced."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = list(range(len(rows)))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    champion, line = None, []
+    for row in rows:
+        if row["promoted"]:
+            champion = row["score"]
+        line.append(champion)
+    ax.step(x, line, where="post", color="tab:gray", label="champion after the cycle")
+    for i, row in enumerate(rows):
+        low_high = row["difference_interval"]
+        if low_high and row["champion_score"] is not None:
+            # the interval of the difference, drawn around the champion it was measured against
+            ax.vlines(i, row["champion_score"] + low_high[0], row["champion_score"] + low_high[1],
+                      color="tab:blue", alpha=0.4, linewidth=6)
+        ax.plot(i, row["score"], "o", color="tab:blue",
+                fillstyle="full" if row["promoted"] else "none", markersize=9)
+    ax.plot([], [], "o", color="tab:blue", label="candidate (hollow: rejected)")
+    ax.plot([], [], color="tab:blue", alpha=0.4, linewidth=6,
+            label="gate interval, champion + difference")
+    ax.set_xticks(x, [r["tag"] for r in rows])
+    ax.set_ylabel("pass@1 on the held-out benchmark")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

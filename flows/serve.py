@@ -21,43 +21,17 @@ Ctrl-C (its schedules are paused on the way out, so nothing piles up while nobod
 
 from __future__ import annotations
 
-import hashlib
-from contextlib import contextmanager
 from pathlib import Path
 
-from flows.workspace import cycle_lock
-from stages import config as cfg
+from flows import params as settings
+from flows.workspace import limit_name
 
 ENTRYPOINT = "flows/cycle.py:cycle"
 
 
-def limit_name(root: Path) -> str:
-    """The workspace's global concurrency limit: its folder name and a hash of its path."""
-    return f"offseason-cycle:{root.name}-{hashlib.sha256(str(root).encode()).hexdigest()[:8]}"
-
-
-@contextmanager
-def workspace_slot(root: Path):
-    """Inside a deployment's flow run: the workspace's concurrency slot, then its file lock.
-
-    Outside one (`offseason run`), the CLI holds the file lock already and nothing is taken here.
-    """
-    from prefect.runtime import deployment, flow_run
-
-    if not deployment.id:
-        yield
-        return
-    from prefect.concurrency.sync import concurrency
-
-    with concurrency(limit_name(root), occupy=1), \
-            cycle_lock(root, f"deployment {deployment.name}, flow run {flow_run.name} "
-                             f"({flow_run.id})"):
-        yield
-
-
 def specs(root: Path) -> dict[str, dict]:
     """The deployments params.yaml defines: name -> {cron, parameters, description}."""
-    config = cfg.load_all(root / "params.yaml")["deployments"]
+    config = settings.load_all(root / "params.yaml")["deployments"]
     found = {}
     for name, spec in {"nightly": config.nightly, "weekly": config.weekly,
                        "manual": config.manual}.items():

@@ -206,3 +206,27 @@ def inputs_fingerprint(root: Path) -> dict[str, str]:
     return {"inbox": digest([root / "data" / "inbox.dvc"]),
             "params": digest([root / "params.yaml"]),
             "code": digest([root / "dvc.yaml", *sorted((root / "stages").glob("*.py"))])}
+
+
+def limit_name(root: Path) -> str:
+    """The workspace's global concurrency limit: its folder name and a hash of its path."""
+    return f"offseason-cycle:{root.name}-{hashlib.sha256(str(root).encode()).hexdigest()[:8]}"
+
+
+@contextmanager
+def workspace_slot(root: Path):
+    """Inside a deployment's flow run: the workspace's concurrency slot, then its file lock.
+
+    Outside one (`offseason run`), the CLI holds the file lock already and nothing is taken here.
+    """
+    from prefect.runtime import deployment, flow_run
+
+    if not deployment.id:
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    with concurrency(limit_name(root), occupy=1), \
+            cycle_lock(root, f"deployment {deployment.name}, flow run {flow_run.name} "
+                             f"({flow_run.id})"):
+        yield

@@ -1,0 +1,24 @@
+"""offseason's stages: one module per DVC stage, and the pieces they share, in folders by kind.
+
+    stages/
+      ingest validate rollout reward train champion_scores gate   the DVC stages (dvc.yaml)
+      init simulate                  generation 0 and the demo's traffic (`offseason init/simulate`)
+      config io tinylm               typed params, atomic writes, loading and saving model folders
+      envs/        the environments: registry, errors, arith, coding (+ its sandbox), toolcall
+      generation/  the episode loop: episode (shared types), transformers_backend, openai_backend,
+                   serve_tiny (the demo model behind an OpenAI-compatible server)
+      training/    sft, dpo, grpo (one module per `train.algorithm`), trainers (what they share),
+                   warmstart (the plain loop behind generation 0)
+      traces/      schema, pii, drift, sources/ (one reader per trace format, messages: helpers)
+
+The one rule of each folder, which is what it may import (imports point down, never in a circle;
+nothing in stages/ imports Prefect or flows/):
+- a stage module may import anything below it in stages/; no stage imports another stage, except
+  champion_scores, which scores with the gate's own code;
+- `envs/` imports only itself (`errors` is its leaf; `registry` imports the environments);
+- `generation/` imports nothing of stages/ but `tinylm`; an environment comes in as an argument;
+- `training/` imports `tinylm` and itself (`trainers` and `sft` are its leaves);
+- `traces/` imports only itself (`schema` and `pii` are its leaves; `sources/` read formats).
+`config` and `io` import nothing of stages/ but the environment registry (for name checks).
+dvc.yaml lists, for each stage, the files and folders it imports (tests/test_layout.py checks it).
+"""

@@ -1,10 +1,11 @@
 """Typed, checked configuration: one frozen dataclass per `params.yaml` section.
 
 Every stage reads exactly its own section (plus `base:`) through `load(section)`. The whole file
-is checked by `load_all()` before a cycle starts, so a typo fails in a second, not after an hour of
-rollouts. Every error names the file, the key's full name and what to write instead.
+is checked before a cycle starts (`flows/params.py` adds the flow's own sections, `promotion:` and
+`deployments:`), so a typo fails in a second, not after an hour of rollouts. Every error names the
+file, the key's full name, the value it got and what to write instead.
 
-    python -m stages.config params.yaml     # check a params file and print it with defaults filled in
+    offseason check         # check params.yaml and print it with every default filled in
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +38,7 @@ class Base:
     threads: int = 0  # torch CPU threads; 0 = all cores
 
     def __post_init__(self):
-        from stages.environments import ENVIRONMENTS
+        from stages.envs.registry import ENVIRONMENTS
 
         if self.environment not in ENVIRONMENTS:
             raise ParamsError(
@@ -46,7 +46,7 @@ class Base:
                 f"choose one of {sorted(ENVIRONMENTS)}"
             )
         if self.threads < 0:
-            raise ParamsError("base.threads: must be >= 0 (0 uses every core)")
+            raise ParamsError(f"base.threads: must be >= 0 (0 uses every core), got {self.threads}")
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Init:
                 f"init.n_embd ({self.n_embd}) must be divisible by init.n_head ({self.n_head})"
             )
         if not 0.0 <= self.tool_fraction <= 1.0:
-            raise ParamsError("init.tool_fraction: must be between 0 and 1")
+            raise ParamsError(f"init.tool_fraction: must be between 0 and 1, got {self.tool_fraction}")
         _positive("init", warmup_steps=self.warmup_steps, batch_size=self.batch_size, lr=self.lr)
 
 
@@ -84,7 +84,7 @@ class Simulate:
     def __post_init__(self):
         _positive("simulate", traces_per_day=self.traces_per_day)
         if not 0.0 <= self.feedback_rate <= 1.0:
-            raise ParamsError("simulate.feedback_rate: must be between 0 and 1")
+            raise ParamsError(f"simulate.feedback_rate: must be between 0 and 1, got {self.feedback_rate}")
 
 
 @dataclass(frozen=True)
@@ -114,9 +114,11 @@ class Validate:
 
     def __post_init__(self):
         if not 0.0 <= self.min_valid_fraction <= 1.0:
-            raise ParamsError("validate.min_valid_fraction: must be between 0 and 1")
+            raise ParamsError(f"validate.min_valid_fraction: must be between 0 and 1, got "
+                              f"{self.min_valid_fraction}")
         if not 0.0 <= self.max_drift <= 1.0:
-            raise ParamsError("validate.max_drift: must be between 0 and 1 (1 never stops)")
+            raise ParamsError(f"validate.max_drift: must be between 0 and 1 (1 never stops), got "
+                              f"{self.max_drift}")
 
 
 @dataclass(frozen=True)
@@ -163,14 +165,14 @@ class Rollout:
             request_timeout=self.request_timeout,
         )
         if self.temperature < 0:
-            raise ParamsError("rollout.temperature: must be >= 0 (0 is greedy)")
+            raise ParamsError(f"rollout.temperature: must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ParamsError("rollout.top_p: must be in (0, 1] (1 turns it off)")
+            raise ParamsError(f"rollout.top_p: must be in (0, 1] (1 turns it off), got {self.top_p}")
         for key, value in {"top_k": self.top_k, "max_turns": self.max_turns,
                            "max_tasks": self.max_tasks, "retries": self.retries,
                            "suite_tasks": self.suite_tasks}.items():
             if value < 0:
-                raise ParamsError(f"rollout.{key}: must be >= 0")
+                raise ParamsError(f"rollout.{key}: must be >= 0, got {value}")
         for url in self.url_list:
             if not url.startswith(("http://", "https://")):
                 raise ParamsError(f"rollout.urls: {url!r} is not an http(s) URL; write e.g. "
@@ -199,14 +201,14 @@ class Rollout:
 class Reward:
     """Verification of each rollout."""
 
-    # weight of each reward component (see stages/environments.py); a component not named weighs 0
+    # weight of each reward component (see stages/envs/registry.py); a component not named weighs 0
     weights: dict[str, float] = dataclasses.field(
         default_factory=lambda: {"correct": 1.0, "format": 0.0, "tool_ok": 0.0})
     workers: int = 0  # verifier processes; 0 = one per core, 1 = in the stage's own process
     ray_address: str = ""  # "" = a local process pool; "auto" or "host:port" = that Ray cluster
 
     def __post_init__(self):
-        from stages.environments import COMPONENTS
+        from stages.envs.registry import COMPONENTS
 
         for name, weight in self.weights.items():
             if name not in COMPONENTS:
@@ -219,42 +221,96 @@ class Reward:
         # every component, in a fixed order, so the params print and log complete
         object.__setattr__(self, "weights", {c: self.weights.get(c, 0.0) for c in COMPONENTS})
         if self.workers < 0:
-            raise ParamsError("reward.workers: must be >= 0 (0 uses every core)")
+            raise ParamsError(f"reward.workers: must be >= 0 (0 uses every core), got {self.workers}")
+
+
+@dataclass(frozen=True)
+class SFT:
+    """`train.sft`: rejection-sampling fine-tuning on the verified-correct rollouts."""
+
+    epochs: float = 8.0  # passes over this cycle's examples plus the replayed ones
+    lr: float = 1e-3
+
+    def __post_init__(self):
+        _positive("train.sft", epochs=self.epochs, lr=self.lr)
+
+
+@dataclass(frozen=True)
+class DPO:
+    """`train.dpo`: preference pairs through TRL's DPOTrainer. Fewer epochs than SFT: each pair
+    is seen twice per pass (chosen and rejected) and 8 epochs over-fit the demo's pairs.
+    """
+
+    epochs: float = 3.0
+    lr: float = 1e-3
+    beta: float = 0.1  # strength of the pull towards the reference (the champion)
+
+    def __post_init__(self):
+        _positive("train.dpo", epochs=self.epochs, lr=self.lr, beta=self.beta)
+
+
+@dataclass(frozen=True)
+class GRPO:
+    """`train.grpo`: group-relative advantages and a clipped ratio against the rollout policy."""
+
+    epochs: float = 4.0
+    lr: float = 1e-3
+    clip: float = 0.3  # the ratio against the rollout policy is clipped to 1 +- clip
+    kl_coef: float = 0.0  # weight of the KL term to the champion; 0 = none
+
+    def __post_init__(self):
+        _positive("train.grpo", epochs=self.epochs, lr=self.lr, clip=self.clip)
+        if self.kl_coef < 0:
+            raise ParamsError(f"train.grpo.kl_coef: must be >= 0 (0 turns it off), got "
+                              f"{self.kl_coef}")
+
+
+# The training algorithms by name, with their settings; each is the module
+# stages/training/<name>.py (the train stage loads it by that name).
+ALGORITHMS = {"sft": SFT, "dpo": DPO, "grpo": GRPO}
 
 
 @dataclass(frozen=True)
 class Train:
-    """Training the champion on its scored rollouts: SFT, DPO or GRPO (stages/train.py)."""
+    """Training the champion on its scored rollouts: SFT, DPO or GRPO (stages/train.py).
+
+    What all algorithms share sits at the top; each algorithm's own settings (epochs, learning
+    rate, ...) in its sub-section, `train.sft`, `train.dpo`, `train.grpo`, with defaults that learn
+    on the demo, so switching `train.algorithm` alone is enough.
+    """
 
     algorithm: str = "sft"  # sft | dpo | grpo
-    epochs: float = 8.0  # passes over this cycle's examples plus the replayed ones
-    lr: float = 1e-3
     batch_size: int = 64
     min_examples: int = 8  # fewer SFT examples / DPO pairs / GRPO groups: the champion is kept
     replay_fraction: float = 1.0  # share of earlier cycles' examples trained on again
-    beta: float = 0.1  # dpo: strength of the pull towards the reference (the champion)
-    clip: float = 0.2  # grpo: the ratio against the rollout policy is clipped to 1 +- clip
-    kl_coef: float = 0.0  # grpo: weight of the KL term to the champion; 0 = none
     lora_r: int = 0  # LoRA rank through PEFT, merged into the candidate; 0 = full fine-tuning
     # DeepSpeed: 0 = off, 1 / 2 / 3 = that ZeRO stage, or the path of a DeepSpeed JSON config
     deepspeed: int | str = 0
     checkpoint_steps: int = 50  # optimizer steps between checkpoints (a killed stage resumes)
+    sft: SFT = dataclasses.field(default_factory=SFT)
+    dpo: DPO = dataclasses.field(default_factory=DPO)
+    grpo: GRPO = dataclasses.field(default_factory=GRPO)
 
     def __post_init__(self):
-        if self.algorithm not in ("sft", "dpo", "grpo"):
+        if self.algorithm not in ALGORITHMS:
             raise ParamsError(f"train.algorithm: unknown algorithm {self.algorithm!r}; choose "
-                              f"one of sft, dpo, grpo")
-        _positive("train", epochs=self.epochs, lr=self.lr, batch_size=self.batch_size,
-                  beta=self.beta, clip=self.clip, checkpoint_steps=self.checkpoint_steps)
+                              f"one of {', '.join(ALGORITHMS)}")
+        _positive("train", batch_size=self.batch_size, checkpoint_steps=self.checkpoint_steps)
         if not 0.0 <= self.replay_fraction <= 1.0:
-            raise ParamsError("train.replay_fraction: must be between 0 and 1")
-        if self.kl_coef < 0 or self.lora_r < 0:
-            raise ParamsError("train.kl_coef and train.lora_r: must be >= 0 (0 turns them off)")
+            raise ParamsError(f"train.replay_fraction: must be between 0 and 1, got "
+                              f"{self.replay_fraction}")
+        if self.lora_r < 0:
+            raise ParamsError(f"train.lora_r: must be >= 0 (0 turns LoRA off), got {self.lora_r}")
         if isinstance(self.deepspeed, bool) or (
                 isinstance(self.deepspeed, int) and self.deepspeed not in (0, 1, 2, 3)) or (
                 isinstance(self.deepspeed, str) and not self.deepspeed.endswith(".json")):
             raise ParamsError(f"train.deepspeed: {self.deepspeed!r} is neither a ZeRO stage "
                               f"(0 = off, 1, 2, 3) nor the path of a DeepSpeed .json config")
+
+    @property
+    def method(self):
+        """The chosen algorithm's own settings: `train.<algorithm>`."""
+        return getattr(self, self.algorithm)
 
 
 @dataclass(frozen=True)
@@ -290,13 +346,14 @@ class Gate:
     max_tool_error_regression: float = 0.1  # share of completions with a failed tool call
 
     def __post_init__(self):
-        from stages.environments import ENVIRONMENTS
+        from stages.envs.registry import ENVIRONMENTS
 
         if not 0.5 <= self.confidence < 1.0:
-            raise ParamsError("gate.confidence: must be in [0.5, 1), e.g. 0.9")
+            raise ParamsError(f"gate.confidence: must be in [0.5, 1), e.g. 0.9, got {self.confidence}")
         _positive("gate", bootstrap_samples=self.bootstrap_samples)
         if self.benchmark_size < 0:
-            raise ParamsError("gate.benchmark_size: must be >= 0 (0 means every item)")
+            raise ParamsError(f"gate.benchmark_size: must be >= 0 (0 means every item), got "
+                              f"{self.benchmark_size}")
         if not self.suites:
             raise ParamsError("gate.suites: needs at least the primary suite, e.g. "
                               "`suites: {arith: {environment: arith}}`")
@@ -308,7 +365,8 @@ class Gate:
                 raise ParamsError(f"gate.suites.{name}.environment: unknown environment "
                                   f"{suite.environment!r}; choose one of {sorted(ENVIRONMENTS)}")
             if suite.max_regression < 0:
-                raise ParamsError(f"gate.suites.{name}.max_regression: must be >= 0")
+                raise ParamsError(f"gate.suites.{name}.max_regression: must be >= 0, got "
+                                  f"{suite.max_regression}")
         margins = {"forgetting_max_regression": self.forgetting_max_regression,
                    "max_length_increase": self.max_length_increase,
                    "max_format_regression": self.max_format_regression,
@@ -317,67 +375,6 @@ class Gate:
         for key, value in margins.items():
             if value < 0:
                 raise ParamsError(f"gate.{key}: must be >= 0, got {value}")
-
-
-@dataclass(frozen=True)
-class Promotion:
-    """What happens after the gate passed: a person's approval, if the team asks for it."""
-
-    require_approval: bool = False  # wait for `offseason approve RUN_ID` (or the Prefect UI form)
-    approval_timeout: int = 86400  # seconds to wait; then nothing is promoted and the run ends
-
-    def __post_init__(self):
-        _positive("promotion", approval_timeout=self.approval_timeout)
-
-
-# Flow parameters of a cycle (`offseason serve` deployments, the Prefect UI's Run form) and the
-# params.yaml key each one overrides for that run.
-RUN_OVERRIDES = {
-    "algorithm": "train.algorithm",
-    "samples_per_task": "rollout.samples_per_task",
-    "epochs": "train.epochs",
-    "require_approval": "promotion.require_approval",
-}
-DEPLOYMENT_KEYS = ("cron", "parameters", "description")
-
-
-@dataclass(frozen=True)
-class Deployments:
-    """`offseason serve`: when cycles run by themselves, and with which run parameters.
-
-    Each deployment is `{cron: "<5-field cron>", parameters: {name: value}, description: "..."}`;
-    `manual` has no cron (it runs from the Prefect UI's Run button or `prefect deployment run`),
-    and an empty cron turns a scheduled one off. Parameter names are those of RUN_OVERRIDES.
-    """
-
-    timezone: str = "UTC"  # the cron schedules' time zone (an IANA name)
-    nightly: dict = dataclasses.field(default_factory=lambda: {"cron": "0 2 * * *"})
-    weekly: dict = dataclasses.field(
-        default_factory=lambda: {"cron": "0 4 * * 6", "parameters": {"samples_per_task": 8}})
-    manual: dict = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self):
-        for name, spec in {"nightly": self.nightly, "weekly": self.weekly,
-                           "manual": self.manual}.items():
-            for key in spec:
-                if key not in DEPLOYMENT_KEYS:
-                    raise ParamsError(f"deployments.{name}.{key}: unknown key; valid keys: "
-                                      f"{', '.join(DEPLOYMENT_KEYS)}")
-            if name == "manual" and spec.get("cron"):
-                raise ParamsError("deployments.manual.cron: the manual deployment has no "
-                                  "schedule; put the cron on nightly or weekly")
-            cron = spec.get("cron") or ""
-            if not isinstance(cron, str) or (cron and len(cron.split()) != 5):
-                raise ParamsError(f"deployments.{name}.cron: expected a 5-field cron like "
-                                  f"'0 2 * * *' (or '' for none), got {cron!r}")
-            parameters = spec.get("parameters") or {}
-            if not isinstance(parameters, dict):
-                raise ParamsError(f"deployments.{name}.parameters: expected a mapping like "
-                                  f"{{samples_per_task: 8}}, got {parameters!r}")
-            for key in parameters:
-                if key not in RUN_OVERRIDES:
-                    raise ParamsError(f"deployments.{name}.parameters.{key}: unknown run "
-                                      f"parameter; valid: {', '.join(RUN_OVERRIDES)}")
 
 
 SECTIONS: dict[str, type] = {
@@ -390,8 +387,6 @@ SECTIONS: dict[str, type] = {
     "reward": Reward,
     "train": Train,
     "gate": Gate,
-    "promotion": Promotion,
-    "deployments": Deployments,
 }
 
 
@@ -450,6 +445,9 @@ def _build(cls: type, section: str, raw, where: str):
             hint = f" (did you mean '{section}.{near[0]}'?)" if near else ""
             _fail(where, f"unknown key '{section}.{key}'{hint}; valid keys in '{section}': "
                          f"{', '.join(names)}")
+        if dataclasses.is_dataclass(hints[key]):  # a sub-section, e.g. train.dpo
+            values[key] = _build(hints[key], f"{section}.{key}", value, where)
+            continue
         inner = typing.get_args(hints[key])[1] if typing.get_origin(hints[key]) is dict else None
         if dataclasses.is_dataclass(inner):  # a mapping of named sub-sections, e.g. gate.suites
             if not isinstance(value, dict):
@@ -483,38 +481,27 @@ def read_params(path: str | Path = "params.yaml") -> dict:
     return raw
 
 
-def load(section: str, path: str | Path = "params.yaml"):
-    """The typed config of one section, checked. Missing sections are errors, missing keys defaults."""
+def load(section: str, path: str | Path = "params.yaml", sections: dict | None = None):
+    """The typed config of one section, checked. Missing sections are errors, missing keys defaults.
+    `sections`: the classes by section name (the stages' SECTIONS unless the flow adds its own).
+    """
     raw = read_params(path)
     if section not in raw:
         _fail(str(path), f"missing section '{section}:'; add it (an empty '{section}: {{}}' takes "
                          f"the defaults)")
-    return _build(SECTIONS[section], section, raw[section], str(path))
+    return _build((sections or SECTIONS)[section], section, raw[section], str(path))
 
 
-def load_all(path: str | Path = "params.yaml") -> dict:
-    """Every section, checked; unknown and missing sections are errors."""
+def load_all(path: str | Path = "params.yaml", sections: dict | None = None) -> dict:
+    """Every section of `sections` (default: the stages' SECTIONS), checked; unknown and missing
+    sections are errors. `flows/params.py` calls it with the flow's sections added.
+    """
+    sections = sections or SECTIONS
     raw = read_params(path)
     for name in raw:
-        if name not in SECTIONS:
-            near = difflib.get_close_matches(str(name), list(SECTIONS), n=1)
+        if name not in sections:
+            near = difflib.get_close_matches(str(name), list(sections), n=1)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
             _fail(str(path), f"unknown section '{name}'{hint}; valid sections: "
-                             f"{', '.join(SECTIONS)}")
-    return {name: load(name, path) for name in SECTIONS}
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    path = argv[0] if argv else "params.yaml"
-    try:
-        configs = load_all(path)
-    except ParamsError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(yaml.safe_dump({k: dataclasses.asdict(v) for k, v in configs.items()}, sort_keys=False))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+                             f"{', '.join(sections)}")
+    return {name: load(name, path, sections) for name in sections}

@@ -44,8 +44,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages import config as cfg
-from stages import generate, io, tinylm
-from stages.environments import ENVIRONMENTS
+from stages import io, tinylm
+from stages.envs.registry import ENVIRONMENTS
+from stages.generation import transformers_backend
 
 MAX_NEW_TOKENS = 48
 
@@ -63,7 +64,7 @@ def components(env, question: str, answer: str, completion: str) -> dict[str, fl
 def score(model_dir: Path, env, items: list[dict], seed: int) -> list[dict]:
     """One row per item: correct, format, tool_ok (None when unjudgeable), tokens, completion."""
     model, tokenizer = tinylm.load(model_dir)
-    episodes = generate.generate(model, tokenizer, env, [env.prompt(i["question"]) for i in items],
+    episodes = transformers_backend.generate(model, tokenizer, env, [env.prompt(i["question"]) for i in items],
                                  temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, seed=seed,
                                  batch_size=1024, progress=False)
     rows = []

@@ -1,9 +1,9 @@
 """Ingest: new traces from the inbox into a normalized, deduplicated, scrubbed Parquet dataset.
 
 Reads every file in `data/inbox/` (plain or gzip; raw files are never modified), detects its
-format from its first readable record, maps each trace onto the schema of `stages/traces.py`,
-scrubs PII and secrets (`stages/pii.py`) and drops duplicates (by content hash, against this batch
-and every trace ingested in an earlier cycle). Formats, each a reader in `stages/sources/`:
+format from its first readable record, maps each trace onto the schema of `stages/traces/schema.py`,
+scrubs PII and secrets (`stages/traces/pii.py`) and drops duplicates (by content hash, against this batch
+and every trace ingested in an earlier cycle). Formats, each a reader in `stages/traces/sources/`:
 
 | format           | unit of a "row"                         | reader                          |
 |------------------|-----------------------------------------|---------------------------------|
@@ -46,8 +46,9 @@ import pyarrow.parquet as pq
 
 from stages import config as cfg
 from stages import io
-from stages.pii import KINDS, Scrubber
-from stages.sources import (
+from stages.traces.pii import KINDS, Scrubber
+from stages.traces.schema import SCHEMA, BadRecord, make_row
+from stages.traces.sources import (
     langfuse,
     langsmith,
     openai_chat,
@@ -55,7 +56,6 @@ from stages.sources import (
     openinference,
     otel_genai,
 )
-from stages.traces import SCHEMA, BadRecord, make_row
 
 MANIFEST = "manifest.json"
 BATCH = 5000

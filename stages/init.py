@@ -17,39 +17,9 @@ import shutil
 from pathlib import Path
 
 from stages import config as cfg
-from stages import sft, tinylm
-from stages.environments import ENVIRONMENTS
-
-
-def encode_completion(tokenizer, env, prompt: str, completion: str) -> tuple[list[int], list[int]]:
-    """Token ids of prompt + completion and the mask of the tokens the model would have chosen.
-
-    Tokens the environment injects after each closed tool call are masked out, exactly as the
-    generation backend masks them in a rollout.
-    """
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
-    mask = [0] * len(ids)
-    body = tokenizer.encode(completion, add_special_tokens=False)
-    tool_close = tokenizer.convert_tokens_to_ids(env.TOOL_CLOSE)
-    skip, start = 0, len(ids)
-    for token in body:
-        ids.append(token)
-        mask.append(0 if skip else 1)
-        skip = max(0, skip - 1)
-        if token == tool_close and not mask[-1] == 0:
-            text = tokenizer.decode(ids[start:], skip_special_tokens=True)
-            skip = len(tokenizer.encode(env.on_tool_close(text), add_special_tokens=False))
-    return ids, mask
-
-
-def demonstrations(tokenizer, env, rng: random.Random, tool_fraction: float, batch_size: int):
-    while True:
-        batch = []
-        for _ in range(batch_size):
-            question = env.sample_question(rng)
-            completion = env.demonstration(question, use_tool=rng.random() < tool_fraction)
-            batch.append(encode_completion(tokenizer, env, env.prompt(question), completion))
-        yield batch
+from stages import tinylm
+from stages.envs.registry import ENVIRONMENTS
+from stages.training import warmstart
 
 
 def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None = None) -> dict:
@@ -71,8 +41,9 @@ def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None 
         model = tinylm.build_model(tokenizer, config.n_layer, config.n_embd, config.n_head,
                                    config.n_positions, base.seed)
         rng = random.Random(base.seed)
-        metrics = sft.train(
-            model, demonstrations(tokenizer, env, rng, config.tool_fraction, config.batch_size),
+        metrics = warmstart.train(
+            model, warmstart.demonstrations(tokenizer, env, rng, config.tool_fraction,
+                                           config.batch_size),
             steps=config.warmup_steps, lr=config.lr, tokenizer=tokenizer, seed=base.seed,
             label="warm start",
         )

@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 
 from stages import config as cfg
 from stages import io
-from stages.environments import COMPONENTS, ENVIRONMENTS, score_chunk
+from stages.envs.registry import COMPONENTS, ENVIRONMENTS, score_chunk
 
 COLUMNS = ("correct", "reward", "verifier", "error")  # plus score_<component>
 

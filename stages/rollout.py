@@ -7,8 +7,8 @@ environment answers each tool call and the model goes on, up to `rollout.max_tur
 chose, their log-probabilities, the turn of each token) and `metrics/rollout.json`. Seeded by
 `base.seed`, so a rerun gives the same episodes.
 
-`rollout.backend` picks who generates: `transformers` (in this process, `stages.generate`) or
-`openai` (OpenAI-compatible servers, `stages.openai_backend`: the ones at `rollout.urls`, or one
+`rollout.backend` picks who generates: `transformers` (in this process, `stages.generation.transformers_backend`) or
+`openai` (OpenAI-compatible servers, `stages.generation.openai_backend`: the ones at `rollout.urls`, or one
 the stage starts with `rollout.server_command` on models/champion and stops afterwards).
 
     python -m stages.rollout data/validated.parquet models/champion data/rollouts.parquet metrics/rollout.json
@@ -27,8 +27,9 @@ import pyarrow.parquet as pq
 from transformers import AutoTokenizer
 
 from stages import config as cfg
-from stages import generate, io, openai_backend, tinylm
-from stages.environments import ENVIRONMENTS, load_tasks
+from stages import io, tinylm
+from stages.envs.registry import ENVIRONMENTS, load_tasks
+from stages.generation import openai_backend, transformers_backend
 
 SCHEMA = pa.schema([
     ("task_id", pa.string()), ("trace_id", pa.string()), ("sample", pa.int64()),
@@ -73,7 +74,7 @@ def run(base: cfg.Base, config: cfg.Rollout, validated: Path, champion: Path,
     if config.backend == "transformers":
         model, tokenizer = tinylm.load(champion)
         started = time.time()
-        episodes = generate.generate(
+        episodes = transformers_backend.generate(
             model, tokenizer, env, prompts, temperature=config.temperature,
             max_new_tokens=config.max_new_tokens, seed=base.seed, batch_size=config.batch_size,
             top_p=config.top_p, top_k=config.top_k, max_turns=max_turns, stop=stop,

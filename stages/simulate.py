@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 
 from stages import config as cfg
-from stages import generate, io, tinylm
-from stages.environments import ENVIRONMENTS
+from stages import io, tinylm
+from stages.envs.registry import ENVIRONMENTS
+from stages.generation import transformers_backend
 
 TEMPLATES = ["What is {q}?", "{q} = ?", "compute {q}", "Q: {q}", "how much is {q}",
              "Please work out {q} for me.", "{q}"]
@@ -50,7 +51,7 @@ def run(base: cfg.Base, config: cfg.Simulate, champion: Path, inbox: Path, bench
     texts = [rng.choice(TEMPLATES).format(q=q.replace("*", rng.choice(["*", " * ", " x "])))
              for q in questions]
     model, tokenizer = tinylm.load(champion)
-    episodes = generate.generate(model, tokenizer, env, [env.prompt(q) for q in questions],
+    episodes = transformers_backend.generate(model, tokenizer, env, [env.prompt(q) for q in questions],
                                  temperature=0.0, max_new_tokens=48, seed=rng.randrange(2**31),
                                  batch_size=1024)
     lines, correct = [], 0

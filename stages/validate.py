@@ -31,8 +31,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages import config as cfg
-from stages import drift, io
-from stages.environments import ENVIRONMENTS
+from stages import io
+from stages.envs.registry import ENVIRONMENTS
+from stages.traces import drift
 
 BATCH = 100_000  # traces checked at a time
 EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from stages import config as cfg
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ["flows", "stages", "dvc.yaml", "params.yaml", "data/benchmarks", "data/tasks", ".dvc/config",
@@ -24,13 +27,23 @@ TINY = {
              "batch_size": 32, "lr": 0.01, "tool_fraction": 0.5},
     "simulate": {"traces_per_day": 48},
     "rollout": {"samples_per_task": 2, "batch_size": 256},
-    "train": {"epochs": 1, "min_examples": 1},
+    "train": {"min_examples": 1, "sft": {"epochs": 1}, "dpo": {"epochs": 1},
+              "grpo": {"epochs": 1}},
     "gate": {"benchmark_size": 40, "bootstrap_samples": 200},
 }
 
 os.environ.update({"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
                    "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                    "HF_HUB_OFFLINE": "1", "GX_ANALYTICS_ENABLED": "False"})
+
+
+def train_config(**values) -> cfg.Train:
+    """`cfg.Train` from flat keys, as tests write them: the algorithm's own (epochs, lr, beta,
+    clip, kl_coef) go into its section, `train.<algorithm>`.
+    """
+    algorithm = cfg.ALGORITHMS[values.get("algorithm", "sft")]
+    own = {f.name: values.pop(f.name) for f in dataclasses.fields(algorithm) if f.name in values}
+    return cfg.Train(**values, **{values.get("algorithm", "sft"): algorithm(**own)})
 
 
 def write_params(root: Path, overrides: dict) -> None:

@@ -1,7 +1,7 @@
 import json
 import random
 
-from stages import arith
+from stages.envs import arith
 
 
 def test_verify_right_wrong_malformed_unjudgeable():

@@ -1,5 +1,5 @@
 """Generation backends: the transformers loop's sampling, turn limit and tool-close detection, and
-the openai backend against a real HTTP server (stages.serve_tiny) serving the same model."""
+the openai backend against a real HTTP server (stages.generation.serve_tiny) serving the same model."""
 
 import os
 import random
@@ -13,9 +13,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages import arith, generate, openai_backend, rollout, serve_tiny, sft, tinylm
 from stages import config as cfg
-from stages.init import demonstrations
+from stages import rollout, tinylm
+from stages.envs import arith
+from stages.generation import openai_backend, serve_tiny, transformers_backend
+from stages.training import warmstart
+from stages.training.warmstart import demonstrations
 
 QUESTIONS = ["12*34", "5+6", "300-7", "8*9", "41+17", "7*66", "90-45", "3*3"]
 
@@ -25,7 +28,7 @@ def trained(tmp_path_factory):
     """A very small model that has seen tool demonstrations (so it calls the tool), saved."""
     tokenizer = tinylm.build_tokenizer(arith)
     model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
-    sft.train(model, demonstrations(tokenizer, arith, random.Random(0), 1.0, 32), steps=60,
+    warmstart.train(model, demonstrations(tokenizer, arith, random.Random(0), 1.0, 32), steps=60,
               lr=1e-2, tokenizer=tokenizer, seed=0)
     model.eval()
     folder = tmp_path_factory.mktemp("model") / "champion"
@@ -89,7 +92,7 @@ def run_transformers(trained, **kwargs):
     model, tokenizer, _ = trained
     options = {"temperature": 0.0, "max_new_tokens": 40, "seed": 0, "batch_size": 64,
                "progress": False, "max_turns": 4, **kwargs}
-    return generate.generate(model, tokenizer, arith, options.pop("prompts", prompts()), **options)
+    return transformers_backend.generate(model, tokenizer, arith, options.pop("prompts", prompts()), **options)
 
 
 def run_openai(trained, urls, **kwargs):
@@ -139,9 +142,9 @@ def test_tool_close_found_in_text_when_it_is_not_one_token(trained):
     env = types.SimpleNamespace(TOOL_CLOSE="/calc>", on_tool_close=arith.on_tool_close,
                                 MAX_TURNS=4)
     model, tokenizer, _ = trained
-    assert generate.single_token(tokenizer, env.TOOL_CLOSE) is None
+    assert transformers_backend.single_token(tokenizer, env.TOOL_CLOSE) is None
     fast = run_transformers(trained, temperature=1.0, seed=5)
-    slow = generate.generate(model, tokenizer, env, prompts(), temperature=1.0, max_new_tokens=40,
+    slow = transformers_backend.generate(model, tokenizer, env, prompts(), temperature=1.0, max_new_tokens=40,
                              seed=5, batch_size=64, progress=False)
     assert [e.completion for e in slow] == [e.completion for e in fast]
     assert [e.tool_calls for e in slow] == [e.tool_calls for e in fast]
@@ -277,7 +280,7 @@ def _servers_of(folder: Path) -> list[int]:
 def test_rollout_stage_starts_and_stops_the_server(trained, tmp_path):
     folder = trained[2]
     validated = _validated(tmp_path / "validated.parquet")
-    command = f"{sys.executable} -m stages.serve_tiny {{model}} --port {{port}} --threads 1"
+    command = f"{sys.executable} -m stages.generation.serve_tiny {{model}} --port {{port}} --threads 1"
     config = cfg.Rollout(backend="openai", server_command=command, samples_per_task=2,
                          temperature=0.0, max_new_tokens=40, max_turns=4)
     base = cfg.Base()

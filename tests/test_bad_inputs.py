@@ -9,7 +9,8 @@ import subprocess
 import pytest
 from conftest import BIN, make_project, offseason, write_params
 
-from stages import arith, tinylm
+from stages import tinylm
+from stages.envs import arith
 
 
 @pytest.fixture(scope="module")

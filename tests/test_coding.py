@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from stages import coding, sandbox, tinylm
-from stages.environments import ENVIRONMENTS, VerifierError
+from stages import tinylm
+from stages.envs import coding, sandbox
+from stages.envs.errors import VerifierError
+from stages.envs.registry import ENVIRONMENTS
 
 REPO = Path(__file__).resolve().parents[1]
 SUITES = [REPO / "data/tasks/code.jsonl", REPO / "data/benchmarks/code.jsonl"]
@@ -41,8 +44,9 @@ def test_right_answer_and_gold_score_full_marks():
 
 
 def test_wrong_answers_score_zero_with_the_reason(monkeypatch):
-    monkeypatch.setitem(coding.TEST_LIMITS, "cpu_seconds", 1)  # the loop below: seconds, not five
-    monkeypatch.setitem(coding.TEST_LIMITS, "wall_seconds", 4.0)
+    # the loop below: seconds, not five
+    monkeypatch.setattr(coding, "TEST_LIMITS", dataclasses.replace(coding.TEST_LIMITS, cpu_seconds=1,
+                                                                   wall_seconds=4.0))
     wrong = coding.check(QUESTION, ANSWER, block("def add(a, b):\n    return a * b"))
     assert (wrong.correct, wrong.outcome) == (0.0, "failed")
     assert "test_add" in wrong.reason and "6 != 5" in wrong.reason

@@ -1,6 +1,7 @@
 import pytest
 import yaml
 
+from flows import params as settings
 from stages import config as cfg
 
 
@@ -11,68 +12,94 @@ def write(tmp_path, data):
 
 
 def full(**changes):
-    data = {name: {} for name in cfg.SECTIONS}
+    data = {name: {} for name in settings.SECTIONS}
     for section, values in changes.items():
         data[section] = values
     return data
 
 
 def test_defaults_load(tmp_path):
-    configs = cfg.load_all(write(tmp_path, full()))
-    assert configs["train"].lr == 1e-3
+    configs = settings.load_all(write(tmp_path, full()))
+    assert configs["train"].method.lr == 1e-3
     assert configs["base"].environment == "arith"
 
 
 def test_repo_params_are_valid():
-    configs = cfg.load_all(cfg.Path(__file__).parents[1] / "params.yaml")
-    assert set(configs) == set(cfg.SECTIONS)
+    configs = settings.load_all(cfg.Path(__file__).parents[1] / "params.yaml")
+    assert set(configs) == set(settings.SECTIONS)
 
 
 def test_unknown_key_names_key_and_suggests(tmp_path):
     with pytest.raises(cfg.ParamsError) as err:
-        cfg.load_all(write(tmp_path, full(train={"lrr": 0.1})))
+        settings.load_all(write(tmp_path, full(train={"sft": {"lrr": 0.1}})))
     message = str(err.value)
-    assert "params.yaml" in message and "train.lrr" in message and "train.lr" in message
+    assert "params.yaml" in message and "train.sft.lrr" in message and "'train.sft.lr'" in message
 
 
 def test_wrong_type_names_key(tmp_path):
     with pytest.raises(cfg.ParamsError, match=r"rollout\.samples_per_task: expected a whole number"):
-        cfg.load_all(write(tmp_path, full(rollout={"samples_per_task": "four"})))
+        settings.load_all(write(tmp_path, full(rollout={"samples_per_task": "four"})))
 
 
 def test_bool_is_not_an_int(tmp_path):
     with pytest.raises(cfg.ParamsError, match="rollout.samples_per_task"):
-        cfg.load_all(write(tmp_path, full(rollout={"samples_per_task": True})))
+        settings.load_all(write(tmp_path, full(rollout={"samples_per_task": True})))
 
 
 def test_yaml_exponent_string_is_a_number(tmp_path):
     # PyYAML reads `1e-3` (no dot) as a string; a float field accepts it
-    configs = cfg.load_all(write(tmp_path, full(train={"lr": "1e-3"})))
-    assert configs["train"].lr == 0.001
+    configs = settings.load_all(write(tmp_path, full(train={"dpo": {"lr": "1e-3"}})))
+    assert configs["train"].dpo.lr == 0.001
 
 
 def test_missing_section(tmp_path):
     data = full()
     del data["gate"]
     with pytest.raises(cfg.ParamsError, match="missing section 'gate:'"):
-        cfg.load_all(write(tmp_path, data))
+        settings.load_all(write(tmp_path, data))
 
 
 def test_unknown_section(tmp_path):
     with pytest.raises(cfg.ParamsError, match="unknown section 'trian'.*did you mean 'train'"):
-        cfg.load_all(write(tmp_path, {**full(), "trian": {}}))
+        settings.load_all(write(tmp_path, {**full(), "trian": {}}))
 
 
 def test_cross_field_check(tmp_path):
     with pytest.raises(cfg.ParamsError, match=r"init.n_embd \(30\) must be divisible"):
-        cfg.load_all(write(tmp_path, full(init={"n_embd": 30, "n_head": 4})))
+        settings.load_all(write(tmp_path, full(init={"n_embd": 30, "n_head": 4})))
 
 
 def test_unknown_environment_lists_valid_ones(tmp_path):
     with pytest.raises(cfg.ParamsError, match=r"unknown environment 'chess'.*'arith'.*'toolcall'"):
-        cfg.load_all(write(tmp_path, full(base={"environment": "chess"})))
+        settings.load_all(write(tmp_path, full(base={"environment": "chess"})))
 
 
 def test_range_check(tmp_path):
     with pytest.raises(cfg.ParamsError, match="validate.min_valid_fraction"):
-        cfg.load_all(write(tmp_path, full(validate={"min_valid_fraction": 1.5})))
+        settings.load_all(write(tmp_path, full(validate={"min_valid_fraction": 1.5})))
+
+
+def test_each_algorithm_has_its_own_settings(tmp_path):
+    # switching train.algorithm alone picks that algorithm's section, with its own defaults
+    configs = {name: settings.load_all(write(tmp_path, full(train={"algorithm": name})))["train"]
+               for name in cfg.ALGORITHMS}
+    assert {name: c.method for name, c in configs.items()} == {
+        "sft": cfg.SFT(), "dpo": cfg.DPO(), "grpo": cfg.GRPO()}
+    assert (cfg.SFT().epochs, cfg.DPO().epochs, cfg.GRPO().epochs) == (8.0, 3.0, 4.0)
+    assert cfg.GRPO().clip == 0.3
+    tuned = settings.load_all(write(tmp_path, full(train={"algorithm": "grpo",
+                                                          "grpo": {"clip": 0.1}})))["train"]
+    assert tuned.method == cfg.GRPO(clip=0.1) and tuned.sft == cfg.SFT()
+
+
+def test_algorithm_errors_name_the_key_and_value(tmp_path):
+    with pytest.raises(cfg.ParamsError, match=r"train.algorithm: unknown algorithm 'ppo'; choose "
+                                              r"one of sft, dpo, grpo"):
+        settings.load_all(write(tmp_path, full(train={"algorithm": "ppo"})))
+    with pytest.raises(cfg.ParamsError, match=r"train.grpo.kl_coef: must be >= 0 .*got -1"):
+        settings.load_all(write(tmp_path, full(train={"grpo": {"kl_coef": -1}})))
+    with pytest.raises(cfg.ParamsError, match=r"section 'train.dpo' must be a mapping"):
+        settings.load_all(write(tmp_path, full(train={"dpo": 3})))
+    with pytest.raises(cfg.ParamsError, match=r"train.replay_fraction: must be between 0 and 1, "
+                                              r"got 1.5"):
+        settings.load_all(write(tmp_path, full(train={"replay_fraction": 1.5})))

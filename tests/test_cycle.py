@@ -78,7 +78,7 @@ def test_init_simulate_and_one_cycle(project):
     parent = runs[0]
     assert parent.data.tags["offseason.git_tag"] == "gen-1"
     assert parent.data.tags["offseason.git_commit"] == git(project, "rev-parse", "gen-1")
-    assert parent.data.params["train.lr"] == "0.001"
+    assert parent.data.params["train.sft.lr"] == "0.001"
     children = client.search_runs([experiment.experiment_id],
                                   f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     assert sorted(c.data.tags["offseason.stage"] for c in children) == sorted(STAGES)
@@ -140,14 +140,14 @@ def test_killed_cycle_redoes_only_unfinished_stages(project):
 def test_bad_params_fail_before_any_stage(project):
     (project / "data/inbox").mkdir(parents=True)
     (project / "data/inbox/t.jsonl").write_text('{"messages": []}\n')
-    write_params(project, {"train": {"epochz": 3}})
+    write_params(project, {"train": {"sft": {"epochz": 3}}})
     result = offseason(project, "run", check=False)
     assert result.returncode == 2
-    assert "unknown key 'train.epochz'" in result.stderr and "did you mean 'train.epochs'" in \
-        result.stderr
+    assert "unknown key 'train.sft.epochz'" in result.stderr and \
+        "did you mean 'train.sft.epochs'" in result.stderr
     assert not (project / "dvc.lock").exists()
     params = yaml.safe_load((project / "params.yaml").read_text())
-    del params["train"]["epochz"]
+    del params["train"]["sft"]["epochz"]
     params["rollout"]["temperature"] = "hot"
     (project / "params.yaml").write_text(yaml.safe_dump(params))
     result = offseason(project, "run", check=False)

@@ -4,9 +4,13 @@ import random
 import pytest
 import torch
 
-from stages import arith, generate, sft, tinylm, toolcall
-from stages.environments import ENVIRONMENTS, TaskFileError, VerifierError, load_tasks
-from stages.init import encode_completion
+from stages import tinylm
+from stages.envs import arith, toolcall
+from stages.envs.errors import TaskFileError, VerifierError
+from stages.envs.registry import ENVIRONMENTS, load_tasks
+from stages.generation import transformers_backend
+from stages.training import warmstart
+from stages.training.sft import encode_completion
 
 INTERFACE = ["NAME", "VERSION", "TAGS", "CHARS", "TOOL_CLOSE", "MAX_TURNS", "prompt",
              "on_tool_close", "verify", "score", "gold", "task_from_messages",
@@ -36,8 +40,9 @@ def overfit(env, completions: list[tuple[str, str]], steps: int, **size):
     """A tiny model that has learned these (question, completion) pairs by heart."""
     tokenizer = tinylm.build_tokenizer(env)
     model = tinylm.build_model(tokenizer, seed=0, **size)
-    examples = [encode_completion(tokenizer, env, env.prompt(q), c) for q, c in completions]
-    sft.train(model, iter(lambda: examples, None), steps=steps, lr=1e-2, tokenizer=tokenizer,
+    examples = [dict(zip(("token_ids", "model_mask"), encode_completion(tokenizer, env, env.prompt(q), c)))
+                for q, c in completions]
+    warmstart.train(model, iter(lambda: examples, None), steps=steps, lr=1e-2, tokenizer=tokenizer,
               seed=0)
     model.eval()
     return model, tokenizer
@@ -55,7 +60,7 @@ def test_multi_turn_arith_episode_through_the_generate_loop(one_thread):
     completion = "<calc>12+30</calc><result>42</result><calc>42*2</calc><result>84</result>answer:84"
     model, tokenizer = overfit(arith, [("12+30*2", completion)], steps=60, n_layer=1, n_embd=48,
                                n_head=2, n_positions=64)
-    [episode] = generate.generate(model, tokenizer, arith, [arith.prompt("12+30*2")],
+    [episode] = transformers_backend.generate(model, tokenizer, arith, [arith.prompt("12+30*2")],
                                   temperature=0.0, max_new_tokens=48, seed=0, batch_size=4,
                                   progress=False)
     assert episode.completion == completion and episode.finish == "eos"
@@ -76,7 +81,7 @@ def test_toolcall_episode_through_the_generate_loop(one_thread):
         f"<tool_call>{call}</tool_call>")
     model, tokenizer = overfit(toolcall, [("5 min timer", completion)], steps=80, n_layer=1,
                                n_embd=64, n_head=2, n_positions=128)
-    [episode] = generate.generate(model, tokenizer, toolcall, [toolcall.prompt("5 min timer")],
+    [episode] = transformers_backend.generate(model, tokenizer, toolcall, [toolcall.prompt("5 min timer")],
                                   temperature=0.0, max_new_tokens=80, seed=0, batch_size=1,
                                   progress=False)
     assert episode.completion == completion and episode.tool_calls == 1

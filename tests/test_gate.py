@@ -10,9 +10,13 @@ import pytest
 import yaml
 from scipy import stats
 
-from stages import arith, champion_scores, gate, sft, tinylm
+from flows import params as settings
+from stages import champion_scores, gate, tinylm
 from stages import config as cfg
-from stages.init import demonstrations, encode_completion
+from stages.envs import arith
+from stages.training import warmstart
+from stages.training.sft import encode_completion
+from stages.training.warmstart import demonstrations
 
 CONFIG = cfg.Gate(bootstrap_samples=2000, confidence=0.9)
 
@@ -132,7 +136,7 @@ def tiny(tmp_path_factory):
     for name, steps in (("champion", 5), ("candidate", 30)):
         model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64,
                                    seed=0)
-        sft.train(model, demonstrations(tokenizer, arith, random.Random(0), 0.5, 16), steps=steps,
+        warmstart.train(model, demonstrations(tokenizer, arith, random.Random(0), 0.5, 16), steps=steps,
                   lr=1e-2, tokenizer=tokenizer, seed=0)
         tinylm.save(model, tokenizer, folder / name)
     return folder
@@ -219,7 +223,7 @@ def test_nested_suite_params_name_the_full_key(tmp_path):
         cfg.load("gate", path)
     path.write_text(yaml.safe_dump({"promotion": {"approval_timeout": 0}}))
     with pytest.raises(cfg.ParamsError, match="promotion.approval_timeout: must be > 0"):
-        cfg.load("promotion", path)
+        cfg.load("promotion", path, settings.SECTIONS)
 
 
 def test_suite_paths_and_params_must_match(tmp_path):

@@ -2,8 +2,9 @@ import json
 
 import pyarrow.parquet as pq
 
-from stages import arith, ingest
 from stages import config as cfg
+from stages import ingest
+from stages.envs import arith
 
 
 def chat(trace_id, question, answer="answer", email=None):
@@ -85,7 +86,7 @@ def test_too_many_messages_is_quarantined(tmp_path):
 
 
 def test_normalized_duplicates_share_a_hash():
-    from stages.traces import content_hash
+    from stages.traces.schema import content_hash
     assert content_hash('[{"content": "a  b", "role": "user"}]') == \
         content_hash('[{"content": "a\\nb", "role": "user"}]')
     assert content_hash('[{"id": "call_1", "role": "tool", "tool_call_id": "c1"}]') == \

@@ -149,7 +149,7 @@ def test_a_record_the_reader_did_not_foresee_is_quarantined_not_a_crash(tmp_path
     assert bad["source_file"] == "otel.json" and "'not a number'" in bad["reason"]
 
     # a reader bug on input nobody foresaw: the row is quarantined with the error named
-    from stages.sources import openai_chat
+    from stages.traces.sources import openai_chat
 
     def broken(record):
         raise KeyError("function")

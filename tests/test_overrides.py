@@ -5,24 +5,43 @@ import yaml
 from conftest import REPO
 
 from flows import overrides
+from flows import params as settings
 from stages import config as cfg
 
 
 def test_rewrite_changes_only_the_value_and_keeps_comments():
     text = (REPO / "params.yaml").read_text()
-    new = overrides.rewrite(text, {"rollout.samples_per_task": 8, "train.epochs": 2.5})
+    new = overrides.rewrite(text, {"rollout.samples_per_task": 8, "train.sft.epochs": 2.5})
     params = yaml.safe_load(new)
-    assert params["rollout"]["samples_per_task"] == 8 and params["train"]["epochs"] == 2.5
+    assert params["rollout"]["samples_per_task"] == 8 and params["train"]["sft"]["epochs"] == 2.5
+    assert params["train"]["dpo"] == yaml.safe_load(text)["train"]["dpo"]
     assert params["simulate"] == yaml.safe_load(text)["simulate"]
     changed = [(a, b) for a, b in zip(text.splitlines(), new.splitlines()) if a != b]
     assert changed == [("  samples_per_task: 4", "  samples_per_task: 8"),
-                       ("  epochs: 8", "  epochs: 2.5")]
+                       ("    epochs: 8", "    epochs: 2.5")]
 
 
 def test_a_missing_key_is_added_to_its_section():
     new = overrides.rewrite("train:\n  lr: 0.1  # why\ngate:\n  confidence: 0.9\n",
-                            {"train.epochs": 3})
-    assert new == "train:\n  epochs: 3\n  lr: 0.1  # why\ngate:\n  confidence: 0.9\n"
+                            {"train.batch_size": 3})
+    assert new == "train:\n  batch_size: 3\n  lr: 0.1  # why\ngate:\n  confidence: 0.9\n"
+    text = "train:\n  algorithm: sft\n  dpo:\n    beta: 0.1\n\ngate:\n  confidence: 0.9\n"
+    assert overrides.rewrite(text, {"train.dpo.epochs": 2}) == text.replace(
+        "  dpo:\n", "  dpo:\n    epochs: 2\n")
+    assert overrides.rewrite(text, {"train.grpo.epochs": 2}) == text.replace(
+        "  algorithm: sft\n", "  grpo:\n    epochs: 2\n  algorithm: sft\n")
+    assert overrides.rewrite(text, {"train.dpo.beta": 0.5}) == text.replace("0.1", "0.5")
+
+
+def test_epochs_belong_to_the_runs_algorithm(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text((REPO / "params.yaml").read_text())
+    assert overrides.from_parameters(path, epochs=2) == {"train.sft.epochs": 2}
+    assert overrides.from_parameters(path, algorithm="grpo", epochs=2) == {
+        "train.algorithm": "grpo", "train.grpo.epochs": 2}
+    with overrides.applied(tmp_path, {"train.algorithm": "dpo", "train.dpo.epochs": 1.5}):
+        config = cfg.load("train", path)
+        assert config.method == cfg.DPO(epochs=1.5) and config.sft == cfg.SFT()
 
 
 def test_applied_restores_the_exact_text(tmp_path):
@@ -46,8 +65,8 @@ def test_a_bad_override_fails_naming_the_key_and_restores(tmp_path):
             pass
     assert path.read_text() == original
     with pytest.raises(cfg.ParamsError, match="unknown run parameter"):
-        overrides.from_parameters(temperature=0.5)
-    assert overrides.from_parameters(samples_per_task=8, algorithm=None) == {
+        overrides.from_parameters(path, temperature=0.5)
+    assert overrides.from_parameters(path, samples_per_task=8, algorithm=None) == {
         "rollout.samples_per_task": 8}
 
 
@@ -57,7 +76,7 @@ def test_deployments_section_is_checked(tmp_path):
         params["deployments"] = deployments
         path = tmp_path / "params.yaml"
         path.write_text(yaml.safe_dump(params))
-        return cfg.load_all(path)["deployments"]
+        return settings.load_all(path)["deployments"]
 
     ok = load({"nightly": {"cron": "0 1 * * *", "parameters": {"samples_per_task": 2}}})
     assert ok.nightly["parameters"] == {"samples_per_task": 2} and ok.weekly["cron"]

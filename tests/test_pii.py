@@ -1,6 +1,6 @@
 import pytest
 
-from stages.pii import KINDS, Scrubber, luhn, maybe_pii
+from stages.traces.pii import KINDS, Scrubber, luhn, maybe_pii
 
 
 def scrub(text, kinds=KINDS):

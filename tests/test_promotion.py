@@ -20,6 +20,7 @@ FLOW = '''
 import json, sys
 from prefect import flow
 from flows.promotion import await_approval
+from flows import params as settings
 from stages import config as cfg
 
 VERDICT = {"passed": True, "candidate_score": 0.6, "champion_score": 0.4, "difference": 0.2,
@@ -28,7 +29,7 @@ VERDICT = {"passed": True, "candidate_score": 0.6, "champion_score": 0.4, "diffe
 @flow(name="approval-check", flow_run_name="gen-" + sys.argv[1])
 def check(timeout: int):
     return await_approval(int(sys.argv[1]), VERDICT,
-                          cfg.Promotion(require_approval=True, approval_timeout=timeout))
+                          settings.Promotion(require_approval=True, approval_timeout=timeout))
 
 if __name__ == "__main__":
     print("DECISION " + json.dumps(check(int(sys.argv[2]))), flush=True)

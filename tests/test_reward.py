@@ -9,9 +9,10 @@ import pytest
 import yaml
 
 from flows import cli
-from stages import arith, reward, rollout, toolcall
 from stages import config as cfg
-from stages.environments import load_tasks
+from stages import reward, rollout
+from stages.envs import arith, toolcall
+from stages.envs.registry import load_tasks
 
 TOOLCALL = cfg.Base(environment="toolcall")
 INLINE = cfg.Reward(workers=1)

@@ -4,10 +4,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import train_config
 
-from stages import arith, champion_scores, gate, reward, rollout, sft, tinylm, train
+from stages import champion_scores, gate, reward, rollout, tinylm, train
 from stages import config as cfg
-from stages.init import demonstrations, encode_completion
+from stages.envs import arith
+from stages.training import warmstart
+from stages.training.sft import encode_completion
+from stages.training.warmstart import demonstrations
 
 
 def rollouts_file(tmp_path, rows):
@@ -63,7 +67,7 @@ def champion(tmp_path_factory):
     folder = tmp_path_factory.mktemp("models") / "champion"
     tokenizer = tinylm.build_tokenizer(arith)
     model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
-    sft.train(model, demonstrations(tokenizer, arith, random.Random(0), 0.5, 16), steps=10,
+    warmstart.train(model, demonstrations(tokenizer, arith, random.Random(0), 0.5, 16), steps=10,
               lr=1e-2, tokenizer=tokenizer, seed=0)
     tinylm.save(model, tokenizer, folder)
     return folder
@@ -72,7 +76,7 @@ def champion(tmp_path_factory):
 def test_too_little_data_keeps_the_champion(tmp_path, champion):
     path = rollouts_file(tmp_path, [("2*3", "answer:7"), ("2*3", "answer:8")])
     reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards.parquet")
-    m = train.run(cfg.Base(), cfg.Train(min_examples=1), tmp_path / "rewards.parquet", champion,
+    m = train.run(cfg.Base(), train_config(min_examples=1), tmp_path / "rewards.parquet", champion,
                   tmp_path / "candidate", tmp_path / "replay")
     assert m["trained"] is False and "train.min_examples" in m["reason"]
     assert gate.weights_hash(tmp_path / "candidate") == gate.weights_hash(champion)
@@ -83,7 +87,7 @@ def test_train_learns_from_verified_rollouts_only(tmp_path, champion):
     path = rollouts_file(tmp_path, rows)
     reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards.parquet")
     assert len(train.examples_from(tmp_path / "rewards.parquet")) == 4  # 4 tasks, 1 correct each
-    m = train.run(cfg.Base(), cfg.Train(min_examples=2, epochs=8, batch_size=4),
+    m = train.run(cfg.Base(), train_config(min_examples=2, epochs=8, batch_size=4),
                   tmp_path / "rewards.parquet", champion, tmp_path / "candidate",
                   tmp_path / "replay")
     assert m["trained"] is True and m["examples"] == 4 and m["steps"] == 8
@@ -96,7 +100,7 @@ def test_later_cycles_replay_earlier_examples_once(tmp_path, champion):
     first.mkdir()
     rollouts_file(first, [("2*3", "<calc>2*3</calc><result>6</result>answer:6")] * 4)
     reward.run(cfg.Base(), cfg.Reward(), first / "rollouts.parquet", first / "rewards.parquet")
-    config = cfg.Train(min_examples=1, epochs=1, batch_size=4)
+    config = train_config(min_examples=1, epochs=1, batch_size=4)
     train.run(cfg.Base(), config, first / "rewards.parquet", champion, tmp_path / "cand",
               tmp_path / "replay")
     second = tmp_path / "two"
@@ -111,7 +115,7 @@ def test_later_cycles_replay_earlier_examples_once(tmp_path, champion):
                       tmp_path / "replay")
     assert (again["examples"], again["replayed"]) == (3, 2)
     assert len(list((tmp_path / "replay").glob("part-*.parquet"))) == 2
-    half = cfg.Train(min_examples=1, epochs=1, batch_size=4, replay_fraction=0.5)
+    half = train_config(min_examples=1, epochs=1, batch_size=4, replay_fraction=0.5)
     m = train.run(cfg.Base(), half, second / "rewards.parquet", champion, tmp_path / "cand",
                   tmp_path / "replay")
     assert m["replayed"] == 1

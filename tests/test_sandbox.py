@@ -1,7 +1,7 @@
 """The sandbox: real escapes tried from inside it, each contained and recorded with a reason.
 
 Each test runs under bubblewrap and under the rlimit fallback where that fallback claims to hold
-(see stages/sandbox.py's docstring): a test of a guarantee the fallback does not give is skipped
+(see stages/envs/sandbox.py's docstring): a test of a guarantee the fallback does not give is skipped
 for it, never weakened. CI runs as root with bubblewrap installed by `make setup`.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from stages import sandbox
-from stages.environments import VerifierError
+from stages.envs import sandbox
+from stages.envs.errors import VerifierError
 
 ROOT = os.geteuid() == 0
 FAST = sandbox.Limits(wall_seconds=8.0, cpu_seconds=4, memory_mb=256, processes=16)
@@ -37,7 +37,7 @@ class Box:
         return {"isolation": self.isolation, "python": self.python}
 
     def claims(self, what: str) -> bool:
-        """Whether this sandbox claims to contain `what` (stages/sandbox.py's docstring)."""
+        """Whether this sandbox claims to contain `what` (stages/envs/sandbox.py's docstring)."""
         if self.isolation == "bwrap":
             return True
         python = self.python or sandbox.interpreter()
@@ -67,7 +67,7 @@ def box(request) -> Box:
 def needs(box: Box, what: str) -> None:
     if not box.claims(what):
         pytest.skip(f"this sandbox ({box}) does not claim to contain {what} here: "
-                    f"see stages/sandbox.py")
+                    f"see stages/envs/sandbox.py")
 
 
 def run(box: Box, body: str, limits: sandbox.Limits = FAST, code: str = "") -> sandbox.Result:

@@ -175,7 +175,7 @@ def test_no_secret_reaches_mlflow_prefect_or_dvc_outputs(cycle):
     assert not leaks, leaks
     # the search did look where it should: MLflow params, Prefect's flow run logs, the traces
     mlflow_text = "\n".join(texts_of(root / "mlflow.db"))
-    assert "train.lr" in mlflow_text and "offseason.stage" in mlflow_text
+    assert "train.sft.lr" in mlflow_text and "offseason.stage" in mlflow_text
     prefect_dbs = list(cycle["prefect"].rglob("*.db"))
     assert prefect_dbs
     db = sqlite3.connect(prefect_dbs[0])

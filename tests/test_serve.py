@@ -99,7 +99,7 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, tmp_
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.serve import limit_name
+    from flows.workspace import limit_name
 
     project = make_project(tmp_path / "project", APPROVABLE)
     offseason(project, "init")

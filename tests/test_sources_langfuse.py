@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.sources import langfuse, langsmith, openinference
-from stages.traces import BadRecord
+from stages.traces.schema import BadRecord
+from stages.traces.sources import langfuse, langsmith, openinference
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 LF1 = "c2a1e0d4-5b6f-4e3a-9d2c-7f8e1a0b3c4d"

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.sources import langfuse, langsmith, openinference
-from stages.traces import BadRecord
+from stages.traces.schema import BadRecord
+from stages.traces.sources import langfuse, langsmith, openinference
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 LS1 = "1f0c8a52-4b7e-4c1d-9a3e-2b6d5f8e7a10"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from stages.sources import openai_chat
+from stages.traces.sources import openai_chat
 
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 

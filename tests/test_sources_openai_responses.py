@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.sources import openai_responses as responses
-from stages.traces import BadRecord
+from stages.traces.schema import BadRecord
+from stages.traces.sources import openai_responses as responses
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 

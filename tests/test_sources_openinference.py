@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.sources import langfuse, langsmith, openinference
-from stages.traces import BadRecord
+from stages.traces.schema import BadRecord
+from stages.traces.sources import langfuse, langsmith, openinference
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 T1 = "6a1f0c9b2e3d4f5a8b7c6d5e4f3a2b1c"

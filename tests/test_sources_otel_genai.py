@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.sources import otel_genai as otel
-from stages.traces import BadRecord
+from stages.traces.schema import BadRecord
+from stages.traces.sources import otel_genai as otel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 WEATHER_CALL = "call_VSPygqKTWdrhaFErNvMV18Yl"

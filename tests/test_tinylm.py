@@ -3,8 +3,12 @@ import random
 import pytest
 import torch
 
-from stages import arith, generate, sft, tinylm
-from stages.init import demonstrations, encode_completion
+from stages import tinylm
+from stages.envs import arith
+from stages.generation import transformers_backend
+from stages.training import sft, warmstart
+from stages.training.sft import encode_completion
+from stages.training.warmstart import demonstrations
 
 
 @pytest.fixture(scope="module")
@@ -12,7 +16,7 @@ def trained():
     """A very small model that has seen tool demonstrations, so it calls the tool."""
     tokenizer = tinylm.build_tokenizer(arith)
     model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
-    sft.train(model, demonstrations(tokenizer, arith, random.Random(0), 1.0, 32), steps=60,
+    warmstart.train(model, demonstrations(tokenizer, arith, random.Random(0), 1.0, 32), steps=60,
               lr=1e-2, tokenizer=tokenizer, seed=0)
     return model, tokenizer
 
@@ -55,7 +59,7 @@ def test_encode_completion_masks_tool_results():
 def test_generation_injects_tool_results_and_is_seeded(trained):
     model, tokenizer = trained
     prompts = [arith.prompt(q) for q in ["12*34", "5+6", "300-7", "8*9"]] * 8
-    run = lambda seed: generate.generate(model, tokenizer, arith, prompts, temperature=1.0,  # noqa
+    run = lambda seed: transformers_backend.generate(model, tokenizer, arith, prompts, temperature=1.0,  # noqa
                                          max_new_tokens=40, seed=seed, batch_size=16,
                                          progress=False)
     episodes = run(3)
@@ -89,7 +93,7 @@ def test_generation_injects_tool_results_and_is_seeded(trained):
 def test_greedy_is_deterministic(trained):
     model, tokenizer = trained
     prompts = [arith.prompt("12*34")] * 3
-    episodes = generate.generate(model, tokenizer, arith, prompts, temperature=0.0,
+    episodes = transformers_backend.generate(model, tokenizer, arith, prompts, temperature=0.0,
                                  max_new_tokens=40, seed=0, batch_size=8, progress=False)
     assert len({e.completion for e in episodes}) == 1
 
@@ -97,13 +101,15 @@ def test_greedy_is_deterministic(trained):
 def test_sft_loss_goes_down():
     tokenizer = tinylm.build_tokenizer(arith)
     model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
-    examples = [encode_completion(tokenizer, arith, arith.prompt(q), arith.demonstration(q, True))
+    examples = [dict(zip(("token_ids", "model_mask"),
+                         encode_completion(tokenizer, arith, arith.prompt(q), arith.demonstration(q, True))))
                 for q in ["1+2", "3*4", "10-5", "7*8"]]
-    inputs, attention, labels = sft.collate(examples[:2], tokenizer.bos_token_id,
-                                            tokenizer.eos_token_id, tokenizer.pad_token_id)
+    batch = sft.collate(examples[:2], tokenizer.bos_token_id, tokenizer.eos_token_id,
+                        tokenizer.pad_token_id)
+    inputs, attention, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
     with torch.no_grad():
         before = float(model(input_ids=inputs, attention_mask=attention, labels=labels).loss)
-    sft.train(model, sft.epoch_batches(examples, 4, 0), steps=30, lr=1e-2, tokenizer=tokenizer,
+    warmstart.train(model, warmstart.epoch_batches(examples, 4, 0), steps=30, lr=1e-2, tokenizer=tokenizer,
               seed=0)
     with torch.no_grad():
         after = float(model(input_ids=inputs, attention_mask=attention, labels=labels).loss)

@@ -2,8 +2,9 @@ import json
 
 import pytest
 
-from stages import toolcall
-from stages.environments import VerifierError, load_tasks
+from stages.envs import toolcall
+from stages.envs.errors import VerifierError
+from stages.envs.registry import load_tasks
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "minLength": 1},

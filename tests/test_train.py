@@ -14,11 +14,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from conftest import REPO
+from conftest import REPO, train_config
 
-from stages import arith, gate, reward, rollout, sft, tinylm, train, trainers
 from stages import config as cfg
-from stages.init import demonstrations, encode_completion
+from stages import gate, reward, rollout, tinylm, train
+from stages.envs import arith
+from stages.training import dpo, grpo, warmstart
+from stages.training.sft import encode_completion
+from stages.training.warmstart import demonstrations
 
 GOOD = "<calc>2*3</calc><result>6</result>answer:6"
 BAD = "answer:5"
@@ -29,7 +32,7 @@ def champion(tmp_path_factory):
     folder = tmp_path_factory.mktemp("models") / "champion"
     tokenizer = tinylm.build_tokenizer(arith)
     model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
-    sft.train(model, demonstrations(tokenizer, arith, random.Random(0), 0.5, 16), steps=10,
+    warmstart.train(model, demonstrations(tokenizer, arith, random.Random(0), 0.5, 16), steps=10,
               lr=1e-2, tokenizer=tokenizer, seed=0)
     tinylm.save(model, tokenizer, folder)
     return folder
@@ -47,7 +50,7 @@ def scored(tmp_path, champion, groups):
                          "prompt": arith.prompt(question), "completion": completion,
                          "token_ids": ids, "model_mask": mask, "logprobs": None,
                          "finish": "eos", "tool_calls": completion.count("<calc>")})
-    trainers.reference_logprobs(model, rows, tokenizer.bos_token_id, tokenizer.pad_token_id, 16)
+    grpo.reference_logprobs(model, rows, tokenizer.bos_token_id, tokenizer.pad_token_id, 16)
     for row in rows:  # as the rollout records them: the policy's log-prob where the model chose
         row["logprobs"] = [lp if m else 0.0 for lp, m in zip(row.pop("ref_logprobs"),
                                                              row["model_mask"])]
@@ -61,15 +64,15 @@ def sequence_logprob(folder, completion, question="2*3"):
     """Summed log-probability of the model's own tokens of `completion`."""
     model, tokenizer = tinylm.load(folder)
     ids, mask = encode_completion(tokenizer, arith, arith.prompt(question), completion)
-    batch = trainers.collate_grpo(tokenizer.bos_token_id, tokenizer.pad_token_id)(
+    batch = grpo.collate(tokenizer.bos_token_id, tokenizer.pad_token_id)(
         [{"token_ids": ids, "model_mask": mask, "logprobs": [0.0] * len(ids), "advantage": 0.0}])
     with torch.no_grad():
-        logp = trainers.token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+        logp = grpo.token_logprobs(model, batch["input_ids"], batch["attention_mask"])
     return float((logp * batch["mask"]).sum())
 
 
 def run_train(tmp_path, champion, rewards, validated=None, **params):
-    config = cfg.Train(**{"min_examples": 1, "batch_size": 4, **params})
+    config = train_config(**{"min_examples": 1, "batch_size": 4, **params})
     return train.run(cfg.Base(), config, rewards, champion, tmp_path / "candidate",
                      tmp_path / "replay", tmp_path / "candidate.ckpt", tmp_path / "steps.csv",
                      validated)
@@ -81,7 +84,7 @@ def steps(tmp_path):
 
 def test_dpo_pairs_keep_the_model_tokens_only(tmp_path, champion):
     rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD, BAD, GOOD]), ("4+4", [BAD] * 2)])
-    pairs, counts = train.dpo_pairs(pq.read_table(rewards).to_pylist())
+    pairs, counts = dpo.examples(pq.read_table(rewards).to_pylist())
     assert len(pairs) == 1 and counts == {"tasks_without_pair": 1}  # distinct completions only
     _, tokenizer = tinylm.load(champion)
     pair = pairs[0]
@@ -121,9 +124,9 @@ def test_feedback_pairs_follow_the_verifier_not_the_thumbs(tmp_path, champion):
     rewards = scored(tmp_path, champion, ROLLOUTS)
     rows = pq.read_table(rewards).to_pylist()
     _, tokenizer = tinylm.load(champion)
-    traces = train.read_traces(validated_traces(tmp_path, FEEDBACK))
+    traces = dpo.read_traces(validated_traces(tmp_path, FEEDBACK))
     assert sorted(t["trace_id"] for t in traces) == ["t0", "t1", "t2", "t3", "t4"]
-    pairs, counts = train.feedback_pairs(rows, traces, arith, tokenizer)
+    pairs, counts = dpo.feedback_pairs(rows, traces, arith, tokenizer)
     assert counts == {"feedback_traces": 5, "thumbs_up_verifier_wrong": 1,
                       "thumbs_down_verifier_correct": 1, "feedback_unusable": 1,
                       "feedback_without_partner": 0}
@@ -156,7 +159,7 @@ def test_dpo_counts_rollout_and_feedback_pairs_apart(tmp_path, champion):
 def test_grpo_groups_and_flat_groups_counted(tmp_path, champion):
     rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD, BAD, BAD]), ("4+4", [BAD] * 4),
                                           ("5+1", ["answer:6"] * 4)])
-    groups, counts = train.grpo_groups(pq.read_table(rewards).to_pylist())
+    groups, counts = grpo.examples(pq.read_table(rewards).to_pylist())
     assert counts == {"groups_without_spread": 2} and len(groups) == 1
     advantages = [e["advantage"] for e in groups[0]["episodes"]]
     assert advantages[0] == pytest.approx(3 ** 0.5) and sum(advantages) == pytest.approx(0)
@@ -277,8 +280,8 @@ def test_killed_stage_resumes_to_the_same_weights(tmp_path, champion):
     rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD, BAD, BAD])] * 8)
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["base"]["threads"] = 1
-    params["train"].update(algorithm="grpo", epochs=4.5, batch_size=4, min_examples=1,
-                           checkpoint_steps=4, kl_coef=0.05)
+    params["train"].update(algorithm="grpo", batch_size=4, min_examples=1, checkpoint_steps=4)
+    params["train"]["grpo"].update(epochs=4.5, kl_coef=0.05)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     run_stage(stage_command(whole, champion, rewards, tmp_path / "params.yaml"))

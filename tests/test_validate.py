@@ -2,8 +2,9 @@ import json
 
 import pytest
 
-from stages import arith, ingest, validate
 from stages import config as cfg
+from stages import ingest, validate
+from stages.envs import arith
 
 
 def ingested(tmp_path, records):

@@ -19,34 +19,19 @@ An episode ends with `finish`: "eos" (the model ended it), "stop" (its text ende
 stop strings), "length" (`max_new_tokens` or the model's context), or "turns" (it closed one tool
 call more than `max_turns` allows; that call is not answered).
 
-`generate_ids` is the core, on token ids, also used by `stages.serve_tiny` (the CPU
+`generate_ids` is the core, on token ids, also used by `stages.generation.serve_tiny` (the CPU
 OpenAI-compatible server of the demo model); `generate` is the environment-aware entry point.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-PROGRESS_EVERY_S = 10.0
-
-
-@dataclass
-class Episode:
-    prompt: str
-    completion: str = ""
-    token_ids: list[int] = field(default_factory=list)  # prompt + completion, without <bos>/<eos>
-    model_mask: list[int] = field(default_factory=list)  # 1 where the model chose the token
-    logprobs: list[float] = field(default_factory=list)  # policy log-prob; 0.0 where forced
-    finish: str = "length"  # "eos", "stop", "length" or "turns"
-    tool_calls: int = 0  # tool calls the environment answered
-    # per token: 0 for the prompt, k for the model's k-th turn and the tool result answering it
-    turns: list[int] = field(default_factory=list)
+from stages.generation.episode import Episode, Progress, turn_index
 
 
 @dataclass
@@ -60,18 +45,6 @@ class Row:
     tool_calls: int
     closes: list[int]  # index in token_ids of each answered tool call's closing token
     stop: str | None = None  # the stop string the text ended with, when finish == "stop"
-
-
-def turn_index(prompt_len: int, mask: list[int], closes: list[int]) -> list[int]:
-    """Per token: 0 for the prompt; model turn k (from 1) and the tool result answering it: k."""
-    turns, closed, pending = [0] * prompt_len, 0, iter(closes)
-    following = next(pending, None)
-    for i, chosen in enumerate(mask):
-        turns.append(closed + 1 if chosen else closed)
-        if i == following:
-            closed += 1
-            following = next(pending, None)
-    return turns
 
 
 def _filtered(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -103,38 +76,6 @@ def single_token(tokenizer, text: str) -> int | None:
     """The id of `text` when the tokenizer encodes it as exactly one token."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     return ids[0] if len(ids) == 1 else None
-
-
-class Progress:
-    """Episodes done: a line on stderr every PROGRESS_EVERY_S (the Prefect log shows those) and a
-    tqdm bar when stderr is a terminal.
-    """
-
-    def __init__(self, total: int, label: str, enabled: bool):
-        self.total, self.label, self.enabled, self.done = total, label, enabled, 0
-        self.started = self.last = time.time()
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc=label, unit="ep", file=sys.stderr, leave=False)
-
-    def update(self, done: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.update(done - self.done)
-        self.done = done
-        now = time.time()
-        if now - self.last >= PROGRESS_EVERY_S or done == self.total:
-            self.last = now
-            rate = done / max(now - self.started, 1e-9)
-            print(f"{self.label}: {done}/{self.total} episodes ({rate:.1f}/s)", file=sys.stderr,
-                  flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 @torch.inference_mode()

@@ -1,10 +1,10 @@
 """The openai generation backend: multi-turn episodes from OpenAI-compatible completion servers.
 
-Any server with the completions API works (vLLM's `vllm serve`, SGLang, TGI, `stages.serve_tiny`).
+Any server with the completions API works (vLLM's `vllm serve`, SGLang, TGI, `stages.generation.serve_tiny`).
 Each model turn is one `POST {url}/completions` with `stop=[env.TOOL_CLOSE, *stop]`; when the
 turn ends with TOOL_CLOSE the environment's `on_tool_close(text)` is appended and the next turn is
 requested, up to `max_turns` answered calls (one more call ends the episode with finish="turns").
-The result is the same `stages.generate.Episode` rows as the transformers backend.
+The result is the same `stages.generation.episode.Episode` rows as the transformers backend.
 
 Token ids: with a tokenizer (the rollout stage passes models/champion's) the prompt is sent as
 token ids (`<bos>` + prompt + completion so far, exactly what the transformers backend feeds), the
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import httpx
 
-from stages.generate import Episode, Progress, turn_index
+from stages.generation.episode import Episode, Progress, turn_index
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
 RETRY_ERRORS = (httpx.TimeoutException, httpx.ConnectError, httpx.RemoteProtocolError,

@@ -1,7 +1,7 @@
-"""The trainers behind the train stage: SFT and GRPO on the transformers Trainer, DPO through TRL.
+"""What the train stage's algorithms share (`stages/training/sft.py`, `dpo.py`, `grpo.py`).
 
 Helper of `stages/train.py` (no work at import time, nothing read or written here but the
-checkpoints the Trainer saves). What they share:
+checkpoints the Trainer saves). What the algorithms share:
 
 - the data are pre-tokenized rollouts (`token_ids`, `model_mask`: 1 where the model chose the token),
   so the loss is only ever on the model's own tokens: never on the prompt, never on a tool result
@@ -22,10 +22,11 @@ import shutil
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 
 
 def hardware() -> dict:
@@ -99,6 +100,27 @@ def arguments(output_dir: Path, *, steps: int, batch_size: int, lr: float, seed:
     )
 
 
+@dataclass(frozen=True)
+class ArgumentsFor:
+    """The TrainingArguments of one training, by the number of rows it trains on: the steps are
+    `epochs` passes over them in batches of `batch_size`. Called by each algorithm's `trainer`.
+    """
+
+    work: Path  # checkpoints
+    batch_size: int
+    epochs: float
+    lr: float
+    seed: int
+    checkpoint_steps: int
+    deepspeed: dict | None
+
+    def __call__(self, rows: int, cls=TrainingArguments, **extra):
+        return arguments(self.work, steps=total_steps(rows, self.batch_size, self.epochs),
+                         batch_size=self.batch_size, lr=self.lr, seed=self.seed,
+                         checkpoint_steps=self.checkpoint_steps, deepspeed=self.deepspeed,
+                         cls=cls, **extra)
+
+
 class StepLog:
     """Adds training tokens per second to each logged step (a mixin for any Trainer)."""
 
@@ -118,108 +140,26 @@ class StepLog:
         super().log(logs, start_time)
 
 
-def collate_sft(bos: int, eos: int, pad: int):
-    """Right-padded `<bos> ids <eos>`; labels -100 wherever the model did not choose the token."""
-    def collate(rows: list[dict]) -> dict:
-        width = max(len(r["token_ids"]) for r in rows) + 2
-        inputs = torch.full((len(rows), width), pad, dtype=torch.long)
-        labels = torch.full((len(rows), width), -100, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            seq = [bos, *row["token_ids"], eos]
-            keep = [0, *row["model_mask"], 1]
-            inputs[i, :len(seq)] = torch.tensor(seq)
-            attention[i, :len(seq)] = 1
-            labels[i, :len(seq)] = torch.tensor([t if k else -100 for t, k in zip(seq, keep)])
-        return {"input_ids": inputs, "attention_mask": attention, "labels": labels}
-    return collate
+def by_task(rows: list[dict]) -> dict[str, list[dict]]:
+    """The scored rollouts (reward not None) grouped by task, tasks in a fixed order."""
+    tasks: dict[str, list[dict]] = {}
+    for row in rows:
+        if row["reward"] is not None:
+            tasks.setdefault(row["task_id"], []).append(row)
+    return {task: tasks[task] for task in sorted(tasks)}
 
 
-class SFTTrainer(StepLog, Trainer):
-    """The transformers Trainer, with per-step throughput; the model computes its own loss."""
+def lora(model, r: int):
+    """`model` with LoRA adapters of rank `r` on every linear layer (PEFT); merged after training."""
+    from peft import LoraConfig, get_peft_model
 
-
-def collate_grpo(bos: int, pad: int):
-    """`<bos> ids`, right-padded, with the per-token mask, rollout log-probs and advantage.
-
-    Position t of `mask`, `old_logprobs` and `ref_logprobs` belongs to the token at t + 1 of the
-    inputs (the one the logits at t predict). The end-of-sequence choice has no recorded log-prob,
-    so it is not part of the GRPO loss.
-    """
-    def collate(rows: list[dict]) -> dict:
-        width = max(len(r["token_ids"]) for r in rows) + 1
-        n = len(rows)
-        out = {"input_ids": torch.full((n, width), pad, dtype=torch.long),
-               "attention_mask": torch.zeros((n, width), dtype=torch.long),
-               "mask": torch.zeros((n, width - 1)), "old_logprobs": torch.zeros((n, width - 1)),
-               "ref_logprobs": torch.zeros((n, width - 1)),
-               "advantage": torch.tensor([r["advantage"] for r in rows], dtype=torch.float)}
-        for i, row in enumerate(rows):
-            length = len(row["token_ids"])
-            out["input_ids"][i, :length + 1] = torch.tensor([bos, *row["token_ids"]])
-            out["attention_mask"][i, :length + 1] = 1
-            out["mask"][i, :length] = torch.tensor(row["model_mask"], dtype=torch.float)
-            out["old_logprobs"][i, :length] = torch.tensor(row["logprobs"])
-            if row.get("ref_logprobs") is not None:
-                out["ref_logprobs"][i, :length] = torch.tensor(row["ref_logprobs"])
-        return out
-    return collate
-
-
-def token_logprobs(model, input_ids, attention_mask) -> torch.Tensor:
-    """Per position t: the log-probability of token t + 1 given the tokens up to t, in fp32."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(2, input_ids[:, 1:, None]).squeeze(2)
-
-
-@torch.no_grad()
-def reference_logprobs(model, rows: list[dict], bos: int, pad: int, batch_size: int) -> None:
-    """Fill `ref_logprobs` (the champion's, per token) into each GRPO row, in place."""
-    collate = collate_grpo(bos, pad)
-    model.eval()
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        batch = collate([{"token_ids": r["token_ids"], "model_mask": r["model_mask"],
-                          "logprobs": [0.0] * len(r["token_ids"]), "advantage": 0.0}
-                         for r in chunk])
-        logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
-        for i, row in enumerate(chunk):
-            row["ref_logprobs"] = logp[i, :len(row["token_ids"])].tolist()
-
-
-class GRPOTrainer(StepLog, Trainer):
-    """Group-relative policy optimization on recorded rollouts: our loss on the Trainer.
-
-    Per model-chosen token: -min(ratio * A, clip(ratio, 1 - clip, 1 + clip) * A) with ratio the
-    policy's probability over the one recorded at rollout time and A the episode's group-relative
-    advantage; plus `kl_coef` times the k3 estimate of KL(policy || champion). Averaged over the
-    batch's model tokens.
-    """
-
-    def __init__(self, *args, clip: float, kl_coef: float, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.clip, self.kl_coef = clip, kl_coef
-        self._extra = {}
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        logp = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"])
-        mask = inputs["mask"]
-        ratio = torch.exp(logp - inputs["old_logprobs"])
-        advantage = inputs["advantage"][:, None]
-        clipped = torch.clamp(ratio, 1 - self.clip, 1 + self.clip)
-        per_token = -torch.minimum(ratio * advantage, clipped * advantage)
-        if self.kl_coef:
-            delta = inputs["ref_logprobs"] - logp
-            per_token = per_token + self.kl_coef * (torch.exp(delta) - delta - 1)
-        tokens = mask.sum().clamp(min=1)
-        loss = (per_token * mask).sum() / tokens
-        with torch.no_grad():
-            outside = ((ratio - 1).abs() > self.clip).float()
-            self._extra = {"clip_fraction": round(float((outside * mask).sum() / tokens), 4)}
-        return (loss, None) if return_outputs else loss
+    # GPT-2's projections are Conv1D layers (weights stored transposed): fan_in_fan_out
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
+                                            target_modules="all-linear", fan_in_fan_out=True))
 
 
 def total_steps(n: int, batch_size: int, epochs: float) -> int:
+    """Optimizer steps for `epochs` passes over `n` examples."""
     return max(1, math.ceil(epochs * math.ceil(n / batch_size)))
 
 

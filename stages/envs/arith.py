@@ -17,7 +17,7 @@ message with a `calculator` tool call, the tool's reply, and the assistant's fin
 the two.
 
 This module is pure Python (no torch), so ingestion and validation stay light.
-    python -m stages.arith --write-benchmark data/benchmarks/arith.jsonl   # the held-out suite
+    python -m stages.envs.arith --write-benchmark data/benchmarks/arith.jsonl   # the held-out suite
 """
 
 from __future__ import annotations

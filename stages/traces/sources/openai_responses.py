@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 
-from stages.traces import BadRecord
+from stages.traces.schema import BadRecord
 
 NAME = "openai-responses"
 

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.sources.openinference import (
+from stages.traces.schema import BadRecord
+from stages.traces.sources.openinference import (
     Call,
     chat_messages,
     epoch,
@@ -43,7 +44,6 @@ from stages.sources.openinference import (
     token_counts,
     tool_schema,
 )
-from stages.traces import BadRecord
 
 NAME = "langsmith"
 

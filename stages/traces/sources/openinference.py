@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from stages.sources import otlp
-from stages.traces import BadRecord
+from stages.traces.schema import BadRecord
+from stages.traces.sources import otlp
 
 NAME = "openinference"
 

@@ -52,8 +52,8 @@ import json
 import re
 from datetime import datetime, timedelta, timezone
 
-from stages.sources import otlp
-from stages.traces import BadRecord
+from stages.traces.schema import BadRecord
+from stages.traces.sources import otlp
 
 NAME = "otel-genai"
 

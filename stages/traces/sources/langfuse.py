@@ -36,7 +36,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.sources.openinference import (
+from stages.traces.schema import BadRecord
+from stages.traces.sources.openinference import (
     Call,
     chat_messages,
     epoch,
@@ -45,7 +46,6 @@ from stages.sources.openinference import (
     token_counts,
     tool_schema,
 )
-from stages.traces import BadRecord
 
 NAME = "langfuse"
 

@@ -1,45 +1,47 @@
-"""Supervised fine-tuning on token sequences, with the loss on the model's own tokens only.
+"""The warm start of generation 0: a plain PyTorch loop over the environment's demonstrations.
 
-Used by `offseason init` (the warm start on demonstrations) and the train stage (rejection-sampling
-fine-tuning on verified-correct rollouts). Prompts and injected tool results are context, not
-targets: teaching the model to predict a calculator's output would teach it to guess instead of
-calling the tool.
+Used by `offseason init` (`stages/init.py`) for the demo's tiny model, and by the tests and
+benchmarks as the baseline the train stage's Trainer is measured against. The examples are the
+same rows the train stage uses (`token_ids`, `model_mask`), collated by `stages.training.sft`, so
+the loss is on the model's own tokens only: prompts and injected tool results are context, not
+targets (teaching the model to predict a calculator's output would teach it to guess instead of
+calling the tool).
 """
 
 from __future__ import annotations
 
 import math
+import random
 import sys
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 
+from stages.training.sft import collate, encode_completion
 
-def collate(examples: list[tuple[list[int], list[int]]], bos: int, eos: int, pad: int):
-    """Right-padded inputs and labels: <bos> ids <eos>, label -100 wherever the mask is 0."""
-    width = max(len(ids) for ids, _ in examples) + 2
-    inputs = torch.full((len(examples), width), pad, dtype=torch.long)
-    labels = torch.full((len(examples), width), -100, dtype=torch.long)
-    attention = torch.zeros((len(examples), width), dtype=torch.long)
-    for row, (ids, mask) in enumerate(examples):
-        seq = [bos] + list(ids) + [eos]
-        inputs[row, :len(seq)] = torch.tensor(seq)
-        attention[row, :len(seq)] = 1
-        # labels[t] is the token at t; the model shifts them itself
-        keep = [0] + list(mask) + [1]
-        labels[row, :len(seq)] = torch.tensor([t if k else -100 for t, k in zip(seq, keep)])
-    return inputs, attention, labels
+
+def demonstrations(tokenizer, env, rng: random.Random, tool_fraction: float, batch_size: int):
+    """Endless batches of the environment's demonstrations, `tool_fraction` of them with the tool."""
+    while True:
+        batch = []
+        for _ in range(batch_size):
+            question = env.sample_question(rng)
+            completion = env.demonstration(question, use_tool=rng.random() < tool_fraction)
+            ids, mask = encode_completion(tokenizer, env, env.prompt(question), completion)
+            batch.append({"token_ids": ids, "model_mask": mask})
+        yield batch
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then a cosine decay to zero."""
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def train(model, batches: Iterator[list[tuple[list[int], list[int]]]], *, steps: int, lr: float,
+def train(model, batches: Iterator[list[dict]], *, steps: int, lr: float,
           tokenizer, seed: int, log: Callable[[dict], None] | None = None, label: str = "train",
           ) -> dict:
     """Run `steps` optimizer steps over `batches`; returns loss and throughput figures."""
@@ -51,8 +53,9 @@ def train(model, batches: Iterator[list[tuple[list[int], list[int]]]], *, steps:
     report_every = max(1, steps // 10)
     for step in range(steps):
         examples = next(batches)
-        inputs, attention, labels = collate(examples, tokenizer.bos_token_id,
-                                            tokenizer.eos_token_id, tokenizer.pad_token_id)
+        batch = collate(examples, tokenizer.bos_token_id, tokenizer.eos_token_id,
+                        tokenizer.pad_token_id)
+        inputs, attention, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         loss = model(input_ids=inputs, attention_mask=attention, labels=labels).loss

@@ -2,7 +2,7 @@
 
     run_tests(code, tests) -> Result       # tests import the candidate from the module `solution`
     run_code(code) -> Result               # just run it (the coding environment's `<run>` tool)
-    python -m stages.sandbox               # say which isolation this machine gives, and probe it
+    python -m stages.envs.sandbox               # say which isolation this machine gives, and probe it
 
 Every run is a fresh process tree under the real interpreter (`os.path.realpath(sys.executable)`,
 never a version manager's shim, in isolated mode `-I`: no PYTHON* variables, no user site), in a
@@ -67,7 +67,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.environments import VerifierError
+from stages.envs.errors import VerifierError
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ def choose_isolation(requested: str = "auto") -> str:
 @functools.cache
 def _warn_fallback(problem: str) -> None:
     log.warning("sandbox: bubblewrap unavailable (%s); falling back to rlimits and a process group, "
-                "without filesystem isolation (see stages/sandbox.py for what holds)", problem)
+                "without filesystem isolation (see stages/envs/sandbox.py for what holds)", problem)
 
 
 def run_tests(code: str, tests: str, *, limits: Limits = Limits(), isolation: str = "auto",

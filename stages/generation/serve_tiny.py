@@ -1,9 +1,9 @@
 """A small OpenAI-compatible completions server for a local model folder, on CPU.
 
 Serves the demo model (or any Hugging Face causal LM folder) through the transformers backend's
-core (`stages.generate.generate_ids`), so `rollout.backend: openai` can be tried without vLLM:
+core (`stages.generation.transformers_backend.generate_ids`), so `rollout.backend: openai` can be tried without vLLM:
 
-    python -m stages.serve_tiny models/champion --port 8000     # then rollout.urls: http://127.0.0.1:8000/v1
+    python -m stages.generation.serve_tiny models/champion --port 8000     # then rollout.urls: http://127.0.0.1:8000/v1
 
 Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions` with what the openai backend
 sends: `prompt` (text or token ids; text is tokenized without adding <bos>, as vLLM does with this
@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from stages import generate, tinylm
+from stages import tinylm
+from stages.generation import transformers_backend
 
 MAX_BATCH = 256
 
@@ -129,7 +130,7 @@ class Engine:
                 groups.setdefault(key, []).append((request, future))
             for (temperature, top_p, top_k, stop), jobs in groups.items():
                 try:
-                    rows = generate.generate_ids(
+                    rows = transformers_backend.generate_ids(
                         self.model, self.tokenizer, [r["ids"] for r, _ in jobs],
                         temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
                         max_new_tokens=[r["max_tokens"] for r, _ in jobs],
@@ -143,7 +144,7 @@ class Engine:
                 for (request, future), row in zip(jobs, rows):
                     future.set_result(self._answer(request, row))
 
-    def _answer(self, request: dict, row: generate.Row) -> dict:
+    def _answer(self, request: dict, row: transformers_backend.Row) -> dict:
         tokenizer = self.tokenizer
         text = tokenizer.decode(row.token_ids, skip_special_tokens=True)
         if row.stop is not None and not request["echo_stop"]:

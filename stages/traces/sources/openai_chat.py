@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from stages.traces import BadRecord
+from stages.traces.schema import BadRecord
 
 NAME = "openai-chat"
 

@@ -40,13 +40,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-class VerifierError(RuntimeError):
-    """The verifier or its infrastructure broke: an error with its cause, never a score of zero."""
-
-
-# after VerifierError: coding imports stages.sandbox, which subclasses it
-from stages import arith, coding, toolcall  # noqa: E402
+from stages.envs import arith, coding, toolcall
+from stages.envs.errors import TaskFileError
 
 ENVIRONMENTS = {"arith": arith, "code": coding, "toolcall": toolcall}
 
@@ -75,10 +70,6 @@ def score_job(env_name: str, question: str, answer: str, completion: str | None
 
 def score_chunk(env_name: str, jobs: list[tuple]) -> list[tuple[dict | None, str | None]]:
     return [score_job(env_name, *job) for job in jobs]
-
-
-class TaskFileError(ValueError):
-    """A task suite line that is not a task; the message names the file and line."""
 
 
 def load_tasks(path: str | Path) -> list[dict]:

@@ -16,12 +16,12 @@ of the code run in the same sandbox, bounded; a run that failed starts with `err
         return a + b
     ```
 
-verify: 1.0 when every test passes in the sandbox (`stages.sandbox`), 0.0 when a test fails, the
+verify: 1.0 when every test passes in the sandbox (`stages.envs.sandbox`), 0.0 when a test fails, the
 code times out, hits a limit or crashes, or there is no code block; None when the task has no tests.
-A broken sandbox raises `stages.sandbox.SandboxError` (a `VerifierError`): never a zero.
+A broken sandbox raises `stages.envs.sandbox.SandboxError` (a `VerifierError`): never a zero.
 `check()` gives the same verdict with the sandbox's reason, for the record.
 
-    python -m stages.coding --check data/tasks/code.jsonl data/benchmarks/code.jsonl
+    python -m stages.envs.coding --check data/tasks/code.jsonl data/benchmarks/code.jsonl
         # runs every task's reference solution against its tests: each must pass
 """
 
@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages import sandbox
+from stages.envs import sandbox
 
 NAME = "code"
 VERSION = "unittest-sandbox@1"
@@ -47,11 +47,9 @@ CHARS = [chr(c) for c in range(32, 127)] + ["\n"]  # printable ASCII: the demo t
 _ALPHABET = frozenset(CHARS)
 MAX_TURNS = 3
 TOOL_OUTPUT_CHARS = 400  # what a `<run>` injects back, at most: the context of a small model is short
-# the tests of one task and a `<run>` are small programs: keep a stuck one from holding a core long.
-# (Plain dicts, made into sandbox.Limits at call time: stages.sandbox imports stages.environments,
-# which imports this module, so sandbox may be half-initialized while this one loads.)
-TEST_LIMITS = {"wall_seconds": 10.0, "cpu_seconds": 5, "memory_mb": 512}
-RUN_LIMITS = {"wall_seconds": 5.0, "cpu_seconds": 3, "memory_mb": 256}
+# the tests of one task and a `<run>` are small programs: keep a stuck one from holding a core long
+TEST_LIMITS = sandbox.Limits(wall_seconds=10.0, cpu_seconds=5, memory_mb=512)
+RUN_LIMITS = sandbox.Limits(wall_seconds=5.0, cpu_seconds=3, memory_mb=256)
 
 _BLOCK = re.compile(re.escape(FENCE_OPEN) + r"[ \t]*\n?(.*?)" + re.escape(FENCE_CLOSE), re.DOTALL)
 _CALL = re.compile(re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE)
@@ -95,7 +93,7 @@ def check(question: str, answer: str, completion: str) -> Verdict:
     code = code_block(completion)
     if code is None:
         return Verdict(0.0, "no-code", f"no closed {FENCE_OPEN} ... {FENCE_CLOSE} block")
-    result = sandbox.run_tests(code, tests, limits=sandbox.Limits(**TEST_LIMITS))
+    result = sandbox.run_tests(code, tests, limits=TEST_LIMITS)
     return Verdict(1.0 if result.passed else 0.0, result.outcome, result.reason)
 
 
@@ -133,7 +131,7 @@ def gold(question: str, answer: str) -> str:
 def on_tool_close(text: str) -> str:
     """Run the code of the last `<run>` call in the sandbox; inject what it printed."""
     code = text.rsplit(TOOL_OPEN, 1)[-1].removesuffix(TOOL_CLOSE) if TOOL_OPEN in text else ""
-    result = sandbox.run_code(code, limits=sandbox.Limits(**RUN_LIMITS))
+    result = sandbox.run_code(code, limits=RUN_LIMITS)
     output = result.stdout + result.stderr
     if not result.passed:
         output = f"error: {result.outcome}: {result.reason}\n" + output

@@ -1,6 +1,6 @@
 """The one trace schema every source format maps onto.
 
-Each reader in `stages/sources/` turns its format into a normalized trace (a dict: `trace_id`,
+Each reader in `stages/traces/sources/` turns its format into a normalized trace (a dict: `trace_id`,
 `model`, `created_at`, `messages` as OpenAI chat messages, `tools`, `feedback`, `usage`);
 `make_row` scrubs it, hashes it and flattens it into one Parquet row of this schema (nested parts
 as JSON strings, since Parquet readers and Great Expectations handle flat columns best):
@@ -15,7 +15,7 @@ as JSON strings, since Parquet readers and Great Expectations handle flat column
 | model          | str or null | the model that answered                                           |
 | created_at     | str or null | timestamp, ISO 8601 where the source allowed                      |
 | conversation_id| str or null | the session or conversation the trace belongs to, if the source says |
-| messages       | str (JSON)  | OpenAI chat messages, scrubbed (see `stages/sources/openai_chat.py`) |
+| messages       | str (JSON)  | OpenAI chat messages, scrubbed (see `stages/traces/sources/openai_chat.py`) |
 | tools          | str (JSON)  | tool schemas offered (chat `tools` shape), or `[]`                |
 | feedback       | str (JSON)  | outcome and feedback signals: `thumbs_up`, `scores`, `error`; `{}` if none |
 | usage          | str (JSON)  | token counts, e.g. `{"input_tokens": 12, "output_tokens": 3}`    |
@@ -33,7 +33,7 @@ import re
 
 import pyarrow as pa
 
-from stages.pii import maybe_pii
+from stages.traces.pii import maybe_pii
 
 SCHEMA = pa.schema([
     ("trace_id", pa.string()), ("source_file", pa.string()), ("source_line", pa.int64()),

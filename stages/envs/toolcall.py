@@ -41,6 +41,8 @@ import re
 import jsonschema
 import referencing.exceptions
 
+from stages.envs.errors import VerifierError
+
 NAME = "toolcall"
 VERSION = "json-schema@1"
 MAX_TURNS = 2  # one call and one retry after an error
@@ -119,8 +121,6 @@ def _valid(schema: dict, arguments: dict, name: str) -> bool:
     try:
         errors = list(jsonschema.validators.validator_for(schema)(schema).iter_errors(arguments))
     except referencing.exceptions.Unresolvable as err:
-        from stages.environments import VerifierError
-
         raise VerifierError(f"the schema of tool {name!r} has a $ref that cannot be resolved "
                             f"here: {err}") from err
     return not errors

@@ -1,0 +1,74 @@
+"""What an episode is, whichever backend generates it: the shared types and helpers.
+
+`Episode` is one multi-turn attempt at a task as the rollout stage stores it (token ids, the mask
+of the tokens the model chose, their log-probabilities, the turn of each token and why it ended);
+`turn_index` numbers the turns; `Progress` reports episodes done. Imported by the transformers and
+the OpenAI-compatible backends alike, so it needs neither torch nor a server.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+PROGRESS_EVERY_S = 10.0
+
+
+@dataclass
+class Episode:
+    """One multi-turn attempt at a task, as the rollout stage stores it."""
+
+    prompt: str
+    completion: str = ""
+    token_ids: list[int] = field(default_factory=list)  # prompt + completion, without <bos>/<eos>
+    model_mask: list[int] = field(default_factory=list)  # 1 where the model chose the token
+    logprobs: list[float] = field(default_factory=list)  # policy log-prob; 0.0 where forced
+    finish: str = "length"  # "eos", "stop", "length" or "turns"
+    tool_calls: int = 0  # tool calls the environment answered
+    # per token: 0 for the prompt, k for the model's k-th turn and the tool result answering it
+    turns: list[int] = field(default_factory=list)
+
+
+def turn_index(prompt_len: int, mask: list[int], closes: list[int]) -> list[int]:
+    """Per token: 0 for the prompt; model turn k (from 1) and the tool result answering it: k."""
+    turns, closed, pending = [0] * prompt_len, 0, iter(closes)
+    following = next(pending, None)
+    for i, chosen in enumerate(mask):
+        turns.append(closed + 1 if chosen else closed)
+        if i == following:
+            closed += 1
+            following = next(pending, None)
+    return turns
+
+
+class Progress:
+    """Episodes done: a line on stderr every PROGRESS_EVERY_S (the Prefect log shows those) and a
+    tqdm bar when stderr is a terminal.
+    """
+
+    def __init__(self, total: int, label: str, enabled: bool):
+        self.total, self.label, self.enabled, self.done = total, label, enabled, 0
+        self.started = self.last = time.time()
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=label, unit="ep", file=sys.stderr, leave=False)
+
+    def update(self, done: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(done - self.done)
+        self.done = done
+        now = time.time()
+        if now - self.last >= PROGRESS_EVERY_S or done == self.total:
+            self.last = now
+            rate = done / max(now - self.started, 1e-9)
+            print(f"{self.label}: {done}/{self.total} episodes ({rate:.1f}/s)", file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

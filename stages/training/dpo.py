@@ -1,0 +1,195 @@
+"""DPO through TRL's DPOTrainer, on pre-tokenized pairs, with the champion as the reference.
+
+Helper of `stages/train.py` (`train.algorithm: dpo`, settings in `train.dpo`). Pairs come from a
+task's higher- and lower-reward rollouts (`examples`) and from the traces' thumbs
+(`feedback_pairs`, never overruling the verifier). The pairs come from rollouts, so they are token ids already: the
+trainer's own preparation (extract the prompt from text, append EOS, tokenize) is replaced by ours,
+which keeps the rollout's exact tokens, and the collator marks as completion only the tokens the
+model chose (`model_mask`), so TRL's loss (which sums log-probabilities over `completion_mask`)
+never treats a tool result the environment injected as the model's choice. Our tokenizer has no
+chat template, which is why the text formats are not used. Checked against trl 1.16: DPOConfig
+defaults to bf16 and gradient checkpointing; both are set here (precision from the hardware).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+from trl import DPOConfig, DPOTrainer
+
+from stages import tinylm
+from stages.training import trainers
+from stages.training.sft import encode_completion
+
+UNIT = "preference pairs"  # what one example is, for the stage's messages
+
+
+def prompt_length(mask: list[int]) -> int:
+    """The leading tokens the model did not choose: the prompt."""
+    return next((i for i, m in enumerate(mask) if m), len(mask))
+
+
+def examples(rows: list[dict]) -> tuple[list[dict], dict]:
+    """Per task: each distinct best-reward completion against a distinct lower-reward one.
+
+    The prompt is the leading run of tokens the model did not choose; chosen and rejected are the
+    rest, with their masks (tool results inside them are not the model's).
+    """
+    pairs, no_pair = [], 0
+    for task, group in trainers.by_task(rows).items():
+        best = max(r["reward"] for r in group)
+        distinct = {}
+        for row in group:
+            distinct.setdefault(row["completion"], row)
+        hi = [r for c, r in sorted(distinct.items()) if r["reward"] == best]
+        lo = [r for c, r in sorted(distinct.items()) if r["reward"] < best]
+        if not lo:
+            no_pair += 1
+            continue
+        for i in range(max(len(hi), len(lo))):
+            chosen, rejected = hi[i % len(hi)], lo[i % len(lo)]
+            cut = prompt_length(chosen["model_mask"])
+            rcut = prompt_length(rejected["model_mask"])
+            pairs.append({
+                "task_id": task, "completion": f"{chosen['completion']}\x00{rejected['completion']}",
+                "prompt_ids": chosen["token_ids"][:cut],
+                "chosen_ids": chosen["token_ids"][cut:], "chosen_mask": chosen["model_mask"][cut:],
+                "rejected_ids": rejected["token_ids"][rcut:],
+                "rejected_mask": rejected["model_mask"][rcut:]})
+    return pairs, {"tasks_without_pair": no_pair}
+
+
+def _injected_as_env(env, completion: str) -> bool:
+    """Whether every tool result in `completion` is what the environment itself would inject
+    (`encode_completion` masks exactly that many tokens after each call, as a rollout does).
+    """
+    pos = 0
+    while (close := completion.find(env.TOOL_CLOSE, pos)) >= 0:
+        end = close + len(env.TOOL_CLOSE)
+        injected = env.on_tool_close(completion[:end])
+        if not completion.startswith(injected, end):
+            return False
+        pos = end + len(injected)
+    return True
+
+
+def feedback_pairs(rows: list[dict], traces: list[dict], env, tokenizer,
+                   taken: set | None = None) -> tuple[list[dict], dict]:
+    """Pairs from the traces' thumbs: the trace's own answer against one of its task's rollouts.
+
+    A thumbs-down answer the verifier scores wrong is `rejected` against the task's best verified-
+    correct rollout; a thumbs-up answer the verifier scores correct is `chosen` against its worst
+    failing rollout. Feedback never overrules the verifier: a thumbs-up answer it scores wrong (or a
+    thumbs-down one it scores correct) is not used, only counted. The trace's answer is written in
+    the model's text by `env.completion_from_messages` and tokenized with the champion's tokenizer,
+    mask 1 on its own tokens and 0 on the tool results, like a rollout. `taken`: the (task_id,
+    completion) keys of the rollout pairs, so the same pair is not added twice.
+    """
+    tasks = trainers.by_task(rows)
+    counts = dict.fromkeys(("feedback_traces", "thumbs_up_verifier_wrong",
+                            "thumbs_down_verifier_correct", "feedback_unusable",
+                            "feedback_without_partner"), 0)
+    pairs = []
+    for trace in sorted(traces, key=lambda t: t["trace_id"]):
+        group = tasks.get(trace["trace_id"])
+        if trace["thumbs_up"] is None or not group:
+            continue
+        counts["feedback_traces"] += 1
+        completion = env.completion_from_messages(json.loads(trace["messages"]))
+        verdict = None if completion is None else \
+            env.verify(trace["question"], trace["answer"], completion)
+        if verdict is None or not _injected_as_env(env, completion):
+            counts["feedback_unusable"] += 1
+            continue
+        ids, mask = encode_completion(tokenizer, env, env.prompt(trace["question"]), completion)
+        if tokenizer.unk_token_id in ids:
+            counts["feedback_unusable"] += 1
+            continue
+        if trace["thumbs_up"] and verdict < 1.0:
+            counts["thumbs_up_verifier_wrong"] += 1
+            continue
+        if not trace["thumbs_up"] and verdict == 1.0:
+            counts["thumbs_down_verifier_correct"] += 1
+            continue
+        ranked = sorted((r for r in group if r["correct"] is not None),
+                        key=lambda r: (-r["reward"], r["completion"]))
+        if trace["thumbs_up"]:
+            partner = next((r for r in reversed(ranked) if r["correct"] < 1.0), None)
+        else:
+            partner = next((r for r in ranked if r["correct"] == 1.0), None)
+        if partner is None:
+            counts["feedback_without_partner"] += 1
+            continue
+        own = {"token_ids": ids, "model_mask": mask, "completion": completion}
+        chosen, rejected = (own, partner) if trace["thumbs_up"] else (partner, own)
+        key = (trace["trace_id"], f"{chosen['completion']}\x00{rejected['completion']}")
+        if key in (taken or set()):
+            continue
+        cut, rcut = prompt_length(chosen["model_mask"]), prompt_length(rejected["model_mask"])
+        pairs.append({
+            "task_id": key[0], "completion": key[1], "prompt_ids": chosen["token_ids"][:cut],
+            "chosen_ids": chosen["token_ids"][cut:], "chosen_mask": chosen["model_mask"][cut:],
+            "rejected_ids": rejected["token_ids"][rcut:],
+            "rejected_mask": rejected["model_mask"][rcut:]})
+    return pairs, counts
+
+
+def read_traces(validated: Path) -> list[dict]:
+    """The validated traces that carry a thumbs signal, with their task."""
+    table = pq.read_table(validated, columns=["trace_id", "messages", "thumbs_up", "question",
+                                              "answer"], filters=[("thumbs_up", "in", [True, False])])
+    return table.to_pylist()
+
+
+def collate(bos: int, eos: int, pad: int):
+    """Chosen rows then rejected rows: `<bos> prompt completion <eos>`, right-padded, with
+    `completion_mask` 1 on the model's own completion tokens and the end of sequence.
+    """
+    def build(rows: list[dict]) -> dict:
+        seqs, masks = [], []
+        for side in ("chosen", "rejected"):
+            for row in rows:
+                seqs.append([bos, *row["prompt_ids"], *row[f"{side}_ids"], eos])
+                masks.append([0] * (1 + len(row["prompt_ids"])) + list(row[f"{side}_mask"]) + [1])
+        width = max(len(s) for s in seqs)
+        out = {"input_ids": torch.full((len(seqs), width), pad, dtype=torch.long),
+               "attention_mask": torch.zeros((len(seqs), width), dtype=torch.long),
+               "completion_mask": torch.zeros((len(seqs), width), dtype=torch.long)}
+        for i, (seq, mask) in enumerate(zip(seqs, masks)):
+            out["input_ids"][i, :len(seq)] = torch.tensor(seq)
+            out["attention_mask"][i, :len(seq)] = 1
+            out["completion_mask"][i, :len(seq)] = torch.tensor(mask)
+        return out
+    return build
+
+
+class PairsDPOTrainer(trainers.StepLog, DPOTrainer):
+    """TRL's DPOTrainer on a dataset that is already tokenized (see the module docstring)."""
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        return dataset
+
+    def _set_signature_columns_if_needed(self):
+        self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", "chosen_mask",
+                                   "rejected_mask"]
+
+
+def trainer(model, tokenizer, champion: Path, pairs: list[dict], args_for, config):
+    """The DPOTrainer for `pairs`; `args_for(n)`: the TrainingArguments for n dataset rows;
+    `config`: the `train.dpo` section.
+    """
+    from datasets import Dataset
+
+    data = Dataset.from_list([{k: p[k] for k in ("prompt_ids", "chosen_ids", "chosen_mask",
+                                                 "rejected_ids", "rejected_mask")} for p in pairs])
+    reference, _ = tinylm.load(champion)
+    args = args_for(len(data), cls=DPOConfig, beta=config.beta, gradient_checkpointing=False,
+                    max_length=None, precompute_ref_log_probs=False, disable_dropout=True)
+    return PairsDPOTrainer(
+        model=model, ref_model=reference, args=args, train_dataset=data,
+        processing_class=tokenizer,
+        data_collator=collate(tokenizer.bos_token_id, tokenizer.eos_token_id,
+                              tokenizer.pad_token_id))
