@@ -64,6 +64,7 @@ COMMAND = (f"{VLLM} serve {{model}} --port {{port}} --host 127.0.0.1 --dtype flo
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Time the rollout on vLLM and print the numbers; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=256)
     parser.add_argument("--samples", type=int, default=4, help="rollout.samples_per_task")

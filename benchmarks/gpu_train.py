@@ -31,6 +31,7 @@ from stages.training import sft, trainers  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Time training steps on the GPU and print the numbers; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=64)

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_traces(path: Path, n: int) -> None:
+    """Write `n` synthetic chat traces (a few with PII to scrub) to a JSONL file."""
     rng = random.Random(0)
     with path.open("w") as out:
         for i in range(n):
@@ -58,6 +59,7 @@ def timed(code: str) -> tuple[float, float]:
 
 
 def main() -> None:
+    """Time the ingest stage on `--traces` synthetic traces and print the rate."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", type=int, default=100_000)
     args = parser.parse_args()

@@ -48,6 +48,7 @@ exit $rc
 
 
 def timed(cli: str, root: Path, env: dict, *args: str) -> tuple[float, str]:
+    """Run one `offseason` command; returns its wall seconds and output."""
     started = time.time()
     out = subprocess.run([cli, *args], cwd=root, env=env, capture_output=True, text=True)
     wall = time.time() - started
@@ -68,6 +69,7 @@ def stage_times(log: Path) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Time whole cycles of a fresh project and print each; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny params")
     parser.add_argument("--cycles", type=int, default=2, help="cycles to time (default 2)")

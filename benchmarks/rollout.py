@@ -42,11 +42,13 @@ from stages.training.warmstart import demonstrations  # noqa: E402
 
 
 def cpu_seconds() -> float:
+    """CPU seconds this process has used so far, user and system, all threads."""
     usage = resource.getrusage(resource.RUSAGE_SELF)  # all of this process's threads
     return usage.ru_utime + usage.ru_stime
 
 
 def backend(model, tokenizer, prompts, batch):
+    """Time the transformers rollout backend on the prompts; returns its numbers."""
     started, cpu = time.time(), cpu_seconds()
     episodes = transformers_backend.generate(model, tokenizer, arith, prompts, temperature=1.0,
                                  max_new_tokens=48, seed=0, batch_size=batch, progress=False,
@@ -61,6 +63,7 @@ def backend(model, tokenizer, prompts, batch):
 
 @torch.inference_mode()
 def plain_generate(model, tokenizer, prompts, batch):
+    """Time plain `model.generate` on the prompts, the baseline; returns its numbers."""
     eos, pad, bos = tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id
     torch.manual_seed(0)
     started, cpu, tokens = time.time(), cpu_seconds(), 0
@@ -81,6 +84,7 @@ def plain_generate(model, tokenizer, prompts, batch):
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Compare the rollout backend with plain generation and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--episodes", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1024)

@@ -44,6 +44,7 @@ BARE = ("import sys, unittest; sys.path.append('.'); import test_solution; "
 
 
 def jobs() -> list[tuple[str, str]]:
+    """The (reference solution, tests) pairs of the coding task and benchmark suites."""
     tasks = [t for p in ("data/tasks/code.jsonl", "data/benchmarks/code.jsonl")
              for t in coding.load_tasks(REPO / p)]
     pairs = []
@@ -54,6 +55,7 @@ def jobs() -> list[tuple[str, str]]:
 
 
 def bare(code: str, tests: str) -> bool:
+    """Run one pair's tests in a bare subprocess, the baseline; True if they pass."""
     with tempfile.TemporaryDirectory() as work:
         Path(work, "solution.py").write_text(code)
         Path(work, "test_solution.py").write_text(tests)
@@ -65,6 +67,7 @@ def bare(code: str, tests: str) -> bool:
 
 
 def timed(label: str, fn, pairs, workers: int) -> float:
+    """Verify all pairs with `fn` on `workers` threads and print the rate; returns seconds."""
     started = time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:
         ok = list(pool.map(lambda pair: fn(*pair), pairs))
@@ -75,6 +78,7 @@ def timed(label: str, fn, pairs, workers: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Compare the sandbox's isolations with a bare subprocess and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="turns of each row (default 3)")
     parser.add_argument("--workers", type=int, default=2, help="verifications at once (default 2)")

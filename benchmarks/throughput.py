@@ -27,6 +27,7 @@ from stages.training.warmstart import demonstrations  # noqa: E402
 
 
 def main() -> None:
+    """Time generation with the tiny model and print tokens per second."""
     tinylm.quiet()
     init = cfg.load("init", Path(__file__).resolve().parents[1] / "params.yaml")
     tokenizer = tinylm.build_tokenizer(arith)

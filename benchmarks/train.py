@@ -42,6 +42,7 @@ from stages.training.sft import encode_completion  # noqa: E402
 
 
 def demonstrations(tokenizer, n: int, seed: int) -> list[dict]:
+    """`n` SFT rows of arithmetic demonstrations, tokenized, for timing training."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
@@ -56,15 +57,18 @@ def demonstrations(tokenizer, n: int, seed: int) -> list[dict]:
 
 
 def fresh(init: cfg.Init, tokenizer):
+    """A freshly initialized tiny model of the `init` shape (seed 0)."""
     return tinylm.build_model(tokenizer, init.n_layer, init.n_embd, init.n_head, init.n_positions,
                               seed=0)
 
 
 def tokens_of(rows: list[dict]) -> int:
+    """The tokens the rows train on, <bos> and <eos> included."""
     return sum(len(r["token_ids"]) + 2 for r in rows)  # <bos> ... <eos>
 
 
 def plain_loop(init, tokenizer, rows, batch, lr):
+    """Train a fresh model with the plain warm-start loop; returns tokens per second."""
     model = fresh(init, tokenizer)
     data = [{"token_ids": r["token_ids"], "model_mask": r["model_mask"]} for r in rows]
     started = time.perf_counter()
@@ -74,11 +78,13 @@ def plain_loop(init, tokenizer, rows, batch, lr):
 
 
 def args_for(work: Path, batch: int, lr: float):
+    """The TrainingArguments factory for one timed run in `work`."""
     return trainers.ArgumentsFor(work, batch_size=batch, epochs=1, lr=lr, seed=0,
                                  checkpoint_steps=cfg.Train().checkpoint_steps, deepspeed=None)
 
 
 def stage(algorithm, init, tokenizer, rows, batch, lr, work):
+    """Train a fresh model with the train stage's `algorithm`; returns tokens per second."""
     config = cfg.ALGORITHMS[algorithm](epochs=1, lr=lr)  # train.<algorithm>
     if algorithm == "sft":
         examples, tokens = rows, tokens_of(rows)
@@ -108,6 +114,7 @@ def stage(algorithm, init, tokenizer, rows, batch, lr, work):
 
 
 def trl_sft(init, tokenizer, rows, batch, lr, work):
+    """Train a fresh model with TRL's SFTTrainer, the baseline; returns tokens per second."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -127,6 +134,7 @@ def trl_sft(init, tokenizer, rows, batch, lr, work):
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Compare the training loops' throughput and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores")

@@ -46,6 +46,17 @@ from flows.workspace import (
 from stages import config as cfg
 
 
+def workspace(*, env: bool = True) -> tuple[Path, dict]:
+    """Every command's first step: the project folder (found from the current directory), its
+    environment set up (telemetry off, MLflow's and Prefect's local defaults; `env=False` for
+    commands that start no library that reads it) and params.yaml checked, every section typed.
+    """
+    root = find_root()
+    if env:
+        configure_env(root)
+    return root, settings.load_all(root / "params.yaml")
+
+
 def benchmark_path(root: Path) -> Path:
     """The held-out benchmark, as the gate stage in dvc.yaml names it (paths live in dvc.yaml)."""
     deps = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["gate"]["deps"]
@@ -79,9 +90,10 @@ def read_benchmark(root: Path) -> list[dict]:
 
 
 def cmd_init(args) -> int:
-    root = find_root()
-    configure_env(root)
-    configs = settings.load_all(root / "params.yaml")
+    """`offseason init`: generation 0 (built and warm-started, or --base-model), registered,
+    committed, tagged.
+    """
+    root, configs = workspace()
     if (root / "models" / "champion.dvc").exists() and not args.force:
         print(f"already initialised: {root / 'models/champion.dvc'} exists (generation 0 was "
               f"made). Run `offseason run` for a cycle, or `offseason init --force` to start over.")
@@ -144,9 +156,8 @@ def cmd_init(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    root = find_root()
-    configure_env(root)
-    configs = settings.load_all(root / "params.yaml")
+    """`offseason simulate`: --days days of the demo's traffic into data/inbox/."""
+    root, configs = workspace()
     if not (root / "models" / "champion").exists():
         raise WorkspaceError("no champion to answer the traffic; run `offseason init` first")
     from stages import simulate
@@ -160,6 +171,7 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_run(args) -> int:
+    """`offseason run`: one cycle under the workspace's lock, the stages started before Prefect."""
     root = find_root()
     configure_env(root)
     from flows import notify, pipeline
@@ -232,6 +244,7 @@ def run_flow(root: Path, start, prefect_ready) -> dict:
 
 
 def history_rows(root: Path) -> list[dict]:
+    """One row per generation (git tag gen-N) from its committed metrics and the promotion log."""
     from flows.lineage import approver_of
 
     rows = []
@@ -266,6 +279,7 @@ def history_rows(root: Path) -> list[dict]:
 
 
 def print_history(rows: list[dict]) -> None:
+    """The generations as a table on stdout, with the champion's gain over generation 0."""
     header = f"{'generation':<11}{'date':<12}{'traces':>7}{'pass@1':>8}{'vs champ':>10}" \
              f"{'interval of difference':>26}  {'verdict':<10}{'version':>8}  {'approver':<12}" \
              f"champion"
@@ -282,6 +296,7 @@ def print_history(rows: list[dict]) -> None:
 
 
 def cmd_history(args) -> int:
+    """`offseason history`: the generations as a table, JSON, or a plot."""
     root = find_root()
     rows = history_rows(root)
     if args.plot and rows:
@@ -299,6 +314,7 @@ def cmd_history(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    """`offseason demo`: init if needed, then simulate and run --cycles times, then the history."""
     root = find_root()
     started = time.time()
     if not (root / "models" / "champion.dvc").exists():
@@ -351,6 +367,7 @@ def paused_runs() -> list:
 
 
 def gate_summary_of(run_id) -> str:
+    """The gate summary artifact of a paused flow run, as markdown."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         ArtifactFilter,
@@ -368,6 +385,7 @@ def gate_summary_of(run_id) -> str:
 
 
 def cmd_pending(args) -> int:
+    """`offseason pending`: cycles waiting for a person's decision, with their gate summary."""
     root = find_root()
     configure_env(root)
     runs = paused_runs()
@@ -383,6 +401,7 @@ def cmd_pending(args) -> int:
 
 
 def cmd_decide(args) -> int:
+    """`offseason approve|reject RUN_ID`: resume a waiting cycle with the decision."""
     root = find_root()
     configure_env(root)
     from prefect.flow_runs import resume_flow_run
@@ -412,9 +431,8 @@ def cmd_decide(args) -> int:
 
 
 def cmd_rollback(args) -> int:
-    root = find_root()
-    configure_env(root)
-    configs = settings.load_all(root / "params.yaml")
+    """`offseason rollback`: an earlier generation becomes the champion again."""
+    root, configs = workspace()
     from flows import promotion
 
     to = None
@@ -432,8 +450,8 @@ def cmd_rollback(args) -> int:
 
 
 def cmd_check(args) -> int:
-    root = find_root()
-    configs = settings.load_all(root / "params.yaml")
+    """`offseason check`: params.yaml checked and printed with every default filled in."""
+    root, configs = workspace(env=False)
     print(yaml.safe_dump({k: dataclasses.asdict(v) for k, v in configs.items()}, sort_keys=False))
     print("params.yaml is valid")
     return 0
@@ -465,8 +483,8 @@ def stored_rewards(root: Path, generation: int) -> Path:
 
 
 def cmd_rescore(args) -> int:
-    root = find_root()
-    configs = settings.load_all(root / "params.yaml")
+    """`offseason rescore`: stored rollouts scored again by the current verifiers."""
+    root, configs = workspace(env=False)
     from stages import io, reward
 
     source = args.rewards or root / "data" / "rewards.parquet"
@@ -492,6 +510,7 @@ def cmd_rescore(args) -> int:
 
 
 def cmd_ui(args) -> int:
+    """`offseason ui`: Prefect's and MLflow's UIs on 127.0.0.1 until Ctrl-C."""
     root = find_root()
     configure_env(root)
     from flows.ui import serve_ui
@@ -500,9 +519,8 @@ def cmd_ui(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    root = find_root()
-    configure_env(root)
-    settings.load_all(root / "params.yaml")
+    """`offseason serve`: the deployments of params.yaml, served here or sent to a work pool."""
+    root, _ = workspace()
     import os
 
     from flows import serve
@@ -524,6 +542,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_lineage(args) -> int:
+    """`offseason lineage`: a generation's chain back to its traces; --verify, --trace."""
     root = find_root()
     from flows import lineage
 
@@ -544,6 +563,7 @@ def cmd_lineage(args) -> int:
 
 
 def cmd_report(args) -> int:
+    """`offseason report`: the static HTML report of every generation."""
     root = find_root()
     from flows import report
 
@@ -554,9 +574,19 @@ def cmd_report(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The `offseason` command line: one sub-command per task, in four groups."""
     p = argparse.ArgumentParser(prog="offseason", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    cycle_commands(sub)
+    approval_commands(sub)
+    audit_commands(sub)
+    service_commands(sub)
+    return p
+
+
+def cycle_commands(sub) -> None:
+    """The loop itself: create generation 0, feed it traffic, run cycles, check the params."""
     s = sub.add_parser("init", help="create generation 0, the first champion",
                        description="Create generation 0: for the demo a tiny GPT-2 built from "
                        "params.yaml's `init:` section and warm-started on demonstrations; with "
@@ -581,21 +611,20 @@ def parser() -> argparse.ArgumentParser:
                        "stage) and to Prefect (flow run log, report artifacts). Nothing new in "
                        "the inbox and nothing changed: nothing reruns.")
     s.set_defaults(func=cmd_run)
-    s = sub.add_parser("history", help="one row per generation: scores, verdict, champion",
-                       description="One row per generation (git tag gen-N): new traces, the "
-                       "candidate's and champion's pass@1 on the held-out benchmark, the interval "
-                       "of their difference, the verdict, the MLflow model version, and a * on "
-                       "the current champion.")
-    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    s.add_argument("--plot", type=Path, metavar="PNG",
-                   help="also draw pass@1 per generation, with the gate's intervals, to this file")
-    s.set_defaults(func=cmd_history)
     s = sub.add_parser("demo", help="init, then simulate + run a few times, then the history",
                        description="The built-in demo: create generation 0 if there is none, then "
                        "for each cycle simulate a day of traffic and run a cycle, and print the "
                        "table of generations. Commits and tags into this repository.")
     s.add_argument("--cycles", type=int, default=3, help="number of cycles (default 3)")
     s.set_defaults(func=cmd_demo)
+    s = sub.add_parser("check", help="check params.yaml",
+                       description="Check params.yaml (unknown keys, wrong types, missing "
+                       "sections) and print it with every default filled in.")
+    s.set_defaults(func=cmd_check)
+
+
+def approval_commands(sub) -> None:
+    """Who is champion: cycles waiting for a person, their decision, a rollback."""
     s = sub.add_parser("pending", help="cycles waiting for approval, with their gate summary",
                        description="List the cycle flow runs that passed the gate and wait for a "
                        "person's decision (promotion.require_approval): paused, or suspended in a "
@@ -620,42 +649,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--reason", required=True, help="why, in a sentence (kept forever)")
     s.add_argument("--approver", help="who decides (default: the login name)")
     s.set_defaults(func=cmd_rollback)
-    s = sub.add_parser("check", help="check params.yaml",
-                       description="Check params.yaml (unknown keys, wrong types, missing "
-                       "sections) and print it with every default filled in.")
-    s.set_defaults(func=cmd_check)
-    s = sub.add_parser("rescore", help="re-score stored rollouts with the current verifier",
-                       description="Re-score stored rollouts whose `verifier` column is not the "
-                       "current environment's verifier version (after a change of its VERSION), "
-                       "with the gold check, components and weights of the reward stage. Writes "
-                       "the whole table to --output and a summary of changed scores beside it "
-                       "(.json). The input is left as it is.")
-    s.add_argument("rewards", type=Path, nargs="?", metavar="PARQUET",
-                   help="rewards (or rollouts) parquet to re-score (default data/rewards.parquet)")
-    s.add_argument("--output", type=Path, metavar="PARQUET",
-                   help="where to write the re-scored table (default data/rescored.parquet)")
-    s.add_argument("--generation", type=int, metavar="N",
-                   help="re-score generation N's stored rewards (git tag gen-N) instead")
-    s.add_argument("--all", action="store_true",
-                   help="re-score every rollout, not only those of another verifier version")
-    s.set_defaults(func=cmd_rescore)
-    s = sub.add_parser("ui", help="the Prefect and MLflow UIs of this workspace, until Ctrl-C",
-                       description="Start a Prefect server (database in .prefect/) and an MLflow "
-                       "server (mlflow.db, one worker, no job runner) on 127.0.0.1, wait until "
-                       "both answer, print their URLs; Ctrl-C or SIGTERM stops both.")
-    s.add_argument("--prefect-port", type=int, default=4200, help="default 4200; 0: a free one")
-    s.add_argument("--mlflow-port", type=int, default=5000, help="default 5000; 0: a free one")
-    s.set_defaults(func=cmd_ui)
-    s = sub.add_parser("serve", help="serve the deployments of params.yaml (schedules, Run form)",
-                       description="Register the deployments of params.yaml's `deployments:` "
-                       "section (nightly and weekly cron schedules, a manual one; each with run "
-                       "parameters the Prefect UI's Run form can change) and run their flow runs "
-                       "here until Ctrl-C, one cycle at a time per workspace. Set PREFECT_API_URL "
-                       "to a Prefect server (`offseason ui` starts one).")
-    s.add_argument("--work-pool", metavar="NAME",
-                   help="register the deployments to this Prefect work pool instead of serving "
-                   "them here; a worker of the pool runs them (see README)")
-    s.set_defaults(func=cmd_serve)
+
+
+def audit_commands(sub) -> None:
+    """Looking back: generations, their lineage, the report, re-scoring old rollouts."""
+    s = sub.add_parser("history", help="one row per generation: scores, verdict, champion",
+                       description="One row per generation (git tag gen-N): new traces, the "
+                       "candidate's and champion's pass@1 on the held-out benchmark, the interval "
+                       "of their difference, the verdict, the MLflow model version, and a * on "
+                       "the current champion.")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--plot", type=Path, metavar="PNG",
+                   help="also draw pass@1 per generation, with the gate's intervals, to this file")
+    s.set_defaults(func=cmd_history)
     s = sub.add_parser("lineage", help="a generation's chain back to its traces; --verify, --trace",
                        description="The lineage of a generation (gen-N, or an MLflow model "
                        "version): git commit, MLflow run, every stage's inputs and outputs with "
@@ -675,7 +681,42 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--generation", metavar="gen-N", help="whose lineage graph to draw")
     s.add_argument("--out", type=Path, metavar="HTML", help="default reports/index.html")
     s.set_defaults(func=cmd_report)
-    return p
+    s = sub.add_parser("rescore", help="re-score stored rollouts with the current verifier",
+                       description="Re-score stored rollouts whose `verifier` column is not the "
+                       "current environment's verifier version (after a change of its VERSION), "
+                       "with the gold check, components and weights of the reward stage. Writes "
+                       "the whole table to --output and a summary of changed scores beside it "
+                       "(.json). The input is left as it is.")
+    s.add_argument("rewards", type=Path, nargs="?", metavar="PARQUET",
+                   help="rewards (or rollouts) parquet to re-score (default data/rewards.parquet)")
+    s.add_argument("--output", type=Path, metavar="PARQUET",
+                   help="where to write the re-scored table (default data/rescored.parquet)")
+    s.add_argument("--generation", type=int, metavar="N",
+                   help="re-score generation N's stored rewards (git tag gen-N) instead")
+    s.add_argument("--all", action="store_true",
+                   help="re-score every rollout, not only those of another verifier version")
+    s.set_defaults(func=cmd_rescore)
+
+
+def service_commands(sub) -> None:
+    """Long-running: the UIs, and the deployments that run cycles on a schedule."""
+    s = sub.add_parser("ui", help="the Prefect and MLflow UIs of this workspace, until Ctrl-C",
+                       description="Start a Prefect server (database in .prefect/) and an MLflow "
+                       "server (mlflow.db, one worker, no job runner) on 127.0.0.1, wait until "
+                       "both answer, print their URLs; Ctrl-C or SIGTERM stops both.")
+    s.add_argument("--prefect-port", type=int, default=4200, help="default 4200; 0: a free one")
+    s.add_argument("--mlflow-port", type=int, default=5000, help="default 5000; 0: a free one")
+    s.set_defaults(func=cmd_ui)
+    s = sub.add_parser("serve", help="serve the deployments of params.yaml (schedules, Run form)",
+                       description="Register the deployments of params.yaml's `deployments:` "
+                       "section (nightly and weekly cron schedules, a manual one; each with run "
+                       "parameters the Prefect UI's Run form can change) and run their flow runs "
+                       "here until Ctrl-C, one cycle at a time per workspace. Set PREFECT_API_URL "
+                       "to a Prefect server (`offseason ui` starts one).")
+    s.add_argument("--work-pool", metavar="NAME",
+                   help="register the deployments to this Prefect work pool instead of serving "
+                   "them here; a worker of the pool runs them (see README)")
+    s.set_defaults(func=cmd_serve)
 
 
 def console() -> int:
@@ -695,6 +736,9 @@ def exit_soon() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the command; a params or workspace error exits 2 with its
+    message.
+    """
     args = parser().parse_args(argv)
     try:
         return args.func(args)

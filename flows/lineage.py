@@ -41,11 +41,13 @@ class LineageError(WorkspaceError):
 
 
 def show(root: Path, ref: str, path: str) -> bytes | None:
+    """A file's bytes at a git ref, or None when the ref does not have it."""
     out = subprocess.run(["git", "show", f"{ref}:{path}"], cwd=root, capture_output=True)
     return out.stdout if out.returncode == 0 else None
 
 
 def yaml_at(root: Path, ref: str, path: str) -> dict:
+    """A YAML file at a git ref as a dict ({} when missing or empty)."""
     data = show(root, ref, path)
     return (yaml.safe_load(data) or {}) if data else {}
 
@@ -73,10 +75,12 @@ def stores(root: Path) -> dict[str, Path]:
 
 
 def object_path(store: Path, md5: str) -> Path:
+    """Where a DVC store keeps the object with this md5."""
     return store / "files" / "md5" / md5[:2] / md5[2:]
 
 
 def md5_of(data: bytes) -> str:
+    """The md5 hex digest of the bytes, as DVC names objects."""
     return hashlib.md5(data).hexdigest()
 
 
@@ -101,6 +105,7 @@ def manifest(root: Path, md5: str) -> list[dict]:
 
 
 def parquet_column(root: Path, md5: str, columns: list[str]) -> list[dict]:
+    """The rows (only `columns`) of the parquet object with this md5."""
     data = read_object(root, md5)
     if data is None:
         raise LineageError(f"object {md5} is in neither the DVC cache nor the remote; run "
@@ -140,6 +145,7 @@ def resolve(root: Path, ref: str) -> int:
 
 
 def pointer_hash(root: Path, ref: str, path: str) -> str | None:
+    """The md5 a `.dvc` pointer file records at a git ref, or None."""
     outs = yaml_at(root, ref, path).get("outs") or []
     return outs[0].get("md5") if outs else None
 
@@ -159,6 +165,7 @@ def stage_files(root: Path, tag: str) -> dict[str, dict]:
 
 
 def out_hash(stages: dict, path: str) -> str | None:
+    """The md5 a stage records for an out at `path`, or None when no stage has it."""
     for stage in stages.values():
         for out in stage["outs"]:
             if out["path"] == path:
@@ -439,6 +446,7 @@ def verify(root: Path, ref: str) -> dict:
 
 
 def verify_text(report: dict) -> str:
+    """The verify report as text, one problem (and its notes) a line."""
     lines = [f"{report['tag']}: {report['checked']} recorded hashes checked against git, the DVC "
              f"cache and the remote"]
     for problem in report["problems"]:
@@ -541,6 +549,7 @@ def trace(root: Path, trace_id: str, champion_tags: set[str]) -> dict:
 
 
 def trace_text(found: dict) -> str:
+    """Where a trace went, as text: the generations that learned from it."""
     if not found["generations"]:
         return f"trace {found['trace_id']}: no generation learned from it"
     lines = [f"trace {found['trace_id']} (inbox file: {', '.join(found['inbox_files']) or '?'})",

@@ -25,6 +25,7 @@ class Promotion:
     approval_timeout: int = 86400  # seconds to wait; then nothing is promoted and the run ends
 
     def __post_init__(self):
+        """Refuse an approval timeout that is not positive."""
         if self.approval_timeout <= 0:
             raise cfg.ParamsError(f"promotion.approval_timeout: must be > 0 seconds, got "
                                   f"{self.approval_timeout}")
@@ -57,6 +58,7 @@ class Deployments:
     manual: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        """Refuse unknown keys in the deployments' specs."""
         for name, spec in {"nightly": self.nightly, "weekly": self.weekly,
                            "manual": self.manual}.items():
             for key in spec:

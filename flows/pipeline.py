@@ -77,6 +77,7 @@ class Session:
     """One DVC process for a cycle's DVC commands, run one at a time, each as `dvc ARGS` would."""
 
     def __init__(self, root: Path):
+        """Start the DVC session process for the project at `root`."""
         self.root = root
         self.marker = f"offseason-dvc-session-{uuid.uuid4().hex[:12]}"
         self.lock = threading.Lock()
@@ -171,6 +172,7 @@ class Stage:
     """One stage's part of DVC's output, read while DVC runs it."""
 
     def __init__(self, pipeline: Pipeline, name: str, first: str, started: float):
+        """A stage DVC opened at `started`; `first` is its first line of output."""
         self.name, self.reran = name, first.startswith("Running stage")
         self.error: Exception | None = None
         self.lock = ""  # dvc.lock as it was when the stage ended
@@ -199,6 +201,7 @@ class Pipeline:
     """The cycle's stages, run in a session by a thread of their own; read back by stage."""
 
     def __init__(self, session: Session):
+        """Start the thread that runs the cycle's stages in the session."""
         self.session, self.root = session, session.root
         self.events: queue.Queue = queue.Queue()
         self.pending: tuple | None = None
@@ -237,6 +240,7 @@ class Pipeline:
         self.events.put(("end", error, self._lock_text(), time.time()))
 
     def running(self) -> bool:
+        """True while DVC is still running the pipeline."""
         return self.thread.is_alive()
 
     def stage(self, on_other=None) -> Stage | None:

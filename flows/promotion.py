@@ -67,10 +67,12 @@ class PromotionFailed(RuntimeError):
 
 
 def now() -> str:
+    """The time now in UTC, ISO 8601 to the second."""
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def who() -> str:
+    """The user running the promotion, or `unknown`."""
     try:
         return getpass.getuser()
     except (KeyError, OSError):  # no passwd entry in some containers
@@ -207,6 +209,7 @@ def log_entries(root: Path) -> list[dict]:
 
 
 def append_log(root: Path, entry: dict) -> None:
+    """Append one entry to the promotion log."""
     path = root / LOG
     io.write_text(path, (path.read_text() if path.exists() else "")
                   + json.dumps(entry, sort_keys=True) + "\n")
@@ -234,15 +237,19 @@ class Transaction:
     """Steps with their undo actions; a failure undoes what ran, in reverse order."""
 
     def __init__(self):
+        """An empty transaction: nothing to undo yet."""
         self.undo: list[tuple[str, callable]] = []
 
     def __enter__(self):
+        """Start the transaction."""
         return self
 
     def done(self, step: str, undo) -> None:
+        """Record a finished step and how to undo it."""
         self.undo.append((step, undo))
 
     def __exit__(self, kind, err, tb):
+        """On an error, undo the finished steps in reverse order, then let it raise."""
         if err is None:
             return False
         problems = []
@@ -284,6 +291,7 @@ def swap_champion(root: Path, source: Path, tx: Transaction) -> None:
 
 
 def write_records(root: Path, record: dict, entry: dict | None, tx: Transaction) -> None:
+    """Write the promotion record and log entry, undoable in `tx`."""
     log, metrics = root / LOG, root / "metrics" / "promotion.json"
     before = (_read(log), _read(metrics))
     tx.done("log", lambda: (_restore(log, before[0]), _restore(metrics, before[1])))
@@ -300,6 +308,7 @@ CYCLE_PATHS = ["dvc.lock", "dvc.yaml", "params.yaml", "metrics", "data/inbox.dvc
 
 def commit(root: Path, message: str, tag: str | None, tx: Transaction,
            paths: list[str] = CYCLE_PATHS) -> str:
+    """Commit the cycle's paths (and tag it), undoable in `tx`; returns the commit."""
     head = git(root, "rev-parse", "HEAD")
     git(root, "add", "--", *[p for p in paths if (root / p).exists()])
 
@@ -319,6 +328,7 @@ def commit(root: Path, message: str, tag: str | None, tx: Transaction,
 
 
 def move_alias(model_name: str, version: str, entry: dict, tx: Transaction) -> None:
+    """Move the champion alias in the MLflow registry, undoable in `tx`."""
     from mlflow import MlflowClient
 
     from flows import tracking

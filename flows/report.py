@@ -22,6 +22,7 @@ MLFLOW_UI = "http://127.0.0.1:5000"
 
 
 def mlflow_ui_url() -> str:
+    """The MLflow UI's base URL: the tracking server, else the local UI."""
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     if uri.startswith(("http://", "https://")):
         return uri.rstrip("/")
@@ -29,6 +30,7 @@ def mlflow_ui_url() -> str:
 
 
 def run_link(experiment_id: str, run_id: str) -> str:
+    """The MLflow UI's link to a run."""
     return f"{mlflow_ui_url()}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
@@ -42,6 +44,7 @@ def _interval(pair) -> str:
 
 
 def training_summary(train: dict) -> str:
+    """The train stage's metrics in a line."""
     if not train:
         return "no train metrics"
     if not train.get("trained"):
@@ -58,6 +61,7 @@ def training_summary(train: dict) -> str:
 
 
 def gate_lines(gate: dict) -> list[str]:
+    """The gate's verdict and its evidence as Markdown list lines."""
     lines = [f"- **Gate** ({gate.get('confidence')} paired bootstrap): candidate "
              f"{_num(gate.get('candidate_score'))} vs champion {_num(gate.get('champion_score'))}, "
              f"difference {_num(gate.get('difference'), '+.3f')} in "
@@ -76,6 +80,7 @@ def gate_lines(gate: dict) -> list[str]:
 
 
 def decision(record: dict) -> str:
+    """The cycle's promotion decision in words."""
     if record.get("promoted"):
         words = "promoted: the candidate is the new champion"
     elif record.get("status") == "waiting-approval":
@@ -92,6 +97,7 @@ def decision(record: dict) -> str:
 
 def markdown(root: Path, generation: int, metrics: dict, record: dict, *,
              experiment_id: str | None = None, run_id: str | None = None) -> str:
+    """The cycle report of a generation as Markdown."""
     ingest, validate, reward, train, gate = (metrics.get(s, {}) for s in
                                              ("ingest", "validate", "reward", "train", "gate"))
     drift = validate.get("drift", {})
@@ -177,6 +183,7 @@ def _plt():
 
 
 def score_plot(rows: list[dict]) -> str:
+    """The score history plot as an embeddable PNG data URI."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -216,6 +223,7 @@ def per_cycle(root: Path, rows: list[dict]) -> list[dict]:
 
 
 def reward_plot(cycles: list[dict]) -> str:
+    """The reward distributions of the cycles as a violin plot (a PNG data URI)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     data = [c["task_rewards"] or [0.0] for c in cycles]
@@ -235,6 +243,7 @@ def reward_plot(cycles: list[dict]) -> str:
 
 
 def quarantine_plot(cycles: list[dict]) -> str:
+    """The quarantine rates of the cycles as a bar chart (a PNG data URI)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 3.2))
     x = range(len(cycles))

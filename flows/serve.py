@@ -66,6 +66,7 @@ def deployments(root: Path, flow=None, work_pool: str | None = None) -> list:
 
 
 def ensure_limit(root: Path) -> str:
+    """Create the project's global concurrency limit of 1; returns its name."""
     from prefect.client.orchestration import get_client
 
     name = limit_name(root)

@@ -22,6 +22,7 @@ ALIAS = "champion"
 
 
 def experiment(root: Path) -> str:
+    """The id of the project's MLflow experiment, created when missing."""
     found = mlflow.get_experiment_by_name(EXPERIMENT)
     if found is None:
         return mlflow.create_experiment(EXPERIMENT,
@@ -30,6 +31,7 @@ def experiment(root: Path) -> str:
 
 
 def flat(prefix: str, value, out: dict) -> dict:
+    """A nested dict as dotted keys in `out` (returned), for MLflow params and metrics."""
     if isinstance(value, dict):
         for key, inner in value.items():
             flat(f"{prefix}.{key}" if prefix else str(key), inner, out)
@@ -129,10 +131,12 @@ def register(model_dir: Path, run_id: str, name: str, tags: dict) -> str:
 
 
 def set_champion(name: str, version: str) -> None:
+    """Point the champion alias of the registered model at `version`."""
     MlflowClient().set_registered_model_alias(name, ALIAS, version)
 
 
 def champion_version(name: str) -> str | None:
+    """The registered model's champion version, or None when it has none."""
     try:
         return MlflowClient().get_model_version_by_alias(name, ALIAS).version
     except mlflow.exceptions.MlflowException:
@@ -140,6 +144,7 @@ def champion_version(name: str) -> str | None:
 
 
 def version_exists(name: str, version: str) -> bool:
+    """True if the registered model has this version."""
     try:
         MlflowClient().get_model_version(name, version)
         return True
@@ -148,5 +153,6 @@ def version_exists(name: str, version: str) -> bool:
 
 
 def metrics_file(root: Path, stage: str) -> dict:
+    """A stage's metrics file, metrics/<stage>.json ({} when missing)."""
     path = root / "metrics" / f"{stage}.json"
     return json.loads(path.read_text()) if path.exists() else {}

@@ -28,12 +28,14 @@ from flows.workspace import TELEMETRY_OFF, WorkspaceError
 
 
 def free_port() -> int:
+    """A TCP port free on localhost now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
 def answers(url: str) -> bool:
+    """True if the URL answers 200 within two seconds."""
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             return response.status == 200
@@ -42,11 +44,13 @@ def answers(url: str) -> bool:
 
 
 def port_in_use(port: int) -> bool:
+    """True if something listens on the localhost port."""
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def commands(root: Path, prefect_port: int, mlflow_port: int) -> dict[str, dict]:
+    """The Prefect and MLflow server commands, with their environments and URLs."""
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, **TELEMETRY_OFF, "PREFECT_HOME": os.environ.get(
         "PREFECT_HOME", str(root / ".prefect")), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
@@ -92,6 +96,7 @@ def stop(procs: dict[str, subprocess.Popen]) -> None:
 
 def serve_ui(root: Path, prefect_port: int = 4200, mlflow_port: int = 5000,
              timeout: float = 300) -> int:
+    """Run the Prefect and MLflow UIs until interrupted; returns the exit code."""
     prefect_port = prefect_port or free_port()
     mlflow_port = mlflow_port or free_port()
     for name, port in (("Prefect", prefect_port), ("MLflow", mlflow_port)):

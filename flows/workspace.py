@@ -37,6 +37,7 @@ class WorkspaceError(RuntimeError):
 
 
 def find_root(start: str | Path = ".") -> Path:
+    """The project folder holding `start`: the nearest with dvc.yaml and params.yaml."""
     here = Path(start).resolve()
     for folder in (here, *here.parents):
         if (folder / "dvc.yaml").exists() and (folder / "params.yaml").exists():
@@ -83,6 +84,7 @@ def run(cmd: list[str], root: Path, check: bool = True, on_line: Callable[[str],
 
 
 def git(root: Path, *args: str, check: bool = True) -> str:
+    """Run git in the project; returns its output (raises on failure if `check`)."""
     identity = []
     if args and args[0] in ("commit", "tag") and not run(["git", "config", "user.email"], root,
                                                           check=False).stdout.strip():
@@ -104,6 +106,7 @@ def dvc(root: Path, *args: str, on_line=None) -> str:
 
 
 def generations(root: Path) -> list[int]:
+    """The generation numbers tagged so far (`gen-<n>`), in order."""
     tags = git(root, "tag", "--list", "gen-*").split()
     return sorted(int(t[4:]) for t in tags if t[4:].isdigit())
 

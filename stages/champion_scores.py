@@ -61,6 +61,7 @@ def run(base: cfg.Base, config: cfg.Gate, champion: Path, suites: list[Path], sc
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Score the champion on the benchmark suites (the DVC stage's command line)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("champion", "scores", "forgetting", "metrics"):
         parser.add_argument(name, type=Path)

@@ -38,6 +38,7 @@ class Base:
     threads: int = 0  # torch CPU threads; 0 = all cores
 
     def __post_init__(self):
+        """Refuse an unknown environment."""
         from stages.envs.registry import ENVIRONMENTS
 
         if self.environment not in ENVIRONMENTS:
@@ -63,6 +64,7 @@ class Init:
     tool_fraction: float = 0.2  # share of demonstrations that use the calculator
 
     def __post_init__(self):
+        """Refuse a model shape or tool fraction that cannot be built."""
         if self.n_embd % self.n_head:
             raise ParamsError(
                 f"init.n_embd ({self.n_embd}) must be divisible by init.n_head ({self.n_head})"
@@ -82,6 +84,7 @@ class Simulate:
     junk: bool = True  # add a malformed line, a duplicate and an e-mail address, as real logs have
 
     def __post_init__(self):
+        """Refuse a non-positive traffic size or a feedback rate outside [0, 1]."""
         _positive("simulate", traces_per_day=self.traces_per_day)
         if not 0.0 <= self.feedback_rate <= 1.0:
             raise ParamsError(f"simulate.feedback_rate: must be between 0 and 1, got {self.feedback_rate}")
@@ -100,6 +103,7 @@ class Ingest:
     max_line_bytes: int = 10_000_000  # a longer line is quarantined unread (JSON documents: 10x)
 
     def __post_init__(self):
+        """Refuse limits that are not positive."""
         _positive("ingest", max_messages=self.max_messages, max_line_bytes=self.max_line_bytes)
 
 
@@ -113,6 +117,7 @@ class Validate:
     max_drift: float = 1.0
 
     def __post_init__(self):
+        """Refuse fractions outside [0, 1]."""
         if not 0.0 <= self.min_valid_fraction <= 1.0:
             raise ParamsError(f"validate.min_valid_fraction: must be between 0 and 1, got "
                               f"{self.min_valid_fraction}")
@@ -150,6 +155,7 @@ class Rollout:
     api_key_env: str = "OPENAI_API_KEY"  # the environment variable holding the API key, if any
 
     def __post_init__(self):
+        """Refuse an unknown backend and out-of-range sampling and server settings."""
         if self.backend not in ("transformers", "openai"):
             raise ParamsError(
                 f"rollout.backend: {self.backend!r} is not a backend; use 'transformers' or "
@@ -194,6 +200,7 @@ class Rollout:
 
     @property
     def url_list(self) -> list[str]:
+        """The server URLs, split on commas and whitespace."""
         return [u for u in self.urls.replace(",", " ").split() if u]
 
 
@@ -208,6 +215,7 @@ class Reward:
     ray_address: str = ""  # "" = a local process pool; "auto" or "host:port" = that Ray cluster
 
     def __post_init__(self):
+        """Refuse unknown reward components and bad weights."""
         from stages.envs.registry import COMPONENTS
 
         for name, weight in self.weights.items():
@@ -232,6 +240,7 @@ class SFT:
     lr: float = 1e-3
 
     def __post_init__(self):
+        """Refuse epochs and a learning rate that are not positive."""
         _positive("train.sft", epochs=self.epochs, lr=self.lr)
 
 
@@ -246,6 +255,7 @@ class DPO:
     beta: float = 0.1  # strength of the pull towards the reference (the champion)
 
     def __post_init__(self):
+        """Refuse epochs, learning rate and beta that are not positive."""
         _positive("train.dpo", epochs=self.epochs, lr=self.lr, beta=self.beta)
 
 
@@ -259,6 +269,7 @@ class GRPO:
     kl_coef: float = 0.0  # weight of the KL term to the champion; 0 = none
 
     def __post_init__(self):
+        """Refuse non-positive settings and a negative KL coefficient."""
         _positive("train.grpo", epochs=self.epochs, lr=self.lr, clip=self.clip)
         if self.kl_coef < 0:
             raise ParamsError(f"train.grpo.kl_coef: must be >= 0 (0 turns it off), got "
@@ -292,6 +303,7 @@ class Train:
     grpo: GRPO = dataclasses.field(default_factory=GRPO)
 
     def __post_init__(self):
+        """Refuse an unknown algorithm and out-of-range training settings."""
         if self.algorithm not in ALGORITHMS:
             raise ParamsError(f"train.algorithm: unknown algorithm {self.algorithm!r}; choose "
                               f"one of {', '.join(ALGORITHMS)}")
@@ -346,6 +358,7 @@ class Gate:
     max_tool_error_regression: float = 0.1  # share of completions with a failed tool call
 
     def __post_init__(self):
+        """Refuse a confidence outside [0.5, 1) and an unusable suite setup."""
         from stages.envs.registry import ENVIRONMENTS
 
         if not 0.5 <= self.confidence < 1.0:
@@ -464,6 +477,7 @@ def _build(cls: type, section: str, raw, where: str):
 
 
 def read_params(path: str | Path = "params.yaml") -> dict:
+    """params.yaml as a dict; raises ParamsError when missing or not YAML."""
     path = Path(path)
     if not path.exists():
         raise ParamsError(f"{path}: not found; run from the project root (where dvc.yaml is)")

@@ -52,6 +52,7 @@ MAX_NEW_TOKENS = 48
 
 
 def weights_hash(folder: Path) -> str:
+    """The SHA-256 of a model folder's weights."""
     return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
 
 
@@ -312,6 +313,7 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Gate the candidate against the champion (the DVC stage's command line)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("candidate", "champion_scores", "forgetting", "rewards", "replay", "items",
                  "metrics"):

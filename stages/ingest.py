@@ -73,6 +73,7 @@ class Unreadable:
     """A line that is not a JSON value; `reason` says why."""
 
     def __init__(self, reason: str, raw: str, parsed: bool = False):
+        """A line refused for `reason`; `parsed` if it decoded before being refused."""
         # parsed: decoded whole, then refused (nested too deep, an unpaired surrogate)
         self.reason, self.raw, self.parsed = reason, raw, parsed
 
@@ -147,7 +148,7 @@ def _parse_line(raw: bytes, max_line_bytes: int):
     except RecursionError:
         return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000])
     # cheap tests first: most lines have neither many brackets nor \u escapes
-    if text.count("[") + text.count("{") > MAX_DEPTH and _depth(value) > MAX_DEPTH:
+    if text.count("[") + text.count("{") > MAX_DEPTH and json_depth(value) > MAX_DEPTH:
         return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000], parsed=True)
     if ("\\ud" in text or "\\uD" in text) and _lone_surrogate(value):
         return Unreadable("an unpaired UTF-16 surrogate escape (\\ud800-\\udfff): not valid "
@@ -155,7 +156,7 @@ def _parse_line(raw: bytes, max_line_bytes: int):
     return value
 
 
-def _depth(value) -> int:
+def json_depth(value) -> int:
     """How deeply a JSON value nests, without recursion (so it cannot overflow the stack)."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -186,6 +187,7 @@ def _read_document(path: Path, limit: int):
 
 
 def detect(record) -> str | None:
+    """The name of the format a record is in, or None if no source reads it."""
     return next((m.NAME for m in FORMATS if m.detect(record)), None)
 
 
@@ -291,10 +293,12 @@ def _raw(record) -> str:
 
 
 def inbox_files(inbox: Path) -> list[Path]:
+    """The inbox's files, hidden ones left out, in name order."""
     return sorted(p for p in inbox.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
 def inbox_key(files: list[Path]) -> str:
+    """A SHA-256 over the files' names and contents: the inbox's identity."""
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode() + b"\0")
@@ -307,12 +311,14 @@ class Writer:
     """Rows to a Parquet file in batches, renamed into place when closed."""
 
     def __init__(self, path: Path):
+        """A writer to a temporary file beside `path`."""
         self.path = path
         self.tmp = io.tmp_name(path)
         self.writer = pq.ParquetWriter(self.tmp, SCHEMA)
         self.rows: list[dict] = []
 
     def add(self, row: dict) -> None:
+        """Add a row, writing a batch when enough are held."""
         self.rows.append(row)
         if len(self.rows) >= BATCH:
             try:
@@ -322,6 +328,7 @@ class Writer:
                 raise
 
     def flush(self) -> None:
+        """Write the rows held so far."""
         if self.rows:
             # column by column: several times faster than Table.from_pylist on dicts
             columns = {name: [row[name] for row in self.rows] for name in SCHEMA.names}
@@ -337,6 +344,7 @@ class Writer:
         self.tmp.unlink(missing_ok=True)
 
     def close(self) -> None:
+        """Write the rest and close the file (removed if that fails)."""
         try:
             self.flush()
             self.writer.close()
@@ -432,6 +440,7 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Ingest the inbox (the DVC stage's command line)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("inbox", "traces", "ingested", "quarantine", "metrics"):
         parser.add_argument(name, type=Path)

@@ -54,6 +54,7 @@ def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None 
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Write the first champion (the DVC stage's command line)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", type=Path, help="model folder to write (models/champion)")
     parser.add_argument("--base-model", type=Path, help="import this local Hugging Face model folder")

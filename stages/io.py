@@ -51,11 +51,13 @@ def _whole(path: Path):
 
 
 def write_text(path: str | Path, text: str) -> None:
+    """Write a text file whole: readers see the old or the new, never a part."""
     with _whole(Path(path)) as tmp:
         tmp.write_text(text)
 
 
 def write_json(path: str | Path, data) -> None:
+    """Write JSON whole, indented with sorted keys."""
     write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
@@ -65,14 +67,17 @@ _BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0
 
 
 def jsonl_line(row: dict) -> str:
+    """One JSONL line of a row, line breaks inside strings escaped."""
     return json.dumps(row, ensure_ascii=False, sort_keys=True).translate(_BREAKS) + "\n"
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+    """Write rows as a JSONL file, whole."""
     write_text(path, "".join(jsonl_line(r) for r in rows))
 
 
 def write_parquet(path: str | Path, table: pa.Table) -> None:
+    """Write a parquet table, whole."""
     with _whole(Path(path)) as tmp:
         pq.write_table(table, tmp)
 
@@ -85,5 +90,6 @@ def replace_dir(tmp: Path, path: Path) -> None:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a JSONL file."""
     # split on newlines only: splitlines() also breaks at U+2028, U+0085 and others
     return [json.loads(line) for line in Path(path).read_text().split("\n") if line.strip()]

@@ -48,6 +48,7 @@ class VerifierBroken(RuntimeError):
 
 
 def verifier_id(env) -> str:
+    """The verifier's id, `<environment>/<version>`, recorded with each reward."""
     return f"{env.NAME}/{env.VERSION}"
 
 
@@ -261,6 +262,7 @@ def rescore(base: cfg.Base, config: cfg.Reward, rewards: Path, out: Path,
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Score the rollouts (the DVC stage's command line)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("rollouts", "rewards", "metrics"):
         parser.add_argument(name, type=Path)

@@ -115,6 +115,7 @@ def run(base: cfg.Base, config: cfg.Rollout, validated: Path, champion: Path,
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Roll out the champion on the tasks (the DVC stage's command line)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("validated", "champion", "rollouts", "metrics"):
         parser.add_argument(name, type=Path)

@@ -30,6 +30,7 @@ EPOCH = dt.datetime(2026, 1, 1, 9, 0, tzinfo=dt.timezone.utc)
 
 
 def next_day(inbox: Path) -> int:
+    """The day number of the next traffic file in the inbox."""
     return len(list(inbox.glob("traffic-*.jsonl")))
 
 
@@ -86,6 +87,7 @@ def run(base: cfg.Base, config: cfg.Simulate, champion: Path, inbox: Path, bench
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Write a day of simulated traffic to the inbox (the command line)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("champion", type=Path, nargs="?", default=Path("models/champion"))
     parser.add_argument("inbox", type=Path, nargs="?", default=Path("data/inbox"))

@@ -42,6 +42,7 @@ def build_tokenizer(env) -> PreTrainedTokenizerFast:
 
 
 def build_model(tokenizer, n_layer: int, n_embd: int, n_head: int, n_positions: int, seed: int):
+    """A freshly initialized GPT-2 of the given shape for the tokenizer."""
     torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=len(tokenizer), n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
@@ -104,6 +105,7 @@ def load(path: str | Path):
 
 
 def save(model, tokenizer, path: str | Path, card: dict | None = None) -> None:
+    """Save a model and tokenizer to a folder, with an optional model card."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
@@ -121,6 +123,7 @@ def quiet() -> None:
 
 
 def set_threads(threads: int) -> None:
+    """Quiet the libraries and use `threads` torch threads (0: leave the default)."""
     quiet()
     if threads:
         torch.set_num_threads(threads)

@@ -240,6 +240,7 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Train the candidate (the DVC stage's command line)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("rewards", "champion", "candidate", "replay", "checkpoints", "metrics",
                  "steps"):

@@ -69,6 +69,7 @@ def flatten(traces: pd.DataFrame, env) -> tuple[pd.DataFrame, pd.DataFrame, pd.D
 
 
 def suites() -> dict[str, list]:
+    """The expectation suites, by table."""
     import great_expectations as gx
 
     e = gx.expectations
@@ -119,6 +120,7 @@ class Checker:
     """
 
     def __init__(self, docs: Path):
+        """Build the context, suites and checkpoints, with data docs in `docs`."""
         import great_expectations as gx
         from great_expectations.checkpoint import UpdateDataDocsAction
         from great_expectations.data_context.types.base import ProgressBarsConfig
@@ -274,6 +276,7 @@ def save_profile(profiles: Path, ingested: Path, summary: dict) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Validate the ingested traces (the DVC stage's command line)."""
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("ingested", "validated", "quarantine", "profiles", "docs", "metrics"):

@@ -227,17 +227,6 @@ def build(spec) -> tuple[str, bytes]:
     return name, data
 
 
-def depth(value) -> int:
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        value, level = stack.pop()
-        if isinstance(value, (list, dict)):
-            deepest = max(deepest, level)
-            stack.extend((v, level + 1) for v in (value.values() if isinstance(value, dict)
-                                                  else value))
-    return deepest
-
-
 def expected_rows(data: bytes) -> int | None:
     """How many rows a line-format file must give, worked out independently of ingest: one per
     non-blank line, or per item of a JSON array (on a line, or the file as one document).
@@ -275,7 +264,7 @@ def expected_rows(data: bytes) -> int | None:
                     json.dumps(value, ensure_ascii=False).encode("utf-8")
                 except UnicodeEncodeError:
                     return 1  # one document refused whole
-                if depth(value) > ingest.MAX_DEPTH:
+                if ingest.json_depth(value) > ingest.MAX_DEPTH:
                     return 1
                 return len(value) if isinstance(value, list) else 1
     return sum(count(raw) for raw in io.BytesIO(data) if raw.strip())

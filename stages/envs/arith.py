@@ -64,6 +64,7 @@ def evaluate(expression: str) -> int | None:
 
 
 def tool_result(expression: str) -> str:
+    """What the calculator tool answers for an expression (`?` if it cannot)."""
     value = evaluate(expression)
     return "?" if value is None else str(value)
 
@@ -76,6 +77,7 @@ def mix_for_day(day: int, shift: float) -> list[float]:
 
 
 def sample_question(rng: random.Random, weights: list[float] | None = None) -> str:
+    """A random question `a<op>b`, the operators drawn with `weights`."""
     op = rng.choices(OPS, weights=weights or [1, 1, 1])[0]
     a, b = (rng.randint(0, 10 ** rng.randint(1, 3) - 1) for _ in range(2))
     return f"{a}{op}{b}"
@@ -97,10 +99,12 @@ def task_kind(question: str) -> str:
 
 
 def gold_answer(question: str) -> int | None:
+    """The right answer to a question, or None if it has none."""
     return evaluate(question)
 
 
 def prompt(question: str) -> str:
+    """The prompt the model completes for a question."""
     return f"{QUESTION}{question}"
 
 
@@ -170,6 +174,7 @@ def gold(question: str, answer: str) -> str:
 
 
 def tool_calls(completion: str) -> list[str]:
+    """The expressions of the tool calls in a completion, in order."""
     return re.findall(re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE), completion)
 
 
@@ -281,6 +286,7 @@ def write_benchmark(path: Path, size: int = 200, seed: int = 1234) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Write the held-out benchmark (the command line)."""
     parser = argparse.ArgumentParser(description="The arithmetic demo environment.")
     parser.add_argument("--write-benchmark", type=Path, required=True,
                         help="write the 200-item held-out benchmark (seed 1234) to this JSONL file")

@@ -67,6 +67,7 @@ class Verdict:
 
 
 def prompt(question: str) -> str:
+    """The prompt the model completes for a task."""
     return f"# Task: {question}\n"
 
 
@@ -103,6 +104,7 @@ def verify(question: str, answer: str, completion: str) -> float | None:
 
 
 def tool_calls(completion: str) -> list[str]:
+    """The code of the `<run>` tool calls in a completion, in order."""
     return [m[0] for m in _CALL.findall(completion)]
 
 
@@ -144,6 +146,7 @@ def on_tool_close(text: str) -> str:
 
 
 def task_kind(question: str) -> str:
+    """The task kind for drift profiles: always `code`."""
     return "code"
 
 
@@ -205,6 +208,7 @@ def load_tasks(path: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Check task suites' reference solutions in the sandbox (the command line)."""
     parser = argparse.ArgumentParser(description="The Python coding environment: check task suites.")
     parser.add_argument("--check", type=Path, nargs="+", required=True, metavar="JSONL",
                         help="run each task's reference solution against its tests in the sandbox")

@@ -69,6 +69,7 @@ def score_job(env_name: str, question: str, answer: str, completion: str | None
 
 
 def score_chunk(env_name: str, jobs: list[tuple]) -> list[tuple[dict | None, str | None]]:
+    """Score a chunk of jobs in one worker (see `score_job`)."""
     return [score_job(env_name, *job) for job in jobs]
 
 

@@ -107,6 +107,7 @@ class Result:
 
     @property
     def passed(self) -> bool:
+        """True if the tests passed."""
         return self.outcome == "passed"
 
 
@@ -471,6 +472,7 @@ def _wait(proc: subprocess.Popen, nonce: str, limits: Limits, kind: str, started
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Say which isolation this machine gives and probe it (the command line)."""
     parser = argparse.ArgumentParser(description="Say which sandbox isolation this machine gives "
                                                  "(bwrap or the rlimit fallback) and probe it.")
     parser.add_argument("--isolation", default="auto", choices=["auto", "bwrap", "rlimit"],

@@ -58,6 +58,7 @@ _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE) + r"(
 
 
 def prompt(question: str) -> str:
+    """The prompt the model completes for a question."""
     return f"User: {question} Assistant:"
 
 
@@ -260,6 +261,7 @@ def completion_from_messages(messages: list[dict]) -> str | None:
 
 
 def task_kind(question: str) -> str:
+    """The task kind for drift profiles: always `tool_call`."""
     return "tool_call"
 
 

@@ -48,6 +48,7 @@ class Progress:
     """
 
     def __init__(self, total: int, label: str, enabled: bool):
+        """A progress report over `total` items (a bar on a terminal)."""
         self.total, self.label, self.enabled, self.done = total, label, enabled, 0
         self.started = self.last = time.time()
         self.bar = None
@@ -57,6 +58,7 @@ class Progress:
             self.bar = tqdm(total=total, desc=label, unit="ep", file=sys.stderr, leave=False)
 
     def update(self, done: int) -> None:
+        """Report `done` items finished so far."""
         if not self.enabled:
             return
         if self.bar is not None:
@@ -70,5 +72,6 @@ class Progress:
                   flush=True)
 
     def close(self) -> None:
+        """Close the progress bar, if any."""
         if self.bar is not None:
             self.bar.close()

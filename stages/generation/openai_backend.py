@@ -63,6 +63,8 @@ class ServerError(RuntimeError):
 
 @dataclass
 class Stats:
+    """What a rollout's requests did: answered, retried, and per URL."""
+
     requests: int = 0  # completion requests answered
     retries: int = 0
     by_url: dict[str, int] = field(default_factory=dict)  # successful requests per URL
@@ -72,6 +74,7 @@ class Pool:
     """The URLs and their requests in flight: the next request goes to the least loaded."""
 
     def __init__(self, urls: list[str]):
+        """A pool of the server URLs, none in flight."""
         self.urls = [u.rstrip("/") for u in urls]
         self.inflight = dict.fromkeys(self.urls, 0)
         self.turn = 0
@@ -87,16 +90,21 @@ class Pool:
         return url
 
     def release(self, url: str) -> None:
+        """Mark a request to `url` finished."""
         self.inflight[url] -= 1
 
 
 def split_urls(text: str) -> list[str]:
+    """The URLs of a comma- or whitespace-separated list."""
     return [u for u in text.replace(",", " ").split() if u]
 
 
 class Client:
+    """An async client of OpenAI-compatible completion servers, with retries."""
+
     def __init__(self, urls: list[str], *, concurrency: int, timeout: float, retries: int,
                  backoff: float, api_key: str | None, seed: int):
+        """A client of `urls` with at most `concurrency` requests in flight."""
         self.pool = Pool(urls)
         self.limit = asyncio.Semaphore(concurrency)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -148,6 +156,7 @@ class Client:
             f"(rollout.urls or rollout.server_command in params.yaml)")
 
     async def close(self) -> None:
+        """Close the HTTP connections."""
         await self.http.aclose()
 
 
@@ -328,6 +337,7 @@ def api_key_from(variable: str) -> str | None:
 
 
 def free_port() -> int:
+    """A TCP port free on localhost now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

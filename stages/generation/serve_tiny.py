@@ -37,6 +37,8 @@ MAX_BATCH = 256
 
 
 class BadRequest(ValueError):
+    """A request the server refuses with 400; the message says why."""
+
     pass
 
 
@@ -57,6 +59,7 @@ class Engine:
     """The model behind a lock-free queue: one worker thread generates batches of requests."""
 
     def __init__(self, folder: Path, name: str, threads: int = 0):
+        """Load the model in `folder` and start the worker that runs requests."""
         tinylm.set_threads(threads)
         self.model, self.tokenizer = tinylm.load(folder)
         self.name = name
@@ -110,6 +113,7 @@ class Engine:
         }
 
     def submit(self, request: dict) -> dict:
+        """Queue a parsed request and wait for its response."""
         future: Future = Future()
         self.jobs.put((request, future))
         return future.result()
@@ -171,13 +175,17 @@ class Engine:
 
 
 class Handler(BaseHTTPRequestHandler):
+    """The HTTP handler: /health, /v1/models and /v1/completions."""
+
     engine: Engine  # set on the subclass make_server builds
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format, *args):  # noqa: A002 - quiet; errors are answered, not printed
+        """Print nothing per request."""
         pass
 
     def reply(self, status: int, body: dict, headers: dict | None = None) -> None:
+        """Send a JSON response."""
         data = json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -188,9 +196,11 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def error(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        """Send an OpenAI-style error response."""
         self.reply(status, {"error": {"message": message, "type": kind, "code": status}})
 
     def do_GET(self):  # noqa: N802 - http.server's name
+        """Answer /health and /v1/models."""
         if self.path == "/health":
             self.reply(200, {"status": "ok"})
         elif self.path == "/v1/models":
@@ -201,12 +211,15 @@ class Handler(BaseHTTPRequestHandler):
             self.error(404, f"no route {self.path}")
 
     def do_POST(self):  # noqa: N802
+        """Answer a completion request."""
         self.complete(self.body())
 
     def body(self) -> bytes:
+        """The request body."""
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
     def complete(self, raw: bytes) -> None:
+        """Answer /v1/completions with the engine's completion, or an error."""
         if self.path != "/v1/completions":
             self.error(404, f"no route {self.path}; this server has /v1/completions")
             return
@@ -224,6 +237,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class Server(ThreadingHTTPServer):
+    """A threaded HTTP server that queues many connections at once."""
+
     daemon_threads = True
     request_queue_size = 1024  # the default 5 refuses connections when many requests arrive at once
 
@@ -237,6 +252,7 @@ def make_server(folder: Path, host: str = "127.0.0.1", port: int = 0, name: str 
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Serve a model folder over HTTP until interrupted (the command line)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path, help="a Hugging Face model folder, e.g. models/champion")
     parser.add_argument("--host", default="127.0.0.1")

@@ -15,7 +15,10 @@ from collections import Counter
 
 
 class Profile:
+    """Counts over a set of traces, summed up as a drift profile."""
+
     def __init__(self):
+        """An empty profile."""
         self.traces = 0
         self.kinds: Counter = Counter()
         self.tools: Counter = Counter()
@@ -23,6 +26,7 @@ class Profile:
 
     def add(self, n_messages: int, tool_names: list[str], feedback: dict, kind: str | None
             ) -> None:
+        """Count one trace."""
         self.traces += 1
         self.kinds[kind or "none"] += 1
         self.messages += n_messages
@@ -34,6 +38,7 @@ class Profile:
         self.errors += bool(feedback.get("error"))
 
     def summary(self) -> dict:
+        """The profile: rates and means over the traces counted."""
         n = max(1, self.traces)
         return {"traces": self.traces,
                 "task_mix": {k: round(v / n, 4) for k, v in sorted(self.kinds.items())},
@@ -64,4 +69,5 @@ def compare(now: dict, before: dict | None) -> dict:
 
 
 def dumps(profile: dict) -> str:
+    """A profile as indented JSON with sorted keys."""
     return json.dumps(profile, indent=2, sort_keys=True) + "\n"

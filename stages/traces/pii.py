@@ -49,6 +49,7 @@ DIGIT = re.compile(r"\d")
 
 
 def luhn(digits: str) -> bool:
+    """True if the digits pass the Luhn check (card numbers do)."""
     total = 0
     for i, char in enumerate(reversed(digits)):
         n = int(char)
@@ -84,6 +85,7 @@ _MAYBE_IPV6 = re.compile(r"::|[0-9A-Fa-f]:[0-9A-Fa-f]{1,4}:")
 
 
 def maybe_pii(text: str) -> bool:
+    """True if the text may hold PII: a cheap test before the patterns run."""
     return ("@" in text or _MAYBE_SECRET.search(text) is not None
             or _MAYBE_NUMBER.search(text) is not None or _MAYBE_IPV6.search(text) is not None)
 
@@ -96,6 +98,7 @@ class Scrubber:
     """Scrubs one trace; `counts` holds the redactions per kind."""
 
     def __init__(self, kinds: set[str]):
+        """A scrubber of the PII `kinds`, its counts at zero."""
         self.kinds = kinds
         self.counts = {kind: 0 for kind in KINDS}
         self.placeholders: dict[tuple[str, str], str] = {}
@@ -110,6 +113,7 @@ class Scrubber:
         return self.placeholders[key]
 
     def text(self, value: str) -> str:
+        """The text with PII replaced by placeholders, counted."""
         has_digit = DIGIT.search(value) is not None
         for kind, pattern, check in PATTERNS:
             # cheap pre-checks first: most strings hold no PII at all

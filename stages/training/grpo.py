@@ -98,11 +98,13 @@ class GRPOTrainer(trainers.StepLog, Trainer):
     """
 
     def __init__(self, *args, clip: float, kl_coef: float, **kwargs):
+        """A GRPO trainer with the clip range and KL coefficient."""
         super().__init__(*args, **kwargs)
         self.clip, self.kl_coef = clip, kl_coef
         self._extra = {}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The clipped policy loss of a batch, with the KL penalty when on."""
         logp = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"])
         mask = inputs["mask"]
         ratio = torch.exp(logp - inputs["old_logprobs"])

@@ -115,6 +115,7 @@ class ArgumentsFor:
     deepspeed: dict | None
 
     def __call__(self, rows: int, cls=TrainingArguments, **extra):
+        """The TrainingArguments (or `cls`) for training on `rows` rows."""
         return arguments(self.work, steps=total_steps(rows, self.batch_size, self.epochs),
                          batch_size=self.batch_size, lr=self.lr, seed=self.seed,
                          checkpoint_steps=self.checkpoint_steps, deepspeed=self.deepspeed,
@@ -125,11 +126,13 @@ class StepLog:
     """Adds training tokens per second to each logged step (a mixin for any Trainer)."""
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        """One training step, counting its tokens."""
         self._tokens = getattr(self, "_tokens", 0) + sum(
             int(v.sum()) for k, v in inputs.items() if k.endswith("attention_mask"))
         return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
+        """Log a step, with the tokens per second since the last logged loss."""
         if "loss" in logs:
             now = time.perf_counter()
             since = getattr(self, "_since", None)
@@ -167,9 +170,11 @@ class Progress(TrainerCallback):
     """About ten progress lines per training on stderr (the Trainer's own bar is off)."""
 
     def __init__(self, label: str):
+        """Progress of the training `label` names."""
         self.label = label
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        """Print the loss about every tenth of the steps."""
         every = max(1, state.max_steps // 10)
         if logs and "loss" in logs and (state.global_step % every == 0
                                         or state.global_step == state.max_steps):

@@ -16,7 +16,7 @@ the API and the UI's export write them, in a JSON array or JSONL, in any mix:
 
 Mapping. Records are grouped by Langfuse trace id, which becomes `trace_id` unchanged. The
 conversation comes from the GENERATION observations in `startTime` order, joined by prefix
-matching (each generation's input repeats the history so far; see `openinference.join_calls`).
+matching (each generation's input repeats the history so far; see `messages.join_calls`).
 A generation's `input` is a list of chat messages, `{"messages": [...], "tools": [...]}` (the
 OpenAI integration when tools are passed) or a prompt string; its `output` an assistant message
 (OpenAI dict, or LangChain's with `tool_calls` as `{"name", "args", "id"}`), a `choices` response
@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 from stages.traces.schema import BadRecord
-from stages.traces.sources.openinference import (
+from stages.traces.sources.messages import (
     Call,
     chat_messages,
     epoch,

@@ -17,7 +17,7 @@ Its `outputs` is `{"generations": [[{"text", "message"}]], "llm_output": {"token
 Mapping. Runs are grouped by `trace_id` (the root run's id; runs without one are placed by
 following `parent_run_id`), which becomes `trace_id` unchanged. The conversation comes from the
 `llm` runs in `start_time` order, joined by prefix matching (each run's input repeats the
-history so far; see `openinference.join_calls`). Tools offered (`extra.invocation_params.tools`,
+history so far; see `messages.join_calls`). Tools offered (`extra.invocation_params.tools`,
 else `inputs.tools`) -> `tools`; the model that answered (`llm_output.model_name`, the response's
 `model`, else the requested `invocation_params.model` or `metadata.ls_model_name`) -> `model`;
 tokens (`llm_output.token_usage`, else the run's `prompt_tokens` / `completion_tokens`, the
@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 from stages.traces.schema import BadRecord
-from stages.traces.sources.openinference import (
+from stages.traces.sources.messages import (
     Call,
     chat_messages,
     epoch,

@@ -18,6 +18,7 @@ NAME = "openai-chat"
 
 
 def detect(record) -> bool:
+    """True for an object with a `messages` list."""
     return isinstance(record, dict) and isinstance(record.get("messages"), list)
 
 
