@@ -42,8 +42,13 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/offseason demo
 
+# Tests run in parallel workers (pytest-xdist): most of a test's time is spent waiting on the
+# processes it starts (DVC, Prefect's server, MLflow), so four workers keep 2 cores busy. A module
+# whose module-scoped fixture is expensive is kept on one worker (xdist_group); `make test
+# TEST_WORKERS=0` runs everything in one process.
+TEST_WORKERS ?= 4
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint: setup
 	$(BIN)/ruff check flows stages tests

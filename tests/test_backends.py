@@ -20,6 +20,9 @@ from stages.generation import openai_backend, serve_tiny, transformers_backend
 from stages.training import warmstart
 from stages.training.warmstart import demonstrations
 
+# one xdist worker runs this module: its module-scoped fixture is built once
+pytestmark = pytest.mark.xdist_group("backends")
+
 QUESTIONS = ["12*34", "5+6", "300-7", "8*9", "41+17", "7*66", "90-45", "3*3"]
 
 

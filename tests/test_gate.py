@@ -18,6 +18,9 @@ from stages.training import warmstart
 from stages.training.sft import encode_completion
 from stages.training.warmstart import demonstrations
 
+# one xdist worker runs this module: its module-scoped fixture is built once
+pytestmark = pytest.mark.xdist_group("gate")
+
 CONFIG = cfg.Gate(bootstrap_samples=2000, confidence=0.9)
 
 

@@ -11,7 +11,8 @@ import pytest
 import yaml
 from conftest import TINY, make_project, offseason
 
-pytestmark = pytest.mark.slow
+# one xdist worker runs this module: its module-scoped fixture is built once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lineage")]
 
 # TINY, with a warm start long enough that some rollouts are verified correct, so the train stage
 # has examples (and trace ids) to learn from

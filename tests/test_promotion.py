@@ -14,7 +14,8 @@ import urllib.request
 import pytest
 from conftest import BIN, REPO, cli_env, make_project, offseason
 
-pytestmark = pytest.mark.slow
+# one xdist worker runs this module: its module-scoped fixture is built once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("promotion")]
 
 FLOW = '''
 import json, sys

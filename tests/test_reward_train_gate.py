@@ -13,6 +13,9 @@ from stages.training import warmstart
 from stages.training.sft import encode_completion
 from stages.training.warmstart import demonstrations
 
+# one xdist worker runs this module: its module-scoped fixture is built once
+pytestmark = pytest.mark.xdist_group("reward_train_gate")
+
 
 def rollouts_file(tmp_path, rows):
     tokenizer = tinylm.build_tokenizer(arith)

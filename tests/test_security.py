@@ -23,7 +23,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import BIN, cli_env, make_project
 
-pytestmark = pytest.mark.slow
+# one xdist worker runs this module: its module-scoped fixture is built once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("security")]
 
 ENV_SECRET = "sk-test-" + "Zq8Wm2Rt" * 4  # what a user has exported for another tool
 TRACE_SECRETS = ["sk-proj-" + "Hf3kLp9QxT" * 3, "ghp_" + "Yb7Nc2Vd4Fg6Hj8Kl0Mn" * 2,

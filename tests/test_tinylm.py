@@ -10,6 +10,9 @@ from stages.training import sft, warmstart
 from stages.training.sft import encode_completion
 from stages.training.warmstart import demonstrations
 
+# one xdist worker runs this module: its module-scoped fixture is built once
+pytestmark = pytest.mark.xdist_group("tinylm")
+
 
 @pytest.fixture(scope="module")
 def trained():

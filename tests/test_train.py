@@ -23,6 +23,9 @@ from stages.training import dpo, grpo, warmstart
 from stages.training.sft import encode_completion
 from stages.training.warmstart import demonstrations
 
+# one xdist worker runs this module: its module-scoped fixture is built once
+pytestmark = pytest.mark.xdist_group("train")
+
 GOOD = "<calc>2*3</calc><result>6</result>answer:6"
 BAD = "answer:5"
 
