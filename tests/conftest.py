@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -142,4 +144,58 @@ def kill_and_reap(proc: subprocess.Popen, timeout: float = 60) -> None:
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
+    """A fresh project: offseason's sources, git and DVC, committed; no `offseason init` yet."""
     return make_project(tmp_path / "project")
+
+
+def copy_project(source: Path, target: Path) -> Path:
+    """A working copy of an initialised project at `target`: git, DVC (cache and local remote),
+    data and MLflow's SQLite store, whose artifact locations are absolute paths, moved along.
+    """
+    shutil.copytree(source, target, symlinks=True)
+    shutil.rmtree(target / ".dvc" / "tmp", ignore_errors=True)  # DVC's state of the old inodes
+    if (target / "mlflow.db").exists():
+        with contextlib.closing(sqlite3.connect(target / "mlflow.db")) as db, db:
+            tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+            for table in tables:
+                for column in db.execute(f"PRAGMA table_info('{table}')").fetchall():
+                    if column[2].upper().startswith(("VARCHAR", "TEXT")):
+                        db.execute(f'UPDATE "{table}" SET "{column[1]}" = '
+                                   f'replace("{column[1]}", ?, ?)', (str(source), str(target)))
+    return target
+
+
+@pytest.fixture(scope="session")
+def simulated_once(tmp_path_factory) -> Path:
+    """One project (TINY params) after `offseason init` and a day of `offseason simulate`, made
+    once per test session and shared by the xdist workers (the first one builds it, under a file
+    lock, in the folder above the workers' own); tests take copies of it, never it.
+    """
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    root = shared / "simulated" / "project"
+    with FileLock(str(shared / "simulated.lock")):
+        if not (root.parent / "done").exists():
+            shutil.rmtree(root.parent, ignore_errors=True)
+            make_project(root)
+            offseason(root, "init")
+            offseason(root, "simulate")
+            (root.parent / "done").touch()
+    return root
+
+
+@pytest.fixture
+def simulated(simulated_once: Path, tmp_path: Path) -> Path:
+    """A project of its own after `offseason init` and one day of `offseason simulate`."""
+    return copy_project(simulated_once, tmp_path / "project")
+
+
+@pytest.fixture
+def initialised(simulated: Path) -> Path:
+    """A project of its own right after `offseason init`: generation 0, an empty inbox."""
+    for path in (simulated / "data" / "inbox").iterdir():
+        path.unlink()
+    return simulated

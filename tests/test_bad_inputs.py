@@ -98,10 +98,8 @@ def test_an_unknown_environment_is_refused_naming_the_key(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_champion_broken_after_init_fails_the_cycle_naming_the_file(tmp_path):
-    root = make_project(tmp_path / "p")
-    offseason(root, "init")
-    offseason(root, "simulate")
+def test_a_champion_broken_after_init_fails_the_cycle_naming_the_file(simulated):
+    root = simulated
     config = json.loads((root / "models/champion/config.json").read_text())
     config["n_layer"] += 1
     (root / "models/champion/config.json").write_text(json.dumps(config))

@@ -117,9 +117,8 @@ def test_init_simulate_and_one_cycle(project):
     assert status.returncode == 0
 
 
-def test_killed_cycle_redoes_only_unfinished_stages(project):
-    offseason(project, "init")
-    offseason(project, "simulate")
+def test_killed_cycle_redoes_only_unfinished_stages(simulated):
+    project = simulated
     env = cli_env(project)
     proc = subprocess.Popen([str(BIN / "offseason"), "run"], cwd=project, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
@@ -160,8 +159,8 @@ def test_bad_params_fail_before_any_stage(project):
     assert not (project / "data/ingested.parquet").exists()
 
 
-def test_empty_inbox_ends_early_with_a_message(project):
-    offseason(project, "init")
+def test_empty_inbox_ends_early_with_a_message(initialised):
+    project = initialised
     result = offseason(project, "run")
     assert "the inbox is empty" in result.stdout and "offseason simulate" in result.stdout
     assert git(project, "tag", "--list") == "gen-0"

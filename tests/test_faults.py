@@ -39,10 +39,8 @@ def outs(root) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_path):
-    reference = make_project(tmp_path / "reference")
-    offseason(reference, "init")
-    offseason(reference, "simulate")
+def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_path, simulated):
+    reference = simulated
     killed = tmp_path / "killed"
     shutil.copytree(reference, killed, symlinks=True)
     for name in ("mlflow.db", "mlartifacts"):  # its own MLflow: only git, DVC and data copied
@@ -253,10 +251,8 @@ def test_mlflow_server_lost_mid_cycle_fails_naming_it_and_promotes_nothing(tmp_p
 
 
 @pytest.mark.slow
-def test_a_corrupted_champion_in_the_dvc_cache_is_found_before_anything_trains(tmp_path):
-    root = make_project(tmp_path / "p")
-    offseason(root, "init")
-    offseason(root, "simulate")
+def test_a_corrupted_champion_in_the_dvc_cache_is_found_before_anything_trains(simulated):
+    root = simulated
     folder = yaml.safe_load((root / "models/champion.dvc").read_text())["outs"][0]["md5"]
     cache = root / ".dvc/cache/files/md5"
     files = json.loads((cache / folder[:2] / folder[2:]).read_text())

@@ -134,7 +134,7 @@ PASSED = {"passed": True, "candidate_score": 0.5, "champion_score": 0.1, "differ
           "reason": "lower bound +0.300 > 0.0; every guard held"}
 
 
-def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(tmp_path,
+def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(initialised,
                                                                           monkeypatch):
     import mlflow
     import torch
@@ -142,8 +142,7 @@ def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(tmp_p
     from flows import promotion, tracking
     from stages import tinylm
 
-    root = make_project(tmp_path / "p")
-    offseason(root, "init")
+    root = initialised
     gen0 = weights(root)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
