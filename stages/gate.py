@@ -134,8 +134,11 @@ def paired_interval(a: np.ndarray, b: np.ndarray, samples: int, confidence: floa
     """
     rng = np.random.default_rng(seed)
     index = rng.integers(0, len(a), size=(samples, len(a)))
-    mean_a, mean_b = a[index].mean(axis=1), b[index].mean(axis=1)
-    stats = (mean_a - mean_b) / np.maximum(mean_b, 1e-12) if relative else mean_a - mean_b
+    if relative:
+        mean_a, mean_b = a[index].mean(axis=1), b[index].mean(axis=1)
+        stats = (mean_a - mean_b) / np.maximum(mean_b, 1e-12)
+    else:  # the mean of the paired differences: exact where the scores are (0.6 - 0.65 is not)
+        stats = (a - b)[index].mean(axis=1)
     tail = (1 - confidence) / 2
     return float(np.quantile(stats, tail)), float(np.quantile(stats, 1 - tail))
 
@@ -154,11 +157,15 @@ def compare(name: str, a: np.ndarray, b: np.ndarray, config: cfg.Gate, seed: int
             ) -> dict:
     """One rule: the paired interval of candidate - champion against its threshold."""
     if len(a) == 0:
+        if primary:  # nothing to decide on is no evidence of improvement
+            return {"passed": False, "skipped": False, "items": 0,
+                    "reason": f"{name}: no judged items: the primary suite cannot show an "
+                              f"improvement; check data/benchmarks/{name}.jsonl and its verifier"}
         return {"passed": True, "skipped": True, "items": 0,
                 "reason": f"{name}: no items yet, skipped"}
     low, high = paired_interval(a, b, config.bootstrap_samples, config.confidence, seed, relative)
     ma, mb = float(a.mean()), float(b.mean())
-    difference = (ma - mb) / max(mb, 1e-12) if relative else ma - mb
+    difference = (ma - mb) / max(mb, 1e-12) if relative else float((a - b).mean())
     out = {"items": int(len(a)), "candidate": round(ma, 4), "champion": round(mb, 4),
            "difference": round(difference, 4), "interval": [round(low, 4), round(high, 4)],
            "threshold": threshold, "skipped": False}

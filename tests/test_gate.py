@@ -104,6 +104,40 @@ def test_an_unchanged_candidate_never_passes():
     assert verdict["passed"] is False and "unchanged" in verdict["reason"]
 
 
+def test_a_primary_suite_without_judged_items_fails():
+    # every item unjudged (the verifier could not judge any): no evidence, no promotion
+    unjudged = [{**r, "correct": None} for r in rows([1] * 20)]
+    verdict = gate.decide(cfg.Gate(min_improvement=-1.0), 0,
+                          pairs(unjudged, rows([0] * 20)), set(), [], False)
+    assert verdict["passed"] is False
+    assert "arith: no judged items" in verdict["reason"]
+    assert verdict["suites"]["arith"]["unjudged"] == 20
+    # an empty guard suite still does not block
+    config = cfg.Gate(suites={"arith": cfg.Suite(), "hard": cfg.Suite()})
+    guard = pairs([{**r, "correct": None} for r in rows([1] * 5, "hard")], rows([1] * 5, "hard"))
+    good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
+    verdict = gate.decide(config, 0, good + guard, set(), [], False)
+    assert verdict["passed"] is True and verdict["suites"]["hard"]["skipped"] is True
+
+
+def test_a_difference_exactly_at_the_margin_is_not_lost_to_rounding():
+    # One item of 20 lost: each bootstrap resample's difference is -k/20. Taken as the difference
+    # of two separately computed means, 0.85 - 1.0 is -0.15000000000000002, below a margin of
+    # 0.15 by rounding alone; the mean of the paired differences is exactly -0.15.
+    assert 17 / 20 - 1.0 < -0.15
+    candidate, champion = [0] + [1] * 19, [1] * 20
+    low, _ = gate.paired_interval(np.array(candidate, float), np.array(champion, float), 2000,
+                                  0.9, 0)
+    assert low == -0.15  # the 5% quantile falls inside the resamples that lost 3 times
+    config = cfg.Gate(suites={"arith": cfg.Suite(), "hard": cfg.Suite(max_regression=0.15)})
+    good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
+    verdict = gate.decide(config, 0, good + pairs(rows(candidate, "hard"), rows(champion, "hard")),
+                          set(), [], False)
+    hard = verdict["suites"]["hard"]
+    assert hard["interval"][0] == -0.15 and hard["passed"] is True, hard["reason"]
+    assert hard["difference"] == -0.05
+
+
 def test_paired_bootstrap_agrees_with_scipy():
     rng = np.random.default_rng(11)
     a = (rng.random(300) < 0.55).astype(float)
