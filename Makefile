@@ -42,13 +42,14 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/offseason demo
 
-# Tests run in parallel workers (pytest-xdist): most of a test's time is spent waiting on the
-# processes it starts (DVC, Prefect's server, MLflow), so four workers keep 2 cores busy. A module
-# whose module-scoped fixture is expensive is kept on one worker (xdist_group); `make test
-# TEST_WORKERS=0` runs everything in one process.
-TEST_WORKERS ?= 4
+# Tests run in parallel workers (pytest-xdist): much of a test's time is spent waiting on the
+# processes it starts (DVC, Prefect's server, MLflow), so a third worker keeps 2 cores busy; each
+# worker's processes use one torch thread (tests/conftest.py). A module whose module-scoped fixture
+# is expensive stays on one worker (xdist_group). `make test TEST_WORKERS=0`: one process.
+# The slowest tests are listed at the end (BENCHMARKS.md, "The test suite").
+TEST_WORKERS ?= 3
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 lint: setup
 	$(BIN)/ruff check flows stages tests

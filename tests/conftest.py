@@ -34,6 +34,12 @@ TINY = {
     "gate": {"benchmark_size": 40, "bootstrap_samples": 200},
 }
 
+# One torch/BLAS thread per process under xdist workers: several workers each running torch on
+# every core oversubscribe the 2 cores, and OpenMP's spinning threads then train 10-20x slower.
+# Set before anything imports torch; inherited by the CLI and DVC stage processes tests start.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+
 os.environ.update({"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
                    "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                    "HF_HUB_OFFLINE": "1", "GX_ANALYTICS_ENABLED": "False"})
