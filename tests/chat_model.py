@@ -1,0 +1,343 @@
+"""A real chat-model family, built offline in seconds: `build(folder)` writes a Hugging Face model
+folder (random-initialised Qwen2 weights, a byte-level BPE tokenizer trained here, Qwen2.5's chat
+template with tools) that `AutoModelForCausalLM` / `AutoTokenizer` load like any hub model;
+`build(folder, "llama")` the same with Llama weights, Llama 3's special tokens and Llama 3.1's JSON
+tool template.
+
+Not a test file: tests import it (`from chat_model import build`).
+"""
+# ruff: noqa: E501  (the chat template is verbatim)
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Qwen2.5-Instruct's chat template (tokenizer_config.json of Qwen/Qwen2.5-*-Instruct), verbatim.
+# Its quirks are the real model's: `tool_call.arguments | tojson` expects a dict (an OpenAI JSON
+# string comes out double-encoded), and consecutive `tool` messages share one user turn whose
+# <|im_end|> is written only after the last of them.
+QWEN25_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+# Qwen2's pre-tokenizer split: words, single digits, punctuation runs, newlines, spaces
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # Qwen2.5's ids 151643-151645, in order
+TOOL_TAGS = ["<tool_call>", "</tool_call>"]  # added, not special, as in Qwen2.5 (151657-151658)
+
+# Llama 3.1's JSON tool-calling template (vLLM's examples/tool_chat_template_llama3.1_json.jinja,
+# Meta's template with custom tools in the first user message), verbatim but for the date, fixed
+# as in Meta's Llama 3.1 template. Its quirks: the tools go into the first user message (so a
+# conversation renders from its first user message on), contents are trimmed, one tool call per
+# assistant message, and a tool result is rendered as {"output": content} in an ipython turn.
+LLAMA31_TEMPLATE = """{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {#- Llama 3.1 doesn't pass all tests if the tools are in the system prompt #}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+
+{#- This block extracts the system message, so we can slot it into the right place. #}
+{%- if messages[0]['role'] == 'system' %}
+    {%- if messages[0]['content'] is string %}
+        {%- set system_message = messages[0]['content']|trim %}
+    {%- else %}
+        {%- set system_message = messages[0]['content'][0]['text']|trim %}
+    {%- endif %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- if tools is not none %}
+        {%- set system_message = "You are a helpful assistant with tool calling capabilities. Only reply with a tool call if the function exists in the library provided by the user. If it doesn't exist, just reply directly in natural language. When you receive a tool call response, use the output to format an answer to the original user question." %}
+    {%- else %}
+        {%- set system_message = "" %}
+    {%- endif %}
+{%- endif %}
+
+{#- System message #}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools is not none %}
+    {{- "Environment: ipython\\n" }}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call. " }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}. ' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+
+{#- Custom tools are passed in a user message with some extra guidance #}
+{%- if tools_in_user_message and not tools is none %}
+    {#- Extract the first user message so we can plug it in here #}
+    {%- if messages | length != 0 %}
+        {%- if messages[0]['content'] is string %}
+            {%- set first_user_message = messages[0]['content']|trim %}
+        {%- else %}
+            {%- set first_user_message = messages[0]['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | map('trim') | join('\\n') %}
+        {%- endif %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+    {%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\\n\\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}. ' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
+        {%- if message['content'] is string %}
+            {{- message['content'] | trim}}
+        {%- else %}
+            {%- for content in message['content'] %}
+                {%- if content['type'] == 'text' %}
+                    {{- content['text'] | trim }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if message.tool_calls|length > 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- elif message.tool_calls|length == 0 %}
+            {{- "No tool calls found." }}
+        {%- else %}
+            {%- set tool_call = message.tool_calls[0].function %}
+            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+            {{- '{"name": "' + tool_call.name|trim + '", ' }}
+            {{- '"parameters": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- "}" }}
+            {{- "<|eot_id|>" }}
+        {%- endif %}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {%- if message.content is string %}
+            {{- { "output": message.content } | tojson }}
+        {%- else %}
+            {%- for content in message['content']  %}
+                {%- if content['type']  == 'text' %}
+                    {{- { "output": content['text']  } | tojson }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+LLAMA_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                 "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]  # all special in Llama 3
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "The city, e.g. Paris"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"]}}}
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}
+
+
+def corpus(family: str = "qwen2") -> list[str]:
+    """A small training text: chat turns (in `family`'s format), JSON tool calls and responses,
+    numbers, English."""
+    english = [
+        "You are a helpful assistant.", "What is the weather like in Paris today?",
+        "It is sunny and 21 degrees in Paris.", "Please add these two numbers for me.",
+        "The answer is 42.", "Let me check that for you.", "Thank you, that was helpful!",
+        "The quick brown fox jumps over the lazy dog.", "I could not find that city.",
+        "Here is the result of the calculation.", "Sure, I can help with that.",
+    ]
+    numbers = [" ".join(str(n) for n in range(start, start + 12)) for start in (0, 17, 100, 1234)]
+    numbers += ["3.14 2.5 -7 1e3 0.001 98.6 1,000,000", "2 + 2 = 4, 12 * 12 = 144, 7 - 10 = -3"]
+    calls = [{"name": "get_weather", "arguments": {"city": city, "unit": unit}}
+             for city in ("Paris", "London", "Tokyo", "New York") for unit in ("celsius", "fahrenheit")]
+    calls += [{"name": "add", "arguments": {"a": a, "b": b}} for a, b in ((1, 2), (3.5, 4), (40, 2), (-7, 10))]
+    result = json.dumps({"temperature": 21, "sky": "sunny"})
+    tools = json.dumps(WEATHER_TOOL) + "\n" + json.dumps(ADD_TOOL)
+    chat = []
+    if family == "llama":
+        def turn(role, text):
+            return f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>"
+        for call in calls:
+            chat.append(turn("assistant", json.dumps({"name": call["name"], "parameters": call["arguments"]})))
+            chat.append(turn("ipython", json.dumps({"output": result})))
+        chat.append(turn("system", "Environment: ipython\nCutting Knowledge Date: December 2023\n"))
+        chat.append(turn("user", 'Respond in the format {"name": function name, "parameters": dictionary of '
+                                 "argument name and its value}. Do not use variables.\n\n" + tools))
+    else:
+        def turn(role, text):
+            return f"<|im_start|>{role}\n{text}<|im_end|>\n"
+        for call in calls:
+            chat.append(turn("assistant", "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"))
+            chat.append(turn("user", "<tool_response>\n" + result + "\n</tool_response>"))
+        chat.append(turn("system", "# Tools\n\nYou may call one or more functions to assist with the user "
+                                   "query.\n<tools>\n" + tools + "\n</tools>"))
+    chat += [turn(role, line) for line in english for role in ("user", "assistant")]
+    return english + numbers + chat
+
+
+def train_tokenizer(family: str = "qwen2", vocab_size: int = 1024):
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `corpus(family)`, with the family's
+    special tokens (and, for Qwen, its `<tool_call>` tags as added tokens)."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+
+    tokenizer = Tokenizer(models.BPE())
+    # Qwen2's own pipeline: transformers' Qwen2Tokenizer (what AutoTokenizer gives for a qwen2
+    # folder) rebuilds exactly this around the saved vocabulary, so what we train is what loads.
+    # (Llama 3's split differs a little, digits in threes; a llama folder loads as saved.)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    special = LLAMA_SPECIAL if family == "llama" else SPECIAL
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus(family), trainer=trainer)
+    if family != "llama":
+        tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TOOL_TAGS])
+    return tokenizer
+
+
+def build(folder: Path, family: str = "qwen2") -> Path:
+    """Write a loadable chat-model folder for `family` into `folder`, and return it.
+
+    Random weights (seeded: the same folder every time), 2 layers, hidden size 64, 4 attention
+    heads over 2 key-value heads, MLP width 128, vocabulary the trained tokenizer's size.
+    "qwen2": `Qwen2Config`, eos `<|im_end|>`, pad `<|endoftext|>`, Qwen2.5's chat template
+    (`QWEN25_TEMPLATE`, tool calls in `<tool_call>` tags: the hermes parser).
+    "llama": `LlamaConfig`, bos `<|begin_of_text|>`, eos `<|eot_id|>` (generation also stops at
+    `<|eom_id|>` and `<|end_of_text|>`), pad `<|end_of_text|>`, Llama 3.1's JSON tool template
+    (`LLAMA31_TEMPLATE`: the llama3_json parser).
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    if family not in ("qwen2", "llama"):
+        raise ValueError(f"unknown family {family!r}: 'qwen2' or 'llama'")
+    llama = family == "llama"
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = ({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|end_of_text|>"}
+              if llama else {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(family), model_max_length=2048,
+                                        clean_up_tokenization_spaces=False, **tokens)
+    tokenizer.chat_template = LLAMA31_TEMPLATE if llama else QWEN25_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    bos, eos, pad = tokenizer.convert_tokens_to_ids(
+        [tokens.get("bos_token", tokens["pad_token"]), tokens["eos_token"], tokens["pad_token"]])
+    stops = tokenizer.convert_tokens_to_ids(["<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"]) if llama else eos
+    Config, Model = (LlamaConfig, LlamaForCausalLM) if llama else (Qwen2Config, Qwen2ForCausalLM)
+    config = Config(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                    max_position_embeddings=2048, tie_word_embeddings=True,
+                    bos_token_id=bos, eos_token_id=stops, pad_token_id=pad)
+    torch.manual_seed(0)
+    model = Model(config)
+    # What save_pretrained writes, without its detour through accelerate, which imports DeepSpeed
+    # (seconds): the config, the generation config, and the weights less the tied output layer.
+    config.save_pretrained(folder)
+    GenerationConfig(eos_token_id=stops, pad_token_id=pad, bos_token_id=bos).save_pretrained(folder)
+    weights = {name: tensor.contiguous() for name, tensor in model.state_dict().items()
+               if name != "lm_head.weight"}
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
