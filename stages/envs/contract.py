@@ -34,6 +34,10 @@ turns) and any fields its reward needs (`load_tasks`).
 `load(name, module)` imports and checks a module into an `Environment`; `call` runs a tool call as
 a rollout does; `score` runs the reward and normalises it; `check_gold` checks a task's gold.
 Contract problems raise `ContractError`, naming the environment, the module and the fix.
+
+Not wired yet: no stage reads an `environments:` section so far (the built-in environments of
+`stages/envs/registry.py` are what the cycle runs); the rollout, reward and train stages move onto
+this contract next.
 """
 
 from __future__ import annotations
