@@ -42,12 +42,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/offseason demo
 
-# Tests run in parallel workers (pytest-xdist): much of a test's time is spent waiting on the
-# processes it starts (DVC, Prefect's server, MLflow), so a third worker keeps 2 cores busy; each
-# worker's processes use one torch thread (tests/conftest.py). A module whose module-scoped fixture
-# is expensive stays on one worker (xdist_group). `make test TEST_WORKERS=0`: one process.
-# The slowest tests are listed at the end (BENCHMARKS.md, "The test suite").
-TEST_WORKERS ?= 3
+# The tests run in one process by default: on 2 cores the suite is CPU-bound, and xdist workers
+# made it slower, not faster (BENCHMARKS.md, "The test suite"). On a bigger machine,
+# `make test TEST_WORKERS=auto` spreads it over pytest-xdist workers (one torch thread per worker
+# process, tests/conftest.py; a module with an expensive module fixture stays on one worker).
+# The slowest tests are listed at the end.
+TEST_WORKERS ?= 0
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
