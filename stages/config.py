@@ -253,7 +253,7 @@ class DPO:
 
     epochs: float = 3.0
     lr: float = 2e-4
-    beta: float = 0.2  # strength of the pull towards the reference (the champion)
+    beta: float = 0.5  # strength of the pull towards the reference (the champion)
 
     def __post_init__(self):
         """Refuse epochs, learning rate and beta that are not positive."""
