@@ -35,10 +35,10 @@ def from_parameters(params: Path, **values) -> dict[str, object]:
         raise cfg.ParamsError(f"unknown run parameter(s) {sorted(unknown)}; valid: "
                               f"{', '.join(settings.RUN_OVERRIDES)}")
     chosen = {k: v for k, v in values.items() if v is not None}
-    if any("{algorithm}" in settings.RUN_OVERRIDES[k] for k in chosen):
-        algorithm = chosen.get("algorithm") or cfg.load("train", params).algorithm
-        return {settings.RUN_OVERRIDES[k].format(algorithm=algorithm): v for k, v in chosen.items()}
-    return {settings.RUN_OVERRIDES[k]: v for k, v in chosen.items()}
+    algorithm = chosen.get("algorithm")
+    if algorithm is None and any("{algorithm}" in settings.RUN_OVERRIDES[k] for k in chosen):
+        algorithm = cfg.load("train", params).algorithm  # read only when a key needs it
+    return {settings.RUN_OVERRIDES[k].format(algorithm=algorithm): v for k, v in chosen.items()}
 
 
 def rewrite(text: str, overrides: dict[str, object]) -> str:

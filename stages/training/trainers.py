@@ -6,7 +6,7 @@ checkpoints the Trainer saves). What the algorithms share:
 - the data are pre-tokenized rollouts (`token_ids`, `model_mask`: 1 where the model chose the token),
   so the loss is only ever on the model's own tokens: never on the prompt, never on a tool result
   the environment injected;
-- `TrainingArguments` built in one place (`arguments`): precision from the hardware (bf16 only on a
+- `TrainingArguments` built in one place (`ArgumentsFor`): precision from the hardware (bf16 only on a
   GPU that supports it, fp32 on CPU, never TRL's default bf16 on a CPU), checkpoints every
   `train.checkpoint_steps`, DeepSpeed ZeRO when `train.deepspeed` asks for it;
 - one row per optimizer step in `trainer.state.log_history` (loss, learning rate, gradient norm,
@@ -80,26 +80,6 @@ def single_process_distributed(device: str) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def arguments(output_dir: Path, *, steps: int, batch_size: int, lr: float, seed: int,
-              checkpoint_steps: int, deepspeed: dict | None, cls=TrainingArguments, **extra):
-    """TrainingArguments (or a TRL config class) with this project's settings."""
-    hw = hardware()
-    if deepspeed is not None:
-        single_process_distributed(hw["device"])
-    return cls(
-        output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=batch_size,
-        # no warm-up under 20 steps: HF's warm-up gives step 0 a learning rate of 0
-        learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=steps // 20,
-        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
-        seed=seed, data_seed=seed, bf16=hw["bf16"], use_cpu=hw["device"] == "cpu",
-        logging_steps=1, save_strategy="steps", save_steps=checkpoint_steps, save_total_limit=1,
-        report_to="none", disable_tqdm=True, dataloader_num_workers=0,
-        remove_unused_columns=False, deepspeed=deepspeed,
-        ddp_backend="gloo" if hw["device"] == "cpu" and deepspeed is not None else None,
-        **extra,
-    )
-
-
 @dataclass(frozen=True)
 class ArgumentsFor:
     """The TrainingArguments of one training, by the number of rows it trains on: the steps are
@@ -115,11 +95,25 @@ class ArgumentsFor:
     deepspeed: dict | None
 
     def __call__(self, rows: int, cls=TrainingArguments, **extra):
-        """The TrainingArguments (or `cls`) for training on `rows` rows."""
-        return arguments(self.work, steps=total_steps(rows, self.batch_size, self.epochs),
-                         batch_size=self.batch_size, lr=self.lr, seed=self.seed,
-                         checkpoint_steps=self.checkpoint_steps, deepspeed=self.deepspeed,
-                         cls=cls, **extra)
+        """The TrainingArguments (or a TRL config class `cls`) for training on `rows` rows, with
+        this project's settings.
+        """
+        steps = max(1, math.ceil(self.epochs * math.ceil(rows / self.batch_size)))
+        hw = hardware()
+        if self.deepspeed is not None:
+            single_process_distributed(hw["device"])
+        return cls(
+            output_dir=str(self.work), max_steps=steps, per_device_train_batch_size=self.batch_size,
+            # no warm-up under 20 steps: HF's warm-up gives step 0 a learning rate of 0
+            learning_rate=self.lr, lr_scheduler_type="cosine", warmup_steps=steps // 20,
+            weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
+            seed=self.seed, data_seed=self.seed, bf16=hw["bf16"], use_cpu=hw["device"] == "cpu",
+            logging_steps=1, save_strategy="steps", save_steps=self.checkpoint_steps,
+            save_total_limit=1, report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+            remove_unused_columns=False, deepspeed=self.deepspeed,
+            ddp_backend="gloo" if hw["device"] == "cpu" and self.deepspeed is not None else None,
+            **extra,
+        )
 
 
 class StepLog:
@@ -159,11 +153,6 @@ def lora(model, r: int):
     # GPT-2's projections are Conv1D layers (weights stored transposed): fan_in_fan_out
     return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
                                             target_modules="all-linear", fan_in_fan_out=True))
-
-
-def total_steps(n: int, batch_size: int, epochs: float) -> int:
-    """Optimizer steps for `epochs` passes over `n` examples."""
-    return max(1, math.ceil(epochs * math.ceil(n / batch_size)))
 
 
 class Progress(TrainerCallback):
