@@ -82,19 +82,28 @@ def single_token(tokenizer, text: str) -> int | None:
 def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: float,
                  max_new_tokens: int | list[int], generator: torch.Generator | list[torch.Generator],
                  top_p: float = 1.0, top_k: int = 0, stop: tuple[str, ...] = (), env=None,
-                 max_turns: int = 0, on_step=None) -> list[Row]:
+                 max_turns: int = 0, on_step=None, on_turn_end=None,
+                 end_ids: tuple[int, ...] = ()) -> list[Row]:
     """Continue each prefix (token ids, starting with <bos> or whatever the model expects).
 
     `env` (optional) answers tool calls: after a completion ending with env.TOOL_CLOSE its
     `on_tool_close(text)` is fed as forced tokens, up to `max_turns` calls. `generator` is one for
     the batch or one per row (so a row's samples do not depend on its neighbours: the server's
     per-request seeds). `on_step(finished_rows)` is called after every step.
+
+    Chat turns (`stages.generation.chat`): with `on_turn_end`, a row's turn ends when the model
+    chooses one of `end_ids` (default: the tokenizer's eos), which is kept as a chosen token, and
+    `on_turn_end(row, turn_ids)` (the original row index, the turn's ids, end token included)
+    answers with the ids to feed as forced tokens before the model's next turn, or with None (the
+    episode ends: "eos") or a string (the episode ends with that `finish`). `max_new_tokens` then
+    counts each turn's own tokens.
     """
     rows = len(prefixes)
     if not rows:
         return []
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     pad = eos if pad is None else pad
+    chat = on_turn_end is not None
     limit = model.config.max_position_embeddings
     if any(not p or len(p) >= limit for p in prefixes):
         raise ValueError(f"every prompt must have between 1 and {limit - 1} tokens (the model's "
@@ -107,6 +116,8 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
     buf = buf.to(device)
     prefix_len = torch.tensor([len(p) for p in prefixes], device=device)
     forced_end = prefix_len.clone()  # positions below it are forced (prompt, injected results)
+    turn_start = prefix_len.clone()  # where the row's current turn began (chat turns' budget)
+    ends = torch.tensor(sorted(set(end_ids) or {eos}), device=device)
     budget = (torch.tensor(max_new_tokens, device=device) if isinstance(max_new_tokens, list)
               else torch.full((rows,), max_new_tokens, device=device))
     chosen_mask = torch.zeros((rows, limit), dtype=torch.bool, device=device)
@@ -157,7 +168,11 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
                 sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         else:
             sampled = logits.argmax(dim=-1)
-        ended = model_turn & ((sampled == eos) | (nxt - prefix_len >= budget))
+        if chat:  # an end token closes the turn (kept, handled below); the budget is per turn
+            turn_ended = model_turn & torch.isin(sampled, ends)
+            ended = model_turn & ~turn_ended & (nxt - turn_start >= budget)
+        else:
+            ended = model_turn & ((sampled == eos) | (nxt - prefix_len >= budget))
         if ended.any():
             for i in ended.nonzero().flatten().tolist():
                 finish[orig[i]] = "eos" if int(sampled[i]) == eos else "length"
@@ -171,6 +186,23 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
         if model_turn.any():
             logp = torch.log_softmax(logits, dim=-1)[torch.arange(batch, device=device), token]
             logp_buf[:, nxt] = torch.where(model_turn, logp, 0.0)
+        if chat and turn_ended.any():
+            for i in turn_ended.nonzero().flatten().tolist():
+                o = orig[i]
+                answer = on_turn_end(o, buf[i, turn_start[i]:nxt + 1].tolist())
+                if answer is None or isinstance(answer, str):
+                    finish[o], end[o] = answer or "eos", nxt + 1
+                    active[i] = False
+                    continue
+                if nxt + 1 + len(answer) >= limit:  # no room left for the next turn
+                    finish[o], end[o] = "length", nxt + 1
+                    active[i] = False
+                    continue
+                buf[i, nxt + 1:nxt + 1 + len(answer)] = torch.tensor(answer, dtype=torch.long,
+                                                                      device=device)
+                forced_end[i] = turn_start[i] = nxt + 1 + len(answer)
+                calls[o] += 1
+                closes[o].append(nxt - int(prefix_len[i]))
         if close_id is not None:
             closing = model_turn & (token == close_id)
         else:
@@ -217,6 +249,7 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
             cache.batch_select_indices(keep)
             buf, prefix_len, forced_end, budget = buf[keep], prefix_len[keep], forced_end[keep], \
                 budget[keep]
+            turn_start = turn_start[keep]
             chosen_mask, logp_buf, active = chosen_mask[keep], logp_buf[keep], active[keep]
             orig = [orig[k] for k in keep.tolist()]
         current = buf[:, nxt:nxt + 1]

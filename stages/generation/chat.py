@@ -1,0 +1,325 @@
+"""Chat episodes: a Hugging Face chat model plays a user's environment, token in and token out.
+
+The model sees each turn as its own chat template renders it (`tokenizer.apply_chat_template`
+with the environment's `TOOLS`); its tool calls are read from its text by the parser named as
+vLLM names it (`stages.generation.tool_parsers`), answered by the environment's `call_tool`
+(`stages.envs.contract.call`) and appended as `role: tool` messages, until it answers without a
+call or reaches the turn limit.
+
+Exact tokens: an episode keeps the ids the model produced (its end-of-turn token included) and
+the ids of everything injected between its turns, never a re-tokenization of the text. What is
+injected after a turn is the text the template puts after the model's end token (Qwen's newline
+after `<|im_end|>`), the tool messages and the next generation prompt, found by rendering the
+conversation before and after the new messages and taking the difference. A template that is not
+prefix-preserving (one that rewrites earlier turns, as Qwen3's drops old thinking blocks) is
+rendered incrementally instead: the same difference over a fixed two-message stub, so earlier
+tokens never change (`Template.prefix_preserving` says which; the rollout reports it).
+
+`encode` turns a written conversation (a trace, a gold answer) into ids and the mask of the
+assistant's tokens the same way, turn by turn, so a demonstration and a rollout of the same
+conversation are trained on alike. `rollout` runs the episodes on `generate_ids`, the
+transformers backend's batched core, with one KV cache across the turns.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from stages.envs import contract
+from stages.generation import tool_parsers
+
+_STUB = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+_PROBE_CALL = {"id": "call_0", "type": "function",
+               "function": {"name": "probe", "arguments": json.dumps({"x": "1"})}}
+
+
+class TemplateError(ValueError):
+    """A model whose chat template offseason cannot use; the message says why and what to do."""
+
+
+@dataclass
+class ChatEpisode:
+    """One episode of a chat model in an environment, as the rollout stage stores it."""
+
+    messages: list[dict]  # the task's messages, then the assistant and tool turns
+    token_ids: list[int] = field(default_factory=list)  # the whole conversation, as fed
+    model_mask: list[int] = field(default_factory=list)  # 1 where the model chose the token
+    logprobs: list[float] = field(default_factory=list)  # policy log-prob; 0.0 where forced
+    finish: str = "length"  # "eos" (answered), "turns", "length" or "error"
+    tool_calls: int = 0  # tool calls answered (tool errors the agent saw included)
+    tool_errors: int = 0  # of those: unknown tools, bad arguments, ToolError, malformed calls
+    error: str | None = None  # an infrastructure failure (call_tool raised): its cause
+    turns: list[int] = field(default_factory=list)  # per token: 0 prompt, k the k-th turn
+
+
+def _plain(ids) -> list[int]:
+    """apply_chat_template(tokenize=True) gives a list or, in transformers 5, a BatchEncoding."""
+    if hasattr(ids, "keys") and "input_ids" in ids:
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+@dataclass
+class Template:
+    """How one tokenizer renders conversations with one set of tools."""
+
+    tokenizer: object
+    tools: list[dict] | None
+    prefix_preserving: bool = True
+    end_markers: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, tokenizer, tools: list[dict] | None, end_ids: tuple[int, ...] = ()) -> Template:
+        """The template of `tokenizer` for `tools`; checks it renders tools and keeps prefixes.
+
+        Raises TemplateError for a tokenizer without a chat template.
+        """
+        if not getattr(tokenizer, "chat_template", None):
+            raise TemplateError(
+                f"the model's tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat "
+                f"template: add one to its tokenizer_config.json (\"chat_template\"), e.g. the "
+                f"Instruct model's of the same family, or use the Instruct model")
+        ids = set(end_ids) | {tokenizer.eos_token_id} - {None}
+        markers = tuple(sorted({tokenizer.convert_ids_to_tokens(i) for i in ids}, key=len,
+                               reverse=True))
+        template = cls(tokenizer, list(tools) if tools else None, True, markers)
+        template.prefix_preserving = template._keeps_prefixes()
+        return template
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        """The template's text for `messages` (with the tools), as the model reads it."""
+        return self.tokenizer.apply_chat_template(
+            _for_template(messages), tools=self.tools, add_generation_prompt=generation_prompt,
+            tokenize=False)
+
+    def ids(self, text: str) -> list[int]:
+        """The ids of rendered text: its special tokens are in the text, none are added."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        """The ids of the task's messages and the generation prompt: what the model first sees."""
+        return self.ids(self.render(messages, True))
+
+    def _tail(self, before: str) -> str:
+        """What the template writes after the last assistant turn's end token (Qwen: "\\n")."""
+        cut = max(((before.rfind(m), m) for m in self.end_markers if m), default=(-1, ""))
+        return before[cut[0] + len(cut[1]):] if cut[0] >= 0 else ""
+
+    def after_turn(self, history: list[dict], new: list[dict]) -> str:
+        """The text fed after the model's end token: the rest of its turn's rendering, the `new`
+        messages (tool results) and the generation prompt of its next turn.
+        """
+        if self.prefix_preserving:
+            before = self.render(history, False)
+            after = self.render(history + new, True)
+            if after.startswith(before):
+                return self._tail(before) + after[len(before):]
+        before = self.render(_STUB, False)
+        after = self.render(_STUB + new, True)
+        if not after.startswith(before):
+            raise TemplateError(
+                "the chat template renders a conversation's earlier turns differently once new "
+                "messages follow, even over a fixed stub, so the tokens the model produced cannot "
+                "be kept exact; use a template that appends (most Instruct templates do)")
+        return self._tail(before) + after[len(before):]
+
+    def _keeps_prefixes(self) -> bool:
+        """Whether rendering a conversation then a longer one only appends: one tool round, its
+        call after a think block (which Qwen3-style templates drop from earlier turns).
+        """
+        tools = self.tools or [{"type": "function", "function": {
+            "name": "probe", "parameters": {"type": "object", "properties": {}}}}]
+        saved, self.tools = self.tools, tools
+        try:
+            talk = [{"role": "user", "content": "Hello?"},
+                    {"role": "assistant", "content": "<think>probe</think>",
+                     "tool_calls": [_PROBE_CALL]},
+                    {"role": "tool", "tool_call_id": "call_0", "content": "ok"},
+                    {"role": "assistant", "content": "Done."}]
+            for cut in range(1, len(talk)):
+                if not self.render(talk[:cut + 1], False).startswith(
+                        self.render(talk[:cut], False)):
+                    return False
+            return True
+        except Exception:  # a template that cannot render this probe: take the safe path
+            return False
+        finally:
+            self.tools = saved
+
+
+def _for_template(messages: list[dict]) -> list[dict]:
+    """Messages as chat templates expect them: tool-call arguments as objects (Qwen's and Llama's
+    templates `tojson` them, so a JSON string would be encoded twice) and content "" rather than
+    None (templates concatenate it).
+    """
+    out = []
+    for message in messages:
+        message = dict(message)
+        if message.get("content") is None:
+            message["content"] = ""
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                function = dict(call.get("function") or {})
+                arguments = function.get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+                    except json.JSONDecodeError:
+                        pass  # a malformed call is rendered as the model wrote it
+                calls.append({**call, "function": function})
+            message["tool_calls"] = calls
+        out.append(message)
+    return out
+
+
+def assistant_message(parsed: tool_parsers.Parsed) -> dict:
+    """The OpenAI-shaped assistant message of one parsed turn."""
+    message = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = parsed.tool_calls
+    return message
+
+
+def encode(template: Template, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Ids of a written conversation and the mask of the assistant's tokens (1: trained on),
+    built turn by turn as a rollout builds them: the messages before the first assistant turn
+    and the generation prompt, then each assistant turn up to and including its end token
+    (mask 1), then what follows it (`Template.after_turn`, mask 0).
+    """
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
+    if first is None:
+        raise ValueError("the conversation has no assistant message to train on")
+    ids = template.prompt(messages[:first])
+    mask = [0] * len(ids)
+    i = first
+    while i < len(messages):
+        history = messages[:i]
+        turn = template.render(history + [messages[i]], False)
+        start = template.render(history, True)
+        if not turn.startswith(start):
+            raise TemplateError("the chat template renders the assistant turn after a "
+                                "different prefix than its generation prompt")
+        body = turn[len(start):]
+        tail = template._tail(turn)
+        body = body[:len(body) - len(tail)] if tail else body
+        own = template.ids(body)
+        ids += own
+        mask += [1] * len(own)
+        j = i + 1
+        while j < len(messages) and messages[j].get("role") != "assistant":
+            j += 1
+        if j < len(messages):
+            injected = template.ids(template.after_turn(messages[:i + 1], messages[i + 1:j]))
+            ids += injected
+            mask += [0] * len(injected)
+        i = j
+    return ids, mask
+
+
+class _Play:
+    """The environment's side of one batch of episodes: parses each finished turn, answers its
+    tool calls and gives the ids to feed before the model's next turn.
+    """
+
+    def __init__(self, template: Template, env: contract.Environment, tasks: list[dict],
+                 parser: str, max_turns: int):
+        self.template, self.env, self.parser, self.max_turns = template, env, parser, max_turns
+        self.tasks = tasks
+        self.episodes = [ChatEpisode(messages=[dict(m) for m in task["messages"]])
+                         for task in tasks]
+        self.turns_ended = [0] * len(tasks)  # turns that reached their end token
+
+    def on_turn_end(self, row: int, turn_ids: list[int]):
+        """`generate_ids`' hook: the ids to feed after this turn, or why the episode ends."""
+        episode, task = self.episodes[row], self.tasks[row]
+        self.turns_ended[row] += 1
+        text = self.template.tokenizer.decode(turn_ids, skip_special_tokens=False)
+        parsed = tool_parsers.parse(self.parser, text)
+        episode.messages.append(assistant_message(parsed))
+        attempts = len(parsed.tool_calls) + len(parsed.errors)
+        if not attempts:
+            return None
+        if episode.tool_calls + attempts > self.max_turns:
+            return "turns"
+        answers = []
+        for call in parsed.tool_calls:
+            function = call["function"]
+            try:
+                content, why = contract.call(self.env, task, function["name"],
+                                             function["arguments"])
+            except Exception as err:  # an infrastructure failure: recorded, never a zero
+                episode.error = (f"{self.env.where}: call_tool({function['name']!r}) raised "
+                                 f"{type(err).__name__}: {err}")
+                return "error"
+            episode.tool_errors += why is not None
+            answers.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+        for number, problem in enumerate(parsed.errors):
+            episode.tool_errors += 1
+            answers.append({"role": "tool", "tool_call_id": f"call_malformed_{number}",
+                            "content": f"Error: {problem}"})
+        episode.tool_calls += attempts
+        injected = self.template.after_turn(episode.messages, answers)
+        episode.messages.extend(answers)
+        return self.template.ids(injected)
+
+
+def end_ids(model, tokenizer) -> tuple[int, ...]:
+    """The tokens that end a turn: the generation config's eos ids (Llama 3 has three) and the
+    tokenizer's eos.
+    """
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(sorted(set(ids)))
+
+
+def rollout(model, tokenizer, env: contract.Environment, tasks: list[dict], *, parser: str,
+            temperature: float, max_new_tokens: int, max_turns: int, generator,
+            top_p: float = 1.0, top_k: int = 0, template: Template | None = None,
+            on_step=None) -> list[ChatEpisode]:
+    """One episode per task (repeat a task for several samples), in one batch.
+
+    `parser`: a `tool_parsers.PARSERS` name; `max_turns`: tool calls answered per episode;
+    `max_new_tokens`: per model turn. `generator`: a torch.Generator, or one per task.
+    """
+    from stages.generation.episode import turn_index
+    from stages.generation.transformers_backend import generate_ids
+
+    if parser not in tool_parsers.PARSERS:
+        raise ValueError(f"unknown tool parser {parser!r}: one of "
+                         f"{', '.join(tool_parsers.PARSERS)}")
+    ends = end_ids(model, tokenizer)
+    template = template or Template.of(tokenizer, list(env.tools), ends)
+    play = _Play(template, env, tasks, parser, max_turns)
+    prompts = [template.prompt(task["messages"]) for task in tasks]
+    rows = generate_ids(model, tokenizer, prompts, temperature=temperature,
+                        max_new_tokens=max_new_tokens, generator=generator, top_p=top_p,
+                        top_k=top_k, on_turn_end=play.on_turn_end, end_ids=ends,
+                        on_step=on_step)
+    for index, (prompt, row, episode) in enumerate(zip(prompts, rows, play.episodes)):
+        episode.token_ids = prompt + row.token_ids
+        episode.model_mask = [0] * len(prompt) + row.model_mask
+        episode.logprobs = [0.0] * len(prompt) + row.logprobs
+        episode.finish = row.finish
+        episode.turns = turn_index(len(prompt), row.model_mask, row.closes)
+        if row.finish == "length" and play.turns_ended[index] == len(row.closes):
+            # cut off mid-turn: what it wrote since the last injected token is its last message
+            start = len(row.model_mask)
+            while start and row.model_mask[start - 1]:
+                start -= 1
+            text = tokenizer.decode(row.token_ids[start:], skip_special_tokens=False)
+            episode.messages.append(assistant_message(tool_parsers.parse(parser, text)))
+    return episodes_checked(play.episodes)
+
+
+def episodes_checked(episodes: list[ChatEpisode]) -> list[ChatEpisode]:
+    """The episodes, each with as many ids as mask entries and log-probs (a broken invariant is a
+    bug, said at once rather than trained on).
+    """
+    for episode in episodes:
+        if not len(episode.token_ids) == len(episode.model_mask) == len(episode.logprobs):
+            raise AssertionError("an episode's ids, mask and log-probs differ in length")
+    return episodes

@@ -1,0 +1,243 @@
+"""Chat episodes (stages/generation/chat.py) on real chat-model families built offline: the mask
+token by token, multi-turn rollouts with native tool calls, exact ids and log-probs, tool errors
+shown to the model, and templates that rewrite earlier turns.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from chat_model import build
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stages.envs import contract
+from stages.generation import chat
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEM = "You are the support agent of an online shop."
+
+
+@pytest.fixture(scope="module")
+def support():
+    return contract.load("support", "examples.support.support_env", REPO)
+
+
+@pytest.fixture(scope="module")
+def tasks(support):
+    return contract.load_tasks(REPO / "examples/support/tasks.jsonl", support)
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def family(request, tmp_path_factory):
+    folder = build(tmp_path_factory.mktemp(request.param), request.param)
+    return (request.param, AutoTokenizer.from_pretrained(folder),
+            AutoModelForCausalLM.from_pretrained(folder))
+
+
+def call(order_id: str, n: int) -> dict:
+    return {"id": f"call_{n}", "type": "function",
+            "function": {"name": "lookup_order", "arguments": json.dumps({"order_id": order_id})}}
+
+
+def two_calls(support) -> list[dict]:
+    """A conversation with two tool calls, each answered, then the final answer."""
+    task = {"order_id": "A1001"}
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Where are my orders A1001 and A1002?"},
+            {"role": "assistant", "content": None, "tool_calls": [call("A1001", 1)]},
+            {"role": "tool", "tool_call_id": "call_1",
+             "content": support.call_tool(task, "lookup_order", {"order_id": "A1001"})},
+            {"role": "assistant", "content": None, "tool_calls": [call("A1002", 2)]},
+            {"role": "tool", "tool_call_id": "call_2",
+             "content": support.call_tool(task, "lookup_order", {"order_id": "A1002"})},
+            {"role": "assistant", "content": "A1001 is delivered and A1002 has shipped."}]
+
+
+def spans(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
+    out = []
+    for token, bit in zip(ids, mask):
+        if not out or out[-1][0] != bit:
+            out.append((bit, []))
+        out[-1][1].append(token)
+    return out
+
+
+def test_the_mask_token_by_token_on_two_tool_calls(family, support):
+    name, tok, model = family
+    template = chat.Template.of(tok, list(support.tools), chat.end_ids(model, tok))
+    messages = two_calls(support)
+    ids, mask = chat.encode(template, messages)
+    pieces = [(bit, tok.decode(part)) for bit, part in spans(ids, mask)]
+    if name == "qwen2":
+        trained = ['<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "A1001"}}\n'
+                   '</tool_call><|im_end|>',
+                   '<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "A1002"}}\n'
+                   '</tool_call><|im_end|>',
+                   "A1001 is delivered and A1002 has shipped.<|im_end|>"]
+    else:  # Llama 3.1's JSON format: "parameters", one call a message, <|eot_id|>
+        trained = ['{"name": "lookup_order", "parameters": {"order_id": "A1001"}}<|eot_id|>',
+                   '{"name": "lookup_order", "parameters": {"order_id": "A1002"}}<|eot_id|>',
+                   "A1001 is delivered and A1002 has shipped.<|eot_id|>"]
+    assert [text for bit, text in pieces if bit] == trained
+    masked = [text for bit, text in pieces if not bit]
+    assert len(masked) == 3  # the prompt, then each tool result with the next generation prompt
+    assert SYSTEM in masked[0] and "A1001 and A1002?" in masked[0] and "lookup_order" in masked[0]
+    assert "delivered" in masked[1] and "shipped" in masked[2]
+    for text in masked[1:]:  # no assistant text is ever masked out, no tool text trained on
+        assert "lookup_order" not in text and "has shipped." not in text
+    # token by token, the ids are the template's own rendering of the whole conversation
+    whole = tok.apply_chat_template(chat._for_template(messages), tools=list(support.tools),
+                                    tokenize=False)
+    assert whole.startswith(tok.decode(ids))
+    assert whole[len(tok.decode(ids)):] in ("", "\n")  # Qwen's newline after the last <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, support, tasks):
+    """The tiny Qwen2 after a few seconds of SFT on the support example's gold conversations,
+    through `chat.encode`: enough that it calls lookup_order and answers.
+    """
+    torch.manual_seed(0)
+    folder = build(tmp_path_factory.mktemp("trained"))
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    template = chat.Template.of(tok, list(support.tools), chat.end_ids(model, tok))
+    data = [chat.encode(template, t["messages"] + support.gold(t)) for t in tasks[:6]]
+    width = max(len(ids) for ids, _ in data)
+    inputs = torch.full((len(data), width), tok.pad_token_id)
+    labels = torch.full((len(data), width), -100)
+    attention = torch.zeros((len(data), width), dtype=torch.long)
+    for row, (ids, mask) in enumerate(data):
+        inputs[row, :len(ids)], attention[row, :len(ids)] = torch.tensor(ids), 1
+        labels[row, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(90):
+        model(input_ids=inputs, attention_mask=attention, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return tok, model.eval(), template
+
+
+def test_a_trained_chat_model_calls_tools_over_turns_with_exact_ids(trained, support, tasks):
+    tok, model, template = trained
+    episodes = chat.rollout(model, tok, support, tasks[:6], parser="hermes", temperature=0.0,
+                            max_new_tokens=64, max_turns=3, generator=torch.Generator(),
+                            template=template)
+    scores = [contract.score(support, t, e.messages) for t, e in zip(tasks, episodes)]
+    assert sum(s["called_tool"] for s in scores) >= 4, scores
+    for task, episode in zip(tasks, episodes):
+        if not episode.tool_calls:
+            continue
+        roles = [m["role"] for m in episode.messages[len(task["messages"]):]]
+        assert roles[:3] == ["assistant", "tool", "assistant"], roles
+        assert episode.messages[len(task["messages"])]["tool_calls"][0]["function"]["name"] == \
+            "lookup_order"
+        # the model's own tokens end each turn with its end token; the tool result is injected
+        chosen = [t for t, m in zip(episode.token_ids, episode.model_mask) if m]
+        assert chosen.count(tok.convert_tokens_to_ids("<|im_end|>")) == episode.tool_calls + 1
+        forced = tok.decode([t for t, m, k in zip(episode.token_ids, episode.model_mask,
+                                                  episode.turns) if not m and k == 1])
+        assert forced.startswith("\n<|im_start|>user\n<tool_response>\n")
+        assert forced.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        assert episode.messages[len(task["messages"]) + 1]["content"] in forced
+    # the ids trained on are the ids generated: a forward pass over the stored ids gives the
+    # stored log-probs at every chosen token (nothing re-tokenized)
+    for episode in episodes:
+        ids = torch.tensor([episode.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1].float()
+        recomputed = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+        mask = torch.tensor(episode.model_mask[1:], dtype=torch.bool)
+        stored = torch.tensor(episode.logprobs[1:])
+        assert mask.sum() > 0
+        assert torch.allclose(recomputed[mask], stored[mask], atol=1e-4)
+        assert (stored[~mask] == 0).all()
+
+
+def _turn(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def play(tok, model, env, task):
+    template = chat.Template.of(tok, list(env.tools), chat.end_ids(model, tok))
+    return chat._Play(template, env, [task], "hermes", max_turns=3)
+
+
+def test_malformed_and_unknown_calls_are_shown_to_the_model_as_tool_errors(trained, support,
+                                                                           tasks):
+    tok, model, _ = trained
+    game = play(tok, model, support, tasks[0])
+    text = ('<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": A1001}\n</tool_call>'
+            '<tool_call>\n{"name": "refund", "arguments": {}}\n</tool_call><|im_end|>')
+    injected = tok.decode(game.on_turn_end(0, _turn(tok, text)))
+    episode = game.episodes[0]
+    tool = [m for m in episode.messages if m["role"] == "tool"]
+    assert len(tool) == 2
+    assert tool[0]["content"].startswith("Error: unknown tool 'refund'; the tools are: lookup_order")
+    assert tool[1]["content"].startswith("Error: tool call 0: not valid JSON")
+    assert episode.tool_calls == 2 and episode.tool_errors == 2 and episode.error is None
+    assert "not valid JSON" in injected and injected.endswith("<|im_start|>assistant\n")
+    # a ToolError from the environment is the agent's to see, too
+    text = '<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "Z0000"}}\n</tool_call>'
+    injected = tok.decode(game.on_turn_end(0, _turn(tok, text + "<|im_end|>")))
+    assert "Error: no order 'Z0000'" in injected and episode.tool_errors == 3
+    # one call more than max_turns ends the episode unanswered
+    assert game.on_turn_end(0, _turn(tok, text + "<|im_end|>")) == "turns"
+
+
+def test_a_broken_call_tool_is_an_error_with_its_cause_not_a_tool_message(trained, tmp_path):
+    tok, model, _ = trained
+    (tmp_path / "broken_env.py").write_text(
+        "TOOLS = [{'type': 'function', 'function': {'name': 'lookup', 'parameters': "
+        "{'type': 'object', 'properties': {}}}}]\n"
+        "def call_tool(task, name, arguments):\n    raise ConnectionError('database down')\n"
+        "def reward(task, messages):\n    return 1.0\n")
+    env = contract.load("broken", "broken_env", tmp_path)
+    game = play(tok, model, env, {"task_id": "t", "messages": [{"role": "user", "content": "?"}]})
+    text = '<tool_call>\n{"name": "lookup", "arguments": {}}\n</tool_call><|im_end|>'
+    assert game.on_turn_end(0, _turn(tok, text)) == "error"
+    assert game.episodes[0].error == ("environment 'broken' (module 'broken_env'): "
+                                      "call_tool('lookup') raised ConnectionError: database down")
+
+
+# Qwen3-style: earlier assistant turns lose their <think> block once the conversation goes on
+REWRITING = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.role == 'assistant' and not loop.last %}{{ (m.content or '').split('</think>')[-1] }}"
+    "{%- else %}{{ m.content or '' }}{%- endif %}"
+    "{%- for c in (m.tool_calls or []) %}<tool_call>{{ c.function | tojson }}</tool_call>{%- endfor %}"
+    "<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def test_a_template_that_rewrites_earlier_turns_is_rendered_incrementally(trained, support):
+    tok, model, _ = trained
+    original = tok.chat_template
+    tok.chat_template = REWRITING
+    try:
+        template = chat.Template.of(tok, list(support.tools), chat.end_ids(model, tok))
+        assert not template.prefix_preserving
+        history = [{"role": "user", "content": "A1001?"},
+                   {"role": "assistant", "content": "<think>look it up</think>",
+                    "tool_calls": [call("A1001", 1)]}]
+        text = template.after_turn(history, [{"role": "tool", "tool_call_id": "call_1",
+                                              "content": "delivered"}])
+        # only what follows the model's <|im_end|>: its earlier tokens (the think block
+        # included) stay as generated
+        assert text == "<|im_start|>tooldelivered<|im_end|><|im_start|>assistant"
+    finally:
+        tok.chat_template = original
+
+
+def test_a_tokenizer_without_chat_template_is_refused_saying_what_to_do(trained):
+    tok, model, _ = trained
+    original = tok.chat_template
+    tok.chat_template = None
+    try:
+        with pytest.raises(chat.TemplateError, match="has no chat template: add one"):
+            chat.Template.of(tok, None)
+    finally:
+        tok.chat_template = original
