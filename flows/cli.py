@@ -451,8 +451,23 @@ def cmd_rollback(args) -> int:
 
 def cmd_check(args) -> int:
     """`offseason check`: params.yaml checked and printed with every default filled in."""
+    from stages.envs import contract
+
     root, configs = workspace(env=False)
-    print(yaml.safe_dump({k: dataclasses.asdict(v) for k, v in configs.items()}, sort_keys=False))
+    shown = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v)
+             else {name: dataclasses.asdict(spec) for name, spec in v.items()}
+             for k, v in configs.items() if v or k != "environments"}
+    print(yaml.safe_dump(shown, sort_keys=False))
+    for name, spec in configs["environments"].items():  # the user's modules import and comply
+        env = contract.load(name, spec.module, root)
+        counts = []
+        for kind in ("tasks", "benchmark"):
+            if getattr(spec, kind):
+                found = contract.load_tasks(root / getattr(spec, kind), env)
+                counts.append(f"{len(found)} {kind} tasks" if kind == "benchmark"
+                              else f"{len(found)} tasks")
+        print(f"environment {name!r}: {env.module} ({env.source}), tools: "
+              f"{', '.join(env.tool_names) or 'none'}; {', '.join(counts) or 'no task files'}")
     print("params.yaml is valid")
     return 0
 
@@ -739,10 +754,13 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the command; a params or workspace error exits 2 with its
     message.
     """
+    from stages.envs.contract import ContractError, TaskFileError
+
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except (cfg.ParamsError, WorkspaceError, FileNotFoundError) as err:
+    except (cfg.ParamsError, WorkspaceError, FileNotFoundError, ContractError,
+            TaskFileError) as err:
         print(f"offseason {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -87,4 +87,11 @@ SECTIONS: dict[str, type] = {**cfg.SECTIONS, "promotion": Promotion, "deployment
 
 def load_all(path: str | Path = "params.yaml") -> dict:
     """Every section of params.yaml, the flow's included, checked."""
-    return cfg.load_all(path, SECTIONS)
+    from stages.generation.tool_parsers import PARSERS
+
+    configs = cfg.load_all(path, SECTIONS)
+    try:
+        configs["rollout"].check_tool_parser(PARSERS)
+    except cfg.ParamsError as err:
+        raise cfg.ParamsError(f"{path}: {err}") from None
+    return configs

@@ -4,9 +4,11 @@
       ingest validate rollout reward train champion_scores gate   the DVC stages (dvc.yaml)
       init simulate                  generation 0 and the demo's traffic (`offseason init/simulate`)
       config io tinylm               typed params, atomic writes, loading and saving model folders
-      envs/        the environments: registry, errors, arith, coding (+ its sandbox), toolcall
+      envs/        the environments: registry, errors, arith, coding (+ its sandbox), toolcall,
+                   contract (a user's own environment module, checked)
       generation/  the episode loop: episode (shared types), transformers_backend, openai_backend,
-                   serve_tiny (the demo model behind an OpenAI-compatible server)
+                   serve_tiny (the demo model behind an OpenAI-compatible server), chat (a chat
+                   model in a user's environment, token in and token out), tool_parsers
       training/    sft, dpo, grpo (one module per `train.algorithm`), trainers (what they share),
                    warmstart (the plain loop behind generation 0)
       traces/      schema, pii, drift, sources/ (one reader per trace format, messages: helpers)
@@ -16,7 +18,8 @@ nothing in stages/ imports Prefect or flows/):
 - a stage module may import anything below it in stages/; no stage imports another stage, except
   champion_scores, which scores with the gate's own code;
 - `envs/` imports only itself (`errors` is its leaf; `registry` imports the environments);
-- `generation/` imports nothing of stages/ but `tinylm`; an environment comes in as an argument;
+- `generation/` imports nothing of stages/ but `tinylm` and `envs/contract` (how a user's tool
+  call is answered); an environment comes in as an argument;
 - `training/` imports `tinylm` and itself (`trainers` and `sft` are its leaves);
 - `traces/` imports only itself (`schema` and `pii` are its leaves; `sources/` read formats).
 `config` and `io` import nothing of stages/ but the environment registry (for name checks).

@@ -36,6 +36,8 @@ class Base:
     environment: str = "arith"  # the environment tasks, rollouts and benchmarks run in
     registered_model: str = "offseason-agent"  # MLflow registered model name
     threads: int = 0  # torch CPU threads; 0 = all cores
+    # a Hugging Face chat model (folder or hub id) as generation 0; "" = the demo's tiny model
+    model: str = ""
 
     def __post_init__(self):
         """Refuse an unknown environment."""
@@ -153,9 +155,14 @@ class Rollout:
     request_timeout: float = 120.0  # seconds per request before it is retried
     retries: int = 5  # per request, on timeouts, 429 and 5xx, with exponential backoff
     api_key_env: str = "OPENAI_API_KEY"  # the environment variable holding the API key, if any
+    # how the chat model writes tool calls (`environments:`): hermes, llama3_json or mistral, as
+    # vLLM names them; auto = the one its chat template implies
+    tool_parser: str = "auto"
 
     def __post_init__(self):
-        """Refuse an unknown backend and out-of-range sampling and server settings."""
+        """Refuse an unknown backend and out-of-range sampling and server settings (an unknown
+        tool_parser: `check_tool_parser`, which the flow and the rollout stage call).
+        """
         if self.backend not in ("transformers", "openai"):
             raise ParamsError(
                 f"rollout.backend: {self.backend!r} is not a backend; use 'transformers' or "
@@ -197,6 +204,15 @@ class Rollout:
         if not self.api_key_env.replace("_", "a").isalnum():
             raise ParamsError(f"rollout.api_key_env: {self.api_key_env!r} is not an environment "
                               f"variable name (the key itself never goes in params.yaml)")
+
+    def check_tool_parser(self, parsers) -> None:
+        """Refuse a tool_parser that is not `auto` or one of `parsers` (the names of
+        `stages.generation.tool_parsers.PARSERS`, passed in so that this module, which every
+        stage imports, does not import the generation package).
+        """
+        if self.tool_parser != "auto" and self.tool_parser not in parsers:
+            raise ParamsError(f"rollout.tool_parser: unknown parser {self.tool_parser!r}; use "
+                              f"auto (from the chat template) or one of {', '.join(parsers)}")
 
     @property
     def url_list(self) -> list[str]:
@@ -394,6 +410,47 @@ class Gate:
                 raise ParamsError(f"gate.{key}: must be >= 0, got {value}")
 
 
+@dataclass(frozen=True)
+class EnvironmentSpec:
+    """One entry of `environments:`: a user's environment module and its task files
+    (`stages/envs/contract.py` says what the module defines).
+    """
+
+    module: str = ""  # a dotted path from the project folder, or an entry point's name
+    tasks: str = ""  # JSON lines: task_id, messages, the fields its reward needs
+    benchmark: str = ""  # the held-out tasks the gate scores it on
+    weight: float = 1.0  # share of rollouts / training examples
+
+
+OPTIONAL = {"environments"}  # sections a params.yaml may leave out
+
+
+def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]:
+    """The `environments:` section, {name: EnvironmentSpec}, in params.yaml order; {} without
+    one (the built-in environment of `base.environment` runs).
+    """
+    raw = read_params(path).get("environments")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not raw:
+        _fail(str(path), "environments: expected a mapping of your names for your environments "
+                         "to {module, tasks, benchmark, weight}, e.g. 'environments: {support: "
+                         "{module: my_envs.support, tasks: data/tasks/support.jsonl}}'")
+    out = {}
+    for name, value in raw.items():
+        if not isinstance(name, str) or not name.replace("_", "a").replace("-", "a").isalnum():
+            _fail(str(path), f"environments: {name!r} is not a name (letters, digits, _ and -)")
+        spec = out[name] = _build(EnvironmentSpec, f"environments.{name}", value, str(path))
+        if not spec.module.strip():
+            _fail(str(path), f"environments.{name}.module: name the environment's module (a "
+                             f"dotted path from the project folder, e.g. my_envs.support) or an "
+                             f"entry point")
+        if not spec.weight > 0:
+            _fail(str(path), f"environments.{name}.weight: must be > 0 (a share of rollouts), "
+                             f"got {spec.weight}")
+    return out
+
+
 SECTIONS: dict[str, type] = {
     "base": Base,
     "init": Init,
@@ -503,6 +560,8 @@ def load(section: str, path: str | Path = "params.yaml", sections: dict | None =
     """The typed config of one section, checked. Missing sections are errors, missing keys defaults.
     `sections`: the classes by section name (the stages' SECTIONS unless the flow adds its own).
     """
+    if section == "environments":
+        return environments(path)
     raw = read_params(path)
     if section not in raw:
         _fail(str(path), f"missing section '{section}:'; add it (an empty '{section}: {{}}' takes "
@@ -517,9 +576,10 @@ def load_all(path: str | Path = "params.yaml", sections: dict | None = None) -> 
     sections = sections or SECTIONS
     raw = read_params(path)
     for name in raw:
-        if name not in sections:
+        if name not in sections and name not in OPTIONAL:
             near = difflib.get_close_matches(str(name), list(sections), n=1)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
             _fail(str(path), f"unknown section '{name}'{hint}; valid sections: "
                              f"{', '.join(sections)}")
-    return {name: load(name, path, sections) for name in sections}
+    return {**{name: load(name, path, sections) for name in sections},
+            "environments": environments(path)}

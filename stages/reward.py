@@ -193,8 +193,103 @@ def score_table(env_name: str, config: cfg.Reward, table: pa.Table, progress: bo
     return out, metrics
 
 
-def run(base: cfg.Base, config: cfg.Reward, rollouts: Path, rewards: Path) -> dict:
-    """Score every rollout; returns the stage metrics."""
+def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict]:
+    """Chat rollouts (an `environments:` section) scored by each environment's own `reward`.
+
+    The reward is the mean of the module's components (a float is its one component); `correct`
+    is 1.0 when every component reaches 1.0 (full marks, as a gold must score). A task whose
+    `gold` does not score full marks is set aside; a `reward` that raises, or an episode whose
+    tool call broke at rollout, is an error with its cause, never a zero.
+    """
+    import json
+
+    from stages.envs import contract
+
+    envs = {name: contract.load(name, spec.module, root) for name, spec in specs.items()}
+    rows = table.select(["task_id", "environment", "task", "messages", "error"]).to_pylist()
+    unknown = sorted({r["environment"] for r in rows} - set(envs))
+    if unknown:
+        raise cfg.ParamsError(f"environments: the rollouts come from {', '.join(unknown)}, which "
+                              f"params.yaml no longer lists; rerun the rollout stage")
+    set_aside, checked = {}, set()  # each task's gold is checked once
+    for row in rows:
+        key = (row["environment"], row["task_id"])
+        if key in checked or row["error"]:
+            continue
+        checked.add(key)
+        try:
+            contract.check_gold(envs[key[0]], json.loads(row["task"]))
+        except contract.GoldError as err:
+            set_aside[key] = f"task set aside: {err}"
+        except Exception as err:  # the reward itself broke on the gold
+            set_aside[key] = f"reward() raised on the gold: {type(err).__name__}: {err}"
+    scores, causes = [], []
+    for row in rows:
+        env, key = envs[row["environment"]], (row["environment"], row["task_id"])
+        cause = row["error"] or set_aside.get(key)
+        if cause is None:
+            try:
+                scores.append(contract.score(env, json.loads(row["task"]),
+                                             json.loads(row["messages"])))
+            except Exception as err:  # a broken reward: its cause, never a zero
+                cause = f"{env.where}: reward() raised {type(err).__name__}: {err}"
+        if cause is not None:
+            scores.append(None)
+        causes.append(cause)
+    names = list(dict.fromkeys(n for components in scores for n in components or {}))
+    reward = [None if c is None else sum(c.values()) / len(c) for c in scores]
+    correct = [None if c is None else float(all(v >= 1.0 for v in c.values())) for c in scores]
+    errors = sum(c is not None and not c.startswith("task set aside") for c in causes)
+    unjudged = sum(s is None and c is None for s, c in zip(scores, causes))
+    if rows and all(c is not None for c in causes):
+        raise VerifierBroken(f"no rollout could be scored: {errors} errors, {len(set_aside)} "
+                             f"tasks set aside, e.g. {causes[0]}; fix the environment before "
+                             f"training on its scores")
+    verifier = {name: f"{name}/{env.version or env.module}" for name, env in envs.items()}
+    # the rollout's own error column (a tool call that broke) becomes the reward's
+    out = table.drop_columns(["error"]) \
+        .append_column("correct", pa.array(correct, pa.float64())) \
+        .append_column("reward", pa.array(reward, pa.float64())) \
+        .append_column("verifier", pa.array([verifier[r["environment"]] for r in rows],
+                                            pa.string())) \
+        .append_column("error", pa.array(causes, pa.string()))
+    for name in names:
+        out = out.append_column(f"score_{name}", pa.array(
+            [None if c is None else c.get(name) for c in scores], pa.float64()))
+    mean = lambda values: round(sum(values) / len(values), 4) if values else 0.0  # noqa: E731
+
+    def summary(indices: list[int]) -> dict:
+        judged = [i for i in indices if reward[i] is not None]
+        solved = {}
+        for i in indices:
+            key = (rows[i]["environment"], rows[i]["task_id"])
+            if key not in set_aside:
+                solved[key] = solved.get(key, False) or correct[i] == 1.0
+        return {"episodes": len(indices), "judged": len(judged),
+                "errors": sum(causes[i] is not None and not causes[i].startswith(
+                    "task set aside") for i in indices),
+                "tasks": len({(rows[i]["environment"], rows[i]["task_id"]) for i in indices}),
+                "mean_reward": mean([reward[i] for i in judged]),
+                "correct_episodes": int(sum(correct[i] for i in judged)),
+                "pass_at_k": mean([float(v) for v in solved.values()])}
+
+    every = list(range(len(rows)))
+    return out, {**summary(every), "unjudgeable": unjudged, "tasks_set_aside": len(set_aside),
+                 "components": {n: mean([c[n] for c in scores if c and n in c]) for n in names},
+                 "environments": {name: {**summary([i for i in every
+                                                    if rows[i]["environment"] == name]),
+                                         "verifier": verifier[name]} for name in envs}}
+
+
+def run(base: cfg.Base, config: cfg.Reward, rollouts: Path, rewards: Path,
+        specs: dict | None = None, root: Path | None = None) -> dict:
+    """Score every rollout; returns the stage metrics. `specs`: the `environments:` section
+    (chat rollouts, scored by the user's modules, imported from `root`).
+    """
+    if specs:
+        out, metrics = score_chat(specs, pq.read_table(rollouts), root or Path.cwd())
+        io.write_parquet(rewards, out)
+        return metrics
     out, metrics = score_table(base.environment, config, pq.read_table(rollouts))
     io.write_parquet(rewards, out)
     return metrics
@@ -270,7 +365,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         metrics = run(cfg.load("base", args.params), cfg.load("reward", args.params),
-                      args.rollouts, args.rewards)
+                      args.rollouts, args.rewards, cfg.environments(args.params),
+                      Path(args.params).resolve().parent)
     except VerifierBroken as err:
         print(f"reward: error: {err}", file=sys.stderr)
         sys.exit(1)

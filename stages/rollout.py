@@ -11,6 +11,14 @@ chose, their log-probabilities, the turn of each token) and `metrics/rollout.jso
 `openai` (OpenAI-compatible servers, `stages.generation.openai_backend`: the ones at `rollout.urls`, or one
 the stage starts with `rollout.server_command` on models/champion and stops afterwards).
 
+With an `environments:` section in params.yaml (your own environments, README "Bring your own
+agent"), the champion is a chat model and each environment's `tasks` file is attempted instead:
+each turn rendered by the model's chat template, its tool calls parsed by `rollout.tool_parser`
+and answered by the environment's `call_tool`, exact token ids kept (`stages.generation.chat`).
+`rollout.max_tasks` (0 = all) is then shared among the environments by `weight`. Each row holds
+the episode's conversation (`messages`, JSON) and its environment; `chat` marks its ids as the
+whole conversation, the template's special tokens included.
+
     python -m stages.rollout data/validated.parquet models/champion data/rollouts.parquet metrics/rollout.json
 """
 
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -38,6 +47,130 @@ SCHEMA = pa.schema([
     ("model_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())),
     ("finish", pa.string()), ("tool_calls", pa.int64()), ("turns", pa.list_(pa.int16())),
 ])
+
+
+CHAT_SCHEMA = pa.schema([
+    ("task_id", pa.string()), ("environment", pa.string()), ("sample", pa.int64()),
+    ("task", pa.string()), ("messages", pa.string()), ("completion", pa.string()),
+    ("token_ids", pa.list_(pa.int32())), ("model_mask", pa.list_(pa.int8())),
+    ("logprobs", pa.list_(pa.float32())), ("finish", pa.string()), ("tool_calls", pa.int64()),
+    ("tool_errors", pa.int64()), ("error", pa.string()), ("turns", pa.list_(pa.int16())),
+    ("chat", pa.bool_()),
+])
+DEFAULT_MAX_TURNS = 4  # tool calls per episode when neither the module nor rollout.max_turns say
+
+
+def shares(total: int, weights: dict[str, float], available: dict[str, int]) -> dict[str, int]:
+    """Tasks per environment: all of them when `total` is 0; otherwise `total` split by weight
+    (largest remainders; at least one each), never more than an environment has.
+    """
+    if not total:
+        return dict(available)
+    scale = total / sum(weights.values())
+    exact = {name: weights[name] * scale for name in weights}
+    counts = {name: max(1, int(value)) for name, value in exact.items()}
+    for name in sorted(exact, key=lambda n: int(exact[n]) - exact[n])[:max(0, total - sum(
+            counts.values()))]:
+        counts[name] += 1
+    return {name: min(count, available[name]) for name, count in counts.items()}
+
+
+def chat_jobs(specs: dict, config: cfg.Rollout, root: Path) -> tuple[dict, list[tuple]]:
+    """({name: Environment}, [(name, task, sample)]): each environment's tasks, by its share."""
+    from stages.envs import contract
+
+    envs, tasks = {}, {}
+    for name, spec in specs.items():
+        envs[name] = contract.load(name, spec.module, root)
+        if not spec.tasks:
+            raise cfg.ParamsError(f"environments.{name}.tasks: no task file to roll out; write "
+                                  f"one (JSON lines: task_id, messages, fields its reward needs) "
+                                  f"and name it here")
+        tasks[name] = sorted(contract.load_tasks(root / spec.tasks, envs[name]),
+                             key=lambda t: t["task_id"])
+    counts = shares(config.max_tasks, {n: s.weight for n, s in specs.items()},
+                    {n: len(t) for n, t in tasks.items()})
+    jobs = [(name, task, sample) for name in specs for task in tasks[name][:counts[name]]
+            for sample in range(config.samples_per_task)]
+    return envs, jobs
+
+
+def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
+             rollouts: Path, root: Path | None = None) -> dict:
+    """The episodes of a chat model in the user's environments; returns the stage metrics."""
+    import zlib
+
+    import torch
+
+    from stages.generation import chat, tool_parsers
+    from stages.generation.episode import Progress
+
+    if config.backend != "transformers":
+        raise cfg.ParamsError("rollout.backend: the environments: path runs on 'transformers' "
+                              "so far; the openai backend serves the built-in environments only")
+    root = root or Path.cwd()
+    envs, jobs = chat_jobs(specs, config, root)
+    model, tokenizer = tinylm.load(champion)
+    model.eval()
+    config.check_tool_parser(tool_parsers.PARSERS)
+    ends = chat.end_ids(model, tokenizer)
+    parser = config.tool_parser
+    if parser == "auto":
+        try:
+            parser = tool_parsers.detect(tokenizer.chat_template or "")
+        except ValueError as err:
+            raise cfg.ParamsError(f"rollout.tool_parser: auto: {err}") from None
+    templates = {name: chat.Template.of(tokenizer, list(env.tools), ends)
+                 for name, env in envs.items()}
+    rows, started, bar = [], time.time(), Progress(len(jobs), "rollout", True)
+    for name, env in envs.items():
+        mine = [(task, sample) for n, task, sample in jobs if n == name]
+        max_turns = config.max_turns or env.max_turns or DEFAULT_MAX_TURNS
+        for start in range(0, len(mine), config.batch_size):
+            chunk = mine[start:start + config.batch_size]
+            # one generator per episode, from the seed and the episode's own identity: the same
+            # episode whatever else is in its batch
+            generators = [torch.Generator().manual_seed(
+                zlib.crc32(f"{base.seed}/{name}/{task['task_id']}/{sample}".encode()))
+                for task, sample in chunk]
+            done = len(rows)
+            episodes = chat.rollout(
+                model, tokenizer, env, [task for task, _ in chunk], parser=parser,
+                temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+                max_turns=max_turns, generator=generators, top_p=config.top_p, top_k=config.top_k,
+                template=templates[name], on_step=lambda n, base=done: bar.update(base + n))
+            for (task, sample), episode in zip(chunk, episodes):
+                added = episode.messages[len(task["messages"]):]
+                rows.append({
+                    "task_id": task["task_id"], "environment": name, "sample": sample,
+                    "task": json.dumps(task), "messages": json.dumps(episode.messages),
+                    "completion": json.dumps(added), "token_ids": episode.token_ids,
+                    "model_mask": episode.model_mask, "logprobs": episode.logprobs,
+                    "finish": episode.finish, "tool_calls": episode.tool_calls,
+                    "tool_errors": episode.tool_errors, "error": episode.error,
+                    "turns": episode.turns, "chat": True})
+    bar.close()
+    seconds = time.time() - started
+    io.write_parquet(rollouts, pa.Table.from_pylist(rows, schema=CHAT_SCHEMA))
+    generated = sum(sum(r["model_mask"]) for r in rows)
+    per_env = {}
+    for name in envs:
+        mine = [r for r in rows if r["environment"] == name]
+        per_env[name] = {
+            "episodes": len(mine), "tasks": len({r["task_id"] for r in mine}),
+            "tool_use_rate": round(sum(r["tool_calls"] > 0 for r in mine) / max(1, len(mine)), 4),
+            "tool_error_rate": round(sum(r["tool_errors"] for r in mine)
+                                     / max(1, sum(r["tool_calls"] for r in mine)), 4),
+            "errors": sum(r["error"] is not None for r in mine),
+            "module": envs[name].module, "version": envs[name].version}
+    return {"backend": "transformers", "path": "chat", "tool_parser": parser,
+            "template": "prefix-preserving" if all(t.prefix_preserving for t in templates.values())
+            else "incremental", "tasks": sum(e["tasks"] for e in per_env.values()),
+            "episodes": len(rows), "generated_tokens": generated, "seconds": round(seconds, 2),
+            "tokens_per_second": round(generated / max(seconds, 1e-9)),
+            "truncated": sum(r["finish"] == "length" for r in rows),
+            "turn_limited": sum(r["finish"] == "turns" for r in rows),
+            "errors": sum(r["error"] is not None for r in rows), "environments": per_env}
 
 
 def suite(config: cfg.Rollout, env, suites: Path | None) -> list[dict]:
@@ -123,8 +256,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="the folder of task suites, <environment>.jsonl (rollout.suite_tasks)")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
-    metrics = run(cfg.load("base", args.params), cfg.load("rollout", args.params), args.validated,
-                  args.champion, args.rollouts, args.tasks)
+    base, config = cfg.load("base", args.params), cfg.load("rollout", args.params)
+    specs = cfg.environments(args.params)
+    if specs:
+        tinylm.set_threads(base.threads)
+        metrics = run_chat(base, config, specs, args.champion, args.rollouts,
+                           Path(args.params).resolve().parent)
+    else:
+        metrics = run(base, config, args.validated, args.champion, args.rollouts, args.tasks)
     io.write_json(args.metrics, metrics)
     print(f"rollout: {metrics['episodes']} episodes for {metrics['tasks']} tasks in "
           f"{metrics['seconds']} s", file=sys.stderr)

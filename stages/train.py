@@ -82,7 +82,7 @@ def examples_from(rewards: Path) -> list[dict]:
 def _read(rewards: Path) -> list[dict]:
     names = pq.read_schema(rewards).names
     columns = [c for c in ("task_id", "completion", "correct", "reward", "token_ids",
-                           "model_mask", "logprobs") if c in names]
+                           "model_mask", "logprobs", "chat") if c in names]
     return pq.read_table(rewards, columns=columns).to_pylist()
 
 

@@ -26,7 +26,8 @@ def test_defaults_load(tmp_path):
 
 def test_repo_params_are_valid():
     configs = settings.load_all(cfg.Path(__file__).parents[1] / "params.yaml")
-    assert set(configs) == set(settings.SECTIONS)
+    assert set(configs) == set(settings.SECTIONS) | {"environments"}
+    assert configs["environments"] == {}  # the demo runs the built-in environment
 
 
 def test_unknown_key_names_key_and_suggests(tmp_path):

@@ -102,7 +102,7 @@ class Template:
         return self.ids(self.render(messages, True))
 
     def _tail(self, before: str) -> str:
-        """What the template writes after the last assistant turn's end token (Qwen: "\\n")."""
+        """What the template writes after the last assistant turn's end token (Qwen: a newline)."""
         cut = max(((before.rfind(m), m) for m in self.end_markers if m), default=(-1, ""))
         return before[cut[0] + len(cut[1]):] if cut[0] >= 0 else ""
 

@@ -58,7 +58,7 @@ def examples(rows: list[dict]) -> tuple[list[dict], dict]:
                 "prompt_ids": chosen["token_ids"][:cut],
                 "chosen_ids": chosen["token_ids"][cut:], "chosen_mask": chosen["model_mask"][cut:],
                 "rejected_ids": rejected["token_ids"][rcut:],
-                "rejected_mask": rejected["model_mask"][rcut:]})
+                "rejected_mask": rejected["model_mask"][rcut:], "chat": bool(chosen.get("chat"))})
     return pairs, {"tasks_without_pair": no_pair}
 
 
@@ -146,12 +146,17 @@ def read_traces(validated: Path) -> list[dict]:
 
 def collate(bos: int, eos: int, pad: int):
     """Chosen rows then rejected rows: `<bos> prompt completion <eos>`, right-padded, with
-    `completion_mask` 1 on the model's own completion tokens and the end of sequence.
+    `completion_mask` 1 on the model's own completion tokens and the end of sequence; a chat
+    pair's ids are whole conversations already (their end tokens the model's own): as they are.
     """
     def build(rows: list[dict]) -> dict:
         seqs, masks = [], []
         for side in ("chosen", "rejected"):
             for row in rows:
+                if row.get("chat"):
+                    seqs.append([*row["prompt_ids"], *row[f"{side}_ids"]])
+                    masks.append([0] * len(row["prompt_ids"]) + list(row[f"{side}_mask"]))
+                    continue
                 seqs.append([bos, *row["prompt_ids"], *row[f"{side}_ids"], eos])
                 masks.append([0] * (1 + len(row["prompt_ids"])) + list(row[f"{side}_mask"]) + [1])
         width = max(len(s) for s in seqs)
@@ -174,7 +179,7 @@ class PairsDPOTrainer(trainers.StepLog, DPOTrainer):
 
     def _set_signature_columns_if_needed(self):
         self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", "chosen_mask",
-                                   "rejected_mask"]
+                                   "rejected_mask", "chat"]
 
 
 def trainer(model, tokenizer, champion: Path, pairs: list[dict], args_for, config):
@@ -183,8 +188,9 @@ def trainer(model, tokenizer, champion: Path, pairs: list[dict], args_for, confi
     """
     from datasets import Dataset
 
-    data = Dataset.from_list([{k: p[k] for k in ("prompt_ids", "chosen_ids", "chosen_mask",
-                                                 "rejected_ids", "rejected_mask")} for p in pairs])
+    data = Dataset.from_list([{**{k: p[k] for k in ("prompt_ids", "chosen_ids", "chosen_mask",
+                                                    "rejected_ids", "rejected_mask")},
+                               "chat": bool(p.get("chat"))} for p in pairs])
     reference, _ = tinylm.load(champion)
     args = args_for(len(data), cls=DPOConfig, beta=config.beta, gradient_checkpointing=False,
                     max_length=None, precompute_ref_log_probs=False, disable_dropout=True)

@@ -35,7 +35,7 @@ def examples(rows: list[dict]) -> tuple[list[dict], dict]:
             continue
         groups.append({"task_id": task, "completion": "\x00".join(r["completion"] for r in group),
                        "episodes": [{"token_ids": r["token_ids"], "model_mask": r["model_mask"],
-                                     "logprobs": r["logprobs"],
+                                     "logprobs": r["logprobs"], "chat": bool(r.get("chat")),
                                      "advantage": (r["reward"] - mean) / std} for r in group]})
     return groups, {"groups_without_spread": flat}
 
@@ -56,13 +56,18 @@ def collate(bos: int, pad: int):
                "ref_logprobs": torch.zeros((n, width - 1)),
                "advantage": torch.tensor([r["advantage"] for r in rows], dtype=torch.float)}
         for i, row in enumerate(rows):
-            length = len(row["token_ids"])
-            out["input_ids"][i, :length + 1] = torch.tensor([bos, *row["token_ids"]])
-            out["attention_mask"][i, :length + 1] = 1
-            out["mask"][i, :length] = torch.tensor(row["model_mask"], dtype=torch.float)
-            out["old_logprobs"][i, :length] = torch.tensor(row["logprobs"])
+            # a chat episode is the whole conversation already (its first token is the
+            # template's, never the model's choice); the demo's ids get a <bos> in front
+            head = [] if row.get("chat") else [bos]
+            ids = head + list(row["token_ids"])
+            skip = 1 - len(head)  # entries of the row's per-token lists with no prediction
+            length = len(ids) - 1
+            out["input_ids"][i, :len(ids)] = torch.tensor(ids)
+            out["attention_mask"][i, :len(ids)] = 1
+            out["mask"][i, :length] = torch.tensor(row["model_mask"][skip:], dtype=torch.float)
+            out["old_logprobs"][i, :length] = torch.tensor(row["logprobs"][skip:])
             if row.get("ref_logprobs") is not None:
-                out["ref_logprobs"][i, :length] = torch.tensor(row["ref_logprobs"])
+                out["ref_logprobs"][i, :length] = torch.tensor(row["ref_logprobs"][skip:])
         return out
     return collate
 
@@ -81,11 +86,13 @@ def reference_logprobs(model, rows: list[dict], bos: int, pad: int, batch_size: 
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
         batch = batch_of([{"token_ids": r["token_ids"], "model_mask": r["model_mask"],
-                          "logprobs": [0.0] * len(r["token_ids"]), "advantage": 0.0}
-                         for r in chunk])
+                          "logprobs": [0.0] * len(r["token_ids"]), "advantage": 0.0,
+                          "chat": r.get("chat")} for r in chunk])
         logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
         for i, row in enumerate(chunk):
-            row["ref_logprobs"] = logp[i, :len(row["token_ids"])].tolist()
+            # per token of the row; a chat row's first token has no prediction: 0.0
+            head = [0.0] if row.get("chat") else []
+            row["ref_logprobs"] = head + logp[i, :len(row["token_ids"]) - len(head)].tolist()
 
 
 class GRPOTrainer(trainers.StepLog, Trainer):

@@ -42,17 +42,27 @@ def encode_completion(tokenizer, env, prompt: str, completion: str) -> tuple[lis
     return ids, mask
 
 
+def frame(row: dict, bos: int | None, eos: int | None) -> tuple[list[int], list[int]]:
+    """The ids a row is trained on and their mask: a chat episode's (`chat`: the whole
+    conversation as the model saw it, its template's special tokens and its own end tokens
+    included) as they are; the demo's as `<bos> ids <eos>`, the <eos> its choice.
+    """
+    if row.get("chat"):
+        return list(row["token_ids"]), list(row["model_mask"])
+    head = [] if bos is None else [bos]
+    return head + [*row["token_ids"], eos], [0] * len(head) + [*row["model_mask"], 1]
+
+
 def collate(rows: list[dict], bos: int, eos: int, pad: int) -> dict:
-    """Right-padded `<bos> ids <eos>`; labels -100 wherever the model did not choose the token
-    (the model shifts the labels itself).
+    """Right-padded rows (`frame`); labels -100 wherever the model did not choose the token (the
+    model shifts the labels itself).
     """
     width = max(len(r["token_ids"]) for r in rows) + 2
     inputs = torch.full((len(rows), width), pad, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
-        seq = [bos, *row["token_ids"], eos]
-        keep = [0, *row["model_mask"], 1]
+        seq, keep = frame(row, bos, eos)
         inputs[i, :len(seq)] = torch.tensor(seq)
         attention[i, :len(seq)] = 1
         labels[i, :len(seq)] = torch.tensor([t if k else -100 for t, k in zip(seq, keep)])
@@ -65,8 +75,8 @@ def examples(rows: list[dict]) -> tuple[list[dict], dict]:
     for row in rows:
         if row["correct"] == 1.0:
             unique.setdefault((row["task_id"], row["completion"]),
-                              {k: row[k] for k in ("task_id", "completion", "token_ids",
-                                                   "model_mask")})
+                              {k: row.get(k) for k in ("task_id", "completion", "token_ids",
+                                                       "model_mask", "chat")})
     return [unique[key] for key in sorted(unique)], {}
 
 
@@ -80,8 +90,8 @@ def trainer(model, tokenizer, champion: Path, rows: list[dict], args_for, config
     """
     from datasets import Dataset
 
-    data = Dataset.from_list([{"token_ids": e["token_ids"], "model_mask": e["model_mask"]}
-                              for e in rows])
+    data = Dataset.from_list([{"token_ids": e["token_ids"], "model_mask": e["model_mask"],
+                               "chat": bool(e.get("chat"))} for e in rows])
     return SFTTrainer(
         model=model, args=args_for(len(data)), train_dataset=data,
         data_collator=functools.partial(collate, bos=tokenizer.bos_token_id,

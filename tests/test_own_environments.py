@@ -1,0 +1,190 @@
+"""Your own environments, end to end through the stages as DVC runs them: an `environments:`
+section with the support example and a second module of the user's, a Hugging Face chat model
+(tiny Qwen2, built offline), rollouts through its chat template with native tool calls, rewards
+from the modules, and each training algorithm on the exact ids of the rollouts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from chat_model import build
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stages import reward, rollout, train
+from stages.envs import contract
+from stages.generation import chat
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+# a second environment of the user's: no tools, a reward from the final answer alone
+GREETER = '''
+TOOLS = []
+VERSION = "greeter@1"
+
+def reward(task, messages):
+    final = messages[-1].get("content") or "" if messages[-1]["role"] == "assistant" else ""
+    return float(task["name"].lower() in final.lower())
+'''
+
+
+@pytest.fixture(scope="module")
+def champion(tmp_path_factory) -> Path:
+    """A tiny Qwen2 chat model after a few seconds of SFT on the support example's gold
+    conversations (so that some of its rollouts call the tool and some get it right).
+    """
+    torch.manual_seed(0)
+    folder = build(tmp_path_factory.mktemp("champion"))
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    support = contract.load("support", "examples.support.support_env", REPO)
+    tasks = contract.load_tasks(REPO / "examples/support/tasks.jsonl", support)
+    template = chat.Template.of(tok, list(support.tools), chat.end_ids(model, tok))
+    data = [chat.encode(template, t["messages"] + support.gold(t)) for t in tasks[:6]]
+    width = max(len(ids) for ids, _ in data)
+    inputs = torch.full((len(data), width), tok.pad_token_id)
+    labels = torch.full((len(data), width), -100)
+    for row, (ids, mask) in enumerate(data):
+        inputs[row, :len(ids)] = torch.tensor(ids)
+        labels[row, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(90):
+        model(input_ids=inputs, attention_mask=(inputs != tok.pad_token_id).long(),
+              labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def workspace(tmp_path: Path, monkeypatch) -> Path:
+    """A project folder with params.yaml naming two environments of the user's."""
+    shutil.copytree(REPO / "examples", tmp_path / "examples",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "my_envs").mkdir()
+    (tmp_path / "my_envs" / "greeter.py").write_text(GREETER)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "greeter.jsonl").write_text("".join(
+        json.dumps({"task_id": f"g{i}", "name": name,
+                    "messages": [{"role": "user", "content": f"Say hello to {name}."}]}) + "\n"
+        for i, name in enumerate(["Ada", "Grace", "Alan", "Edsger"])))
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["rollout"].update({"samples_per_task": 4, "max_new_tokens": 64, "max_tasks": 9})
+    params["train"]["min_examples"] = 1
+    params["environments"] = {
+        "support": {"module": "examples.support.support_env",
+                    "tasks": "examples/support/tasks.jsonl",
+                    "benchmark": "examples/support/benchmark.jsonl", "weight": 2.0},
+        "greeter": {"module": "my_envs.greeter", "tasks": "data/greeter.jsonl"},
+    }
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_rollout_reward_and_training_on_a_chat_model_in_two_own_environments(workspace, champion):
+    rollout.main(["data/validated.parquet", str(champion), "data/rollouts.parquet",
+                  "metrics/rollout.json"])
+    metrics = json.loads((workspace / "metrics/rollout.json").read_text())
+    # max_tasks 9 shared 2:1 by weight: 6 support tasks, 3 greeter tasks, 4 samples each
+    assert metrics["environments"]["support"]["tasks"] == 6
+    assert metrics["environments"]["greeter"]["tasks"] == 3
+    assert metrics["episodes"] == 36 and metrics["tool_parser"] == "hermes"
+    assert metrics["template"] == "prefix-preserving" and metrics["errors"] == 0
+    assert metrics["environments"]["support"]["tool_use_rate"] > 0.25
+    rows = pq.read_table(workspace / "data/rollouts.parquet").to_pylist()
+    support = [r for r in rows if r["environment"] == "support"]
+    called = [r for r in support if r["tool_calls"]]
+    assert called, "the trained champion calls lookup_order in some episodes"
+    for row in called:  # stored as a conversation: the tool's answer follows the call
+        roles = [m["role"] for m in json.loads(row["messages"])]
+        assert roles[:4] == ["system", "user", "assistant", "tool"]
+
+    reward.main(["data/rollouts.parquet", "data/rewards.parquet", "metrics/reward.json"])
+    scored = json.loads((workspace / "metrics/reward.json").read_text())
+    assert scored["episodes"] == 36 and scored["errors"] == 0 and scored["tasks_set_aside"] == 0
+    assert set(scored["components"]) == {"called_tool", "answer", "reward"}
+    assert scored["environments"]["support"]["verifier"] == "support/support@1"
+    assert scored["environments"]["greeter"]["verifier"] == "greeter/greeter@1"
+    table = pq.read_table(workspace / "data/rewards.parquet").to_pylist()
+    for row in table:
+        if row["environment"] == "support":
+            assert row["reward"] == (row["score_called_tool"] + row["score_answer"]) / 2
+            assert row["correct"] == float(row["score_called_tool"] == row["score_answer"] == 1)
+    assert 0 < sum(r["correct"] for r in table if r["environment"] == "support") < len(support)
+
+    # SFT trains on the rollouts' own ids, unchanged: the ids generated are the ids trained on
+    examples = train.examples_from(workspace / "data/rewards.parquet")
+    assert examples and all(e["chat"] for e in examples)
+    by_completion = {(r["task_id"], r["completion"]): r["token_ids"] for r in table}
+    from stages.training.sft import frame
+    for example in examples:
+        ids, mask = frame(example, bos=None, eos=0)
+        assert ids == by_completion[(example["task_id"], example["completion"])]
+        assert mask == example["model_mask"]
+    for algorithm in ("sft", "dpo", "grpo"):
+        params = yaml.safe_load((workspace / "params.yaml").read_text())
+        params["train"]["algorithm"] = algorithm
+        (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        train.main(["data/rewards.parquet", str(champion), f"models/{algorithm}",
+                    f"data/replay-{algorithm}", f"models/{algorithm}.ckpt",
+                    f"metrics/train-{algorithm}.json", f"metrics/steps-{algorithm}.csv"])
+        result = json.loads((workspace / f"metrics/train-{algorithm}.json").read_text())
+        assert result["trained"] and result["steps"] > 0, result
+        before = AutoModelForCausalLM.from_pretrained(champion).state_dict()
+        after = AutoModelForCausalLM.from_pretrained(workspace / f"models/{algorithm}")
+        assert any(not torch.equal(before[k], v) for k, v in after.state_dict().items())
+
+
+def check(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "offseason"), "check"], cwd=root, capture_output=True,
+                          text=True)
+
+
+def test_check_imports_each_environment_and_counts_its_tasks(workspace):
+    result = check(workspace)
+    assert result.returncode == 0, result.stderr
+    assert "environment 'support': examples.support.support_env" in result.stdout
+    assert "tools: lookup_order; 12 tasks, 8 benchmark tasks" in result.stdout
+    assert "environment 'greeter': my_envs.greeter" in result.stdout
+    assert "tools: none; 4 tasks" in result.stdout
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p["environments"]["greeter"].update(module="my_envs.absent"),
+     "environment 'greeter' (module 'my_envs.absent'): no module 'my_envs.absent' in the project "
+     "folder"),
+    (lambda p: p["environments"]["greeter"].update(wieght=1),
+     "unknown key 'environments.greeter.wieght' (did you mean 'environments.greeter.weight'?)"),
+    (lambda p: p["environments"]["greeter"].update(weight=0),
+     "environments.greeter.weight: must be > 0"),
+    (lambda p: p["rollout"].update(tool_parser="qwen"),
+     "rollout.tool_parser: unknown parser 'qwen'; use auto (from the chat template) or one of "
+     "hermes, llama3_json, mistral"),
+])
+def test_check_refuses_a_bad_environment_entry_naming_it(workspace, change, message):
+    params = yaml.safe_load((workspace / "params.yaml").read_text())
+    change(params)
+    (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    result = check(workspace)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_a_task_file_without_messages_fails_check_naming_the_line(workspace):
+    with (workspace / "data/greeter.jsonl").open("a") as lines:
+        lines.write(json.dumps({"task_id": "g9", "name": "Barbara"}) + "\n")
+    result = check(workspace)
+    assert result.returncode == 2
+    assert "data/greeter.jsonl:5: task 'g9' has no 'messages'" in result.stderr
