@@ -59,8 +59,8 @@ def workspace(*, env: bool = True) -> tuple[Path, dict]:
 
 def benchmark_path(root: Path) -> Path:
     """The held-out benchmark, as the gate stage in dvc.yaml names it (paths live in dvc.yaml)."""
-    deps = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["gate"]["deps"]
-    return root / next(d for d in deps if str(d).startswith("data/benchmarks/"))
+    cmd = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["gate"]["cmd"]
+    return root / next(d for d in cmd.split() if d.startswith("data/benchmarks/"))
 
 
 def read_benchmark(root: Path) -> list[dict]:
@@ -102,16 +102,53 @@ def cmd_init(args) -> int:
     from stages import gate, init, io
     from stages.envs.registry import ENVIRONMENTS
 
-    items = read_benchmark(root)
+    specs = configs["environments"]
+    base_model = args.base_model or (Path(configs["base"].model) if configs["base"].model
+                                     else None)
+    if specs:  # the user's environments: a chat model of theirs, their benchmarks
+        if base_model is None:
+            raise cfg.ParamsError("base.model: the environments: path needs your chat model "
+                                  "as generation 0; set base.model to its Hugging Face folder "
+                                  "(or run `offseason init --base-model PATH`)")
+        chats = gate.chat_suites(specs, root, configs["gate"].benchmark_size)
+    else:
+        items = read_benchmark(root)
     with cycle_lock(root, "offseason init"):
         print("init: building generation 0 ...", flush=True)
         champion = root / "models" / "champion"
-        metrics = init.run(configs["base"], configs["init"], champion, args.base_model)
-        env = ENVIRONMENTS[configs["base"].environment]
-        scores = gate.score(champion, env, items, configs["base"].seed)
-        metrics["benchmark_score"] = round(sum(r["correct"] or 0.0 for r in scores) / len(scores),
-                                           4)
-        metrics["benchmark_items"] = len(items)
+        metrics = init.run(configs["base"], configs["init"], champion,
+                           base_model if base_model is None or base_model.is_absolute()
+                           else root / base_model)
+        if specs:
+            from stages.generation import chat
+            from stages.tinylm import load as load_model
+
+            model, tokenizer = load_model(champion)
+            ends = chat.end_ids(model, tokenizer)
+            for name, (env, _) in chats.items():  # a model without a template fails here
+                template = chat.Template.of(tokenizer, list(env.tools), ends)
+                if not template.prefix_preserving:
+                    print(f"init: the chat template of {base_model} rewrites earlier turns "
+                          f"once a conversation goes on (as Qwen3's drops old thinking); "
+                          f"rollouts render each turn incrementally, so the tokens the model "
+                          f"produced stay exact", flush=True)
+                    break
+            scores = gate.score_chat(champion, chats, configs["rollout"], configs["base"].seed)
+            metrics["template"] = "prefix-preserving" if template.prefix_preserving \
+                else "incremental"
+        else:
+            env = ENVIRONMENTS[configs["base"].environment]
+            scores = gate.score(champion, env, items, configs["base"].seed)
+        primary = [r for r in scores if r.get("suite", configs["gate"].primary)
+                   == configs["gate"].primary] if specs else scores
+        metrics["benchmark_score"] = round(sum(r["correct"] or 0.0 for r in primary)
+                                           / len(primary), 4)
+        metrics["benchmark_items"] = len(primary)
+        if specs:
+            metrics["benchmarks"] = {name: round(sum(r["correct"] or 0.0 for r in scores
+                                                     if r["suite"] == name)
+                                                 / len(tasks), 4)
+                                     for name, (_, tasks) in chats.items()}
         io.write_json(root / "metrics" / "init.json", metrics)
         dvc(root, "add", "--quiet", "models/champion")
 
@@ -179,8 +216,9 @@ def cmd_run(args) -> int:
 
     session = pipeline.Session(root)  # DVC loads in it while the checks below run
     try:
-        settings.load_all(root / "params.yaml")  # fail before any stage (or Prefect) starts
-        read_benchmark(root)
+        # fail before any stage (or Prefect) starts
+        if not settings.load_all(root / "params.yaml")["environments"]:
+            read_benchmark(root)
         with cycle_lock(root, "offseason run"):
             # repairs, checks and the no-change decision, before Prefect or MLflow load; when
             # there is work, the stages start here and run while Prefect's temporary server starts
@@ -454,9 +492,7 @@ def cmd_check(args) -> int:
     from stages.envs import contract
 
     root, configs = workspace(env=False)
-    shown = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v)
-             else {name: dataclasses.asdict(spec) for name, spec in v.items()}
-             for k, v in configs.items() if v or k != "environments"}
+    shown = {k: settings.plain(v) for k, v in configs.items() if v or k != "environments"}
     print(yaml.safe_dump(shown, sort_keys=False))
     for name, spec in configs["environments"].items():  # the user's modules import and comply
         env = contract.load(name, spec.module, root)

@@ -128,7 +128,8 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict) -> d
     run_id = parent.info.run_id
     note_cycle(root, mlflow_run_id=run_id)
     client = mlflow.MlflowClient()
-    tracking.log_params(run_id, {section: asdict(values) for section, values in configs.items()})
+    tracking.log_params(run_id, {section: settings.plain(values)
+                                 for section, values in configs.items()})
     for line in promotion.recover_alias(root, configs["base"].registered_model):
         logger.warning("an unfinished promotion was undone: %s", line)
     metrics, reran = {}, {}

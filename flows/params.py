@@ -95,3 +95,12 @@ def load_all(path: str | Path = "params.yaml") -> dict:
     except cfg.ParamsError as err:
         raise cfg.ParamsError(f"{path}: {err}") from None
     return configs
+
+
+def plain(section) -> dict:
+    """A loaded section as plain data (for MLflow params and `offseason check`): a dataclass's
+    fields, or, for `environments:`, each environment's.
+    """
+    if dataclasses.is_dataclass(section):
+        return dataclasses.asdict(section)
+    return {name: dataclasses.asdict(spec) for name, spec in section.items()}

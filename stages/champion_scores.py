@@ -30,13 +30,22 @@ from stages import gate, io, tinylm
 
 
 def run(base: cfg.Base, config: cfg.Gate, champion: Path, suites: list[Path], scores_out: Path,
-        forgetting: Path) -> dict:
-    """Score the champion on every suite and extend the forgetting set; returns the metrics."""
+        forgetting: Path, specs: dict | None = None, rollout: cfg.Rollout | None = None,
+        root: Path | None = None) -> dict:
+    """Score the champion on every suite and extend the forgetting set; returns the metrics.
+    With `specs` (an `environments:` section) the suites are the environments' benchmarks, as
+    the gate scores them.
+    """
     tinylm.set_threads(base.threads)
-    items = gate.suite_items(config, suites)
     weights = gate.weights_hash(champion)
-    rows = [{**row, "champion_weights": weights}
-            for row in gate.score_suites(champion, config, items, base.seed)]
+    if specs:
+        chats = gate.chat_suites(specs, root or Path.cwd(), config.benchmark_size)
+        items = {name: tasks for name, (_, tasks) in chats.items()}
+        scored = gate.score_chat(champion, chats, rollout or cfg.Rollout(), base.seed)
+    else:
+        items = gate.suite_items(config, suites)
+        scored = gate.score_suites(champion, config, items, base.seed)
+    rows = [{**row, "champion_weights": weights} for row in scored]
     io.write_parquet(scores_out, pa.Table.from_pylist(rows))
     kept = {(r["suite"], r["id"]): r for r in
             (io.read_jsonl(forgetting) if forgetting.exists() else [])}
@@ -69,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     metrics = run(cfg.load("base", args.params), cfg.load("gate", args.params), args.champion,
-                  args.suites, args.scores, args.forgetting)
+                  args.suites, args.scores, args.forgetting, cfg.environments(args.params),
+                  cfg.load("rollout", args.params), Path(args.params).resolve().parent)
     io.write_json(args.metrics, metrics)
     print(f"champion_scores: {metrics['suites']}; forgetting set {metrics['forgetting_items']} "
           f"items (+{metrics['forgetting_added']})", file=sys.stderr)

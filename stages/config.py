@@ -390,9 +390,6 @@ class Gate:
         if not self.suites:
             raise ParamsError("gate.suites: needs at least the primary suite, e.g. "
                               "`suites: {arith: {environment: arith}}`")
-        if self.primary not in self.suites:
-            raise ParamsError(f"gate.primary: {self.primary!r} is not one of gate.suites "
-                              f"({', '.join(self.suites)}); name the suite that must improve")
         for name, suite in self.suites.items():
             if suite.environment not in ENVIRONMENTS:
                 raise ParamsError(f"gate.suites.{name}.environment: unknown environment "
@@ -420,6 +417,9 @@ class EnvironmentSpec:
     tasks: str = ""  # JSON lines: task_id, messages, the fields its reward needs
     benchmark: str = ""  # the held-out tasks the gate scores it on
     weight: float = 1.0  # share of rollouts / training examples
+    # the gate: a guard environment fails when the lower bound of candidate - champion on its
+    # benchmark falls below minus this (the primary one, gate.primary, must improve instead)
+    max_regression: float = 0.05
 
 
 OPTIONAL = {"environments"}  # sections a params.yaml may leave out
@@ -430,9 +430,9 @@ def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]
     one (the built-in environment of `base.environment` runs).
     """
     raw = read_params(path).get("environments")
-    if raw is None:
+    if raw is None or raw == {}:
         return {}
-    if not isinstance(raw, dict) or not raw:
+    if not isinstance(raw, dict):
         _fail(str(path), "environments: expected a mapping of your names for your environments "
                          "to {module, tasks, benchmark, weight}, e.g. 'environments: {support: "
                          "{module: my_envs.support, tasks: data/tasks/support.jsonl}}'")
@@ -445,6 +445,9 @@ def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]
             _fail(str(path), f"environments.{name}.module: name the environment's module (a "
                              f"dotted path from the project folder, e.g. my_envs.support) or an "
                              f"entry point")
+        if spec.max_regression < 0:
+            _fail(str(path), f"environments.{name}.max_regression: must be >= 0, got "
+                             f"{spec.max_regression}")
         if not spec.weight > 0:
             _fail(str(path), f"environments.{name}.weight: must be > 0 (a share of rollouts), "
                              f"got {spec.weight}")
@@ -566,7 +569,13 @@ def load(section: str, path: str | Path = "params.yaml", sections: dict | None =
     if section not in raw:
         _fail(str(path), f"missing section '{section}:'; add it (an empty '{section}: {{}}' takes "
                          f"the defaults)")
-    return _build((sections or SECTIONS)[section], section, raw[section], str(path))
+    config = _build((sections or SECTIONS)[section], section, raw[section], str(path))
+    if section == "gate":  # its primary names a suite or, with environments:, an environment
+        try:
+            check_primary(config, environments(path))
+        except ParamsError as err:
+            _fail(str(path), str(err))
+    return config
 
 
 def load_all(path: str | Path = "params.yaml", sections: dict | None = None) -> dict:
@@ -583,3 +592,22 @@ def load_all(path: str | Path = "params.yaml", sections: dict | None = None) -> 
                              f"{', '.join(sections)}")
     return {**{name: load(name, path, sections) for name in sections},
             "environments": environments(path)}
+
+
+def check_primary(gate: Gate, specs: dict[str, EnvironmentSpec]) -> None:
+    """Refuse a gate.primary that names no suite the gate scores: one of gate.suites, or, with
+    an `environments:` section, one of the environments with a benchmark.
+    """
+    if specs:
+        scored = [name for name, spec in specs.items() if spec.benchmark]
+        if not scored:
+            raise ParamsError("environments: none has a benchmark, so the gate has nothing to "
+                              "compare candidate and champion on; give the one that must improve "
+                              "a benchmark (environments.<name>.benchmark: held-out tasks)")
+        if gate.primary not in scored:
+            raise ParamsError(f"gate.primary: {gate.primary!r} is not one of your environments "
+                              f"with a benchmark ({', '.join(scored)}); name the one that must "
+                              f"improve")
+    elif gate.primary not in gate.suites:
+        raise ParamsError(f"gate.primary: {gate.primary!r} is not one of gate.suites "
+                          f"({', '.join(gate.suites)}); name the suite that must improve")

@@ -81,6 +81,88 @@ def score(model_dir: Path, env, items: list[dict], seed: int) -> list[dict]:
     return rows
 
 
+def question_of(task: dict) -> str:
+    """A chat task's question, for people reading the results: its first user message's text."""
+    for message in task["messages"]:
+        if message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, list):
+                return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+            return content or ""
+    return ""
+
+
+def chat_suites(specs: dict, root: Path, benchmark_size: int) -> dict[str, tuple]:
+    """{environment name: (Environment, its benchmark tasks)} for each of the user's
+    environments with a `benchmark` (the first `gate.benchmark_size` when set).
+    """
+    from stages.envs import contract
+
+    out = {}
+    for name, spec in specs.items():
+        if not spec.benchmark:
+            continue
+        env = contract.load(name, spec.module, root)
+        tasks = contract.load_tasks(root / spec.benchmark, env)
+        if benchmark_size:
+            tasks = tasks[:benchmark_size]
+        if not tasks:
+            raise ValueError(f"{spec.benchmark}: the benchmark of environment {name!r} is empty; "
+                             f"the gate needs items to compare on")
+        out[name] = (env, tasks)
+    return out
+
+
+def score_chat(model_dir: Path, suites: dict[str, tuple], rollout: cfg.Rollout, seed: int
+               ) -> list[dict]:
+    """Every benchmark task of the user's environments attempted greedily by one chat model
+    (its template, `rollout.tool_parser`, `rollout.max_new_tokens` per turn) and scored by the
+    environment's reward: correct (full marks), reward (mean of the components), format (the
+    model ended its answer itself, not cut off), tool_ok (no tool call failed), tokens. A tool
+    or a reward that breaks fails the gate naming the item: it cannot decide on a broken suite.
+    """
+    import json
+
+    import torch
+
+    from stages.envs import contract
+    from stages.generation import chat, tool_parsers
+
+    model, tokenizer = tinylm.load(model_dir)
+    model.eval()
+    rollout.check_tool_parser(tool_parsers.PARSERS)
+    parser = rollout.tool_parser
+    if parser == "auto":
+        parser = tool_parsers.detect(tokenizer.chat_template or "")
+    rows = []
+    for name, (env, tasks) in suites.items():
+        episodes = chat.rollout(
+            model, tokenizer, env, tasks, parser=parser, temperature=0.0,
+            max_new_tokens=rollout.max_new_tokens,
+            max_turns=rollout.max_turns or env.max_turns or chat.DEFAULT_MAX_TURNS,
+            generator=torch.Generator().manual_seed(seed))
+        for task, episode in zip(tasks, episodes):
+            where = f"{env.where}, benchmark task {task['task_id']!r}"
+            if episode.error:
+                raise RuntimeError(f"{where}: {episode.error}")
+            try:
+                parts = contract.score(env, task, episode.messages)
+            except Exception as err:
+                raise RuntimeError(f"{where}: reward() raised {type(err).__name__}: {err}"
+                                   ) from err
+            judged = parts is not None
+            rows.append({
+                "suite": name, "id": task["task_id"], "question": question_of(task),
+                "answer": "",
+                "correct": float(all(v >= 1.0 for v in parts.values())) if judged else None,
+                "reward": sum(parts.values()) / len(parts) if judged else None,
+                "format": float(episode.finish == "eos") if judged else None,
+                "tool_ok": float(episode.tool_errors == 0) if judged else None,
+                "tokens": int(sum(episode.model_mask)),
+                "completion": json.dumps(episode.messages[len(task["messages"]):])})
+    return rows
+
+
 def suite_items(config: cfg.Gate, suites: list[Path]) -> dict[str, list[dict]]:
     """The items of each suite, by name; a path and its params entry must name each other."""
     named = {}
@@ -194,12 +276,17 @@ def normalized_hash(text: str) -> str:
 
 
 def training_prompts(rewards: Path, replay: Path, tokenizer) -> set[str]:
-    """Normalized hashes of every prompt in the candidate's training data."""
+    """Normalized hashes of every prompt in the candidate's training data: the rewards' `prompt`
+    text, or (chat rollouts, replayed rows) the decoded ids before the model's first own token.
+    """
     seen = set()
-    if rewards.exists():
+    parts = sorted(replay.glob("part-*.parquet")) if replay.exists() else []
+    if rewards.exists() and "prompt" in pq.read_schema(rewards).names:
         seen |= {normalized_hash(p) for p in pq.read_table(rewards, columns=["prompt"])
                  .column("prompt").to_pylist()}
-    for part in sorted(replay.glob("part-*.parquet")) if replay.exists() else []:
+    elif rewards.exists():
+        parts = [rewards, *parts]
+    for part in parts:
         table = pq.read_table(part, columns=["token_ids", "model_mask"]).to_pylist()
         # the prompt is what precedes the model's first own token
         prompts = [row["token_ids"][:row["model_mask"].index(1) if 1 in row["model_mask"]
@@ -210,12 +297,26 @@ def training_prompts(rewards: Path, replay: Path, tokenizer) -> set[str]:
 
 
 def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path,
-        forgetting: Path, rewards: Path, replay: Path, suites: list[Path], items_out: Path
+        forgetting: Path, rewards: Path, replay: Path, suites: list[Path], items_out: Path,
+        specs: dict | None = None, rollout: cfg.Rollout | None = None, root: Path | None = None
         ) -> dict:
-    """Score the candidate, compare with the champion's scores and decide; returns the verdict."""
+    """Score the candidate, compare with the champion's scores and decide; returns the verdict.
+
+    With `specs` (an `environments:` section) the suites are the environments' benchmarks
+    (`suites` unused), attempted as the rollout settings say and guarded by each one's
+    `max_regression`.
+    """
     tinylm.set_threads(base.threads)
-    items = suite_items(config, suites)
-    cand = score_suites(candidate, config, items, base.seed)
+    margins = None
+    if specs:
+        chats = chat_suites(specs, root or Path.cwd(), config.benchmark_size)
+        items = {name: tasks for name, (_, tasks) in chats.items()}
+        cand = score_chat(candidate, chats, rollout or cfg.Rollout(), base.seed)
+        margins = {name: (f"{name} ({env.module})", specs[name].max_regression)
+                   for name, (env, _) in chats.items()}
+    else:
+        items = suite_items(config, suites)
+        cand = score_suites(candidate, config, items, base.seed)
     champ_rows = pq.read_table(champion_scores).to_pylist()
     champ = {(r["suite"], r["id"]): r for r in champ_rows}
     missing = [(r["suite"], r["id"]) for r in cand if (r["suite"], r["id"]) not in champ]
@@ -228,9 +329,19 @@ def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path
                                               else []) if set(r["solved_by"]) - {current}}
     _, tokenizer = tinylm.load(candidate)
     seen = training_prompts(rewards, replay, tokenizer)
-    contaminated = sorted(f"{name}/{item['id']}" for name, suite in items.items()
-                          for item in suite if normalized_hash(ENVIRONMENTS[
-                              config.suites[name].environment].prompt(item["question"])) in seen)
+    if specs:  # a chat task's prompt as the model saw it: its template's rendering, decoded
+        from stages.generation import chat
+
+        def prompt(name, task):
+            template = chat.Template.of(tokenizer, list(chats[name][0].tools))
+            return tokenizer.decode(template.prompt(task["messages"]), skip_special_tokens=True)
+        contaminated = sorted(f"{name}/{task['task_id']}" for name, suite in items.items()
+                              for task in suite if normalized_hash(prompt(name, task)) in seen)
+    else:
+        contaminated = sorted(f"{name}/{item['id']}" for name, suite in items.items()
+                              for item in suite if normalized_hash(ENVIRONMENTS[
+                                  config.suites[name].environment].prompt(item["question"]))
+                              in seen)
     unchanged = weights_hash(candidate) == champ_rows[0]["champion_weights"]
     io.write_parquet(items_out, pa.Table.from_pylist([
         {"suite": c["suite"], "id": c["id"], "question": c["question"],
@@ -238,16 +349,20 @@ def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path
          "candidate_tool_ok": c["tool_ok"], "candidate_tokens": c["tokens"],
          "champion_tokens": h["tokens"], "candidate_completion": c["completion"],
          "champion_completion": h["completion"]} for c, h in pairs]))
-    return decide(config, base.seed, pairs, solved, contaminated, unchanged)
+    return decide(config, base.seed, pairs, solved, contaminated, unchanged, margins)
 
 
 def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: set,
-           contaminated: list[str], unchanged: bool) -> dict:
+           contaminated: list[str], unchanged: bool,
+           margins: dict[str, tuple[str, float]] | None = None) -> dict:
     """The verdict from per-item (candidate, champion) rows: every rule with its numbers.
 
     A row has suite, id, correct (None: unjudged), format, tool_ok and tokens; `solved` holds the
     (suite, id) of the forgetting set; `contaminated` the items found in the training data.
+    `margins`: {suite: (its environment, its max_regression)}; default: `gate.suites`.
     """
+    margins = margins or {name: (suite.environment, suite.max_regression)
+                          for name, suite in config.suites.items()}
     judged = [(c, h) for c, h in pairs if c["correct"] is not None and h["correct"] is not None]
 
     def arrays(rows, key):
@@ -258,9 +373,9 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
     for name in dict.fromkeys(c["suite"] for c, _ in pairs):
         rows = [(c, h) for c, h in judged if c["suite"] == name]
         primary = name == config.primary
-        threshold = config.min_improvement if primary else config.suites[name].max_regression
+        threshold = config.min_improvement if primary else margins[name][1]
         suites_out[name] = {"role": "primary" if primary else "guard",
-                            "environment": config.suites[name].environment,
+                            "environment": margins[name][0],
                             "unjudged": sum(c["suite"] == name for c, _ in pairs) - len(rows),
                             **compare(name, *arrays(rows, "correct"), config, seed,
                                       threshold=threshold, primary=primary)}
@@ -330,7 +445,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     verdict = run(cfg.load("base", args.params), cfg.load("gate", args.params), args.candidate,
                   args.champion_scores, args.forgetting, args.rewards, args.replay, args.suites,
-                  args.items)
+                  args.items, cfg.environments(args.params), cfg.load("rollout", args.params),
+                  Path(args.params).resolve().parent)
     io.write_json(args.metrics, verdict)
     print(f"gate: candidate {verdict['candidate_score']:.3f} vs champion "
           f"{verdict['champion_score']:.3f} -> {'PASS' if verdict['passed'] else 'FAIL'} "

@@ -57,7 +57,6 @@ CHAT_SCHEMA = pa.schema([
     ("tool_errors", pa.int64()), ("error", pa.string()), ("turns", pa.list_(pa.int16())),
     ("chat", pa.bool_()),
 ])
-DEFAULT_MAX_TURNS = 4  # tool calls per episode when neither the module nor rollout.max_turns say
 
 
 def shares(total: int, weights: dict[str, float], available: dict[str, int]) -> dict[str, int]:
@@ -75,19 +74,33 @@ def shares(total: int, weights: dict[str, float], available: dict[str, int]) -> 
     return {name: min(count, available[name]) for name, count in counts.items()}
 
 
-def chat_jobs(specs: dict, config: cfg.Rollout, root: Path) -> tuple[dict, list[tuple]]:
-    """({name: Environment}, [(name, task, sample)]): each environment's tasks, by its share."""
+def chat_jobs(specs: dict, config: cfg.Rollout, root: Path, validated: Path | None = None
+              ) -> tuple[dict, list[tuple]]:
+    """({name: Environment}, [(name, task, sample)]): each environment's tasks, by its share:
+    the validated traces' tasks (`task_from_trace`, routed by the validate stage; task id
+    `trace:<trace id>`), then its `tasks` file's.
+    """
     from stages.envs import contract
 
-    envs, tasks = {}, {}
+    envs = {name: contract.load(name, spec.module, root) for name, spec in specs.items()}
+    tasks = {name: [] for name in specs}
+    if validated is not None and validated.exists():
+        for row in pq.read_table(validated, columns=["trace_id", "question"]).to_pylist():
+            task = json.loads(row["question"]) if row["question"] else None
+            if not isinstance(task, dict) or task.get("environment") not in tasks:
+                continue  # routed by an earlier params.yaml, or not by the environments path
+            task = {k: v for k, v in task.items() if k != "environment"}
+            tasks[json.loads(row["question"])["environment"]].append(
+                {**task, "task_id": f"trace:{row['trace_id']}"})
     for name, spec in specs.items():
-        envs[name] = contract.load(name, spec.module, root)
-        if not spec.tasks:
-            raise cfg.ParamsError(f"environments.{name}.tasks: no task file to roll out; write "
-                                  f"one (JSON lines: task_id, messages, fields its reward needs) "
-                                  f"and name it here")
-        tasks[name] = sorted(contract.load_tasks(root / spec.tasks, envs[name]),
-                             key=lambda t: t["task_id"])
+        if not spec.tasks and not tasks[name]:
+            raise cfg.ParamsError(f"environments.{name}.tasks: no task file to roll out, and no "
+                                  f"trace its task_from_trace claimed; write one (JSON lines: "
+                                  f"task_id, messages, the fields its reward needs) and name it")
+        tasks[name].sort(key=lambda t: t["task_id"])
+        if spec.tasks:
+            tasks[name] += sorted(contract.load_tasks(root / spec.tasks, envs[name]),
+                                  key=lambda t: t["task_id"])
     counts = shares(config.max_tasks, {n: s.weight for n, s in specs.items()},
                     {n: len(t) for n, t in tasks.items()})
     jobs = [(name, task, sample) for name in specs for task in tasks[name][:counts[name]]
@@ -96,7 +109,7 @@ def chat_jobs(specs: dict, config: cfg.Rollout, root: Path) -> tuple[dict, list[
 
 
 def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
-             rollouts: Path, root: Path | None = None) -> dict:
+             rollouts: Path, root: Path | None = None, validated: Path | None = None) -> dict:
     """The episodes of a chat model in the user's environments; returns the stage metrics."""
     import zlib
 
@@ -109,7 +122,7 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
         raise cfg.ParamsError("rollout.backend: the environments: path runs on 'transformers' "
                               "so far; the openai backend serves the built-in environments only")
     root = root or Path.cwd()
-    envs, jobs = chat_jobs(specs, config, root)
+    envs, jobs = chat_jobs(specs, config, root, validated)
     model, tokenizer = tinylm.load(champion)
     model.eval()
     config.check_tool_parser(tool_parsers.PARSERS)
@@ -125,7 +138,7 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
     rows, started, bar = [], time.time(), Progress(len(jobs), "rollout", True)
     for name, env in envs.items():
         mine = [(task, sample) for n, task, sample in jobs if n == name]
-        max_turns = config.max_turns or env.max_turns or DEFAULT_MAX_TURNS
+        max_turns = config.max_turns or env.max_turns or chat.DEFAULT_MAX_TURNS
         for start in range(0, len(mine), config.batch_size):
             chunk = mine[start:start + config.batch_size]
             # one generator per episode, from the seed and the episode's own identity: the same
@@ -158,6 +171,7 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
         mine = [r for r in rows if r["environment"] == name]
         per_env[name] = {
             "episodes": len(mine), "tasks": len({r["task_id"] for r in mine}),
+            "trace_tasks": len({r["task_id"] for r in mine if r["task_id"].startswith("trace:")}),
             "tool_use_rate": round(sum(r["tool_calls"] > 0 for r in mine) / max(1, len(mine)), 4),
             "tool_error_rate": round(sum(r["tool_errors"] for r in mine)
                                      / max(1, sum(r["tool_calls"] for r in mine)), 4),
@@ -261,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     if specs:
         tinylm.set_threads(base.threads)
         metrics = run_chat(base, config, specs, args.champion, args.rollouts,
-                           Path(args.params).resolve().parent)
+                           Path(args.params).resolve().parent, args.validated)
     else:
         metrics = run(base, config, args.validated, args.champion, args.rollouts, args.tasks)
     io.write_json(args.metrics, metrics)

@@ -181,12 +181,22 @@ def _empty_counts() -> dict:
 
 
 def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
-        quarantine: Path, profiles: Path, docs: Path) -> dict:
+        quarantine: Path, profiles: Path, docs: Path, specs: dict | None = None,
+        root: Path | None = None) -> dict:
     """Split the ingested traces into valid and quarantined; returns the stage metrics.
 
-    Reads and checks `BATCH` traces at a time, so memory does not grow with their number.
+    Reads and checks `BATCH` traces at a time, so memory does not grow with their number. With
+    `specs` (an `environments:` section) a trace's task is the one the first of the user's
+    environments finds in it (`task_from_trace`; `contract.Router`), its question that task as
+    JSON; a trace none of them claims is quarantined.
     """
-    env = ENVIRONMENTS[base.environment]
+    if specs:
+        from stages.envs import contract
+
+        env = contract.Router({name: contract.load(name, spec.module, root or Path.cwd())
+                               for name, spec in specs.items()})
+    else:
+        env = ENVIRONMENTS[base.environment]
     source = pq.ParquetFile(ingested)
     docs_tmp = docs.with_name(f".{docs.name}.tmp")
     shutil.rmtree(docs_tmp, ignore_errors=True)
@@ -285,7 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         metrics = run(cfg.load("base", args.params), cfg.load("validate", args.params),
-                      args.ingested, args.validated, args.quarantine, args.profiles, args.docs)
+                      args.ingested, args.validated, args.quarantine, args.profiles, args.docs,
+                      cfg.environments(args.params), Path(args.params).resolve().parent)
     except ValidationFailed as err:
         print(f"validate: error: {err}", file=sys.stderr)
         sys.exit(1)

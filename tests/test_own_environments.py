@@ -81,6 +81,7 @@ def workspace(tmp_path: Path, monkeypatch) -> Path:
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["rollout"].update({"samples_per_task": 4, "max_new_tokens": 64, "max_tasks": 9})
     params["train"]["min_examples"] = 1
+    params["gate"]["primary"] = "support"
     params["environments"] = {
         "support": {"module": "examples.support.support_env",
                     "tasks": "examples/support/tasks.jsonl",
@@ -169,6 +170,9 @@ def test_check_imports_each_environment_and_counts_its_tasks(workspace):
      "unknown key 'environments.greeter.wieght' (did you mean 'environments.greeter.weight'?)"),
     (lambda p: p["environments"]["greeter"].update(weight=0),
      "environments.greeter.weight: must be > 0"),
+    (lambda p: p["gate"].update(primary="greeter"),
+     "gate.primary: 'greeter' is not one of your environments with a benchmark (support); name "
+     "the one that must improve"),
     (lambda p: p["rollout"].update(tool_parser="qwen"),
      "rollout.tool_parser: unknown parser 'qwen'; use auto (from the chat template) or one of "
      "hermes, llama3_json, mistral"),
@@ -188,3 +192,84 @@ def test_a_task_file_without_messages_fails_check_naming_the_line(workspace):
     result = check(workspace)
     assert result.returncode == 2
     assert "data/greeter.jsonl:5: task 'g9' has no 'messages'" in result.stderr
+
+
+def support_trace(order_id: str, status: str, thumbs_up: bool) -> dict:
+    """A production trace of the support agent, as OpenAI chat logs hold it: a tool call, its
+    result and the answer.
+    """
+    call = {"id": "call_a", "type": "function",
+            "function": {"name": "lookup_order", "arguments": json.dumps({"order_id": order_id})}}
+    return {"messages": [
+        {"role": "system", "content": "You are the support agent of an online shop."},
+        {"role": "user", "content": f"Where is my order {order_id}?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_a", "content": json.dumps({"status": status})},
+        {"role": "assistant", "content": f"Your order {order_id} is {status}."}],
+        "tools": json.loads(json.dumps(contract.load(
+            "support", "examples.support.support_env", REPO).tools)),
+        "feedback": {"thumbs_up": thumbs_up}}
+
+
+def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion):
+    """init with the chat model, production traces with tool calls in the inbox, one cycle:
+    the traces become tasks of the support environment, every environment's benchmark is gated.
+    """
+    from conftest import TINY, make_project, offseason
+
+    overrides = {**TINY, "base": {"model": str(champion)},
+                 # cooler than the default 1.0: the tiny champion then gets some tasks right
+                 "rollout": {**TINY["rollout"], "max_new_tokens": 64, "temperature": 0.5},
+                 "gate": {**TINY["gate"], "primary": "support"},
+                 "environments": {
+                     "support": {"module": "examples.support.support_env",
+                                 "tasks": "examples/support/tasks.jsonl",
+                                 "benchmark": "examples/support/benchmark.jsonl"},
+                     "greeter": {"module": "my_envs.greeter", "tasks": "data/greeter.jsonl",
+                                 "benchmark": "data/greeter.jsonl", "max_regression": 0.5}}}
+    root = make_project(tmp_path / "project", overrides)
+    shutil.copytree(REPO / "examples", root / "examples",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "my_envs").mkdir()
+    (root / "my_envs" / "greeter.py").write_text(GREETER)
+    (root / "data" / "greeter.jsonl").write_text("".join(
+        json.dumps({"task_id": f"g{i}", "name": name,
+                    "messages": [{"role": "user", "content": f"Say hello to {name}."}]}) + "\n"
+        for i, name in enumerate(["Ada", "Grace"])))
+    subprocess.run(["git", "add", "-A"], cwd=root, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm",
+                    "my environments"], cwd=root, check=True)
+    offseason(root, "init")
+    init = json.loads((root / "metrics/init.json").read_text())
+    assert init["source"] == "import" and init["template"] == "prefix-preserving"
+    assert set(init["benchmarks"]) == {"support", "greeter"} and init["benchmark_items"] == 8
+    inbox = root / "data" / "inbox"
+    inbox.mkdir(parents=True, exist_ok=True)
+    traces = [support_trace(order, status, up) for order, status, up in
+              [("A1001", "delivered", True), ("A1004", "out for delivery", True),
+               ("A1007", "returned", False), ("A1010", "out for delivery", True)]]
+    traces.append({"messages": [{"role": "user", "content": "What is 2+2?"},
+                                {"role": "assistant", "content": "4"}]})  # nobody's task
+    (inbox / "support-day-1.jsonl").write_text("".join(json.dumps(t) + "\n" for t in traces))
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["validate"]["min_valid_fraction"] = 0.5
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    offseason(root, "run")
+    validate = json.loads((root / "metrics/validate.json").read_text())
+    assert validate["accepted"] == 4 and validate["quarantined"] == 1
+    assert validate["profile"]["task_mix"] == {"support": 1.0}
+    rolled = json.loads((root / "metrics/rollout.json").read_text())
+    assert rolled["environments"]["support"]["trace_tasks"] == 4
+    assert rolled["environments"]["support"]["tasks"] == 16  # 4 from traces + 12 from its file
+    trained = json.loads((root / "metrics/train.json").read_text())
+    assert trained["trained"] and trained["examples"] > 0, trained
+    verdict = json.loads((root / "metrics/gate.json").read_text())
+    assert verdict["primary"] == "support"
+    assert set(verdict["suites"]) == {"support", "greeter"}
+    assert verdict["suites"]["support"]["role"] == "primary"
+    assert verdict["suites"]["greeter"]["role"] == "guard"
+    assert verdict["suites"]["greeter"]["threshold"] == 0.5
+    assert verdict["suites"]["support"]["items"] == 8
+    log = subprocess.run(["git", "log", "--format=%s", "-1"], cwd=root, capture_output=True,
+                         text=True).stdout
+    assert log.startswith("gen-1")

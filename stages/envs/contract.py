@@ -473,3 +473,43 @@ def check_gold(env: Environment, task: dict) -> dict[str, float] | None:
         raise GoldError(f"{where}: the gold does not score full marks: {short} (every component "
                         f"must reach 1.0); fix the task's fields, gold() or reward()")
     return scores
+
+
+class Router:
+    """The user's environments as the validate stage sees them, in place of a built-in one.
+
+    The task behind a trace is the first that an environment's `task_from_trace` finds (in
+    params.yaml order); its `question` is the task as JSON with its environment's name (the
+    rollout stage routes it back), `answer` is empty (the task holds what its reward needs), and
+    `task_kind`, the drift report's category, is the environment's name.
+    """
+
+    def __init__(self, envs: dict[str, Environment]):
+        """Route over `envs` ({name: Environment}, in params.yaml order)."""
+        self.envs = envs
+
+    def task_from_messages(self, messages: list[dict], tools: list | None = None) -> dict | None:
+        """{"question": <task JSON>, "answer": ""}, or None when no environment claims the trace."""
+        for name, env in self.envs.items():
+            if env.task_from_trace is None:
+                continue
+            try:
+                task = env.task_from_trace(messages, tools)
+            except Exception as err:
+                raise ContractError(f"{env.where}: task_from_trace raised {type(err).__name__}: "
+                                    f"{err}; it must return a task or None for any trace") from err
+            if task is None:
+                continue
+            if not isinstance(task, dict) or not isinstance(task.get("messages"), list) \
+                    or not task["messages"]:
+                raise ContractError(f"{env.where}: task_from_trace returned {task!r}; return a "
+                                    f"task (a dict with 'messages' and the fields its reward "
+                                    f"needs) or None")
+            return {"question": json.dumps({**task, "environment": name}, sort_keys=True),
+                    "answer": ""}
+        return None
+
+    @staticmethod
+    def task_kind(question: str | None) -> str:
+        """The environment a routed task belongs to."""
+        return json.loads(question)["environment"] if question else "none"

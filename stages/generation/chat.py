@@ -34,6 +34,9 @@ _PROBE_CALL = {"id": "call_0", "type": "function",
                "function": {"name": "probe", "arguments": json.dumps({"x": "1"})}}
 
 
+DEFAULT_MAX_TURNS = 4  # tool calls per episode when neither the module nor params say
+
+
 class TemplateError(ValueError):
     """A model whose chat template offseason cannot use; the message says why and what to do."""
 
