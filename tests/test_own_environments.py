@@ -270,6 +270,9 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
     assert verdict["suites"]["greeter"]["role"] == "guard"
     assert verdict["suites"]["greeter"]["threshold"] == 0.5
     assert verdict["suites"]["support"]["items"] == 8
+    # the greeter's tasks are its benchmark too (one file for both, on purpose): caught
+    assert verdict["contamination"]["items"] == ["greeter/g0", "greeter/g1"]
+    assert not verdict["passed"]
     log = subprocess.run(["git", "log", "--format=%s", "-1"], cwd=root, capture_output=True,
                          text=True).stdout
     assert log.startswith("gen-1")
