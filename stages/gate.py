@@ -27,6 +27,12 @@ The rules, every one recorded in the verdict with its numbers:
 `passed`, `candidate_score`, `champion_score`, `difference` and `interval` at the top level are
 the primary suite's.
 
+With an `environments:` section the suites are the user's environments with a `benchmark`
+(`chat_suites`; `gate.primary` names the one that must improve, each other one is a guard with
+its own `environments.<name>.max_regression`), attempted greedily through the chat path with the
+rollout's `max_new_tokens`, `max_turns` and `tool_parser` (`score_chat`); `format` is then "the
+model ended its answer itself" and `tool_ok` "no tool call failed".
+
     python -m stages.gate models/candidate data/champion_scores.parquet data/forgetting.jsonl data/rewards.parquet \
         data/replay data/gate.parquet metrics/gate.json data/benchmarks/arith.jsonl
 """

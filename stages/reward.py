@@ -18,6 +18,10 @@ Reads `data/rollouts.parquet`; writes `data/rewards.parquet` (every rollout colu
   cluster at `reward.ray_address` (`auto` or `host:port`; its workers need offseason installed,
   as any Ray job's dependencies). Same results, in the same order, either way.
 
+With an `environments:` section the rollouts are chat episodes of the user's modules, scored by
+each one's own `reward` in this process (`score_chat`): the reward is the mean of its components,
+full marks in every one is `correct`, `verifier` is `<environment>/<VERSION>`.
+
     python -m stages.reward data/rollouts.parquet data/rewards.parquet metrics/reward.json
     offseason rescore [data/rewards.parquet] [--output data/rescored.parquet]
 """

@@ -35,9 +35,9 @@ turns) and any fields its reward needs (`load_tasks`).
 a rollout does; `score` runs the reward and normalises it; `check_gold` checks a task's gold.
 Contract problems raise `ContractError`, naming the environment, the module and the fix.
 
-Not wired yet: no stage reads an `environments:` section so far (the built-in environments of
-`stages/envs/registry.py` are what the cycle runs); the rollout, reward and train stages move onto
-this contract next.
+The stages read it through params.yaml's `environments:` section: validate routes traces
+(`Router`), rollout plays the episodes (`stages/generation/chat.py`), reward scores them, and
+champion_scores and gate score each environment's benchmark.
 """
 
 from __future__ import annotations
