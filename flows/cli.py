@@ -791,12 +791,13 @@ def main(argv: list[str] | None = None) -> int:
     message.
     """
     from stages.envs.contract import ContractError, TaskFileError
+    from stages.generation.chat import TemplateError
 
     args = parser().parse_args(argv)
     try:
         return args.func(args)
     except (cfg.ParamsError, WorkspaceError, FileNotFoundError, ContractError,
-            TaskFileError) as err:
+            TaskFileError, TemplateError) as err:
         print(f"offseason {args.command}: error: {err}", file=sys.stderr)
         return 2
 

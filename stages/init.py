@@ -31,6 +31,10 @@ def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None 
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     if base_model is not None:
+        if not (Path(base_model) / "config.json").is_file():
+            raise FileNotFoundError(f"{base_model}: not a Hugging Face model folder (no "
+                                    f"config.json); set base.model in params.yaml (or "
+                                    f"--base-model) to the folder save_pretrained wrote")
         model, tokenizer = tinylm.load(base_model)  # checks it is a loadable HF folder
         shutil.copytree(base_model, tmp)
         metrics = {"source": "import", "base_model": str(base_model),

@@ -74,6 +74,49 @@ def algorithm(name: str):
     return importlib.import_module(f"stages.training.{name}")
 
 
+def trace_conversations(validated: Path, specs: dict, root: Path, tokenizer) -> tuple[list, dict]:
+    """SFT rows from the production traces with a thumbs up (an `environments:` section): each
+    trace's own conversation, its tool calls and tool results included, encoded turn by turn
+    with the champion's chat template and its environment's tools (`chat.encode`: the loss on
+    the assistant's tokens only). A trace is kept when its environment's reward gives its turns
+    full marks or cannot judge them (None); one the reward scores lower is counted, not used.
+    """
+    import json
+
+    from stages.envs import contract
+    from stages.generation import chat
+
+    counts = {"trace_examples": 0, "traces_thumbs_up": 0, "traces_reward_disagrees": 0}
+    if not validated.exists():
+        return [], counts
+    table = pq.read_table(validated, columns=["trace_id", "messages", "thumbs_up", "question"],
+                          filters=[("thumbs_up", "==", True)]).to_pylist()
+    envs, templates, rows = {}, {}, []
+    for trace in table:
+        task = json.loads(trace["question"]) if trace["question"] else None
+        name = task.get("environment") if isinstance(task, dict) else None
+        if name not in specs:
+            continue
+        counts["traces_thumbs_up"] += 1
+        if name not in envs:
+            envs[name] = contract.load(name, specs[name].module, root)
+            templates[name] = chat.Template.of(tokenizer, list(envs[name].tools))
+        messages = json.loads(trace["messages"])
+        task = {k: v for k, v in task.items() if k != "environment"}
+        start = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"),
+                     len(messages))
+        scores = contract.score(envs[name], task, task["messages"] + messages[start:])
+        if scores is not None and not all(v >= 1.0 for v in scores.values()):
+            counts["traces_reward_disagrees"] += 1
+            continue
+        ids, mask = chat.encode(templates[name], messages)
+        rows.append({"task_id": f"trace:{trace['trace_id']}", "completion":
+                     json.dumps(messages[start:]), "correct": 1.0, "reward": 1.0,
+                     "token_ids": ids, "model_mask": mask, "logprobs": None, "chat": True})
+    counts["trace_examples"] = len(rows)
+    return rows, counts
+
+
 def examples_from(rewards: Path) -> list[dict]:
     """The SFT examples of a rewards file."""
     return algorithm("sft").examples(_read(rewards))[0]
@@ -156,16 +199,25 @@ def _steps_csv(history: list[dict]) -> str:
 
 def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candidate: Path,
         replay: Path, checkpoints: Path | None = None, steps_csv: Path | None = None,
-        validated: Path | None = None) -> dict:
+        validated: Path | None = None, specs: dict | None = None, root: Path | None = None
+        ) -> dict:
     """Train and write the candidate; returns the stage metrics. `validated`: the traces whose
-    feedback adds DPO pairs (see `feedback_pairs`).
+    feedback adds DPO pairs (see `feedback_pairs`), or, with `specs` (an `environments:`
+    section) and SFT, whose thumbs-up conversations are trained on (`trace_conversations`).
     """
     tinylm.set_threads(base.threads)
     checkpoints = checkpoints or candidate.with_name(candidate.name + ".ckpt")
     method, settings = algorithm(config.algorithm), config.method
     rows = _read(rewards)
     examples, counts = method.examples(rows)
-    if config.algorithm == "dpo":
+    if specs and config.algorithm == "sft" and validated is not None:
+        from transformers import AutoTokenizer
+
+        traced, found = trace_conversations(validated, specs, root or Path.cwd(),
+                                            AutoTokenizer.from_pretrained(champion))
+        examples = examples + method.examples(traced)[0]
+        counts.update(found)
+    if config.algorithm == "dpo" and not specs:
         counts["pairs_from_rollouts"] = len(examples)
         if validated is not None:
             from transformers import AutoTokenizer
@@ -252,7 +304,8 @@ def main(argv: list[str] | None = None) -> None:
     base, config = cfg.load("base", args.params), cfg.load("train", args.params)
     trainers.relaunch_on_gpus(config.deepspeed, "stages.train", sys.argv[1:])
     metrics = run(base, config, args.rewards, args.champion, args.candidate, args.replay,
-                  args.checkpoints, args.steps, args.validated)
+                  args.checkpoints, args.steps, args.validated, cfg.environments(args.params),
+                  Path(args.params).resolve().parent)
     if int(os.environ.get("RANK", "0")) == 0:
         io.write_json(args.metrics, metrics)
 

@@ -263,6 +263,8 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
     assert rolled["environments"]["support"]["tasks"] == 16  # 4 from traces + 12 from its file
     trained = json.loads((root / "metrics/train.json").read_text())
     assert trained["trained"] and trained["examples"] > 0, trained
+    # the three thumbs-up traces, whose answers the reward agrees with, are trained on as they are
+    assert trained["traces_thumbs_up"] == 3 and trained["trace_examples"] == 3
     verdict = json.loads((root / "metrics/gate.json").read_text())
     assert verdict["primary"] == "support"
     assert set(verdict["suites"]) == {"support", "greeter"}
@@ -276,3 +278,54 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
     log = subprocess.run(["git", "log", "--format=%s", "-1"], cwd=root, capture_output=True,
                          text=True).stdout
     assert log.startswith("gen-1")
+
+
+def test_a_thumbs_up_trace_is_trained_on_as_it_is_with_its_tool_calls(tmp_path, champion):
+    import pyarrow as pa
+
+    from stages import config as cfg
+    from stages.envs.contract import Router
+
+    support = contract.load("support", "examples.support.support_env", REPO)
+    router = Router({"support": support})
+    good = support_trace("A1001", "delivered", True)
+    wrong = support_trace("A1002", "lost", True)  # the reward says otherwise: not trained on
+    rows = [{"trace_id": trace_id, "messages": json.dumps(t["messages"]), "thumbs_up": True,
+             "question": router.task_from_messages(t["messages"], t["tools"])["question"]}
+            for trace_id, t in (("a", good), ("b", wrong))]
+    validated = tmp_path / "validated.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), validated)
+    specs = {"support": cfg.EnvironmentSpec(module="examples.support.support_env")}
+    tok = AutoTokenizer.from_pretrained(champion)
+    examples, counts = train.trace_conversations(validated, specs, REPO, tok)
+    assert counts == {"trace_examples": 1, "traces_thumbs_up": 2, "traces_reward_disagrees": 1}
+    (example,) = examples
+    trained = [tok.decode([t for t, m in zip(example["token_ids"], example["model_mask"]) if m])]
+    assert trained == ['<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "A1001"}}'
+                       '\n</tool_call><|im_end|>Your order A1001 is delivered.<|im_end|>']
+    shown = tok.decode(example["token_ids"])
+    assert '<tool_response>\n{"status": "delivered"}\n</tool_response>' in shown
+    assert example["chat"] and example["task_id"] == "trace:a"
+
+
+def test_init_refuses_a_model_without_a_chat_template_saying_what_to_do(tmp_path):
+    from conftest import TINY, make_project, offseason
+
+    folder = build(tmp_path / "base")
+    for leftover in folder.glob("chat_template.*"):
+        leftover.unlink()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    root = make_project(tmp_path / "project", {**TINY, "base": {"model": str(folder)},
+                                               "gate": {**TINY["gate"], "primary": "support"},
+                                               "environments": {"support": {
+                                                   "module": "examples.support.support_env",
+                                                   "tasks": "examples/support/tasks.jsonl",
+                                                   "benchmark": "examples/support/benchmark.jsonl"}}})
+    shutil.copytree(REPO / "examples", root / "examples",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    result = offseason(root, "init", check=False)
+    assert result.returncode == 2, result.stderr
+    assert "has no chat template: add one to its tokenizer_config.json" in result.stderr
+    assert not (root / "models" / "champion.dvc").exists()
