@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import sys
 import time
@@ -176,7 +177,10 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
             "tool_error_rate": round(sum(r["tool_errors"] for r in mine)
                                      / max(1, sum(r["tool_calls"] for r in mine)), 4),
             "errors": sum(r["error"] is not None for r in mine),
-            "module": envs[name].module, "version": envs[name].version}
+            "module": envs[name].module, "version": envs[name].version,
+            # DVC does not track the module's file: its hash here is the lineage of the code
+            "source_sha256": hashlib.sha256(Path(envs[name].source).read_bytes()).hexdigest()
+            if envs[name].source else None}
     return {"backend": "transformers", "path": "chat", "tool_parser": parser,
             "template": "prefix-preserving" if all(t.prefix_preserving for t in templates.values())
             else "incremental", "tasks": sum(e["tasks"] for e in per_env.values()),

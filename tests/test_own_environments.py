@@ -104,6 +104,9 @@ def test_rollout_reward_and_training_on_a_chat_model_in_two_own_environments(wor
     assert metrics["episodes"] == 36 and metrics["tool_parser"] == "hermes"
     assert metrics["template"] == "prefix-preserving" and metrics["errors"] == 0
     assert metrics["environments"]["support"]["tool_use_rate"] > 0.25
+    import hashlib
+    assert metrics["environments"]["greeter"]["source_sha256"] == hashlib.sha256(
+        (workspace / "my_envs" / "greeter.py").read_bytes()).hexdigest()
     rows = pq.read_table(workspace / "data/rollouts.parquet").to_pylist()
     support = [r for r in rows if r["environment"] == "support"]
     called = [r for r in support if r["tool_calls"]]
