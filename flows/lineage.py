@@ -36,6 +36,15 @@ import yaml
 from flows.workspace import WorkspaceError, generations, git, read_at, run
 
 
+def how(gate: dict) -> str:
+    """How a verdict was reached, in a few words: its test and error rate (a verdict from before
+    `gate.alpha` names its two-sided bootstrap confidence instead).
+    """
+    if gate.get("alpha") is not None:
+        return f"{gate.get('test') or 'paired bootstrap'}, alpha {gate['alpha']}"
+    return f"{gate.get('confidence')} paired bootstrap"
+
+
 class LineageError(WorkspaceError):
     """The generation or model version asked about does not exist; the message says which do."""
 
@@ -281,7 +290,8 @@ def lineage(root: Path, ref: str, *, with_mlflow: bool = True, with_traces: bool
     else:
         gate = read_at(root, tag, "metrics/gate.json") or {}
         out["gate"] = {k: gate.get(k) for k in ("passed", "candidate_score", "champion_score",
-                                                "difference", "interval", "confidence", "rule",
+                                                "difference", "interval", "alpha", "test",
+                                                "confidence", "rule",
                                                 "reason")}
         start_md5 = next((d["md5"] for d in stages.get("train", {}).get("deps", [])
                           if d["path"] == "models/champion"), None)
@@ -319,7 +329,7 @@ def text(chain: dict) -> str:
         lines.append(f"  gate           {'pass' if gate['passed'] else 'fail'}: candidate "
                      f"{gate['candidate_score']} vs champion {gate['champion_score']}, "
                      f"difference {gate['difference']} in [{interval[0]}, {interval[1]}] "
-                     f"({gate['confidence']}): {gate['reason']}")
+                     f"({how(gate)}): {gate['reason']}")
     lines.append(f"  approver       {chain['approver'] or '-'}"
                  f"{': ' + chain['approval_reason'] if chain.get('approval_reason') else ''}")
     if chain["overrides"]:

@@ -36,6 +36,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from flows import lineage
 from flows import params as settings
 
 # Prefect and MLflow (flows.tracking) are imported where they are used: `offseason run` repairs
@@ -84,7 +85,7 @@ def gate_summary(verdict: dict) -> str:
     failed = verdict.get("failures") or []
     return (f"{verdict.get('primary', 'primary')}: candidate {verdict['candidate_score']:.3f} vs "
             f"champion {verdict['champion_score']:.3f}, difference {verdict['difference']:+.3f} "
-            f"with {verdict['confidence']:.0%} interval {verdict['interval']}; "
+            f"in {verdict['interval']} ({lineage.how(verdict)}); "
             f"{'passed' if verdict['passed'] else 'failed'}"
             + (f" ({'; '.join(failed)})" if failed else ""))
 

@@ -62,7 +62,9 @@ def training_summary(train: dict) -> str:
 
 def gate_lines(gate: dict) -> list[str]:
     """The gate's verdict and its evidence as Markdown list lines."""
-    lines = [f"- **Gate** ({gate.get('confidence')} paired bootstrap): candidate "
+    from flows.lineage import how
+
+    lines = [f"- **Gate** ({how(gate)}): candidate "
              f"{_num(gate.get('candidate_score'))} vs champion {_num(gate.get('champion_score'))}, "
              f"difference {_num(gate.get('difference'), '+.3f')} in "
              f"{_interval(gate.get('interval'))}: **{'pass' if gate.get('passed') else 'fail'}** "

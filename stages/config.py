@@ -363,7 +363,9 @@ class Gate:
 
     benchmark_size: int = 0  # 0 = every item of each suite; otherwise its first N
     min_improvement: float = 0.0  # the primary suite's interval lower bound must exceed this
-    confidence: float = 0.9
+    # the most often the gate may promote a candidate that is no better than the champion, per
+    # decision (one-sided): the primary's test and every guard's bound are set by it
+    alpha: float = 0.05
     bootstrap_samples: int = 2000
     primary: str = "arith"  # the suite that must improve; every other suite is a guard
     suites: dict[str, Suite] = dataclasses.field(default_factory=lambda: {"arith": Suite()})
@@ -378,11 +380,12 @@ class Gate:
     max_tool_error_regression: float = 0.1  # share of completions with a failed tool call
 
     def __post_init__(self):
-        """Refuse a confidence outside [0.5, 1) and an unusable suite setup."""
+        """Refuse an alpha outside (0, 0.5] and an unusable suite setup."""
         from stages.envs.registry import ENVIRONMENTS
 
-        if not 0.5 <= self.confidence < 1.0:
-            raise ParamsError(f"gate.confidence: must be in [0.5, 1), e.g. 0.9, got {self.confidence}")
+        if not 0.0 < self.alpha <= 0.5:
+            raise ParamsError(f"gate.alpha: must be in (0, 0.5] (the one-sided error rate, e.g. "
+                              f"0.05), got {self.alpha}")
         _positive("gate", bootstrap_samples=self.bootstrap_samples)
         if self.benchmark_size < 0:
             raise ParamsError(f"gate.benchmark_size: must be >= 0 (0 means every item), got "
@@ -517,6 +520,10 @@ def _build(cls: type, section: str, raw, where: str):
     names = [f.name for f in dataclasses.fields(cls)]
     values = {}
     for key, value in raw.items():
+        if (section, key) == ("gate", "confidence"):
+            _fail(where, "gate.confidence is replaced by gate.alpha, the one-sided error rate: "
+                         "the old confidence 0.9 (a two-sided 90% interval) is alpha 0.05; write "
+                         "`alpha: 0.05` instead")
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean '{section}.{near[0]}'?)" if near else ""

@@ -8,11 +8,15 @@ entry in params.yaml). The candidate answers every item greedily with the seed t
 scored with. Writes per-item results to `data/gate.parquet` and the verdict to `metrics/gate.json`.
 
 The rules, every one recorded in the verdict with its numbers:
-- primary suite (`gate.primary`): the `gate.confidence` paired bootstrap interval of candidate -
-  champion pass@1 must have its lower bound above `gate.min_improvement`. McNemar's exact test on
-  the discordant items is reported beside it.
-- guard suites (every other suite): fail when the interval's lower bound falls below
-  `-gate.suites.<suite>.max_regression`.
+- every rule is a one-sided test at `gate.alpha`: the chance of promoting a candidate that is
+  no better than the champion is at most alpha per decision (5% by default).
+- primary suite (`gate.primary`): with pass/fail items and `gate.min_improvement` 0, McNemar's
+  exact test, one-sided, on the items only one of the two models solved: p < alpha (the
+  percentile bootstrap is too lenient with few such items: a 3-0 or 6-1 split passed it); with
+  continuous scores or a positive `min_improvement`, the paired bootstrap's one-sided lower
+  bound at level 1 - alpha must exceed `min_improvement`. Both numbers are reported either way.
+- guard suites (every other suite): fail when the one-sided lower bound (level 1 - alpha) falls
+  below `-gate.suites.<suite>.max_regression`.
 - forgetting: the items an earlier champion (not the current one) solved, a guard with
   `gate.forgetting_max_regression` once there are `gate.forgetting_min_items` of them.
 - reward hacking, over all suites' items: the relative growth of generated tokens (upper bound at
@@ -232,12 +236,17 @@ def paired_interval(a: np.ndarray, b: np.ndarray, samples: int, confidence: floa
 
 
 def mcnemar(a: np.ndarray, b: np.ndarray) -> dict:
-    """McNemar's exact test on pass/fail pairs: the items only one of the two models solved."""
+    """McNemar's exact test on pass/fail pairs: the items only one of the two models solved.
+    `p_value` is two-sided; `p_better` one-sided, that a (the candidate) is better.
+    """
     from scipy.stats import binomtest
 
     only_a, only_b = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
-    p = binomtest(only_a, only_a + only_b, 0.5).pvalue if only_a + only_b else 1.0
-    return {"candidate_only": only_a, "champion_only": only_b, "p_value": round(float(p), 6)}
+    n = only_a + only_b
+    p = binomtest(only_a, n, 0.5).pvalue if n else 1.0
+    better = binomtest(only_a, n, 0.5, alternative="greater").pvalue if n else 1.0
+    return {"candidate_only": only_a, "champion_only": only_b, "p_value": round(float(p), 6),
+            "p_better": round(float(better), 6)}
 
 
 def compare(name: str, a: np.ndarray, b: np.ndarray, config: cfg.Gate, seed: int, *,
@@ -251,13 +260,28 @@ def compare(name: str, a: np.ndarray, b: np.ndarray, config: cfg.Gate, seed: int
                               f"improvement; check data/benchmarks/{name}.jsonl and its verifier"}
         return {"passed": True, "skipped": True, "items": 0,
                 "reason": f"{name}: no items yet, skipped"}
-    low, high = paired_interval(a, b, config.bootstrap_samples, config.confidence, seed, relative)
+    # two-sided 1 - 2 alpha: each bound is the one-sided bound at level 1 - alpha
+    low, high = paired_interval(a, b, config.bootstrap_samples, 1 - 2 * config.alpha, seed,
+                                relative)
     ma, mb = float(a.mean()), float(b.mean())
     difference = (ma - mb) / max(mb, 1e-12) if relative else float((a - b).mean())
     out = {"items": int(len(a)), "candidate": round(ma, 4), "champion": round(mb, 4),
            "difference": round(difference, 4), "interval": [round(low, 4), round(high, 4)],
            "threshold": threshold, "skipped": False}
-    if primary:
+    binary = set(np.unique(np.concatenate([a, b]))) <= {0.0, 1.0} and not relative
+    if binary:
+        out["mcnemar"] = mcnemar(a, b)
+    if primary and binary and threshold == 0:
+        test = out["mcnemar"]
+        out["test"] = "exact McNemar, one-sided"
+        out["passed"] = test["p_better"] < config.alpha
+        split = f"{test['candidate_only']}-{test['champion_only']}"
+        out["reason"] = (f"{name}: {split} on the items only one model solved, p = "
+                         f"{test['p_better']:.4f} < alpha {config.alpha}" if out["passed"] else
+                         f"{name}: {split} on the items only one model solved, p = "
+                         f"{test['p_better']:.4f} >= alpha {config.alpha}: not clearly better")
+    elif primary:
+        out["test"] = "paired bootstrap, one-sided lower bound"
         out["passed"] = low > threshold
         out["reason"] = (f"{name}: lower bound {low:+.3f} > {threshold}" if out["passed"] else
                          f"{name}: lower bound {low:+.3f} <= {threshold}: not clearly better")
@@ -271,8 +295,6 @@ def compare(name: str, a: np.ndarray, b: np.ndarray, config: cfg.Gate, seed: int
         out["reason"] = (f"{name}: lower bound {low:+.3f} >= -{threshold}" if out["passed"] else
                          f"{name}: lower bound {low:+.3f} < -{threshold}: may have regressed "
                          f"beyond the margin")
-    if set(np.unique(np.concatenate([a, b]))) <= {0.0, 1.0} and not relative:
-        out["mcnemar"] = mcnemar(a, b)
     return out
 
 
@@ -422,15 +444,18 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
         reason = main["reason"].split(": ", 1)[1] + "; every guard held"
     else:
         reason = "; ".join(failures)
-    rule = (f"pass when the {config.confidence:.0%} paired bootstrap interval of candidate - "
-            f"champion pass@1 on suite '{config.primary}' has its lower bound above "
-            f"{config.min_improvement}, no guard suite's lower bound is below minus its "
-            f"max_regression, the forgetting and reward-hacking guards hold and no benchmark "
-            f"item is in the training data")
+    primary_test = main.get("test", "paired bootstrap, one-sided lower bound")
+    rule = (f"pass when suite '{config.primary}' shows the candidate better than the champion "
+            f"({primary_test}"
+            f"{'' if primary_test.startswith('exact') else f', above {config.min_improvement}'}"
+            f"), no guard suite's one-sided lower bound is below minus its max_regression, the "
+            f"forgetting and reward-hacking guards hold and no benchmark item is in the training "
+            f"data; each test is one-sided at alpha {config.alpha}: a candidate no better than "
+            f"the champion is promoted at most {config.alpha:.0%} of the time per decision")
     return {"passed": bool(passed), "candidate_score": main.get("candidate", 0.0),
             "champion_score": main.get("champion", 0.0),
             "difference": main.get("difference", 0.0), "interval": main.get("interval"),
-            "confidence": config.confidence, "items": main["items"],
+            "alpha": config.alpha, "test": main.get("test"), "items": main["items"],
             "benchmark": f"{config.primary}.jsonl", "primary": config.primary,
             "rule": rule, "reason": reason, "failures": failures, "unchanged": unchanged,
             "suites": suites_out, "forgetting": forgotten, "guards": guards,

@@ -21,7 +21,7 @@ from stages.training.warmstart import demonstrations
 # one xdist worker runs this module: its module-scoped fixture is built once
 pytestmark = pytest.mark.xdist_group("gate")
 
-CONFIG = cfg.Gate(bootstrap_samples=2000, confidence=0.9)
+CONFIG = cfg.Gate(bootstrap_samples=2000)  # alpha 0.05, one-sided
 
 
 def rows(correct, suite="arith", tokens=10, fmt=1.0, tool_ok=1.0):
@@ -59,9 +59,10 @@ def test_a_higher_score_within_noise_is_held_back():
     verdict = gate.decide(CONFIG, 0, pairs(rows(candidate), rows(champion)), set(), [], False)
     assert verdict["candidate_score"] > verdict["champion_score"]
     assert verdict["passed"] is False
-    assert "arith: lower bound" in verdict["reason"] and "not clearly better" in verdict["reason"]
+    assert "arith: 4-1 on the items only one model solved" in verdict["reason"]
+    assert "not clearly better" in verdict["reason"]
     assert verdict["suites"]["arith"]["mcnemar"] == {"candidate_only": 4, "champion_only": 1,
-                                                     "p_value": 0.375}
+                                                     "p_value": 0.375, "p_better": 0.1875}
 
 
 def test_a_guard_suite_regression_fails_naming_the_suite():
@@ -162,8 +163,10 @@ def test_paired_bootstrap_agrees_with_scipy():
 def test_mcnemar_is_the_exact_binomial_test():
     a = np.array([1] * 9 + [0] * 2 + [1] * 50)
     b = np.array([0] * 9 + [1] * 2 + [1] * 50)
-    assert gate.mcnemar(a, b) == {"candidate_only": 9, "champion_only": 2,
-                                  "p_value": round(stats.binomtest(9, 11).pvalue, 6)}
+    assert gate.mcnemar(a, b) == {
+        "candidate_only": 9, "champion_only": 2,
+        "p_value": round(stats.binomtest(9, 11).pvalue, 6),
+        "p_better": round(stats.binomtest(9, 11, alternative="greater").pvalue, 6)}
 
 
 @pytest.fixture(scope="module")
@@ -273,3 +276,66 @@ def test_suite_paths_and_params_must_match(tmp_path):
         gate.suite_items(two, [tmp_path / "arith.jsonl"])
     assert [len(v) for v in gate.suite_items(two, [tmp_path / "arith.jsonl",
                                                    tmp_path / "code.jsonl"]).values()] == [3, 3]
+
+
+def split(only_candidate: int, only_champion: int, same: int = 190) -> list:
+    """Pairs where the candidate alone solved `only_candidate` items, the champion alone
+    `only_champion`, and both solved or failed the rest alike."""
+    candidate = [1] * only_candidate + [0] * only_champion + [1, 0] * (same // 2)
+    champion = [0] * only_candidate + [1] * only_champion + [1, 0] * (same // 2)
+    return pairs(rows(candidate), rows(champion))
+
+
+@pytest.mark.parametrize("wins, losses, passes", [(3, 0, False), (6, 1, False), (9, 1, True),
+                                                  (5, 0, True)])
+def test_few_items_only_one_model_solved_are_judged_by_the_exact_test(wins, losses, passes):
+    verdict = gate.decide(CONFIG, 0, split(wins, losses), set(), [], False)
+    primary = verdict["suites"]["arith"]
+    assert primary["test"] == verdict["test"] == "exact McNemar, one-sided"
+    expected = stats.binomtest(wins, wins + losses, 0.5, alternative="greater").pvalue
+    assert primary["mcnemar"]["p_better"] == pytest.approx(expected, abs=1e-6)
+    assert verdict["passed"] is passes, verdict["reason"]
+    assert f"{wins}-{losses} on the items only one model solved" in primary["reason"]
+    if (wins, losses) == (6, 1):  # the percentile bootstrap alone would have promoted it
+        assert primary["interval"][0] > 0
+    assert verdict["alpha"] == 0.05 and "at most 5% of the time" in verdict["rule"]
+
+
+def simulate(decide, d: float, runs: int, seed: int) -> float:
+    """The share of `runs` simulated decisions that promote, true difference `d`."""
+    rng = np.random.default_rng(seed)
+    return sum(decide(rng, d) for _ in range(runs)) / runs
+
+
+def binary_decision(rng, d: float, n: int = 200, disagree: float = 0.15) -> bool:
+    # each item: both models alike (champion at 55%), or only one solved it, the candidate with
+    # probability 1/2 + d / (2 disagree): the true difference in pass@1 is d
+    champion = (rng.random(n) < 0.55).astype(float)
+    candidate = champion.copy()
+    split = rng.random(n) < disagree
+    wins = rng.random(n) < 0.5 + d / (2 * disagree)
+    candidate[split], champion[split] = wins[split], 1 - wins[split]
+    return gate.compare("arith", candidate, champion, CONFIG, int(rng.integers(1 << 30)),
+                        threshold=0.0, primary=True)["passed"]
+
+
+def continuous_decision(rng, d: float, n: int = 200) -> bool:
+    # scores in [0, 1] with a per-item difficulty both models share
+    item = rng.random(n)
+    champion = np.clip(item + rng.normal(0, 0.15, n), 0, 1)
+    candidate = np.clip(item + d + rng.normal(0, 0.15, n), 0, 1)
+    return gate.compare("judge", candidate, champion, CONFIG, int(rng.integers(1 << 30)),
+                        threshold=0.0, primary=True)["passed"]
+
+
+@pytest.mark.parametrize("decision", [binary_decision, continuous_decision])
+def test_false_promotions_stay_within_alpha_and_power_is_reported(decision):
+    """1,000 simulated decisions per setting with the defaults: at no true difference the gate
+    promotes at most alpha + 1.5 points of the time; at +5 points it usually promotes.
+    """
+    false = simulate(decision, 0.0, 1000, 1)
+    power = simulate(decision, 0.05, 1000, 2)
+    print(f"{decision.__name__}: false promotions {false:.3f} at d = 0, power {power:.3f} at "
+          f"d = +0.05 (200 items, alpha {CONFIG.alpha})")
+    assert false <= CONFIG.alpha + 0.015
+    assert power > 0.3
