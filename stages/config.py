@@ -378,6 +378,10 @@ class Gate:
     max_length_increase: float = 3.0
     max_format_regression: float = 0.1  # share of completions breaking the protocol
     max_tool_error_regression: float = 0.1  # share of completions with a failed tool call
+    # a guard suite too small for its margin (the smallest regression it detects at 80% power,
+    # given its size and this cycle's disagreement, is above max_regression) is reported
+    # "underpowered" and then: decide (it still blocks or passes, flagged) or skip (it does not)
+    underpowered: str = "decide"
 
     def __post_init__(self):
         """Refuse an alpha outside (0, 0.5] and an unusable suite setup."""
@@ -390,6 +394,9 @@ class Gate:
         if self.benchmark_size < 0:
             raise ParamsError(f"gate.benchmark_size: must be >= 0 (0 means every item), got "
                               f"{self.benchmark_size}")
+        if self.underpowered not in ("decide", "skip"):
+            raise ParamsError(f"gate.underpowered: {self.underpowered!r}; use decide (an "
+                              f"underpowered guard still decides, flagged) or skip (it does not)")
         if not self.suites:
             raise ParamsError("gate.suites: needs at least the primary suite, e.g. "
                               "`suites: {arith: {environment: arith}}`")

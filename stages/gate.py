@@ -16,7 +16,9 @@ The rules, every one recorded in the verdict with its numbers:
   continuous scores or a positive `min_improvement`, the paired bootstrap's one-sided lower
   bound at level 1 - alpha must exceed `min_improvement`. Both numbers are reported either way.
 - guard suites (every other suite): fail when the one-sided lower bound (level 1 - alpha) falls
-  below `-gate.suites.<suite>.max_regression`.
+  below `-gate.suites.<suite>.max_regression`. Each suite reports `detectable_change`, the
+  smallest change it detects at 80% power (`detectable`); a guard whose margin is below it is
+  flagged `underpowered` and then decides or is skipped, as `gate.underpowered` says.
 - forgetting: the items an earlier champion (not the current one) solved, a guard with
   `gate.forgetting_max_regression` once there are `gate.forgetting_min_items` of them.
 - reward hacking, over all suites' items: the relative growth of generated tokens (upper bound at
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import re
 import sys
 from pathlib import Path
@@ -298,6 +301,20 @@ def compare(name: str, a: np.ndarray, b: np.ndarray, config: cfg.Gate, seed: int
     return out
 
 
+def detectable(a: np.ndarray, b: np.ndarray, alpha: float, power: float = 0.8) -> float:
+    """The smallest true difference a paired comparison of these items detects with `power`
+    at one-sided `alpha`: (z_(1-alpha) + z_power) * sd(a - b) / sqrt(n). On pass/fail items the
+    variance of a difference is about the share of items the models disagree on, so this is the
+    sqrt(6.2 x disagreement / n) of the usual McNemar sizing at alpha 0.05.
+    """
+    from scipy.stats import norm
+
+    if len(a) < 2:
+        return float("inf")
+    spread = float(np.std(a - b, ddof=1))
+    return (norm.ppf(1 - alpha) + norm.ppf(power)) * spread / math.sqrt(len(a))
+
+
 def normalized_hash(text: str) -> str:
     """The hash two spellings of one question share: case and whitespace do not count."""
     return hashlib.sha256(re.sub(r"\s+", "", text).casefold().encode()).hexdigest()[:16]
@@ -402,11 +419,23 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
         rows = [(c, h) for c, h in judged if c["suite"] == name]
         primary = name == config.primary
         threshold = config.min_improvement if primary else margins[name][1]
-        suites_out[name] = {"role": "primary" if primary else "guard",
-                            "environment": margins[name][0],
-                            "unjudged": sum(c["suite"] == name for c, _ in pairs) - len(rows),
-                            **compare(name, *arrays(rows, "correct"), config, seed,
-                                      threshold=threshold, primary=primary)}
+        scores = arrays(rows, "correct")
+        out = suites_out[name] = {
+            "role": "primary" if primary else "guard", "environment": margins[name][0],
+            "unjudged": sum(c["suite"] == name for c, _ in pairs) - len(rows),
+            **compare(name, *scores, config, seed, threshold=threshold, primary=primary)}
+        if rows:  # the smallest change this suite detects at 80% power, this cycle
+            out["detectable_change"] = round(detectable(*scores, config.alpha), 4)
+        if not primary and rows and out["detectable_change"] > threshold:
+            out["underpowered"] = True
+            note = (f"underpowered: with {len(rows)} items it detects a change of "
+                    f"{out['detectable_change']:.3f} at 80% power, more than its max_regression "
+                    f"{threshold}")
+            if config.underpowered == "skip" and not out["passed"]:
+                out.update(passed=True, skipped=True,
+                           reason=f"{out['reason']}; {note}: skipped (gate.underpowered: skip)")
+            else:
+                out["reason"] = f"{out['reason']} ({note})"
     kept = [(c, h) for c, h in judged if (c["suite"], c["id"]) in solved]
     if len(kept) < config.forgetting_min_items:  # a handful of items makes a meaningless interval
         forgotten = {"passed": True, "skipped": True, "items": len(kept),

@@ -339,3 +339,38 @@ def test_false_promotions_stay_within_alpha_and_power_is_reported(decision):
           f"d = +0.05 (200 items, alpha {CONFIG.alpha})")
     assert false <= CONFIG.alpha + 0.015
     assert power > 0.3
+
+
+def test_a_guard_too_small_for_its_margin_is_reported_underpowered_and_params_say_what_then():
+    good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
+    # a 10-item guard: 2 items lost, 1 won; it cannot tell a 0.05 regression from noise
+    small = pairs(rows([0, 0, 1] + [1] * 4 + [0] * 3, "small"),
+                  rows([1, 1, 0] + [1] * 4 + [0] * 3, "small"))
+    suites = {"arith": cfg.Suite(), "small": cfg.Suite(max_regression=0.05)}
+    decided = gate.decide(cfg.Gate(suites=suites), 0, good + small, set(), [], False)
+    guard = decided["suites"]["small"]
+    a = np.array([0, 0, 1] + [1] * 4 + [0] * 3, float)
+    b = np.array([1, 1, 0] + [1] * 4 + [0] * 3, float)
+    # (z_0.95 + z_0.8) * sd / sqrt(n); on pass/fail items about sqrt(6.2 x disagreement / n)
+    assert guard["detectable_change"] == pytest.approx(
+        (stats.norm.ppf(0.95) + stats.norm.ppf(0.8)) * np.std(a - b, ddof=1) / np.sqrt(10),
+        abs=1e-4)
+    assert guard["detectable_change"] == pytest.approx(np.sqrt(6.19 * 0.3 / 10), rel=0.1)
+    assert guard["underpowered"] is True and guard["passed"] is False
+    assert "underpowered: with 10 items it detects a change of" in guard["reason"]
+    assert decided["passed"] is False  # gate.underpowered: decide (the default) lets it block
+    skipped = gate.decide(cfg.Gate(suites=suites, underpowered="skip"), 0, good + small, set(),
+                          [], False)
+    assert skipped["suites"]["small"]["skipped"] is True and skipped["passed"] is True
+    assert "skipped (gate.underpowered: skip)" in skipped["suites"]["small"]["reason"]
+    # the 200-item primary is not flagged, and reports what it can detect
+    assert "underpowered" not in decided["suites"]["arith"]
+    assert 0 < decided["suites"]["arith"]["detectable_change"] < 0.2
+
+
+def test_the_old_confidence_key_says_what_replaced_it(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"gate": {"confidence": 0.9}}))
+    with pytest.raises(cfg.ParamsError, match=r"gate.confidence is replaced by gate.alpha.*"
+                                              r"write `alpha: 0.05` instead"):
+        cfg.load("gate", path)
