@@ -227,6 +227,14 @@ def paired_interval(a: np.ndarray, b: np.ndarray, samples: int, confidence: floa
 
     With `relative`, of (mean(a) - mean(b)) / mean(b): the growth of a over b.
     """
+    stats = bootstrap(a, b, samples, seed, relative)
+    tail = (1 - confidence) / 2
+    return float(np.quantile(stats, tail)), float(np.quantile(stats, 1 - tail))
+
+
+def bootstrap(a: np.ndarray, b: np.ndarray, samples: int, seed: int, relative: bool = False
+              ) -> np.ndarray:
+    """The paired bootstrap's resampled statistics (see `paired_interval`)."""
     rng = np.random.default_rng(seed)
     index = rng.integers(0, len(a), size=(samples, len(a)))
     if relative:
@@ -234,8 +242,34 @@ def paired_interval(a: np.ndarray, b: np.ndarray, samples: int, confidence: floa
         stats = (mean_a - mean_b) / np.maximum(mean_b, 1e-12)
     else:  # the mean of the paired differences: exact where the scores are (0.6 - 0.65 is not)
         stats = (a - b)[index].mean(axis=1)
-    tail = (1 - confidence) / 2
-    return float(np.quantile(stats, tail)), float(np.quantile(stats, 1 - tail))
+    return stats
+
+
+# LORD++ (Ramdas, Yang, Wainwright and Jordan 2017, after Javanmard and Montanari 2018): gamma_j,
+# a non-increasing sequence summing to 1, spreads the error budget over an unending sequence
+GAMMA_C = 0.07720838
+
+
+def gamma(j: int) -> float:
+    """The LORD++ weight of the j-th decision after a point (j >= 1)."""
+    return GAMMA_C * math.log(max(j, 2)) / (j * math.exp(math.sqrt(math.log(j))))
+
+
+def lord_level(alpha: float, passed: list[bool]) -> float:
+    """LORD++'s level for the next decision, after the earlier ones (`passed`, in order): the
+    initial wealth alpha / 2 spent by gamma, each promotion earning alpha back. Keeps the
+    expected share of false promotions among promotions (FDR) at most alpha over any number of
+    cycles; with no real improvement ever, the chance of any promotion at all stays below
+    alpha / 2.
+    """
+    t = len(passed) + 1
+    wealth = alpha / 2
+    times = [i + 1 for i, p in enumerate(passed) if p]
+    level = gamma(t) * wealth
+    if times:
+        level += (alpha - wealth) * gamma(t - times[0])
+        level += alpha * sum(gamma(t - tau) for tau in times[1:])
+    return level
 
 
 def mcnemar(a: np.ndarray, b: np.ndarray) -> dict:
@@ -253,9 +287,12 @@ def mcnemar(a: np.ndarray, b: np.ndarray) -> dict:
 
 
 def compare(name: str, a: np.ndarray, b: np.ndarray, config: cfg.Gate, seed: int, *,
-            threshold: float, primary: bool, relative: bool = False, lower_is_better=False
-            ) -> dict:
-    """One rule: the paired interval of candidate - champion against its threshold."""
+            threshold: float, primary: bool, relative: bool = False, lower_is_better=False,
+            level: float | None = None) -> dict:
+    """One rule: the paired interval of candidate - champion against its threshold. `level`:
+    the primary's one-sided test level (default `gate.alpha`; LORD's when sequential).
+    """
+    level = config.alpha if level is None else level
     if len(a) == 0:
         if primary:  # nothing to decide on is no evidence of improvement
             return {"passed": False, "skipped": False, "items": 0,
@@ -264,8 +301,9 @@ def compare(name: str, a: np.ndarray, b: np.ndarray, config: cfg.Gate, seed: int
         return {"passed": True, "skipped": True, "items": 0,
                 "reason": f"{name}: no items yet, skipped"}
     # two-sided 1 - 2 alpha: each bound is the one-sided bound at level 1 - alpha
-    low, high = paired_interval(a, b, config.bootstrap_samples, 1 - 2 * config.alpha, seed,
-                                relative)
+    stats = bootstrap(a, b, config.bootstrap_samples, seed, relative)
+    tail = level if primary else config.alpha
+    low, high = float(np.quantile(stats, tail)), float(np.quantile(stats, 1 - tail))
     ma, mb = float(a.mean()), float(b.mean())
     difference = (ma - mb) / max(mb, 1e-12) if relative else float((a - b).mean())
     out = {"items": int(len(a)), "candidate": round(ma, 4), "champion": round(mb, 4),
@@ -277,14 +315,17 @@ def compare(name: str, a: np.ndarray, b: np.ndarray, config: cfg.Gate, seed: int
     if primary and binary and threshold == 0:
         test = out["mcnemar"]
         out["test"] = "exact McNemar, one-sided"
-        out["passed"] = test["p_better"] < config.alpha
+        out["p_value"] = test["p_better"]
+        out["passed"] = test["p_better"] < level
         split = f"{test['candidate_only']}-{test['champion_only']}"
         out["reason"] = (f"{name}: {split} on the items only one model solved, p = "
-                         f"{test['p_better']:.4f} < alpha {config.alpha}" if out["passed"] else
+                         f"{test['p_better']:.4f} < alpha {level:.4g}" if out["passed"] else
                          f"{name}: {split} on the items only one model solved, p = "
-                         f"{test['p_better']:.4f} >= alpha {config.alpha}: not clearly better")
+                         f"{test['p_better']:.4f} >= alpha {level:.4g}: not clearly better")
     elif primary:
         out["test"] = "paired bootstrap, one-sided lower bound"
+        # its p-value: the share of resamples at or below the threshold
+        out["p_value"] = round(float((1 + (stats <= threshold).sum()) / (1 + len(stats))), 6)
         out["passed"] = low > threshold
         out["reason"] = (f"{name}: lower bound {low:+.3f} > {threshold}" if out["passed"] else
                          f"{name}: lower bound {low:+.3f} <= {threshold}: not clearly better")
@@ -343,8 +384,8 @@ def training_prompts(rewards: Path, replay: Path, tokenizer) -> set[str]:
 
 def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path,
         forgetting: Path, rewards: Path, replay: Path, suites: list[Path], items_out: Path,
-        specs: dict | None = None, rollout: cfg.Rollout | None = None, root: Path | None = None
-        ) -> dict:
+        specs: dict | None = None, rollout: cfg.Rollout | None = None, root: Path | None = None,
+        history: Path | None = None) -> dict:
     """Score the candidate, compare with the champion's scores and decide; returns the verdict.
 
     With `specs` (an `environments:` section) the suites are the environments' benchmarks
@@ -394,12 +435,25 @@ def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path
          "candidate_tool_ok": c["tool_ok"], "candidate_tokens": c["tokens"],
          "champion_tokens": h["tokens"], "candidate_completion": c["completion"],
          "champion_completion": h["completion"]} for c, h in pairs]))
-    return decide(config, base.seed, pairs, solved, contaminated, unchanged, margins)
+    # the sequence of decisions across cycles, one line each, keyed by the two models' weights
+    # so that a rerun of this cycle's gate replaces its own line
+    key = f"{weights_hash(candidate)[:16]}/{champ_rows[0]['champion_weights'][:16]}"
+    earlier = [h for h in (io.read_jsonl(history) if history and history.exists() else [])
+               if h["key"] != key]
+    verdict = decide(config, base.seed, pairs, solved, contaminated, unchanged, margins,
+                     [h for h in earlier if not h.get("unchanged")])
+    if history is not None:
+        io.write_jsonl(history, earlier + [{
+            "key": key, "primary": config.primary, "method": config.sequential,
+            "level": verdict["sequence"]["level"], "p_value": verdict["sequence"]["p_value"],
+            "passed": verdict["passed"], "unchanged": unchanged}])
+    return verdict
 
 
 def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: set,
            contaminated: list[str], unchanged: bool,
-           margins: dict[str, tuple[str, float]] | None = None) -> dict:
+           margins: dict[str, tuple[str, float]] | None = None,
+           history: list[dict] | None = None) -> dict:
     """The verdict from per-item (candidate, champion) rows: every rule with its numbers.
 
     A row has suite, id, correct (None: unjudged), format, tool_ok and tokens; `solved` holds the
@@ -408,6 +462,9 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
     """
     margins = margins or {name: (suite.environment, suite.max_regression)
                           for name, suite in config.suites.items()}
+    history = history or []  # the earlier cycles' decisions (data/gate_history.jsonl)
+    earlier = [bool(h["passed"]) for h in history]
+    level = lord_level(config.alpha, earlier) if config.sequential == "lord" else config.alpha
     judged = [(c, h) for c, h in pairs if c["correct"] is not None and h["correct"] is not None]
 
     def arrays(rows, key):
@@ -423,7 +480,8 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
         out = suites_out[name] = {
             "role": "primary" if primary else "guard", "environment": margins[name][0],
             "unjudged": sum(c["suite"] == name for c, _ in pairs) - len(rows),
-            **compare(name, *scores, config, seed, threshold=threshold, primary=primary)}
+            **compare(name, *scores, config, seed, threshold=threshold, primary=primary,
+                      level=level if primary else None)}
         if rows:  # the smallest change this suite detects at 80% power, this cycle
             out["detectable_change"] = round(detectable(*scores, config.alpha), 4)
         if not primary and rows and out["detectable_change"] > threshold:
@@ -480,11 +538,20 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
             f"), no guard suite's one-sided lower bound is below minus its max_regression, the "
             f"forgetting and reward-hacking guards hold and no benchmark item is in the training "
             f"data; each test is one-sided at alpha {config.alpha}: a candidate no better than "
-            f"the champion is promoted at most {config.alpha:.0%} of the time per decision")
+            f"the champion is promoted at most {config.alpha:.0%} of the time per decision"
+            + (f"; across cycles LORD++ sets the primary's level ({level:.4g} at decision "
+               f"{len(history) + 1}), so that false promotions stay at most {config.alpha:.0%} "
+               f"of all promotions over the years" if config.sequential == "lord" else ""))
     return {"passed": bool(passed), "candidate_score": main.get("candidate", 0.0),
             "champion_score": main.get("champion", 0.0),
             "difference": main.get("difference", 0.0), "interval": main.get("interval"),
             "alpha": config.alpha, "test": main.get("test"), "items": main["items"],
+            "sequence": {"method": config.sequential, "decision": len(history) + 1,
+                         "level": round(level, 6), "p_value": main.get("p_value"),
+                         "earlier_passes": sum(earlier),
+                         # each decision at no real improvement promotes with at most its level
+                         "expected_false_passes_at_most": round(
+                             sum(h["level"] for h in history) + level, 4)},
             "benchmark": f"{config.primary}.jsonl", "primary": config.primary,
             "rule": rule, "reason": reason, "failures": failures, "unchanged": unchanged,
             "suites": suites_out, "forgetting": forgotten, "guards": guards,
@@ -501,12 +568,14 @@ def main(argv: list[str] | None = None) -> None:
                  "metrics"):
         parser.add_argument(name, type=Path)
     parser.add_argument("suites", type=Path, nargs="+", help="data/benchmarks/<suite>.jsonl")
+    parser.add_argument("--history", type=Path, help="data/gate_history.jsonl: every cycle's "
+                        "decision, for error control across cycles (gate.sequential)")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     verdict = run(cfg.load("base", args.params), cfg.load("gate", args.params), args.candidate,
                   args.champion_scores, args.forgetting, args.rewards, args.replay, args.suites,
                   args.items, cfg.environments(args.params), cfg.load("rollout", args.params),
-                  Path(args.params).resolve().parent)
+                  Path(args.params).resolve().parent, args.history)
     io.write_json(args.metrics, verdict)
     print(f"gate: candidate {verdict['candidate_score']:.3f} vs champion "
           f"{verdict['champion_score']:.3f} -> {'PASS' if verdict['passed'] else 'FAIL'} "

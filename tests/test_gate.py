@@ -374,3 +374,75 @@ def test_the_old_confidence_key_says_what_replaced_it(tmp_path):
     with pytest.raises(cfg.ParamsError, match=r"gate.confidence is replaced by gate.alpha.*"
                                               r"write `alpha: 0.05` instead"):
         cfg.load("gate", path)
+
+
+def test_lord_levels_spend_half_of_alpha_until_a_promotion_earns_more():
+    levels = [gate.lord_level(0.05, [False] * t) for t in range(2000)]
+    assert all(b <= a for a, b in zip(levels, levels[1:]))  # never more without a promotion
+    assert sum(levels) < 0.025  # the initial wealth, alpha / 2
+    after = gate.lord_level(0.05, [False, True])  # decision 3, one decision after a promotion
+    assert after == pytest.approx(gate.gamma(3) * 0.025 + 0.025 * gate.gamma(1))
+    assert after > levels[2]
+
+
+def test_52_weekly_cycles_with_sequential_control_keep_false_promotions_at_alpha():
+    """A year of weekly decisions, 400 simulated years, 200-item pass/fail suites with 15% of
+    items disagreeing, the exact McNemar p-value of each: with no real improvement ever, the
+    share of years with any false promotion is about 1 - 0.95^52 at alpha per decision, and at
+    most alpha with gate.sequential: lord. In years where a quarter of the candidates are truly
+    better by 10 points, LORD keeps the share of false promotions among promotions below alpha.
+    """
+    rng = np.random.default_rng(7)
+
+    def p_value(d: float) -> float:
+        k = rng.binomial(200, 0.15)
+        wins = rng.binomial(k, 0.5 + d / 0.3)
+        return stats.binomtest(wins, k, 0.5, alternative="greater").pvalue if k else 1.0
+
+    def year(truth: list[float], lord: bool) -> tuple[int, int]:
+        passed, false = [], 0
+        for d in truth:
+            level = gate.lord_level(0.05, passed) if lord else 0.05
+            passed.append(p_value(d) < level)
+            false += passed[-1] and d == 0
+        return false, sum(passed)
+
+    null = [0.0] * 52
+    fixed = sum(year(null, False)[0] > 0 for _ in range(400)) / 400
+    lord = sum(year(null, True)[0] > 0 for _ in range(400)) / 400
+    print(f"years with a false promotion, no real improvement: {fixed:.3f} at alpha per "
+          f"decision, {lord:.3f} with LORD++")
+    assert fixed > 0.7 and lord <= 0.05 + 0.015
+    mixed = [0.1 if week % 4 == 0 else 0.0 for week in range(52)]
+    false = passes = 0
+    for _ in range(200):
+        f, n = year(mixed, True)
+        false, passes = false + f, passes + n
+    print(f"with 13 truly better candidates a year: {passes / 200:.1f} promotions a year, "
+          f"{false / max(passes, 1):.3f} of them false")
+    assert passes / 200 > 5 and false / passes <= 0.05 + 0.015
+
+
+def test_the_gate_stage_keeps_one_history_line_per_decision(tmp_path, tiny, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data" / "benchmarks").mkdir(parents=True)
+    items = [{"id": f"b{i}", "question": f"{i}+{i}", "answer": str(2 * i)} for i in range(20)]
+    (tmp_path / "data" / "benchmarks" / "arith.jsonl").write_text(
+        "".join(json.dumps(i) + "\n" for i in items))
+    config = cfg.Gate(benchmark_size=20, bootstrap_samples=200, sequential="lord")
+    base = cfg.Base()
+    suites = [tmp_path / "data" / "benchmarks" / "arith.jsonl"]
+    champion_scores.run(base, config, tiny / "champion", suites, tmp_path / "scores.parquet",
+                        tmp_path / "forgetting.jsonl")
+    history = tmp_path / "history.jsonl"
+    args = (base, config, tiny / "candidate", tmp_path / "scores.parquet",
+            tmp_path / "forgetting.jsonl", tmp_path / "none.parquet", tmp_path / "replay",
+            suites, tmp_path / "gate.parquet")
+    first = gate.run(*args, history=history)
+    again = gate.run(*args, history=history)  # the same cycle's gate, rerun: replaces its line
+    lines = [json.loads(line) for line in history.read_text().splitlines()]
+    assert len(lines) == 1 and lines[0]["level"] == first["sequence"]["level"]
+    assert first["sequence"] == again["sequence"]
+    assert first["sequence"]["decision"] == 1 and first["sequence"]["method"] == "lord"
+    assert first["sequence"]["level"] == pytest.approx(gate.lord_level(0.05, []), abs=1e-6)
+    assert "LORD++" in first["rule"]
