@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> None:
-    """Time `stages.gate.decide` on simulated per-item results, sequential off and on."""
+    """Time `stages.gate.decide` on simulated per-item results, sequential none and lord."""
     import numpy as np
 
     from stages import config as cfg
@@ -34,7 +34,7 @@ def main() -> None:
                           {**row, "correct": float(h), "tokens": 28}))
     suites = {name: cfg.Suite() for name in ("arith", "code", "toolcall")}
     solved = {(c["suite"], c["id"]) for c, h in pairs if h["correct"] == 1.0}
-    for sequential in ("off", "lord"):
+    for sequential in ("none", "lord"):
         config = cfg.Gate(suites=suites, sequential=sequential, forgetting_min_items=30)
         history = [{"level": 0.001, "passed": i % 5 == 0} for i in range(51)]
         times = []

@@ -382,10 +382,10 @@ class Gate:
     # given its size and this cycle's disagreement, is above max_regression) is reported
     # "underpowered" and then: decide (it still blocks or passes, flagged) or skip (it does not)
     underpowered: str = "decide"
-    # error control across the sequence of cycles: off (alpha per decision) or lord (LORD++: the
+    # error control across the sequence of cycles: none (alpha per decision) or lord (LORD++: the
     # primary's level shrinks with each decision and is earned back by promotions, so that the
     # expected share of false promotions among all promotions stays below alpha over the years)
-    sequential: str = "off"
+    sequential: str = "none"
 
     def __post_init__(self):
         """Refuse an alpha outside (0, 0.5] and an unusable suite setup."""
@@ -398,8 +398,8 @@ class Gate:
         if self.benchmark_size < 0:
             raise ParamsError(f"gate.benchmark_size: must be >= 0 (0 means every item), got "
                               f"{self.benchmark_size}")
-        if self.sequential not in ("off", "lord"):
-            raise ParamsError(f"gate.sequential: {self.sequential!r}; use off (alpha per "
+        if self.sequential not in ("none", "lord"):
+            raise ParamsError(f"gate.sequential: {self.sequential!r}; use none (alpha per "
                               f"decision) or lord (a bound over the sequence of cycles)")
         if self.underpowered not in ("decide", "skip"):
             raise ParamsError(f"gate.underpowered: {self.underpowered!r}; use decide (an "
