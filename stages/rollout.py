@@ -16,8 +16,9 @@ agent"), the champion is a chat model and each environment's `tasks` file is att
 each turn rendered by the model's chat template, its tool calls parsed by `rollout.tool_parser`
 and answered by the environment's `call_tool`, exact token ids kept (`stages.generation.chat`).
 `rollout.max_tasks` (0 = all) is then shared among the environments by `weight`. Each row holds
-the episode's conversation (`messages`, JSON) and its environment; `chat` marks its ids as the
-whole conversation, the template's special tokens included.
+the episode's conversation (`messages`, JSON) and its environment; its `task_id` is
+`<environment>:<task id>` (two environments' ids may coincide); `chat` marks its ids as the whole
+conversation, the template's special tokens included.
 
     python -m stages.rollout data/validated.parquet models/champion data/rollouts.parquet metrics/rollout.json
 """
@@ -155,8 +156,9 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
                 template=templates[name], on_step=lambda n, base=done: bar.update(base + n))
             for (task, sample), episode in zip(chunk, episodes):
                 added = episode.messages[len(task["messages"]):]
-                rows.append({
-                    "task_id": task["task_id"], "environment": name, "sample": sample,
+                rows.append({  # ids of different environments' tasks may coincide
+                    "task_id": f"{name}:{task['task_id']}", "environment": name,
+                    "sample": sample,
                     "task": json.dumps(task), "messages": json.dumps(episode.messages),
                     "completion": json.dumps(added), "token_ids": episode.token_ids,
                     "model_mask": episode.model_mask, "logprobs": episode.logprobs,
@@ -172,7 +174,8 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
         mine = [r for r in rows if r["environment"] == name]
         per_env[name] = {
             "episodes": len(mine), "tasks": len({r["task_id"] for r in mine}),
-            "trace_tasks": len({r["task_id"] for r in mine if r["task_id"].startswith("trace:")}),
+            "trace_tasks": len({r["task_id"] for r in mine
+                                if r["task_id"].startswith(f"{name}:trace:")}),
             "tool_use_rate": round(sum(r["tool_calls"] > 0 for r in mine) / max(1, len(mine)), 4),
             "tool_error_rate": round(sum(r["tool_errors"] for r in mine)
                                      / max(1, sum(r["tool_calls"] for r in mine)), 4),

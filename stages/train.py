@@ -110,11 +110,37 @@ def trace_conversations(validated: Path, specs: dict, root: Path, tokenizer) -> 
             counts["traces_reward_disagrees"] += 1
             continue
         ids, mask = chat.encode(templates[name], messages)
-        rows.append({"task_id": f"trace:{trace['trace_id']}", "completion":
+        rows.append({"task_id": f"{name}:trace:{trace['trace_id']}", "environment": name,
+                     "completion":
                      json.dumps(messages[start:]), "correct": 1.0, "reward": 1.0,
                      "token_ids": ids, "model_mask": mask, "logprobs": None, "chat": True})
     counts["trace_examples"] = len(rows)
     return rows, counts
+
+
+def by_weight(examples: list[dict], environment_of: dict[str, str], specs: dict, seed: int
+              ) -> tuple[list[dict], dict]:
+    """Several environments: their examples in the shares their `weight`s ask for, the total
+    kept. An environment short of its share has its examples repeated (in turn), one over it
+    loses a seeded sample; each keeps at least one. Returns the examples and the count of each.
+    """
+    groups = {name: [] for name in specs}
+    for example in examples:
+        groups.setdefault(environment_of.get(example["task_id"], ""), []).append(example)
+    groups = {name: group for name, group in groups.items() if group}
+    if len(groups) < 2:
+        return examples, {name: len(group) for name, group in groups.items()}
+    total = sum(len(group) for group in groups.values())
+    weights = {name: specs[name].weight if name in specs else 0.0 for name in groups}
+    out, counts = [], {}
+    rng = random.Random(seed)
+    for name, group in groups.items():
+        share = max(1, round(total * weights[name] / sum(weights.values())))
+        chosen = [group[i % len(group)] for i in range(share)] if share >= len(group) \
+            else rng.sample(group, share)
+        out += chosen
+        counts[name] = len(chosen)
+    return out, counts
 
 
 def examples_from(rewards: Path) -> list[dict]:
@@ -125,7 +151,7 @@ def examples_from(rewards: Path) -> list[dict]:
 def _read(rewards: Path) -> list[dict]:
     names = pq.read_schema(rewards).names
     columns = [c for c in ("task_id", "completion", "correct", "reward", "token_ids",
-                           "model_mask", "logprobs", "chat") if c in names]
+                           "model_mask", "logprobs", "chat", "environment") if c in names]
     return pq.read_table(rewards, columns=columns).to_pylist()
 
 
@@ -210,6 +236,7 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
     method, settings = algorithm(config.algorithm), config.method
     rows = _read(rewards)
     examples, counts = method.examples(rows)
+    traced = []
     if specs and config.algorithm == "sft" and validated is not None:
         from transformers import AutoTokenizer
 
@@ -217,6 +244,10 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
                                             AutoTokenizer.from_pretrained(champion))
         examples = examples + method.examples(traced)[0]
         counts.update(found)
+    if len(specs or {}) > 1:  # the environments' shares of the examples, by weight
+        environment_of = {r["task_id"]: r.get("environment") for r in rows + traced}
+        examples, counts["examples_by_environment"] = by_weight(examples, environment_of, specs,
+                                                                base.seed)
     if config.algorithm == "dpo" and not specs:
         counts["pairs_from_rollouts"] = len(examples)
         if validated is not None:

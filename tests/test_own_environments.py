@@ -146,6 +146,9 @@ def test_rollout_reward_and_training_on_a_chat_model_in_two_own_environments(wor
                     f"metrics/train-{algorithm}.json", f"metrics/steps-{algorithm}.csv"])
         result = json.loads((workspace / f"metrics/train-{algorithm}.json").read_text())
         assert result["trained"] and result["steps"] > 0, result
+        shares = result["examples_by_environment"]  # by weight: test_examples_are_shared...
+        assert "support" in shares and set(shares) <= {"support", "greeter"}
+        assert sum(shares.values()) == result["examples"]
         before = AutoModelForCausalLM.from_pretrained(champion).state_dict()
         after = AutoModelForCausalLM.from_pretrained(workspace / f"models/{algorithm}")
         assert any(not torch.equal(before[k], v) for k, v in after.state_dict().items())
@@ -308,7 +311,7 @@ def test_a_thumbs_up_trace_is_trained_on_as_it_is_with_its_tool_calls(tmp_path, 
                        '\n</tool_call><|im_end|>Your order A1001 is delivered.<|im_end|>']
     shown = tok.decode(example["token_ids"])
     assert '<tool_response>\n{"status": "delivered"}\n</tool_response>' in shown
-    assert example["chat"] and example["task_id"] == "trace:a"
+    assert example["chat"] and example["task_id"] == "support:trace:a"
 
 
 def test_init_refuses_a_model_without_a_chat_template_saying_what_to_do(tmp_path):
@@ -332,3 +335,17 @@ def test_init_refuses_a_model_without_a_chat_template_saying_what_to_do(tmp_path
     assert result.returncode == 2, result.stderr
     assert "has no chat template: add one to its tokenizer_config.json" in result.stderr
     assert not (root / "models" / "champion.dvc").exists()
+
+
+def test_examples_are_shared_among_environments_by_weight():
+    from stages import config as cfg
+
+    specs = {"a": cfg.EnvironmentSpec(module="x", weight=3.0),
+             "b": cfg.EnvironmentSpec(module="y", weight=1.0)}
+    examples = [{"task_id": f"a:{i}"} for i in range(4)] + [{"task_id": f"b:{i}"} for i in range(12)]
+    where = {e["task_id"]: e["task_id"][0] for e in examples}
+    kept, counts = train.by_weight(examples, where, specs, seed=0)
+    assert counts == {"a": 12, "b": 4} and len(kept) == 16
+    assert [e["task_id"] for e in kept[:12]] == [f"a:{i % 4}" for i in range(12)]  # repeated
+    assert len({e["task_id"] for e in kept[12:]}) == 4  # a seeded sample of b's twelve
+    assert train.by_weight(examples, where, specs, seed=0) == (kept, counts)  # deterministic
