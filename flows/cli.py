@@ -110,32 +110,33 @@ def cmd_init(args) -> int:
             raise cfg.ParamsError("base.model: the environments: path needs your chat model "
                                   "as generation 0; set base.model to its Hugging Face folder "
                                   "(or run `offseason init --base-model PATH`)")
+        if not base_model.is_absolute():
+            base_model = root / base_model
         chats = gate.chat_suites(specs, root, configs["gate"].benchmark_size)
+        if (base_model / "config.json").is_file():  # a missing folder: init.run says so
+            from transformers import AutoTokenizer
+
+            from stages.generation import chat
+
+            tokenizer = AutoTokenizer.from_pretrained(base_model)
+            # a model without a chat template fails here, before anything is written
+            templates = [chat.Template.of(tokenizer, list(env.tools))
+                         for env, _ in chats.values()]
+            if not all(t.prefix_preserving for t in templates):
+                print(f"init: the chat template of {base_model} rewrites earlier turns once a "
+                      f"conversation goes on (as Qwen3's drops old thinking); rollouts render "
+                      f"each turn incrementally, so the tokens the model produced stay exact",
+                      flush=True)
     else:
         items = read_benchmark(root)
     with cycle_lock(root, "offseason init"):
         print("init: building generation 0 ...", flush=True)
         champion = root / "models" / "champion"
-        metrics = init.run(configs["base"], configs["init"], champion,
-                           base_model if base_model is None or base_model.is_absolute()
-                           else root / base_model)
+        metrics = init.run(configs["base"], configs["init"], champion, base_model)
         if specs:
-            from stages.generation import chat
-            from stages.tinylm import load as load_model
-
-            model, tokenizer = load_model(champion)
-            ends = chat.end_ids(model, tokenizer)
-            for name, (env, _) in chats.items():  # a model without a template fails here
-                template = chat.Template.of(tokenizer, list(env.tools), ends)
-                if not template.prefix_preserving:
-                    print(f"init: the chat template of {base_model} rewrites earlier turns "
-                          f"once a conversation goes on (as Qwen3's drops old thinking); "
-                          f"rollouts render each turn incrementally, so the tokens the model "
-                          f"produced stay exact", flush=True)
-                    break
             scores = gate.score_chat(champion, chats, configs["rollout"], configs["base"].seed)
-            metrics["template"] = "prefix-preserving" if template.prefix_preserving \
-                else "incremental"
+            metrics["template"] = "prefix-preserving" if all(
+                t.prefix_preserving for t in templates) else "incremental"
         else:
             env = ENVIRONMENTS[configs["base"].environment]
             scores = gate.score(champion, env, items, configs["base"].seed)

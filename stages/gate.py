@@ -65,8 +65,8 @@ MAX_NEW_TOKENS = 48
 
 
 def weights_hash(folder: Path) -> str:
-    """The SHA-256 of a model folder's weights."""
-    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    """The SHA-256 of a model folder's weights (sharded folders too: `tinylm.weights_digest`)."""
+    return tinylm.weights_digest(folder)
 
 
 def components(env, question: str, answer: str, completion: str) -> dict[str, float] | None:
@@ -120,8 +120,9 @@ def chat_suites(specs: dict, root: Path, benchmark_size: int) -> dict[str, tuple
         if benchmark_size:
             tasks = tasks[:benchmark_size]
         if not tasks:
-            raise ValueError(f"{spec.benchmark}: the benchmark of environment {name!r} is empty; "
-                             f"the gate needs items to compare on")
+            raise contract.TaskFileError(f"{spec.benchmark}: the benchmark of environment "
+                                         f"{name!r} is empty; the gate needs items to compare "
+                                         f"on: write held-out tasks into it")
         out[name] = (env, tasks)
     return out
 
@@ -139,21 +140,20 @@ def score_chat(model_dir: Path, suites: dict[str, tuple], rollout: cfg.Rollout, 
     import torch
 
     from stages.envs import contract
-    from stages.generation import chat, tool_parsers
+    from stages.generation import chat
 
     model, tokenizer = tinylm.load(model_dir)
     model.eval()
-    rollout.check_tool_parser(tool_parsers.PARSERS)
-    parser = rollout.tool_parser
-    if parser == "auto":
-        parser = tool_parsers.detect(tokenizer.chat_template or "")
     rows = []
     for name, (env, tasks) in suites.items():
-        episodes = chat.rollout(
-            model, tokenizer, env, tasks, parser=parser, temperature=0.0,
-            max_new_tokens=rollout.max_new_tokens,
-            max_turns=rollout.max_turns or env.max_turns or chat.DEFAULT_MAX_TURNS,
-            generator=torch.Generator().manual_seed(seed))
+        parser, max_turns = chat.resolve(rollout, tokenizer, env)
+        template = chat.Template.of(tokenizer, list(env.tools), chat.end_ids(model, tokenizer))
+        episodes = []
+        for start in range(0, len(tasks), rollout.batch_size):  # memory bounded by the batch
+            episodes += chat.rollout(
+                model, tokenizer, env, tasks[start:start + rollout.batch_size], parser=parser,
+                temperature=0.0, max_new_tokens=rollout.max_new_tokens, max_turns=max_turns,
+                generator=torch.Generator().manual_seed(seed), template=template)
         for task, episode in zip(tasks, episodes):
             where = f"{env.where}, benchmark task {task['task_id']!r}"
             if episode.error:
@@ -167,8 +167,8 @@ def score_chat(model_dir: Path, suites: dict[str, tuple], rollout: cfg.Rollout, 
             rows.append({
                 "suite": name, "id": task["task_id"], "question": question_of(task),
                 "answer": "",
-                "correct": float(all(v >= 1.0 for v in parts.values())) if judged else None,
-                "reward": sum(parts.values()) / len(parts) if judged else None,
+                "correct": float(contract.full_marks(parts)) if judged else None,
+                "reward": contract.mean(parts) if judged else None,
                 "format": float(episode.finish == "eos") if judged else None,
                 "tool_ok": float(episode.tool_errors == 0) if judged else None,
                 "tokens": int(sum(episode.model_mask)),
@@ -413,22 +413,27 @@ def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path
     current = champ_rows[0]["champion_weights"][:16]
     solved = {(r["suite"], r["id"]) for r in (io.read_jsonl(forgetting) if forgetting.exists()
                                               else []) if set(r["solved_by"]) - {current}}
-    _, tokenizer = tinylm.load(candidate)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(candidate)
     seen = training_prompts(rewards, replay, tokenizer)
     if specs:  # a chat task's prompt as the model saw it: its template's rendering, decoded
         from stages.generation import chat
 
-        def prompt(name, task):
+        contaminated = []
+        for name, suite in items.items():
             template = chat.Template.of(tokenizer, list(chats[name][0].tools))
-            return tokenizer.decode(template.prompt(task["messages"]), skip_special_tokens=True)
-        contaminated = sorted(f"{name}/{task['task_id']}" for name, suite in items.items()
-                              for task in suite if normalized_hash(prompt(name, task)) in seen)
+            contaminated += [f"{name}/{task['task_id']}" for task in suite if normalized_hash(
+                tokenizer.decode(template.prompt(task["messages"]), skip_special_tokens=True))
+                in seen]
+        contaminated.sort()
     else:
         contaminated = sorted(f"{name}/{item['id']}" for name, suite in items.items()
                               for item in suite if normalized_hash(ENVIRONMENTS[
                                   config.suites[name].environment].prompt(item["question"]))
                               in seen)
-    unchanged = weights_hash(candidate) == champ_rows[0]["champion_weights"]
+    candidate_weights = weights_hash(candidate)
+    unchanged = candidate_weights == champ_rows[0]["champion_weights"]
     io.write_parquet(items_out, pa.Table.from_pylist([
         {"suite": c["suite"], "id": c["id"], "question": c["question"],
          "candidate": c["correct"], "champion": h["correct"], "candidate_format": c["format"],
@@ -437,7 +442,7 @@ def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path
          "champion_completion": h["completion"]} for c, h in pairs]))
     # the sequence of decisions across cycles, one line each, keyed by the two models' weights
     # so that a rerun of this cycle's gate replaces its own line
-    key = f"{weights_hash(candidate)[:16]}/{champ_rows[0]['champion_weights'][:16]}"
+    key = f"{candidate_weights[:16]}/{champ_rows[0]['champion_weights'][:16]}"
     earlier = [h for h in (io.read_jsonl(history) if history and history.exists() else [])
                if h["key"] != key]
     verdict = decide(config, base.seed, pairs, solved, contaminated, unchanged, margins,

@@ -241,8 +241,8 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
             scores.append(None)
         causes.append(cause)
     names = list(dict.fromkeys(n for components in scores for n in components or {}))
-    reward = [None if c is None else sum(c.values()) / len(c) for c in scores]
-    correct = [None if c is None else float(all(v >= 1.0 for v in c.values())) for c in scores]
+    reward = [None if c is None else contract.mean(c) for c in scores]
+    correct = [None if c is None else float(contract.full_marks(c)) for c in scores]
     errors = sum(c is not None and not c.startswith("task set aside") for c in causes)
     unjudged = sum(s is None and c is None for s, c in zip(scores, causes))
     if rows and all(c is not None for c in causes):

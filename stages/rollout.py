@@ -91,9 +91,8 @@ def chat_jobs(specs: dict, config: cfg.Rollout, root: Path, validated: Path | No
             task = json.loads(row["question"]) if row["question"] else None
             if not isinstance(task, dict) or task.get("environment") not in tasks:
                 continue  # routed by an earlier params.yaml, or not by the environments path
-            task = {k: v for k, v in task.items() if k != "environment"}
-            tasks[json.loads(row["question"])["environment"]].append(
-                {**task, "task_id": f"trace:{row['trace_id']}"})
+            name = task.pop("environment")
+            tasks[name].append({**task, "task_id": f"trace:{row['trace_id']}"})
     for name, spec in specs.items():
         if not spec.tasks and not tasks[name]:
             raise cfg.ParamsError(f"environments.{name}.tasks: no task file to roll out, and no "
@@ -117,7 +116,7 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
 
     import torch
 
-    from stages.generation import chat, tool_parsers
+    from stages.generation import chat
     from stages.generation.episode import Progress
 
     if config.backend != "transformers":
@@ -127,20 +126,14 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
     envs, jobs = chat_jobs(specs, config, root, validated)
     model, tokenizer = tinylm.load(champion)
     model.eval()
-    config.check_tool_parser(tool_parsers.PARSERS)
     ends = chat.end_ids(model, tokenizer)
-    parser = config.tool_parser
-    if parser == "auto":
-        try:
-            parser = tool_parsers.detect(tokenizer.chat_template or "")
-        except ValueError as err:
-            raise cfg.ParamsError(f"rollout.tool_parser: auto: {err}") from None
+    parser = None
     templates = {name: chat.Template.of(tokenizer, list(env.tools), ends)
                  for name, env in envs.items()}
     rows, started, bar = [], time.time(), Progress(len(jobs), "rollout", True)
     for name, env in envs.items():
         mine = [(task, sample) for n, task, sample in jobs if n == name]
-        max_turns = config.max_turns or env.max_turns or chat.DEFAULT_MAX_TURNS
+        parser, max_turns = chat.resolve(config, tokenizer, env)
         for start in range(0, len(mine), config.batch_size):
             chunk = mine[start:start + config.batch_size]
             # one generator per episode, from the seed and the episode's own identity: the same

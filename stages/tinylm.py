@@ -8,6 +8,7 @@ model.safetensors and the tokenizer files, so transformers or vLLM load the fold
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -102,6 +103,25 @@ def load(path: str | Path):
             f"{path / 'model.safetensors'}; the tokenizer belongs to another model")
     model.eval()
     return model, tokenizer
+
+
+def weights_digest(folder: str | Path) -> str:
+    """The SHA-256 of a model folder's weights: of `model.safetensors`, or, for a sharded
+    folder (a hub model of billions of parameters), of each shard's name and bytes in order.
+    """
+    folder = Path(folder)
+    single = folder / "model.safetensors"
+    if single.exists():
+        return hashlib.sha256(single.read_bytes()).hexdigest()
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights; save the model with "
+                                f"save_pretrained (safetensors)")
+    digest = hashlib.sha256()
+    for shard in shards:
+        digest.update(shard.name.encode())
+        digest.update(shard.read_bytes())
+    return digest.hexdigest()
 
 
 def save(model, tokenizer, path: str | Path, card: dict | None = None) -> None:

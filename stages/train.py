@@ -63,7 +63,8 @@ from stages.training import trainers
 REPLAY = pa.schema([("task_id", pa.string()), ("completion", pa.string()),
                     ("token_ids", pa.list_(pa.int32())), ("model_mask", pa.list_(pa.int8())),
                     ("logprobs", pa.list_(pa.float32())), ("correct", pa.float64()),
-                    ("reward", pa.float64())])
+                    ("reward", pa.float64()), ("chat", pa.bool_()),
+                    ("environment", pa.string())])
 STEP_COLUMNS = ["step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "epoch"]
 
 
@@ -74,7 +75,8 @@ def algorithm(name: str):
     return importlib.import_module(f"stages.training.{name}")
 
 
-def trace_conversations(validated: Path, specs: dict, root: Path, tokenizer) -> tuple[list, dict]:
+def trace_conversations(validated: Path, specs: dict, root: Path, tokenizer,
+                        end_ids: tuple[int, ...] = ()) -> tuple[list, dict]:
     """SFT rows from the production traces with a thumbs up (an `environments:` section): each
     trace's own conversation, its tool calls and tool results included, encoded turn by turn
     with the champion's chat template and its environment's tools (`chat.encode`: the loss on
@@ -86,7 +88,8 @@ def trace_conversations(validated: Path, specs: dict, root: Path, tokenizer) -> 
     from stages.envs import contract
     from stages.generation import chat
 
-    counts = {"trace_examples": 0, "traces_thumbs_up": 0, "traces_reward_disagrees": 0}
+    counts = {"trace_examples": 0, "traces_thumbs_up": 0, "traces_reward_disagrees": 0,
+              "traces_unusable": 0}
     if not validated.exists():
         return [], counts
     table = pq.read_table(validated, columns=["trace_id", "messages", "thumbs_up", "question"],
@@ -100,16 +103,22 @@ def trace_conversations(validated: Path, specs: dict, root: Path, tokenizer) -> 
         counts["traces_thumbs_up"] += 1
         if name not in envs:
             envs[name] = contract.load(name, specs[name].module, root)
-            templates[name] = chat.Template.of(tokenizer, list(envs[name].tools))
+            templates[name] = chat.Template.of(tokenizer, list(envs[name].tools), end_ids)
         messages = json.loads(trace["messages"])
         task = {k: v for k, v in task.items() if k != "environment"}
         start = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"),
                      len(messages))
-        scores = contract.score(envs[name], task, task["messages"] + messages[start:])
-        if scores is not None and not all(v >= 1.0 for v in scores.values()):
-            counts["traces_reward_disagrees"] += 1
+        try:
+            scores = contract.score(envs[name], task, task["messages"] + messages[start:])
+            if scores is not None and not contract.full_marks(scores):
+                counts["traces_reward_disagrees"] += 1
+                continue
+            ids, mask = chat.encode(templates[name], messages)
+        except Exception as err:  # one odd trace: counted, said, and the others still train
+            counts["traces_unusable"] += 1
+            print(f"train: trace {trace['trace_id']} not used: {type(err).__name__}: {err}",
+                  file=sys.stderr)
             continue
-        ids, mask = chat.encode(templates[name], messages)
         rows.append({"task_id": f"{name}:trace:{trace['trace_id']}", "environment": name,
                      "completion":
                      json.dumps(messages[start:]), "correct": 1.0, "reward": 1.0,
@@ -168,7 +177,8 @@ def store_and_replay(rows: list[dict], replay: Path, name: str, fraction: float,
     replay.mkdir(parents=True, exist_ok=True)
     stored = [{"task_id": r["task_id"], "completion": r["completion"], "token_ids": r["token_ids"],
                "model_mask": r["model_mask"], "logprobs": r.get("logprobs"),
-               "correct": r["correct"], "reward": r["reward"]} for r in rows]
+               "correct": r["correct"], "reward": r["reward"], "chat": bool(r.get("chat")),
+               "environment": r.get("environment")} for r in rows]
     digest = hashlib.sha256(repr([(r["task_id"], r["completion"], r["reward"])
                                   for r in stored]).encode())
     part = replay / f"part-{digest.hexdigest()[:16]}.parquet"
@@ -179,6 +189,7 @@ def store_and_replay(rows: list[dict], replay: Path, name: str, fraction: float,
             for row in old:
                 row.setdefault("correct", 1.0)
                 row.setdefault("reward", 1.0)
+                row.setdefault("chat", False)  # parts from before chat episodes existed
             earlier.extend(algorithm(name).examples(old)[0])
     if stored:
         io.write_parquet(part, pa.Table.from_pylist(stored, schema=REPLAY))
@@ -190,7 +201,7 @@ def store_and_replay(rows: list[dict], replay: Path, name: str, fraction: float,
 
 def _fingerprint(examples: list[dict], champion: Path, config: cfg.Train, seed: int) -> str:
     digest = hashlib.sha256()
-    digest.update((champion / "model.safetensors").read_bytes())
+    digest.update(tinylm.weights_digest(champion).encode())
     digest.update(repr((sorted(asdict(config).items()), seed)).encode())
     for example in examples:
         digest.update(repr(sorted(example.items())).encode())
@@ -238,10 +249,16 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
     examples, counts = method.examples(rows)
     traced = []
     if specs and config.algorithm == "sft" and validated is not None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, GenerationConfig
 
-        traced, found = trace_conversations(validated, specs, root or Path.cwd(),
-                                            AutoTokenizer.from_pretrained(champion))
+        tokenizer = AutoTokenizer.from_pretrained(champion)
+        try:  # the turn's end tokens, as the rollout takes them (Llama 3 has three)
+            ends = GenerationConfig.from_pretrained(champion).eos_token_id
+        except OSError:
+            ends = None
+        ends = [ends] if isinstance(ends, int) else list(ends or [])
+        traced, found = trace_conversations(validated, specs, root or Path.cwd(), tokenizer,
+                                            tuple(ends))
         examples = examples + method.examples(traced)[0]
         counts.update(found)
     if len(specs or {}) > 1:  # the environments' shares of the examples, by weight
@@ -262,8 +279,10 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
         counts["pairs_from_feedback"] = len(examples) - counts["pairs_from_rollouts"]
     tmp = candidate.with_name(candidate.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    replayed, available = store_and_replay(rows, replay, config.algorithm, config.replay_fraction,
-                                           base.seed, examples)
+    # the thumbs-up traces trained on are stored too: replayed later, and seen by the gate's
+    # contamination check
+    replayed, available = store_and_replay(rows + traced, replay, config.algorithm,
+                                           config.replay_fraction, base.seed, examples)
     hw = trainers.hardware()
     metrics = {"algorithm": config.algorithm, "examples": len(examples), "replayed": len(replayed),
                "replay_available": available, **counts, "device": hw["device"],

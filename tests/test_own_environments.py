@@ -349,3 +349,34 @@ def test_examples_are_shared_among_environments_by_weight():
     assert [e["task_id"] for e in kept[:12]] == [f"a:{i % 4}" for i in range(12)]  # repeated
     assert len({e["task_id"] for e in kept[12:]}) == 4  # a seeded sample of b's twelve
     assert train.by_weight(examples, where, specs, seed=0) == (kept, counts)  # deterministic
+
+
+def test_replayed_chat_rows_stay_chat_rows(tmp_path):
+    rows = [{"task_id": "support:t1", "completion": "[]", "token_ids": [5, 6, 7],
+             "model_mask": [0, 1, 1], "logprobs": [0.0, -0.5, -0.1], "correct": 1.0,
+             "reward": 1.0, "chat": True, "environment": "support"}]
+    train.store_and_replay(rows, tmp_path, "sft", 1.0, 0, [])
+    replayed, available = train.store_and_replay([], tmp_path, "sft", 1.0, 0, [])
+    assert available == 1 and replayed[0]["chat"] is True
+    from stages.training.sft import collate
+    batch = collate(replayed, bos=None, eos=2, pad=0)  # as they are: no <bos>, no extra <eos>
+    assert batch["input_ids"][0, :3].tolist() == [5, 6, 7]
+    assert batch["labels"][0, :4].tolist() == [-100, 6, 7, -100]
+
+
+def test_a_tokenizer_without_pad_token_pads_with_eos_and_shards_hash(tmp_path):
+    from stages import tinylm
+    from stages.training import trainers
+
+    tok = AutoTokenizer.from_pretrained(build(tmp_path / "m", "llama"))
+    tok.pad_token = None
+    assert trainers.pad_id(tok) == tok.eos_token_id
+    for i in range(2):
+        (tmp_path / "sharded").mkdir(exist_ok=True)
+        (tmp_path / "sharded" / f"model-0000{i + 1}-of-00002.safetensors").write_bytes(bytes([i]) * 8)
+    first = tinylm.weights_digest(tmp_path / "sharded")
+    (tmp_path / "sharded" / "model-00002-of-00002.safetensors").write_bytes(b"\x07" * 8)
+    assert tinylm.weights_digest(tmp_path / "sharded") != first
+    import hashlib
+    assert tinylm.weights_digest(tmp_path / "m") == hashlib.sha256(
+        (tmp_path / "m" / "model.safetensors").read_bytes()).hexdigest()

@@ -438,6 +438,18 @@ def score(env: Environment, task: dict, messages: list[dict]) -> dict[str, float
                         f"non-empty dict of them (named components) or None (cannot judge)")
 
 
+def full_marks(scores: dict[str, float]) -> bool:
+    """Whether reward components are full marks: 1.0 (to rounding) in every one of them. What a
+    gold must score, and what counts an episode `correct`.
+    """
+    return all(value >= 1.0 - 1e-9 for value in scores.values())
+
+
+def mean(scores: dict[str, float]) -> float:
+    """The reward of an episode: the mean of its components (a float is one component)."""
+    return sum(scores.values()) / len(scores)
+
+
 def check_gold(env: Environment, task: dict) -> dict[str, float] | None:
     """Check that the task's messages plus the module's gold(task) score full marks (1.0, or at
     least 1.0 in every component) and that the gold's tool calls name known tools with valid
@@ -468,10 +480,10 @@ def check_gold(env: Environment, task: dict) -> dict[str, float] | None:
     if scores is None:
         raise GoldError(f"{where}: reward() cannot judge the gold (returned None); fix gold() "
                         f"or the task's fields")
-    short = {name: value for name, value in scores.items() if value < 1.0 - 1e-9}
-    if short:
-        raise GoldError(f"{where}: the gold does not score full marks: {short} (every component "
-                        f"must reach 1.0); fix the task's fields, gold() or reward()")
+    if not full_marks(scores):
+        short = {name: value for name, value in scores.items() if value < 1.0 - 1e-9}
+        raise GoldError(f"{where}: the gold does not score full marks: {short} (every "
+                        f"component must reach 1.0); fix the task's fields, gold() or reward()")
     return scores
 
 

@@ -205,7 +205,7 @@ def encode(template: Template, messages: list[dict]) -> tuple[list[int], list[in
             raise TemplateError("the chat template renders the assistant turn after a "
                                 "different prefix than its generation prompt")
         body = turn[len(start):]
-        tail = template._tail(turn)
+        tail = template._tail(body)  # the turn's own end token, not an earlier message's
         body = body[:len(body) - len(tail)] if tail else body
         own = template.ids(body)
         ids += own
@@ -233,11 +233,13 @@ class _Play:
         self.episodes = [ChatEpisode(messages=[dict(m) for m in task["messages"]])
                          for task in tasks]
         self.turns_ended = [0] * len(tasks)  # turns that reached their end token
+        self.answered = [(0, 0)] * len(tasks)  # (tool_calls, tool_errors) before the last turn
 
     def on_turn_end(self, row: int, turn_ids: list[int]):
         """`generate_ids`' hook: the ids to feed after this turn, or why the episode ends."""
         episode, task = self.episodes[row], self.tasks[row]
         self.turns_ended[row] += 1
+        self.answered[row] = (episode.tool_calls, episode.tool_errors)
         text = self.template.tokenizer.decode(turn_ids, skip_special_tokens=False)
         parsed = tool_parsers.parse(self.parser, text)
         episode.messages.append(assistant_message(parsed))
@@ -266,6 +268,21 @@ class _Play:
         injected = self.template.after_turn(episode.messages, answers)
         episode.messages.extend(answers)
         return self.template.ids(injected)
+
+
+def resolve(rollout, tokenizer, env: contract.Environment) -> tuple[str, int]:
+    """(the tool parser, the turn limit) for `env`: `rollout.tool_parser` (auto: the one the chat
+    template implies) and `rollout.max_turns`, else the module's MAX_TURNS, else
+    DEFAULT_MAX_TURNS. Raises ValueError naming `rollout.tool_parser` when it cannot tell.
+    """
+    rollout.check_tool_parser(tool_parsers.PARSERS)
+    parser = rollout.tool_parser
+    if parser == "auto":
+        try:
+            parser = tool_parsers.detect(tokenizer.chat_template or "")
+        except ValueError as err:
+            raise TemplateError(f"rollout.tool_parser: auto: {err}") from None
+    return parser, rollout.max_turns or env.max_turns or DEFAULT_MAX_TURNS
 
 
 def end_ids(model, tokenizer) -> tuple[int, ...]:
@@ -308,6 +325,11 @@ def rollout(model, tokenizer, env: contract.Environment, tasks: list[dict], *, p
         episode.logprobs = [0.0] * len(prompt) + row.logprobs
         episode.finish = row.finish
         episode.turns = turn_index(len(prompt), row.model_mask, row.closes)
+        if row.finish == "length" and play.turns_ended[index] > len(row.closes):
+            # its last turn's tool answers found no room in the context: never fed, not kept
+            while episode.messages and episode.messages[-1].get("role") == "tool":
+                episode.messages.pop()
+            episode.tool_calls, episode.tool_errors = play.answered[index]
         if row.finish == "length" and play.turns_ended[index] == len(row.closes):
             # cut off mid-turn: what it wrote since the last injected token is its last message
             start = len(row.model_mask)

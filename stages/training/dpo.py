@@ -198,4 +198,4 @@ def trainer(model, tokenizer, champion: Path, pairs: list[dict], args_for, confi
         model=model, ref_model=reference, args=args, train_dataset=data,
         processing_class=tokenizer,
         data_collator=collate(tokenizer.bos_token_id, tokenizer.eos_token_id,
-                              tokenizer.pad_token_id))
+                              trainers.pad_id(tokenizer)))

@@ -138,7 +138,7 @@ def trainer(model, tokenizer, champion: Path, groups: list[dict], args_for, conf
     rows = [dict(e) for g in groups for e in g["episodes"]]
     if config.kl_coef or any(g.get("replayed") for g in groups):
         reference, _ = tinylm.load(champion)
-        reference_logprobs(reference, rows, tokenizer.bos_token_id, tokenizer.pad_token_id,
+        reference_logprobs(reference, rows, tokenizer.bos_token_id, trainers.pad_id(tokenizer),
                            args_for.batch_size)
         for row, replayed in zip(rows, [g.get("replayed", False) for g in groups
                                         for _ in g["episodes"]]):
@@ -149,5 +149,5 @@ def trainer(model, tokenizer, champion: Path, groups: list[dict], args_for, conf
     data = Dataset.from_list(rows)
     return GRPOTrainer(
         model=model, args=args_for(len(data)), train_dataset=data,
-        data_collator=collate(tokenizer.bos_token_id, tokenizer.pad_token_id),
+        data_collator=collate(tokenizer.bos_token_id, trainers.pad_id(tokenizer)),
         clip=config.clip, kl_coef=config.kl_coef)

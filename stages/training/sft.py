@@ -95,4 +95,4 @@ def trainer(model, tokenizer, champion: Path, rows: list[dict], args_for, config
     return SFTTrainer(
         model=model, args=args_for(len(data)), train_dataset=data,
         data_collator=functools.partial(collate, bos=tokenizer.bos_token_id,
-                                        eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id))
+                                        eos=tokenizer.eos_token_id, pad=trainers.pad_id(tokenizer)))

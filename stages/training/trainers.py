@@ -137,6 +137,14 @@ class StepLog:
         super().log(logs, start_time)
 
 
+def pad_id(tokenizer) -> int:
+    """The padding id: the tokenizer's pad token, else its eos (Llama 3 and Mistral Instruct
+    tokenizers have no pad token; padded positions are masked out anyway).
+    """
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+        else tokenizer.eos_token_id
+
+
 def by_task(rows: list[dict]) -> dict[str, list[dict]]:
     """The scored rollouts (reward not None) grouped by task, tasks in a fixed order."""
     tasks: dict[str, list[dict]] = {}
