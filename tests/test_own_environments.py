@@ -304,7 +304,8 @@ def test_a_thumbs_up_trace_is_trained_on_as_it_is_with_its_tool_calls(tmp_path, 
     specs = {"support": cfg.EnvironmentSpec(module="examples.support.support_env")}
     tok = AutoTokenizer.from_pretrained(champion)
     examples, counts = train.trace_conversations(validated, specs, REPO, tok)
-    assert counts == {"trace_examples": 1, "traces_thumbs_up": 2, "traces_reward_disagrees": 1}
+    assert counts == {"trace_examples": 1, "traces_thumbs_up": 2, "traces_reward_disagrees": 1,
+                      "traces_unusable": 0}
     (example,) = examples
     trained = [tok.decode([t for t, m in zip(example["token_ids"], example["model_mask"]) if m])]
     assert trained == ['<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "A1001"}}'
