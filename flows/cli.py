@@ -505,7 +505,29 @@ def cmd_check(args) -> int:
                               else f"{len(found)} tasks")
         print(f"environment {name!r}: {env.module} ({env.source}), tools: "
               f"{', '.join(env.tool_names) or 'none'}; {', '.join(counts) or 'no task files'}")
+    for line in power_lines(root):
+        print(line)
     print("params.yaml is valid")
+
+
+def power_lines(root: Path) -> list[str]:
+    """What each gate suite can detect, from the last decision (metrics/gate.json): its size,
+    the smallest change it detects at 80% power, and a warning for an underpowered guard.
+    """
+    path = root / "metrics" / "gate.json"
+    verdict = json.loads(path.read_text()) if path.exists() else {}
+    lines = []
+    for name, suite in (verdict.get("suites") or {}).items():
+        if "detectable_change" not in suite:
+            continue
+        line = (f"gate suite {name!r} ({suite.get('role')}): {suite.get('items')} items detect "
+                f"a change of {suite['detectable_change']:.3f} at 80% power (last decision)")
+        if suite.get("underpowered"):
+            line += (f"; WARNING: underpowered, its max_regression {suite.get('threshold')} is "
+                     f"below that: add items (about 6.2 x disagreement / margin^2 are needed) "
+                     f"or widen the margin")
+        lines.append(line)
+    return lines
     return 0
 
 

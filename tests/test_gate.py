@@ -446,3 +446,29 @@ def test_the_gate_stage_keeps_one_history_line_per_decision(tmp_path, tiny, monk
     assert first["sequence"]["decision"] == 1 and first["sequence"]["method"] == "lord"
     assert first["sequence"]["level"] == pytest.approx(gate.lord_level(0.05, []), abs=1e-6)
     assert "LORD++" in first["rule"]
+
+
+def test_check_shows_what_each_suite_detects_and_warns_about_an_underpowered_guard(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "params.yaml").write_text((repo / "params.yaml").read_text())
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    (tmp_path / "metrics").mkdir()
+    good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
+    small = pairs(rows([0, 0, 1] + [1] * 4 + [0] * 3, "small"),
+                  rows([1, 1, 0] + [1] * 4 + [0] * 3, "small"))
+    suites = {"arith": cfg.Suite(), "small": cfg.Suite(max_regression=0.05)}
+    verdict = gate.decide(cfg.Gate(suites=suites), 0, good + small, set(), [], False)
+    (tmp_path / "metrics" / "gate.json").write_text(json.dumps(verdict))
+    out = subprocess.run([str(Path(sys.executable).parent / "offseason"), "check"],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    small_line = next(line for line in out.stdout.splitlines() if "'small'" in line)
+    assert small_line.startswith(f"gate suite 'small' (guard): 10 items detect a change of "
+                                 f"{verdict['suites']['small']['detectable_change']:.3f}")
+    assert "WARNING: underpowered, its max_regression 0.05 is below that" in small_line
+    assert "gate suite 'arith' (primary): 200 items" in out.stdout
+    assert "WARNING" not in next(line for line in out.stdout.splitlines() if "'arith'" in line)
