@@ -38,13 +38,7 @@ def run(base: cfg.Base, config: cfg.Gate, champion: Path, suites: list[Path], sc
     """
     tinylm.set_threads(base.threads)
     weights = gate.weights_hash(champion)
-    if specs:
-        chats = gate.chat_suites(specs, root or Path.cwd(), config.benchmark_size)
-        items = {name: tasks for name, (_, tasks) in chats.items()}
-        scored = gate.score_chat(champion, chats, rollout or cfg.Rollout(), base.seed)
-    else:
-        items = gate.suite_items(config, suites)
-        scored = gate.score_suites(champion, config, items, base.seed)
+    items, scored, _ = gate.score_all(champion, config, suites, base.seed, specs, rollout, root)
     rows = [{**row, "champion_weights": weights} for row in scored]
     io.write_parquet(scores_out, pa.Table.from_pylist(rows))
     kept = {(r["suite"], r["id"]): r for r in

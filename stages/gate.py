@@ -176,6 +176,21 @@ def score_chat(model_dir: Path, suites: dict[str, tuple], rollout: cfg.Rollout, 
     return rows
 
 
+def score_all(model_dir: Path, config: cfg.Gate, suites: list[Path], seed: int,
+              specs: dict | None = None, rollout: cfg.Rollout | None = None,
+              root: Path | None = None) -> tuple[dict, list[dict], dict | None]:
+    """(items by suite, one model's score rows, the chat suites or None): the user's
+    environments' benchmarks through the chat path when `specs` is set, else the suites of
+    `gate.suites`. What champion_scores and the gate both score, alike.
+    """
+    if specs:
+        chats = chat_suites(specs, root or Path.cwd(), config.benchmark_size)
+        items = {name: tasks for name, (_, tasks) in chats.items()}
+        return items, score_chat(model_dir, chats, rollout or cfg.Rollout(), seed), chats
+    items = suite_items(config, suites)
+    return items, score_suites(model_dir, config, items, seed), None
+
+
 def suite_items(config: cfg.Gate, suites: list[Path]) -> dict[str, list[dict]]:
     """The items of each suite, by name; a path and its params entry must name each other."""
     named = {}
@@ -393,16 +408,10 @@ def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path
     `max_regression`.
     """
     tinylm.set_threads(base.threads)
-    margins = None
-    if specs:
-        chats = chat_suites(specs, root or Path.cwd(), config.benchmark_size)
-        items = {name: tasks for name, (_, tasks) in chats.items()}
-        cand = score_chat(candidate, chats, rollout or cfg.Rollout(), base.seed)
-        margins = {name: (f"{name} ({env.module})", specs[name].max_regression)
-                   for name, (env, _) in chats.items()}
-    else:
-        items = suite_items(config, suites)
-        cand = score_suites(candidate, config, items, base.seed)
+    items, cand, chats = score_all(candidate, config, suites, base.seed, specs, rollout, root)
+    margins = None if chats is None else {
+        name: (f"{name} ({env.module})", specs[name].max_regression)
+        for name, (env, _) in chats.items()}
     champ_rows = pq.read_table(champion_scores).to_pylist()
     champ = {(r["suite"], r["id"]): r for r in champ_rows}
     missing = [(r["suite"], r["id"]) for r in cand if (r["suite"], r["id"]) not in champ]

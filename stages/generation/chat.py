@@ -56,13 +56,6 @@ class ChatEpisode:
     turns: list[int] = field(default_factory=list)  # per token: 0 prompt, k the k-th turn
 
 
-def _plain(ids) -> list[int]:
-    """apply_chat_template(tokenize=True) gives a list or, in transformers 5, a BatchEncoding."""
-    if hasattr(ids, "keys") and "input_ids" in ids:
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 @dataclass
 class Template:
     """How one tokenizer renders conversations with one set of tools."""
