@@ -105,15 +105,23 @@ def cmd_init(args) -> int:
     specs = configs["environments"]
     base_model = args.base_model or (Path(configs["base"].model) if configs["base"].model
                                      else None)
+    demo = False  # the demo's own tiny chat model as generation 0
     if specs:  # the user's environments: a chat model of theirs, their benchmarks
         if base_model is None:
-            raise cfg.ParamsError("base.model: the environments: path needs your chat model "
-                                  "as generation 0; set base.model to its Hugging Face folder "
-                                  "(or run `offseason init --base-model PATH`)")
-        if not base_model.is_absolute():
+            demo_module = ENVIRONMENTS[configs["base"].environment].__name__
+            demo = any(spec.module == demo_module for spec in specs.values())
+            if not demo:
+                raise cfg.ParamsError(
+                    "base.model: the environments: path needs your chat model as generation 0; "
+                    "set base.model to its Hugging Face folder (or run `offseason init "
+                    f"--base-model PATH`); only the demo's environment ({demo_module}, "
+                    "base.environment) has a tiny model offseason can build")
+        elif not base_model.is_absolute():
             base_model = root / base_model
         chats = gate.chat_suites(specs, root, configs["gate"].benchmark_size)
-        if (base_model / "config.json").is_file():  # a missing folder: init.run says so
+        templates = []
+        if base_model is not None and (base_model / "config.json").is_file():
+            # (a missing folder: init.run says so)
             from transformers import AutoTokenizer
 
             from stages.generation import chat
@@ -132,9 +140,17 @@ def cmd_init(args) -> int:
     with cycle_lock(root, "offseason init"):
         print("init: building generation 0 ...", flush=True)
         champion = root / "models" / "champion"
-        metrics = init.run(configs["base"], configs["init"], champion, base_model)
+        metrics = init.run(configs["base"], configs["init"], champion, base_model, chat=demo)
         if specs:
             scores = gate.score_chat(champion, chats, configs["rollout"], configs["base"].seed)
+            if demo:
+                from transformers import AutoTokenizer
+
+                from stages.generation import chat
+
+                tokenizer = AutoTokenizer.from_pretrained(champion)
+                templates = [chat.Template.of(tokenizer, list(env.tools))
+                             for env, _ in chats.values()]
             metrics["template"] = "prefix-preserving" if all(
                 t.prefix_preserving for t in templates) else "incremental"
         else:

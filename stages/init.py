@@ -22,8 +22,12 @@ from stages.envs.registry import ENVIRONMENTS
 from stages.training import warmstart
 
 
-def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None = None) -> dict:
-    """Write generation 0 to `output`; returns its metrics."""
+def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None = None,
+        chat: bool = False) -> dict:
+    """Write generation 0 to `output`; returns its metrics. `chat`: the demo's model with a chat
+    template, warm-started on chat conversations (the `environments:` path), rather than on the
+    environment's own tag protocol.
+    """
     tinylm.set_threads(base.threads)
     output = Path(output)
     if output.exists():
@@ -41,18 +45,27 @@ def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None 
                    "parameters": sum(p.numel() for p in model.parameters())}
     else:
         env = ENVIRONMENTS[base.environment]
-        tokenizer = tinylm.build_tokenizer(env)
+        tokenizer = tinylm.build_tokenizer(env, chat=chat)
         model = tinylm.build_model(tokenizer, config.n_layer, config.n_embd, config.n_head,
                                    config.n_positions, base.seed)
         rng = random.Random(base.seed)
+        if chat:
+            from stages.generation.chat import Template
+
+            template = Template.of(tokenizer, list(env.TOOLS), (tokenizer.eos_token_id,))
+            batches = warmstart.chat_demonstrations(template, env, rng, config.tool_fraction,
+                                                    config.batch_size)
+        else:
+            batches = warmstart.demonstrations(tokenizer, env, rng, config.tool_fraction,
+                                               config.batch_size)
         metrics = warmstart.train(
-            model, warmstart.demonstrations(tokenizer, env, rng, config.tool_fraction,
-                                           config.batch_size),
+            model, batches,
             steps=config.warmup_steps, lr=config.lr, tokenizer=tokenizer, seed=base.seed,
             label="warm start",
         )
         metrics.update(source="warm-start", parameters=sum(p.numel() for p in model.parameters()))
-        tinylm.save(model, tokenizer, tmp, card={"generation": 0, "environment": env.NAME})
+        tinylm.save(model, tokenizer, tmp, card={"generation": 0, "environment": env.NAME,
+                                                 "chat": chat})
     tmp.rename(output)
     return metrics
 

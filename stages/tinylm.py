@@ -26,19 +26,50 @@ from transformers import (
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
+# The demo's chat protocol (`build_tokenizer(env, chat=True)`): the roles and Hermes/Qwen2.5's
+# tool-call tags, each one token. The template has the Hermes shape (`<tool_call>{"name": ...,
+# "arguments": {...}}</tool_call>`, results in `<tool_response>`), so `rollout.tool_parser: auto`
+# reads it as `hermes`, as it would a Qwen2.5 model's; it leaves out what a 80-position model has
+# no room for (the tool schemas, a system preamble). Every assistant turn ends with <eos>.
+CHAT_TAGS = ["<|system|>", "<|user|>", "<|assistant|>", "<tool_call>", "</tool_call>",
+             "<tool_response>", "</tool_response>"]
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'system' -%}<|system|>{{ message.content }}"
+    "{%- elif message.role == 'user' -%}<|user|>{{ message.content }}"
+    "{%- elif message.role == 'assistant' -%}<|assistant|>{{ message.content or '' }}"
+    "{%- for call in message.tool_calls or [] -%}"
+    "<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}</tool_call>"
+    "{%- endfor -%}<eos>"
+    "{%- elif message.role == 'tool' -%}<tool_response>{{ message.content }}</tool_response>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
 
-def build_tokenizer(env) -> PreTrainedTokenizerFast:
-    """A character tokenizer over the environment's alphabet, with each tag a single token."""
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(env.TAGS) + list(env.CHARS))}
+
+def build_tokenizer(env, chat: bool = False) -> PreTrainedTokenizerFast:
+    """A character tokenizer over the environment's alphabet, with each tag a single token.
+
+    `chat`: the chat protocol instead of the environment's own tags: `CHAT_TAGS`, the
+    environment's `CHAT_TOKENS` (the fixed parts of its tool calls' JSON, one token each, as a
+    BPE vocabulary would merge them) and `CHAT_TEMPLATE`, so the model runs the chat path
+    (`stages/generation/chat.py`) as a Hugging Face chat model does.
+    """
+    tags = CHAT_TAGS + list(env.CHAT_TOKENS) if chat else list(env.TAGS)
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + tags + list(env.CHARS))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    core.add_tokens(list(env.TAGS))  # matched before the character split
+    core.add_tokens(tags)  # matched before the character split
     core.add_special_tokens(SPECIALS)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
         unk_token="<unk>", model_max_length=512,
     )
+    if chat:
+        tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 

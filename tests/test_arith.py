@@ -30,8 +30,8 @@ def test_score_components():
 
 
 def test_gold_scores_full_marks():
-    assert arith.gold("47*38", "1786") == "answer:1786"
-    assert set(arith.score("47*38", "1786", arith.gold("47*38", "1786")).values()) == {1.0}
+    assert arith.gold_completion("47*38", "1786") == "answer:1786"
+    assert set(arith.score("47*38", "1786", arith.gold_completion("47*38", "1786")).values()) == {1.0}
 
 
 def test_calculator_never_evals():
@@ -100,3 +100,43 @@ def test_benchmark_is_fixed(tmp_path):
     arith.write_benchmark(tmp_path / "b.jsonl")
     committed = (arith.Path(__file__).parents[1] / "data/benchmarks/arith.jsonl").read_text()
     assert (tmp_path / "b.jsonl").read_text() == committed
+
+
+# --- the demo on the contract: the same module, loaded as a user's environment is ----------
+
+
+def test_arith_loads_as_an_environment_on_the_contract():
+    from stages.envs import contract
+
+    env = contract.load("arith", "stages.envs.arith")
+    assert env.tool_names == ["calculator"] and env.max_turns == arith.MAX_TURNS
+    tasks = contract.load_tasks(arith.Path(__file__).parents[1] / "data/benchmarks/arith.jsonl", env)
+    assert len(tasks) == 200
+    for task in tasks:  # the tag path's fields and the chat path's agree, item by item
+        assert task["messages"] == [{"role": "user", "content": task["question"]}]
+        assert contract.check_gold(env, task) == {"reward": 1.0}
+
+
+def test_chat_reward_right_wrong_and_unfinished():
+    task = {"task_id": "t", **arith.chat_task("47*38")}
+    user = task["messages"]
+    assert arith.reward(task, user + [{"role": "assistant", "content": "answer:1786"}]) == 1.0
+    assert arith.reward(task, user + [{"role": "assistant", "content": " 1786 "}]) == 1.0  # a trace's
+    assert arith.reward(task, user + [{"role": "assistant", "content": "1787"}]) == 0.0
+    assert arith.reward(task, user + [{"role": "assistant", "content": "about 1786"}]) == 0.0
+    # the last word is a tool call: it never answered
+    assert arith.reward(task, user + arith.gold(task)[:1]) == 0.0
+    assert arith.reward({"answer": "None", "messages": user}, user) is None
+
+
+def test_calculator_tool_answers_as_the_demo_does():
+    task = {"task_id": "t", **arith.chat_task("47*38")}
+    assert arith.call_tool(task, "calculator", {"expression": "47*38"}) == "1786"
+    assert arith.call_tool(task, "calculator", {"expression": "__import__('os')"}) == "?"
+
+
+def test_task_from_trace_normalises_the_question():
+    trace = arith.messages_from_completion("What is 47 x 38?", "answer:1786", "c")
+    assert arith.task_from_trace(trace, [arith.TOOL_SCHEMA]) == {
+        "messages": [{"role": "user", "content": "47*38"}], "answer": "1786"}
+    assert arith.task_from_trace([{"role": "user", "content": "hello"}], None) is None

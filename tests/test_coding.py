@@ -35,7 +35,7 @@ def test_registered_under_code():
 
 
 def test_right_answer_and_gold_score_full_marks():
-    gold = coding.gold(QUESTION, ANSWER)
+    gold = coding.gold_completion(QUESTION, ANSWER)
     assert coding.verify(QUESTION, ANSWER, gold) == 1.0
     assert coding.score(QUESTION, ANSWER, gold) == {"correct": 1.0, "format": 1.0, "tool_ok": 1.0}
     # the last block is the answer: an earlier wrong draft does not count against it
@@ -71,19 +71,19 @@ def test_malformed_completions_score_zero():
 
 
 def test_unjudgeable_tasks_give_none():
-    right = coding.gold(QUESTION, ANSWER)
+    right = coding.gold_completion(QUESTION, ANSWER)
     for answer in ["not json", json.dumps({"tests": ""}), json.dumps([1, 2]),
                    json.dumps({"entry_point": "add"})]:
         assert coding.verify(QUESTION, answer, right) is None
         assert coding.score(QUESTION, answer, right) is None
     with pytest.raises(ValueError, match="no reference solution"):
-        coding.gold(QUESTION, json.dumps({"tests": TESTS}))
+        coding.gold_completion(QUESTION, json.dumps({"tests": TESTS}))
 
 
 def test_a_broken_sandbox_raises_not_zero(monkeypatch):
     monkeypatch.setattr(sandbox, "interpreter", lambda: "/nonexistent/bin/python3")
     with pytest.raises(VerifierError, match="not an executable file"):
-        coding.verify(QUESTION, ANSWER, coding.gold(QUESTION, ANSWER))
+        coding.verify(QUESTION, ANSWER, coding.gold_completion(QUESTION, ANSWER))
 
 
 def test_run_tool_injects_output_and_errors():
@@ -117,7 +117,7 @@ def test_task_suites_gold_passes_and_a_stub_fails(path):
 
     def verdicts(task):
         entry = coding.parse_answer(task["answer"])["entry_point"]
-        gold = coding.gold(task["question"], task["answer"])
+        gold = coding.gold_completion(task["question"], task["answer"])
         stub = block(f"def {entry}(*args, **kwargs):\n    return None")
         assert tokenizer.decode(tokenizer.encode(coding.prompt(task["question"]) + gold)) == \
             coding.prompt(task["question"]) + gold  # the demo tokenizer can write it

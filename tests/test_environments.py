@@ -13,7 +13,7 @@ from stages.training import warmstart
 from stages.training.sft import encode_completion
 
 INTERFACE = ["NAME", "VERSION", "TAGS", "CHARS", "TOOL_CLOSE", "MAX_TURNS", "prompt",
-             "on_tool_close", "verify", "score", "gold", "task_from_messages",
+             "on_tool_close", "verify", "score", "gold_completion", "task_from_messages",
              "messages_from_completion", "sample_question", "mix_for_day", "demonstration",
              "task_kind"]
 

@@ -44,7 +44,7 @@ def toolcall_rows():
         expected = json.loads(task["answer"])["expected"]
         args = expected["arguments"] or {}
         rows += [(task["task_id"], task["question"], task["answer"], c) for c in (
-            toolcall.gold(task["question"], task["answer"]), call("no_such_tool", args),
+            toolcall.gold_completion(task["question"], task["answer"]), call("no_such_tool", args),
             '<tool_call>{"name": ' + expected["name"], call(expected["name"], {"bogus": 1}))]
     return rows
 

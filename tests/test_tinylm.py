@@ -117,3 +117,50 @@ def test_sft_loss_goes_down():
     with torch.no_grad():
         after = float(model(input_ids=inputs, attention_mask=attention, labels=labels).loss)
     assert after < before * 0.7
+
+
+def test_the_demo_chat_tokenizer_renders_hermes_calls_in_single_tokens(tmp_path):
+    from stages.envs import contract
+    from stages.generation import chat, tool_parsers
+
+    tokenizer = tinylm.build_tokenizer(arith, chat=True)
+    assert tool_parsers.detect(tokenizer.chat_template) == "hermes"  # auto picks it, as for Qwen
+    env = contract.load("arith", "stages.envs.arith")
+    template = chat.Template.of(tokenizer, list(env.tools), (tokenizer.eos_token_id,))
+    assert template.prefix_preserving
+    task = {"task_id": "t", **arith.chat_task("47*38")}
+    talk = task["messages"] + arith.gold(task)
+    text = template.render(talk, False)
+    assert text == ('<|user|>47*38<|assistant|><tool_call>{"name": "calculator", "arguments": '
+                    '{"expression": "47*38"}}</tool_call><eos><tool_response>1786'
+                    '</tool_response><|assistant|>answer:1786<eos>')
+    ids, mask = chat.encode(template, talk)
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    assert "<unk>" not in tokens and len(ids) == 30  # fits the demo's 80 positions
+    chosen = "".join(t for t, m in zip(tokens, mask) if m)  # the model's own tokens, only
+    assert chosen == ('<tool_call>{"name": "calculator", "arguments": {"expression": "47*38"}}'
+                      '</tool_call><eos>answer:1786<eos>')
+    # the model's turn parses back into the call the template rendered
+    first = tokenizer.decode(ids[mask.index(1):tokens.index("<eos>") + 1])
+    parsed = tool_parsers.parse("hermes", template.strip_end(first))
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["calculator"]
+    # saved and loaded as any Hugging Face folder, the template comes along
+    model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
+    tinylm.save(model, tokenizer, tmp_path / "m")
+    _, loaded = tinylm.load(tmp_path / "m")
+    assert loaded.chat_template == tinylm.CHAT_TEMPLATE
+
+
+def test_chat_warm_start_rows_are_chat_conversations():
+    from stages.generation import chat
+
+    tokenizer = tinylm.build_tokenizer(arith, chat=True)
+    template = chat.Template.of(tokenizer, list(arith.TOOLS), (tokenizer.eos_token_id,))
+    batch = next(warmstart.chat_demonstrations(template, arith, random.Random(0), 0.5, 64))
+    assert all(row["chat"] for row in batch)
+    tool = [row for row in batch if tinylm.CHAT_TAGS.index("<tool_call>") + 4 in row["token_ids"]]
+    assert 10 < len(tool) < 54  # about half call the calculator
+    for row in batch:  # the loss only on the model's own tokens, each turn ending at <eos>
+        own = [t for t, m in zip(row["token_ids"], row["model_mask"]) if m]
+        assert own[-1] == tokenizer.eos_token_id
+        assert tokenizer.convert_tokens_to_ids("<tool_response>") not in own

@@ -109,10 +109,10 @@ def test_gold_scores_full_marks_on_every_suite_task():
     tasks = load_tasks("data/tasks/toolcall.jsonl") + load_tasks("data/benchmarks/toolcall.jsonl")
     assert len(tasks) == 30
     for task in tasks:
-        gold = toolcall.gold(task["question"], task["answer"])
+        gold = toolcall.gold_completion(task["question"], task["answer"])
         assert toolcall.score(task["question"], task["answer"], gold) == FULL, task["task_id"]
     # made up from the schema when no arguments are expected
-    assert json.loads(toolcall.gold(Q, answer(None)).split("<tool_call>")[1].split("</")[0]) == \
+    assert json.loads(toolcall.gold_completion(Q, answer(None)).split("<tool_call>")[1].split("</")[0]) == \
         {"name": "get_weather", "arguments": {"city": "x"}}
 
 

@@ -38,6 +38,11 @@ TOOL_NAME = "calculator"
 TAGS = [QUESTION, ANSWER, TOOL_OPEN, TOOL_CLOSE, RESULT_OPEN, RESULT_CLOSE]
 CHARS = list("0123456789+-*?")
 OPS = "+-*"
+# The fixed parts of a calculator call in the Hermes JSON the chat template writes, one token each
+# in the demo's chat tokenizer (stages/tinylm.py, `build_tokenizer(env, chat=True)`), and the
+# answer's own prefix: its first token is then the choice between calling and answering, as in the
+# tag protocol, which is what lets one cycle teach the model to call when it pays (DEMO-NOTES)
+CHAT_TOKENS = ['{"name": "calculator", "arguments": {"expression": "', '"}}', ANSWER]
 TOOL_SCHEMA = {
     "type": "function",
     "function": {
@@ -168,7 +173,7 @@ def score(question: str, answer: str, completion: str) -> dict[str, float] | Non
     return {"correct": correct, "format": float(well_formed), "tool_ok": float(tool_ok)}
 
 
-def gold(question: str, answer: str) -> str:
+def gold_completion(question: str, answer: str) -> str:
     """A completion that must score full marks: the final answer, no tool."""
     return f"{ANSWER}{answer}"
 
@@ -271,6 +276,65 @@ def task_from_messages(messages: list[dict], tools: list[dict] | None = None) ->
     return None
 
 
+# The contract of an environment (stages/envs/contract.py): what the chat path runs, as it runs a
+# user's own module. A task: {"task_id", "messages": [the user's question], "answer": "<int>"}.
+TOOLS = [TOOL_SCHEMA]
+
+
+def chat_task(question: str) -> dict:
+    """The task of a question, as the chat path holds it (without its task_id)."""
+    return {"messages": [{"role": "user", "content": question}],
+            "answer": str(gold_answer(question))}
+
+
+def call_tool(task: dict, name: str, arguments: dict) -> str:
+    """The calculator: the value of `arguments["expression"]`, or `?` (in the demo model's
+    alphabet, as the tag protocol answers) when it is not `a OP b`.
+    """
+    return tool_result(str(arguments.get("expression", "")))
+
+
+_FINAL = re.compile(re.escape(ANSWER) + r"?\s*(-?\d+)")
+
+
+def reward(task: dict, messages: list[dict]) -> float | None:
+    """1.0 when the episode's last message is an assistant answer, without a tool call, that is
+    exactly the task's integer answer (`answer:1786`, as the demo writes it, or `1786`, as a
+    production trace does); 0.0 otherwise; None when the task has no integer answer.
+    """
+    gold_value = _gold(task.get("answer"))
+    if gold_value is None:
+        return None
+    last = messages[-1] if messages else {}
+    if last.get("role") != "assistant" or last.get("tool_calls"):
+        return 0.0
+    final = _FINAL.fullmatch(str(last.get("content") or "").strip())
+    return 1.0 if final and int(final[1]) == gold_value else 0.0
+
+
+def chat_demonstration(question: str, use_tool: bool) -> list[dict]:
+    """A correct answer as chat messages, with or without a calculator call."""
+    value = gold_answer(question)
+    if not use_tool:
+        return [{"role": "assistant", "content": f"{ANSWER}{value}"}]
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": TOOL_NAME, "arguments": json.dumps({"expression": question})}}
+    return [{"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": str(value)},
+            {"role": "assistant", "content": f"{ANSWER}{value}"}]
+
+
+def gold(task: dict) -> list[dict]:
+    """The calculator called on the question, then its value as the answer."""
+    return chat_demonstration(str(task["messages"][-1]["content"]), use_tool=True)
+
+
+def task_from_trace(messages: list[dict], tools: list[dict] | None = None) -> dict | None:
+    """The chat task behind a trace (see `task_from_messages`): its question as the user turn."""
+    task = task_from_messages(messages, tools)
+    return None if task is None else chat_task(task["question"])
+
+
 def write_benchmark(path: Path, size: int = 200, seed: int = 1234) -> None:
     """The held-out suite: uniform over operations and operand sizes, fixed by its seed."""
     rng = random.Random(seed)
@@ -279,8 +343,10 @@ def write_benchmark(path: Path, size: int = 200, seed: int = 1234) -> None:
         question = sample_question(rng)
         if question not in seen:
             seen.add(question)
-            rows.append({"id": f"{NAME}-{len(rows):04d}", "question": question,
-                         "answer": gold_answer(question)})
+            task_id = f"{NAME}-{len(rows):04d}"  # `id` for the tag path, `task_id` for chat
+            rows.append({"id": task_id, "task_id": task_id, "question": question,
+                         "answer": gold_answer(question),
+                         "messages": chat_task(question)["messages"]})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 

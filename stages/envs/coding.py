@@ -122,7 +122,7 @@ def score(question: str, answer: str, completion: str) -> dict[str, float] | Non
     }
 
 
-def gold(question: str, answer: str) -> str:
+def gold_completion(question: str, answer: str) -> str:
     """The reference solution as a completion: scores 1.0 when the task is sound."""
     solution = parse_answer(answer).get("solution")
     if not isinstance(solution, str):
@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     for path in args.check:
         tasks = load_tasks(path)
         for task in tasks:
-            verdict = check(task["question"], task["answer"], gold(task["question"], task["answer"]))
+            verdict = check(task["question"], task["answer"],
+                           gold_completion(task["question"], task["answer"]))
             if verdict.correct != 1.0:
                 bad += 1
                 print(f"{path}: {task['id']}: reference solution {verdict.outcome}: {verdict.reason}")

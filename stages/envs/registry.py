@@ -19,7 +19,7 @@ An environment is one module that defines:
   calls and a final answer) and "tool_ok" (1.0 if every tool call in it ran without a tool error;
   1.0 when there were none); more components may follow (kept as `score_<name>` columns). The
   reward is `sum(reward.weights[name] * component)` over `COMPONENTS`.
-- `gold(question, answer) -> str`: a completion that must score full marks (checked before
+- `gold_completion(question, answer) -> str`: a completion that must score full marks (checked before
   scoring; a task whose gold does not is set aside and counted).
 - `task_from_messages(messages, tools=None) -> {"question", "answer"} | None`: the task behind an
   OpenAI chat trace (`tools`: the trace's tool schemas, chat `tools` shape, which validate passes
@@ -58,7 +58,7 @@ def score_job(env_name: str, question: str, answer: str, completion: str | None
     env = ENVIRONMENTS[env_name]
     try:
         if completion is None:
-            completion = env.gold(question, answer)
+            completion = env.gold_completion(question, answer)
         components = env.score(question, answer, completion)
     except Exception as err:  # the verifier broke: an error with its cause, never a zero
         return None, f"{type(err).__name__}: {err}"

@@ -187,7 +187,7 @@ def example(schema: dict):
     return "x" * max(1, schema.get("minLength", 1))
 
 
-def gold(question: str, answer: str) -> str:
+def gold_completion(question: str, answer: str) -> str:
     """The expected call (arguments made up from the schema when none are expected)."""
     task = _task(answer)
     if task is None:

@@ -97,6 +97,15 @@ class Template:
         """The ids of the task's messages and the generation prompt: what the model first sees."""
         return self.ids(self.render(messages, True))
 
+    def strip_end(self, text: str) -> str:
+        """A turn's text without its end token (the parsers know the families' own end markers,
+        not every tokenizer's eos).
+        """
+        for marker in self.end_markers:
+            if marker and text.endswith(marker):
+                return text[:-len(marker)]
+        return text
+
     def _tail(self, before: str) -> str:
         """What the template writes after the last assistant turn's end token (Qwen: a newline)."""
         cut = max(((before.rfind(m), m) for m in self.end_markers if m), default=(-1, ""))
@@ -233,7 +242,8 @@ class _Play:
         episode, task = self.episodes[row], self.tasks[row]
         self.turns_ended[row] += 1
         self.answered[row] = (episode.tool_calls, episode.tool_errors)
-        text = self.template.tokenizer.decode(turn_ids, skip_special_tokens=False)
+        text = self.template.strip_end(
+            self.template.tokenizer.decode(turn_ids, skip_special_tokens=False))
         parsed = tool_parsers.parse(self.parser, text)
         episode.messages.append(assistant_message(parsed))
         attempts = len(parsed.tool_calls) + len(parsed.errors)

@@ -33,6 +33,24 @@ def demonstrations(tokenizer, env, rng: random.Random, tool_fraction: float, bat
         yield batch
 
 
+def chat_demonstrations(template, env, rng: random.Random, tool_fraction: float,
+                        batch_size: int):
+    """Endless batches of a built-in environment's demonstrations as chat conversations, encoded
+    by the model's chat template as a rollout is (`stages.generation.chat.encode`).
+    """
+    from stages.generation import chat
+
+    while True:
+        batch = []
+        for _ in range(batch_size):
+            question = env.sample_question(rng)
+            task = env.chat_task(question)
+            answer = env.chat_demonstration(question, use_tool=rng.random() < tool_fraction)
+            ids, mask = chat.encode(template, task["messages"] + answer)
+            batch.append({"token_ids": ids, "model_mask": mask, "chat": True})
+        yield batch
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     """Linear warm-up, then a cosine decay to zero."""
     if step < warmup:
