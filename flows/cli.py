@@ -122,12 +122,12 @@ def cmd_init(args) -> int:
         templates = []
         if base_model is not None and (base_model / "config.json").is_file():
             # (a missing folder: init.run says so)
-            from transformers import AutoTokenizer
-
+            from stages import tinylm
             from stages.generation import chat
 
-            tokenizer = AutoTokenizer.from_pretrained(base_model)
-            # a model without a chat template fails here, before anything is written
+            # a folder without its files, or a model without a chat template, fails here,
+            # naming what to fix, before anything is written
+            tokenizer = tinylm.load_tokenizer(base_model)
             templates = [chat.Template.of(tokenizer, list(env.tools))
                          for env, _ in chats.values()]
             if not all(t.prefix_preserving for t in templates):
@@ -144,11 +144,10 @@ def cmd_init(args) -> int:
         if specs:
             scores = gate.score_chat(champion, chats, configs["rollout"], configs["base"].seed)
             if demo:
-                from transformers import AutoTokenizer
-
+                from stages import tinylm
                 from stages.generation import chat
 
-                tokenizer = AutoTokenizer.from_pretrained(champion)
+                tokenizer = tinylm.load_tokenizer(champion)
                 templates = [chat.Template.of(tokenizer, list(env.tools))
                              for env, _ in chats.values()]
             metrics["template"] = "prefix-preserving" if all(
@@ -224,6 +223,19 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def read_environment_benchmarks(root: Path, specs: dict) -> None:
+    """Each environment's benchmark parses and has tasks (`environments:`), or fails naming the
+    file and line, before any stage runs (as `read_benchmark` for the built-in one).
+    """
+    from stages.envs import contract
+
+    for name, spec in specs.items():
+        if spec.benchmark and not contract.load_tasks(root / spec.benchmark, name):
+            raise contract.TaskFileError(
+                f"{spec.benchmark}: the benchmark of environment {name!r} is empty; the gate "
+                f"needs items to compare on: write held-out tasks into it")
+
+
 def cmd_run(args) -> int:
     """`offseason run`: one cycle under the workspace's lock, the stages started before Prefect."""
     root = find_root()
@@ -234,7 +246,10 @@ def cmd_run(args) -> int:
     session = pipeline.Session(root)  # DVC loads in it while the checks below run
     try:
         # fail before any stage (or Prefect) starts
-        if not settings.load_all(root / "params.yaml")["environments"]:
+        specs = settings.load_all(root / "params.yaml")["environments"]
+        if specs:
+            read_environment_benchmarks(root, specs)
+        else:
             read_benchmark(root)
         with cycle_lock(root, "offseason run"):
             # repairs, checks and the no-change decision, before Prefect or MLflow load; when

@@ -4,7 +4,7 @@ Everything is read from what each cycle committed and tagged (`gen-N`): `dvc.loc
 deps and outs with their DVC hashes), the `.dvc` pointer files (the inbox snapshot, the champion),
 `metrics/*.json` (the verdict, the promotion record) and, through the hashes, the DVC cache
 (`.dvc/cache`) or the DVC remote (`.dvcstore/` by default): the training examples of
-`data/replay/` (their `task_id` is the trace id), the traces of `data/traces/` (trace id -> inbox
+`data/replay/` (their `task_id` names the trace: `trace_id_of`), the traces of `data/traces/` (trace id -> inbox
 file). MLflow adds the run and the model version when its database is there.
 
     offseason lineage gen-3                 # the chain, as text (--json for scripts)
@@ -182,13 +182,29 @@ def out_hash(stages: dict, path: str) -> str | None:
     return None
 
 
+def trace_id_of(row: dict) -> str | None:
+    """The trace behind a training example: on the tag path its `task_id` is the trace id; on the
+    chat path (an `environment` column) it is `<environment>:trace:<trace id>` for a task from a
+    trace and `<environment>:<task id>` for a task of the environment's task file (no trace).
+    """
+    if not row.get("environment"):
+        return row["task_id"]
+    _, marker, trace_id = row["task_id"].partition(":trace:")
+    return trace_id if marker else None
+
+
 def training_trace_ids(root: Path, replay_md5: str, cache: dict) -> set[str]:
     """The trace ids of the training examples in a `data/replay/` folder version."""
     ids = set()
     for entry in manifest(root, replay_md5):
         if entry["md5"] not in cache:
-            cache[entry["md5"]] = {r["task_id"] for r in
-                                   parquet_column(root, entry["md5"], ["task_id"])}
+            data = read_object(root, entry["md5"])
+            if data is None:
+                parquet_column(root, entry["md5"], [])  # raises, naming the object
+            names = pq.read_schema(pa.BufferReader(data)).names
+            columns = ["task_id"] + (["environment"] if "environment" in names else [])
+            cache[entry["md5"]] = {trace_id_of(r) for r in read_parquet(data, columns).to_pylist()
+                                   } - {None}
         ids |= cache[entry["md5"]]
     return ids
 

@@ -89,11 +89,9 @@ class ModelFolderError(FileNotFoundError):
     """The folder is not a usable model: a file missing, corrupt, or not matching the others."""
 
 
-def load(path: str | Path):
-    """Model and tokenizer from a Hugging Face folder; names the file to fix when it is not one.
-
-    Also checks that the weights fit the config (transformers would otherwise fill missing or
-    misshapen weights with random values and only warn) and the tokenizer fits the model.
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a Hugging Face model folder, after checking the folder has its files
+    (config.json, tokenizer.json, the weights); ModelFolderError names the file to fix.
     """
     path = Path(path)
     missing = [name for name in ("config.json", "tokenizer.json") if not (path / name).exists()]
@@ -113,6 +111,17 @@ def load(path: str | Path):
     except (OSError, ValueError, TypeError, KeyError) as err:
         raise ModelFolderError(f"{path / 'tokenizer.json'}: the tokenizer cannot be loaded "
                                f"({type(err).__name__}: {err})") from None
+    return tokenizer
+
+
+def load(path: str | Path):
+    """Model and tokenizer from a Hugging Face folder; names the file to fix when it is not one.
+
+    Also checks that the weights fit the config (transformers would otherwise fill missing or
+    misshapen weights with random values and only warn) and the tokenizer fits the model.
+    """
+    path = Path(path)
+    tokenizer = load_tokenizer(path)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                            output_loading_info=True)

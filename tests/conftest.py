@@ -55,9 +55,15 @@ def train_config(**values) -> cfg.Train:
 
 
 def write_params(root: Path, overrides: dict) -> None:
+    """Override params.yaml section by section; `environments` is replaced as a whole (its keys
+    are a project's own names, not settings to merge).
+    """
     params = yaml.safe_load((root / "params.yaml").read_text())
     for section, values in overrides.items():
-        params.setdefault(section, {}).update(values)
+        if section == "environments":
+            params[section] = values
+        else:
+            params.setdefault(section, {}).update(values)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 

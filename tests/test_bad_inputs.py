@@ -15,9 +15,9 @@ from stages.envs import arith
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
-    """A small, valid Hugging Face folder, as `offseason init --base-model` takes it."""
+    """A small, valid Hugging Face chat model folder, as `offseason init --base-model` takes it."""
     folder = tmp_path_factory.mktemp("models") / "good"
-    tokenizer = tinylm.build_tokenizer(arith)
+    tokenizer = tinylm.build_tokenizer(arith, chat=True)
     model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
     tinylm.save(model, tokenizer, folder)
     return folder
@@ -70,14 +70,26 @@ def test_a_good_model_folder_loads(model_folder):
     assert len(tokenizer) <= model.get_input_embeddings().num_embeddings
 
 
-@pytest.mark.parametrize("content, says", [
-    ("", "the benchmark is empty"),
-    ("\n\n", "the benchmark is empty"),
-    ('{"id": "a", "question": "1+1"}\n{"id": \n', "line 2: not valid JSON"),
-    ('["1+1"]\n', "line 1: a benchmark item is an object with 'id' and 'question'"),
+CHAT_TASK = '{"task_id": "a", "messages": [{"role": "user", "content": "1+1"}], "answer": 2}'
+
+
+@pytest.mark.parametrize("path, content, says", [
+    ("chat", "", "arith.jsonl: the benchmark of environment 'arith' is empty"),
+    ("chat", "\n\n", "arith.jsonl: the benchmark of environment 'arith' is empty"),
+    ("chat", CHAT_TASK + '\n{"task_id": \n', "arith.jsonl:2: not valid JSON"),
+    ("chat", '["1+1"]\n', "arith.jsonl:1: a task is a JSON object"),
+    ("chat", '{"id": "a", "question": "1+1"}\n', "arith.jsonl:1: missing 'task_id'"),
+    ("tag", "", "the benchmark is empty"),
+    ("tag", "\n\n", "the benchmark is empty"),
+    ("tag", '{"id": "a", "question": "1+1"}\n{"id": \n', "line 2: not valid JSON"),
+    ("tag", '["1+1"]\n', "line 1: a benchmark item is an object with 'id' and 'question'"),
 ])
-def test_a_bad_benchmark_fails_init_and_run_naming_the_file(tmp_path, content, says):
+def test_a_bad_benchmark_fails_init_and_run_naming_the_file(tmp_path, path, content, says):
+    """Both paths: the demo's default (arith on the chat path) and `environments: {}` (the
+    built-in environment's tag protocol)."""
     root = make_project(tmp_path / "p")
+    if path == "tag":
+        write_params(root, {"environments": {}})
     (root / "data/benchmarks/arith.jsonl").write_text(content)
     for command in ("init", "run"):
         result = offseason(root, command, check=False)

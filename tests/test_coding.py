@@ -138,3 +138,27 @@ def test_load_tasks_names_the_bad_line(tmp_path):
     path.write_text(json.dumps({"id": "a", "question": QUESTION, "answer": "{}"}) + "\n")
     with pytest.raises(ValueError, match=r"tasks.jsonl:1: .*answer.tests"):
         coding.load_tasks(path)
+
+
+def test_code_loads_as_an_environment_on_the_contract():
+    """The same tasks through the chat path's contract: each gold passes its tests in the
+    sandbox, a wrong final answer scores 0, the python tool runs code.
+    """
+    from stages.envs import contract
+
+    root = Path(__file__).resolve().parents[1]
+    env = contract.load("code", "stages.envs.coding")
+    assert env.tool_names == ["python"]
+    tasks = contract.load_tasks(root / "data/benchmarks/code.jsonl", env)
+    assert len(tasks) == 10
+    for task in tasks:
+        assert task["messages"] == [{"role": "user", "content": task["question"]}]
+        assert contract.check_gold(env, task) == {"reward": 1.0}
+    task = tasks[0]
+    wrong = [{"role": "assistant", "content": "```python\ndef multiply(a, b):\n    return a + b\n```"}]
+    assert contract.score(env, task, task["messages"] + wrong) == {"reward": 0.0}
+    no_code = [{"role": "assistant", "content": "multiply is a * b"}]
+    assert contract.score(env, task, task["messages"] + no_code) == {"reward": 0.0}
+    assert contract.call(env, task, "python", {"code": "print(6 * 7)"}) == ("42\n", None)
+    output, why = contract.call(env, task, "python", {"code": "1/0"})
+    assert why is None and output.startswith("error: ") and "ZeroDivisionError" in output

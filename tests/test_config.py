@@ -27,7 +27,10 @@ def test_defaults_load(tmp_path):
 def test_repo_params_are_valid():
     configs = settings.load_all(cfg.Path(__file__).parents[1] / "params.yaml")
     assert set(configs) == set(settings.SECTIONS) | {"environments"}
-    assert configs["environments"] == {}  # the demo runs the built-in environment
+    # the demo runs the built-in arith module on the environment contract, through the chat path
+    assert list(configs["environments"]) == ["arith"]
+    assert configs["environments"]["arith"].module == "stages.envs.arith"
+    assert configs["gate"].primary == "arith"
 
 
 def test_unknown_key_names_key_and_suggests(tmp_path):

@@ -456,6 +456,9 @@ def test_check_shows_what_each_suite_detects_and_warns_about_an_underpowered_gua
     repo = Path(__file__).resolve().parents[1]
     (tmp_path / "params.yaml").write_text((repo / "params.yaml").read_text())
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    (tmp_path / "data" / "benchmarks").mkdir(parents=True)  # check counts the demo's benchmark
+    (tmp_path / "data" / "benchmarks" / "arith.jsonl").write_text(
+        (repo / "data" / "benchmarks" / "arith.jsonl").read_text())
     (tmp_path / "metrics").mkdir()
     good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
     small = pairs(rows([0, 0, 1] + [1] * 4 + [0] * 3, "small"),

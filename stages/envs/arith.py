@@ -16,6 +16,17 @@ message with a `calculator` tool call, the tool's reply, and the assistant's fin
 `task_from_messages`, `messages_from_completion` and `completion_from_messages` translate between
 the two.
 
+The same module is an environment on the contract of a user's own (stages/envs/contract.py:
+`TOOLS`, `call_tool`, `reward`, `gold`, `task_from_trace`), which is how the demo runs: params.yaml
+lists it under `environments:` and the demo model, with its Hermes-shaped chat template
+(stages/tinylm.py), plays it through the chat path. A task there is `{"task_id", "messages":
+[{"role": "user", "content": "47*38"}], "answer": "1786"}`; one episode, as the template renders it:
+
+    <|user|>47*38<|assistant|><tool_call>{"name": "calculator", "arguments": {"expression":
+    "47*38"}}</tool_call><eos><tool_response>1786</tool_response><|assistant|>answer:1786<eos>
+
+The held-out benchmark carries both shapes in each line (`id`/`question` and `task_id`/`messages`).
+
 This module is pure Python (no torch), so ingestion and validation stay light.
     python -m stages.envs.arith --write-benchmark data/benchmarks/arith.jsonl   # the held-out suite
 """
@@ -294,7 +305,7 @@ def call_tool(task: dict, name: str, arguments: dict) -> str:
     return tool_result(str(arguments.get("expression", "")))
 
 
-_FINAL = re.compile(re.escape(ANSWER) + r"?\s*(-?\d+)")
+_FINAL = re.compile(r"(?:" + re.escape(ANSWER) + r")?\s*(-?\d+)")
 
 
 def reward(task: dict, messages: list[dict]) -> float | None:

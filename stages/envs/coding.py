@@ -187,6 +187,49 @@ def _demo_only(*args, **kwargs):
 sample_question = mix_for_day = demonstration = _demo_only
 
 
+# The contract of an environment (stages/envs/contract.py), so a chat model can be trained on code
+# tasks through the chat path: `environments: {code: {module: stages.envs.coding, tasks:
+# data/tasks/code.jsonl, benchmark: data/benchmarks/code.jsonl}}`. A task line carries both shapes:
+# `id`/`question`/`answer` (the tag protocol) and `task_id`/`messages` (the chat path; the reward
+# reads the tests from `answer`). The final code is the last ```python block of the last assistant
+# message; the `python` tool runs code in the same sandbox as `<run>` does.
+TOOLS = [{"type": "function", "function": {
+    "name": TOOL_NAME,
+    "description": "Run Python code in a sandbox; returns what it printed (stdout, then stderr).",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
+                   "required": ["code"]}}}]
+
+
+def call_tool(task: dict, name: str, arguments: dict) -> str:
+    """What the code printed, bounded; a run that failed starts with `error: <outcome>`. A broken
+    sandbox raises SandboxError: an infrastructure failure, never an answer the agent sees.
+    """
+    result = sandbox.run_code(str(arguments.get("code", "")), limits=RUN_LIMITS)
+    output = result.stdout + result.stderr
+    if not result.passed:
+        output = f"error: {result.outcome}: {result.reason}\n" + output
+    return output if len(output) <= TOOL_OUTPUT_CHARS else output[:TOOL_OUTPUT_CHARS] + "..."
+
+
+def reward(task: dict, messages: list[dict]) -> float | None:
+    """1.0 when every unit test passes on the last assistant message's last ```python block,
+    0.0 when one fails or there is no block, None when the task has no tests.
+    """
+    answer = task.get("answer")
+    answer = answer if isinstance(answer, str) else json.dumps(answer)
+    last = messages[-1] if messages else {}
+    final = str(last.get("content") or "") if last.get("role") == "assistant" else ""
+    return check(str(task.get("question", "")), answer, final).correct
+
+
+def gold(task: dict) -> list[dict]:
+    """The reference solution as the final answer."""
+    answer = task.get("answer")
+    answer = answer if isinstance(answer, str) else json.dumps(answer)
+    return [{"role": "assistant",
+             "content": gold_completion(str(task.get("question", "")), answer)}]
+
+
 def load_tasks(path: Path) -> list[dict]:
     """Tasks from a JSONL suite; names the file and line of a malformed one."""
     tasks = []

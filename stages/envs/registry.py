@@ -30,6 +30,10 @@ An environment is one module that defines:
   `sample_question(rng, weights)`, `mix_for_day(day, shift)`, `demonstration(question, use_tool)`
   (an environment without a demo may raise NotImplementedError there).
 
+That is the tag protocol, run when params.yaml's `environments:` is empty. `arith` and `code` also
+define the contract of a user's own environment (`stages/envs/contract.py`), and the demo runs
+arith that way, through the chat path; `toolcall` does not (its tools differ from task to task).
+
 Add an environment by writing that module and naming it in ENVIRONMENTS below; then set
 `base.environment: <name>` in params.yaml and put its task suite in `data/tasks/<name>.jsonl`
 (see `load_tasks`).
