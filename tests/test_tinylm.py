@@ -164,3 +164,25 @@ def test_chat_warm_start_rows_are_chat_conversations():
         own = [t for t, m in zip(row["token_ids"], row["model_mask"]) if m]
         assert own[-1] == tokenizer.eos_token_id
         assert tokenizer.convert_tokens_to_ids("<tool_response>") not in own
+
+
+def test_chat_episodes_at_the_context_limit_fit_every_collator():
+    """A chat episode as long as the model's positions (one cut off at the limit) is trained on
+    by SFT and GRPO: no padding column past the position embeddings (found by GRPO on the demo).
+    """
+    from stages.training import grpo
+
+    tokenizer = tinylm.build_tokenizer(arith, chat=True)
+    model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=24, seed=0)
+    digits = tokenizer.convert_tokens_to_ids(list("123456789"))
+    full = {"token_ids": [digits[i % 9] for i in range(24)], "model_mask": [0] * 4 + [1] * 20,
+            "logprobs": [0.0] * 24, "chat": True, "advantage": 1.0}
+    short = {**full, "token_ids": full["token_ids"][:10], "model_mask": full["model_mask"][:10],
+             "logprobs": [0.0] * 10}
+    batch = sft.collate([full, short], tokenizer.bos_token_id, tokenizer.eos_token_id,
+                        tokenizer.pad_token_id)
+    assert batch["input_ids"].shape == (2, 24)
+    assert model(**batch).loss.isfinite()
+    batch = grpo.collate(tokenizer.bos_token_id, tokenizer.pad_token_id)([full, short])
+    assert batch["input_ids"].shape == (2, 24)
+    assert grpo.token_logprobs(model, batch["input_ids"], batch["attention_mask"]).shape == (2, 23)

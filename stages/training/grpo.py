@@ -48,7 +48,9 @@ def collate(bos: int, pad: int):
     so it is not part of the GRPO loss.
     """
     def collate(rows: list[dict]) -> dict:
-        width = max(len(r["token_ids"]) for r in rows) + 1
+        # exactly the longest row: a padding column past the model's positions (a chat
+        # episode at the context limit has no <bos> added) would index past its embeddings
+        width = max(len(r["token_ids"]) + (0 if r.get("chat") else 1) for r in rows)
         n = len(rows)
         out = {"input_ids": torch.full((n, width), pad, dtype=torch.long),
                "attention_mask": torch.zeros((n, width), dtype=torch.long),

@@ -57,12 +57,13 @@ def collate(rows: list[dict], bos: int, eos: int, pad: int) -> dict:
     """Right-padded rows (`frame`); labels -100 wherever the model did not choose the token (the
     model shifts the labels itself).
     """
-    width = max(len(r["token_ids"]) for r in rows) + 2
+    framed = [frame(row, bos, eos) for row in rows]
+    # exactly the longest row: a padding column past the model's positions would index past them
+    width = max(len(seq) for seq, _ in framed)
     inputs = torch.full((len(rows), width), pad, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        seq, keep = frame(row, bos, eos)
+    for i, (seq, keep) in enumerate(framed):
         inputs[i, :len(seq)] = torch.tensor(seq)
         attention[i, :len(seq)] = 1
         labels[i, :len(seq)] = torch.tensor([t if k else -100 for t, k in zip(seq, keep)])
