@@ -232,7 +232,11 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
                                  "tasks": "examples/support/tasks.jsonl",
                                  "benchmark": "examples/support/benchmark.jsonl"},
                      "greeter": {"module": "my_envs.greeter", "tasks": "data/greeter.jsonl",
-                                 "benchmark": "data/greeter.jsonl", "max_regression": 0.5}}}
+                                 "benchmark": "data/greeter.jsonl", "max_regression": 0.5},
+                     # a built-in environment on the same contract, beside the user's own
+                     "code": {"module": "stages.envs.coding", "tasks": "data/tasks/code.jsonl",
+                              "benchmark": "data/benchmarks/code.jsonl", "weight": 0.5,
+                              "max_regression": 0.5}}}
     root = make_project(tmp_path / "project", overrides)
     shutil.copytree(REPO / "examples", root / "examples",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -248,7 +252,8 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
     offseason(root, "init")
     init = json.loads((root / "metrics/init.json").read_text())
     assert init["source"] == "import" and init["template"] == "prefix-preserving"
-    assert set(init["benchmarks"]) == {"support", "greeter"} and init["benchmark_items"] == 8
+    assert set(init["benchmarks"]) == {"support", "greeter", "code"}
+    assert init["benchmark_items"] == 8
     inbox = root / "data" / "inbox"
     inbox.mkdir(parents=True, exist_ok=True)
     traces = [support_trace(order, status, up) for order, status, up in
@@ -267,13 +272,17 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
     rolled = json.loads((root / "metrics/rollout.json").read_text())
     assert rolled["environments"]["support"]["trace_tasks"] == 4
     assert rolled["environments"]["support"]["tasks"] == 16  # 4 from traces + 12 from its file
+    assert rolled["environments"]["code"]["tasks"] == 20  # its task file; no trace is a code task
+    rewarded = json.loads((root / "metrics/reward.json").read_text())
+    assert rewarded["errors"] == 0  # every code episode verified in the sandbox
     trained = json.loads((root / "metrics/train.json").read_text())
     assert trained["trained"] and trained["examples"] > 0, trained
     # the three thumbs-up traces, whose answers the reward agrees with, are trained on as they are
     assert trained["traces_thumbs_up"] == 3 and trained["trace_examples"] == 3
     verdict = json.loads((root / "metrics/gate.json").read_text())
     assert verdict["primary"] == "support"
-    assert set(verdict["suites"]) == {"support", "greeter"}
+    assert set(verdict["suites"]) == {"support", "greeter", "code"}
+    assert verdict["suites"]["code"]["role"] == "guard" and verdict["suites"]["code"]["items"] == 10
     assert verdict["suites"]["support"]["role"] == "primary"
     assert verdict["suites"]["greeter"]["role"] == "guard"
     assert verdict["suites"]["greeter"]["threshold"] == 0.5
