@@ -553,13 +553,16 @@ def power_lines(root: Path) -> list[str]:
             continue
         line = (f"gate suite {name!r} ({suite.get('role')}): {suite.get('items')} items detect "
                 f"a change of {suite['detectable_change']:.3f} at 80% power (last decision)")
+        usage = (verdict.get("item_usage") or {}).get(name)
+        if usage:
+            line += (f"; its items have informed {usage['decisions_mean']:g} decisions on "
+                     f"average, at most {usage['decisions_max']}")
         if suite.get("underpowered"):
             line += (f"; WARNING: underpowered, its max_regression {suite.get('threshold')} is "
                      f"below that: add items (about 6.2 x disagreement / margin^2 are needed) "
                      f"or widen the margin")
         lines.append(line)
     return lines
-    return 0
 
 
 def stored_rewards(root: Path, generation: int) -> Path:

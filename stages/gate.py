@@ -456,12 +456,38 @@ def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path
                if h["key"] != key]
     verdict = decide(config, base.seed, pairs, solved, contaminated, unchanged, margins,
                      [h for h in earlier if not h.get("unchanged")])
+    used = {name: sorted({str(item.get("task_id", item.get("id"))) for item in suite})
+            for name, suite in items.items()}
+    verdict["item_usage"] = item_usage(earlier, used, unchanged)
     if history is not None:
         io.write_jsonl(history, earlier + [{
             "key": key, "primary": config.primary, "method": config.sequential,
             "level": verdict["sequence"]["level"], "p_value": verdict["sequence"]["p_value"],
-            "passed": verdict["passed"], "unchanged": unchanged}])
+            "passed": verdict["passed"], "unchanged": unchanged, "items": used}])
     return verdict
+
+
+def item_usage(earlier: list[dict], used: dict[str, list[str]], unchanged: bool) -> dict:
+    """How many decisions each suite's items have informed, this one included (unless the
+    candidate is the champion unchanged: nothing was decided), from the earlier lines of
+    data/gate_history.jsonl: per suite its items and the fewest, mean and most decisions per
+    item. Held-out items that decided many cycles wear out (a team picks candidates by them);
+    refresh a suite whose items have informed many decisions.
+    """
+    out = {}
+    for name, ids in used.items():
+        counts = dict.fromkeys(ids, 0 if unchanged else 1)
+        for line in earlier:
+            if line.get("unchanged"):
+                continue
+            for item in set((line.get("items") or {}).get(name, ())):
+                if item in counts:
+                    counts[item] += 1
+        values = list(counts.values()) or [0]
+        out[name] = {"items": len(ids), "decisions_min": min(values),
+                     "decisions_mean": round(sum(values) / len(values), 2),
+                     "decisions_max": max(values)}
+    return out
 
 
 def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: set,

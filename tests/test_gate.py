@@ -446,6 +446,21 @@ def test_the_gate_stage_keeps_one_history_line_per_decision(tmp_path, tiny, monk
     assert first["sequence"]["decision"] == 1 and first["sequence"]["method"] == "lord"
     assert first["sequence"]["level"] == pytest.approx(gate.lord_level(0.05, []), abs=1e-6)
     assert "LORD++" in first["rule"]
+    # each item informed this one decision (the rerun replaced, not added, its line)
+    assert lines[0]["items"] == {"arith": sorted(i["id"] for i in items)}
+    assert again["item_usage"] == {"arith": {"items": 20, "decisions_min": 1,
+                                             "decisions_mean": 1.0, "decisions_max": 1}}
+
+
+def test_item_usage_counts_the_decisions_each_item_informed():
+    earlier = [{"items": {"a": ["x", "y"]}},
+               {"items": {"a": ["x"], "b": ["z"]}},
+               {"items": {"a": ["x", "y"]}, "unchanged": True}]  # nothing was decided
+    usage = gate.item_usage(earlier, {"a": ["x", "y", "new"], "b": ["z"]}, unchanged=False)
+    assert usage["a"] == {"items": 3, "decisions_min": 1, "decisions_mean": 2.0,
+                          "decisions_max": 3}  # x: 2 earlier + this one, y: 1 + 1, new: 1
+    assert usage["b"]["decisions_max"] == 2
+    assert gate.item_usage([], {"a": ["x"]}, unchanged=True)["a"]["decisions_max"] == 0
 
 
 def test_check_shows_what_each_suite_detects_and_warns_about_an_underpowered_guard(tmp_path):
@@ -465,6 +480,8 @@ def test_check_shows_what_each_suite_detects_and_warns_about_an_underpowered_gua
                   rows([1, 1, 0] + [1] * 4 + [0] * 3, "small"))
     suites = {"arith": cfg.Suite(), "small": cfg.Suite(max_regression=0.05)}
     verdict = gate.decide(cfg.Gate(suites=suites), 0, good + small, set(), [], False)
+    verdict["item_usage"] = gate.item_usage([{"items": {"arith": ["a0", "a1"]}}],
+                                            {"arith": ["a0", "a1", "a2"]}, False)
     (tmp_path / "metrics" / "gate.json").write_text(json.dumps(verdict))
     out = subprocess.run([str(Path(sys.executable).parent / "offseason"), "check"],
                          cwd=tmp_path, capture_output=True, text=True)
@@ -474,4 +491,5 @@ def test_check_shows_what_each_suite_detects_and_warns_about_an_underpowered_gua
                                  f"{verdict['suites']['small']['detectable_change']:.3f}")
     assert "WARNING: underpowered, its max_regression 0.05 is below that" in small_line
     assert "gate suite 'arith' (primary): 200 items" in out.stdout
+    assert "its items have informed 1.67 decisions on average, at most 2" in out.stdout
     assert "WARNING" not in next(line for line in out.stdout.splitlines() if "'arith'" in line)
