@@ -370,8 +370,8 @@ def test_replayed_chat_rows_stay_chat_rows(tmp_path):
     assert available == 1 and replayed[0]["chat"] is True
     from stages.training.sft import collate
     batch = collate(replayed, bos=None, eos=2, pad=0)  # as they are: no <bos>, no extra <eos>
-    assert batch["input_ids"][0, :3].tolist() == [5, 6, 7]
-    assert batch["labels"][0, :4].tolist() == [-100, 6, 7, -100]
+    assert batch["input_ids"].tolist() == [[5, 6, 7]]  # nothing added, not even padding
+    assert batch["labels"].tolist() == [[-100, 6, 7]]
 
 
 def test_a_tokenizer_without_pad_token_pads_with_eos_and_shards_hash(tmp_path):
