@@ -119,17 +119,21 @@ def cmd_init(args) -> int:
         elif not base_model.is_absolute():
             base_model = root / base_model
         chats = gate.chat_suites(specs, root, configs["gate"].benchmark_size)
-        templates = []
-        if base_model is not None and (base_model / "config.json").is_file():
-            # (a missing folder: init.run says so)
+
+        def templates_of(folder: Path) -> list:
+            """The model's chat template for each environment's tools; a folder without its
+            files, or a model without a chat template, fails naming what to fix.
+            """
             from stages import tinylm
             from stages.generation import chat
 
-            # a folder without its files, or a model without a chat template, fails here,
-            # naming what to fix, before anything is written
-            tokenizer = tinylm.load_tokenizer(base_model)
-            templates = [chat.Template.of(tokenizer, list(env.tools))
-                         for env, _ in chats.values()]
+            tokenizer = tinylm.load_tokenizer(folder)
+            return [chat.Template.of(tokenizer, list(env.tools)) for env, _ in chats.values()]
+
+        templates = []
+        if base_model is not None and (base_model / "config.json").is_file():
+            # checked before anything is written (a missing folder: init.run says so)
+            templates = templates_of(base_model)
             if not all(t.prefix_preserving for t in templates):
                 print(f"init: the chat template of {base_model} rewrites earlier turns once a "
                       f"conversation goes on (as Qwen3's drops old thinking); rollouts render "
@@ -143,13 +147,8 @@ def cmd_init(args) -> int:
         metrics = init.run(configs["base"], configs["init"], champion, base_model, chat=demo)
         if specs:
             scores = gate.score_chat(champion, chats, configs["rollout"], configs["base"].seed)
-            if demo:
-                from stages import tinylm
-                from stages.generation import chat
-
-                tokenizer = tinylm.load_tokenizer(champion)
-                templates = [chat.Template.of(tokenizer, list(env.tools))
-                             for env, _ in chats.values()]
+            if demo:  # the demo's model exists only now
+                templates = templates_of(champion)
             metrics["template"] = "prefix-preserving" if all(
                 t.prefix_preserving for t in templates) else "incremental"
         else:

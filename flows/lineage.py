@@ -113,13 +113,18 @@ def manifest(root: Path, md5: str) -> list[dict]:
     return json.loads(data)
 
 
-def parquet_column(root: Path, md5: str, columns: list[str]) -> list[dict]:
-    """The rows (only `columns`) of the parquet object with this md5."""
+def stored_object(root: Path, md5: str) -> bytes:
+    """The bytes of the object with this md5; LineageError when it is nowhere to be read."""
     data = read_object(root, md5)
     if data is None:
         raise LineageError(f"object {md5} is in neither the DVC cache nor the remote; run "
                            f"`dvc fetch` or `offseason lineage --verify`")
-    return read_parquet(data, columns).to_pylist()
+    return data
+
+
+def parquet_column(root: Path, md5: str, columns: list[str]) -> list[dict]:
+    """The rows (only `columns`) of the parquet object with this md5."""
+    return read_parquet(stored_object(root, md5), columns).to_pylist()
 
 
 def read_parquet(data: bytes, columns: list[str]):
@@ -198,9 +203,7 @@ def training_trace_ids(root: Path, replay_md5: str, cache: dict) -> set[str]:
     ids = set()
     for entry in manifest(root, replay_md5):
         if entry["md5"] not in cache:
-            data = read_object(root, entry["md5"])
-            if data is None:
-                parquet_column(root, entry["md5"], [])  # raises, naming the object
+            data = stored_object(root, entry["md5"])
             names = pq.read_schema(pa.BufferReader(data)).names
             columns = ["task_id"] + (["environment"] if "environment" in names else [])
             cache[entry["md5"]] = {trace_id_of(r) for r in read_parquet(data, columns).to_pylist()

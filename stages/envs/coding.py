@@ -130,15 +130,21 @@ def gold_completion(question: str, answer: str) -> str:
     return f"{FENCE_OPEN}\n{solution.rstrip()}\n{FENCE_CLOSE}"
 
 
-def on_tool_close(text: str) -> str:
-    """Run the code of the last `<run>` call in the sandbox; inject what it printed."""
-    code = text.rsplit(TOOL_OPEN, 1)[-1].removesuffix(TOOL_CLOSE) if TOOL_OPEN in text else ""
+def run_output(code: str) -> str:
+    """What running `code` in the sandbox printed (stdout, then stderr), at most TOOL_OUTPUT_CHARS;
+    a run that failed starts with `error: <outcome>: <reason>`. A broken sandbox raises.
+    """
     result = sandbox.run_code(code, limits=RUN_LIMITS)
     output = result.stdout + result.stderr
     if not result.passed:
         output = f"error: {result.outcome}: {result.reason}\n" + output
-    if len(output) > TOOL_OUTPUT_CHARS:
-        output = output[:TOOL_OUTPUT_CHARS] + "..."
+    return output if len(output) <= TOOL_OUTPUT_CHARS else output[:TOOL_OUTPUT_CHARS] + "..."
+
+
+def on_tool_close(text: str) -> str:
+    """Run the code of the last `<run>` call in the sandbox; inject what it printed."""
+    code = text.rsplit(TOOL_OPEN, 1)[-1].removesuffix(TOOL_CLOSE) if TOOL_OPEN in text else ""
+    output = run_output(code)
     # the injected text must encode with the environment's alphabet; and must not close early
     output = "".join(c if c in _ALPHABET else "?" for c in output)
     return f"{RESULT_OPEN}{output.replace(RESULT_CLOSE, '')}{RESULT_CLOSE}"
@@ -201,33 +207,30 @@ TOOLS = [{"type": "function", "function": {
 
 
 def call_tool(task: dict, name: str, arguments: dict) -> str:
-    """What the code printed, bounded; a run that failed starts with `error: <outcome>`. A broken
-    sandbox raises SandboxError: an infrastructure failure, never an answer the agent sees.
+    """`run_output` of the call's code. A broken sandbox raises SandboxError: an infrastructure
+    failure, never an answer the agent sees.
     """
-    result = sandbox.run_code(str(arguments.get("code", "")), limits=RUN_LIMITS)
-    output = result.stdout + result.stderr
-    if not result.passed:
-        output = f"error: {result.outcome}: {result.reason}\n" + output
-    return output if len(output) <= TOOL_OUTPUT_CHARS else output[:TOOL_OUTPUT_CHARS] + "..."
+    return run_output(str(arguments.get("code", "")))
+
+
+def _task_text(task: dict) -> tuple[str, str]:
+    """A chat task's (question, answer JSON text), as the tag protocol's functions take them."""
+    answer = task.get("answer")
+    return str(task.get("question", "")), answer if isinstance(answer, str) else json.dumps(answer)
 
 
 def reward(task: dict, messages: list[dict]) -> float | None:
     """1.0 when every unit test passes on the last assistant message's last ```python block,
     0.0 when one fails or there is no block, None when the task has no tests.
     """
-    answer = task.get("answer")
-    answer = answer if isinstance(answer, str) else json.dumps(answer)
     last = messages[-1] if messages else {}
     final = str(last.get("content") or "") if last.get("role") == "assistant" else ""
-    return check(str(task.get("question", "")), answer, final).correct
+    return check(*_task_text(task), final).correct
 
 
 def gold(task: dict) -> list[dict]:
     """The reference solution as the final answer."""
-    answer = task.get("answer")
-    answer = answer if isinstance(answer, str) else json.dumps(answer)
-    return [{"role": "assistant",
-             "content": gold_completion(str(task.get("question", "")), answer)}]
+    return [{"role": "assistant", "content": gold_completion(*_task_text(task))}]
 
 
 def load_tasks(path: Path) -> list[dict]:
