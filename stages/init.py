@@ -50,9 +50,10 @@ def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None 
                                    config.n_positions, base.seed)
         rng = random.Random(base.seed)
         if chat:
-            from stages.generation.chat import Template
+            from stages.generation import chat as chat_path
 
-            template = Template.of(tokenizer, list(env.TOOLS), (tokenizer.eos_token_id,))
+            template = chat_path.Template.of(tokenizer, list(env.TOOLS),
+                                             chat_path.end_ids(model, tokenizer))
             batches = warmstart.chat_demonstrations(template, env, rng, config.tool_fraction,
                                                     config.batch_size)
         else:
