@@ -98,6 +98,8 @@ def run_cycle(root: Path, changes: dict) -> dict:
     """The cycle's steps, inside the flow run (params.yaml already holds this run's overrides)."""
     # a second `offseason run` is refused naming this flow run
     note_cycle(root, flow_run=f"{runtime.flow_run.name} ({runtime.flow_run.id})")
+    if (refusal := promotion.waiting_refusal(root, runtime.flow_run.id)):
+        raise WorkspaceError(refusal)
     configs = settings.load_all(root / "params.yaml")
     start = pipeline.adopt(root) or pipeline.begin(root)
     try:
@@ -155,7 +157,7 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict) -> d
             raise WorkspaceError(f"DVC ended without running {', '.join(missing)}; check "
                                  f"dvc.yaml (`dvc dag` shows the stages)")
         verdict = metrics["gate"]
-        decision = promotion.await_approval(generation, verdict, configs["promotion"])
+        decision = promotion.await_approval(root, generation, verdict, configs["promotion"])
         record = promote(root, generation, verdict, decision, run_id,
                          configs["base"].registered_model, changes)
         message, commit = record["message"], record["commit"]

@@ -8,7 +8,9 @@ skips the finished stages and the stored decision is read back). The Prefect UI 
 input from a terminal. No decision within `promotion.approval_timeout` seconds: nothing is
 promoted, the champion stays and the cycle ends saying so (paused) or, suspended, the Prefect
 server fails the run ("The flow was paused and never resumed": no process of ours is left to
-notice; its log says which timeout it waited under). The paused flow and the terminal talk
+notice; its log says which timeout it waited under). While a suspended run waits, no other cycle
+starts in the workspace (`.offseason/awaiting-approval.json` names it until its timeout): a schedule
+firing meanwhile would build the same generation from the same traces. The paused flow and the terminal talk
 through Prefect's database in `PREFECT_HOME` (each process's temporary local server opens the same
 one) or through the server `PREFECT_API_URL` names.
 
@@ -109,6 +111,50 @@ def answered(flow_run_id, key: str) -> bool:
     return read_flow_run_input(keyset["response"], flow_run_id=flow_run_id) is not None
 
 
+WAITING = Path(".offseason") / "awaiting-approval.json"
+
+
+def note_waiting(root: Path, generation: int, flow_run, timeout: int) -> None:
+    """A served run suspends for approval: no other cycle may start until it is answered."""
+    until = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=timeout)
+    (root / WAITING).parent.mkdir(exist_ok=True)
+    io.write_json(root / WAITING, {"generation": generation, "flow_run_id": str(flow_run.id),
+                                   "flow_run": flow_run.name,
+                                   "until": until.isoformat(timespec="seconds")})
+
+
+def waiting_refusal(root: Path, flow_run_id: str | None) -> str | None:
+    """Why a cycle may not start now (another run waits for approval), or None.
+
+    The run that waits may start again (that is its resume); a wait past its timeout is over
+    (the Prefect server fails that run) and its note is removed.
+    """
+    path = root / WAITING
+    try:
+        note = json.loads(path.read_text())
+        until = dt.datetime.fromisoformat(note["until"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        path.unlink(missing_ok=True)  # unreadable: it cannot hold the workspace
+        return None
+    if note["flow_run_id"] == flow_run_id:
+        return None
+    if until <= dt.datetime.now(dt.timezone.utc):
+        path.unlink(missing_ok=True)
+        return None
+    run = note["flow_run_id"]
+    return (f"gen-{note['generation']} (flow run {note['flow_run']}, {run}) waits for approval "
+            f"until {note['until']}; a cycle now would build the same generation from the same "
+            f"traces. Decide first: `offseason approve {run} --reason ...` or `offseason reject "
+            f"{run} --reason ...` (or the Prefect UI), then run again")
+
+
+def clear_waiting(root: Path) -> None:
+    """The awaited decision is in (or the cycle ended otherwise): the workspace is free."""
+    (root / WAITING).unlink(missing_ok=True)
+
+
 def form(generation: int, summary: str) -> type:
     """The form the Prefect UI shows, with the gate summary as its description."""
     return approval_form().with_initial_data(
@@ -133,7 +179,7 @@ def ask(generation: int, summary: str, flow_run, config: settings.Promotion, key
         "Prefect UI", generation, config.approval_timeout, flow_run.id, flow_run.id)
 
 
-def await_approval(generation: int, verdict: dict, config: settings.Promotion) -> dict:
+def await_approval(root: Path, generation: int, verdict: dict, config: settings.Promotion) -> dict:
     """Wait for a person's decision when params ask for one; returns the decision."""
     if not verdict["passed"]:
         return {"decision": "not-needed", "approver": None, "reason": "the gate failed"}
@@ -158,6 +204,7 @@ def await_approval(generation: int, verdict: dict, config: settings.Promotion) -
         ask(generation, summary, flow_run, config, key)
     try:
         if served:  # free the worker; the run is rescheduled and rerun on resume
+            note_waiting(root, generation, flow_run, config.approval_timeout)
             answer = suspend_flow_run(wait_for_input=form(generation, summary),
                                       timeout=config.approval_timeout, key=key)
         else:
@@ -384,6 +431,7 @@ def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: 
         if promoted:
             move_alias(model_name, version, entry, tx)
     shutil.rmtree(root / "models" / "champion.prev", ignore_errors=True)
+    clear_waiting(root)  # the decision, if one was awaited, is in the record
     record["message"] = message
     return record
 

@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("promotion")]
 
 FLOW = '''
 import json, sys
+from pathlib import Path
 from prefect import flow
 from flows.promotion import await_approval
 from flows import params as settings
@@ -29,7 +30,7 @@ VERDICT = {"passed": True, "candidate_score": 0.6, "champion_score": 0.4, "diffe
 
 @flow(name="approval-check", flow_run_name="gen-" + sys.argv[1])
 def check(timeout: int):
-    return await_approval(int(sys.argv[1]), VERDICT,
+    return await_approval(Path("."), int(sys.argv[1]), VERDICT,
                           settings.Promotion(require_approval=True, approval_timeout=timeout))
 
 if __name__ == "__main__":
@@ -118,6 +119,34 @@ def test_approve_reject_and_timeout_through_prefect(tmp_path, prefect_api):
     assert "Finished in state Completed" in log  # the run goes on, it is not failed
     again = cli(root, prefect_api, "approve", waiting["gen-1"], "--reason", "twice", check=False)
     assert again.returncode == 2 and "is not waiting for a decision" in again.stderr
+
+
+def test_a_run_waiting_for_approval_holds_the_workspace_until_its_timeout(tmp_path):
+    import datetime as dt
+    from types import SimpleNamespace
+
+    from flows.promotion import WAITING, clear_waiting, note_waiting, waiting_refusal
+
+    assert waiting_refusal(tmp_path, "any") is None  # nothing waits
+    run = SimpleNamespace(id="1f0e-run", name="brave-otter")
+    note_waiting(tmp_path, 3, run, timeout=3600)
+    refusal = waiting_refusal(tmp_path, "another-run")
+    assert "gen-3 (flow run brave-otter, 1f0e-run) waits for approval until" in refusal
+    assert "`offseason approve 1f0e-run --reason ...`" in refusal
+    assert waiting_refusal(tmp_path, "1f0e-run") is None  # its own resume goes on
+    assert (tmp_path / WAITING).exists()
+    clear_waiting(tmp_path)
+    assert waiting_refusal(tmp_path, "another-run") is None
+
+    # past its timeout the Prefect server fails the waiting run: the note no longer holds anything
+    note_waiting(tmp_path, 3, run, timeout=3600)
+    note = json.loads((tmp_path / WAITING).read_text())
+    note["until"] = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=1)).isoformat()
+    (tmp_path / WAITING).write_text(json.dumps(note))
+    assert waiting_refusal(tmp_path, "another-run") is None
+    assert not (tmp_path / WAITING).exists()
+    (tmp_path / WAITING).write_text("{not json")  # a torn note cannot hold the workspace either
+    assert waiting_refusal(tmp_path, "another-run") is None
 
 
 def weights(root, folder="models/champion"):

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import yaml
@@ -101,7 +102,14 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, tmp_
 
     from flows.workspace import limit_name
 
-    project = make_project(tmp_path / "project", APPROVABLE)
+    # the schedules are set twelve hours away: a real one firing mid-test (CI once ran across
+    # Saturday 04:00, the default weekly) would start a cycle of its own and make a gen-2
+    far = datetime.now(timezone.utc) + timedelta(hours=12)
+    nightly_cron = f"{far.minute} {far.hour} * * *"
+    project = make_project(tmp_path / "project", {**APPROVABLE, "deployments": {
+        "timezone": "UTC", "nightly": {"cron": nightly_cron},
+        "weekly": {"cron": f"{far.minute} {far.hour} * * {far.isoweekday() % 7}",
+                   "parameters": {"samples_per_task": 8}}}})
     offseason(project, "init")
     offseason(project, "simulate")
     standing = (project / "params.yaml").read_text()
@@ -119,7 +127,7 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, tmp_
                                 300, "the served deployments", serve, log)
             nightly = client.read_deployment_by_name("offseason-cycle/nightly")
             weekly = client.read_deployment_by_name("offseason-cycle/weekly")
-            assert nightly.schedules[0].schedule.cron == "0 2 * * *"
+            assert nightly.schedules[0].schedule.cron == nightly_cron
             assert weekly.parameters["samples_per_task"] == 8
             assert not manual.schedules and manual.parameters == {"repo": str(project)}
             assert manual.global_concurrency_limit.limit == 1
@@ -142,6 +150,14 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, tmp_
             pending = api_cli(project, prefect_server, "pending").stdout
             assert f"{run.id}  {run.name}  Suspended" in pending, pending
             assert "gen-1: arith: candidate" in pending and "passed" in pending, pending
+            # a schedule firing while the run waits is refused, naming it: it would build the same
+            # gen-1 from the same traces
+            fired = client.create_flow_run_from_deployment(nightly.id)
+            refused = wait_until(lambda: (lambda s: s if s.is_final() else None)(
+                client.read_flow_run(fired.id).state), 300, "the run fired meanwhile", serve, log)
+            assert refused.is_failed(), refused
+            assert f"gen-1 (flow run {run.name}, {run.id}) waits for approval" in refused.message \
+                and f"offseason approve {run.id}" in refused.message, refused.message
             out = api_cli(project, prefect_server, "approve", str(run.id), "--reason",
                           "better on arithmetic", "--approver", "alice").stdout
             assert "approved by alice" in out
