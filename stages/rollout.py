@@ -18,7 +18,9 @@ and answered by the environment's `call_tool`, exact token ids kept (`stages.gen
 `rollout.max_tasks` (0 = all) is then shared among the environments by `weight`. Each row holds
 the episode's conversation (`messages`, JSON) and its environment; its `task_id` is
 `<environment>:<task id>` (two environments' ids may coincide); `chat` marks its ids as the whole
-conversation, the template's special tokens included.
+conversation, the template's special tokens included. Both backends serve this path: with
+`openai` the server generates each turn from token ids and the template, parser and tools run
+here (`stages.generation.openai_backend.chat_rollout`), so the rows are the same.
 
     python -m stages.rollout data/validated.parquet models/champion data/rollouts.parquet metrics/rollout.json
 """
@@ -119,47 +121,84 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
     from stages.generation import chat
     from stages.generation.episode import Progress
 
-    if config.backend != "transformers":
-        raise cfg.ParamsError("rollout.backend: the environments: path runs on 'transformers' "
-                              "so far; the openai backend serves the built-in environments only")
     root = root or Path.cwd()
     envs, jobs = chat_jobs(specs, config, root, validated)
-    model, tokenizer = tinylm.load(champion)
-    model.eval()
-    ends = chat.end_ids(model, tokenizer)
+    served = config.backend == "openai"
+    if served:  # the server holds the weights; the chat template and the tool parser run here
+        from types import SimpleNamespace
+
+        from transformers import AutoConfig, GenerationConfig
+
+        tokenizer = tinylm.load_tokenizer(champion)
+        try:
+            generation = GenerationConfig.from_pretrained(champion)
+        except OSError:  # no generation_config.json: the tokenizer's eos ends a turn
+            generation = None
+        ends = chat.end_ids(SimpleNamespace(generation_config=generation), tokenizer)
+        context = AutoConfig.from_pretrained(champion).max_position_embeddings
+    else:
+        model, tokenizer = tinylm.load(champion)
+        model.eval()
+        ends = chat.end_ids(model, tokenizer)
     parser = None
     templates = {name: chat.Template.of(tokenizer, list(env.tools), ends)
                  for name, env in envs.items()}
-    rows, started, bar = [], time.time(), Progress(len(jobs), "rollout", True)
-    for name, env in envs.items():
-        mine = [(task, sample) for n, task, sample in jobs if n == name]
-        parser, max_turns = chat.resolve(config, tokenizer, env)
-        for start in range(0, len(mine), config.batch_size):
-            chunk = mine[start:start + config.batch_size]
-            # one generator per episode, from the seed and the episode's own identity: the same
+    rows, stats = [], []
+
+    def add(name: str, task: dict, sample: int, episode) -> None:
+        added = episode.messages[len(task["messages"]):]
+        rows.append({  # ids of different environments' tasks may coincide
+            "task_id": f"{name}:{task['task_id']}", "environment": name, "sample": sample,
+            "task": json.dumps(task), "messages": json.dumps(episode.messages),
+            "completion": json.dumps(added), "token_ids": episode.token_ids,
+            "model_mask": episode.model_mask, "logprobs": episode.logprobs,
+            "finish": episode.finish, "tool_calls": episode.tool_calls,
+            "tool_errors": episode.tool_errors, "error": episode.error,
+            "turns": episode.turns, "chat": True})
+
+    started = time.time()
+    with contextlib.ExitStack() as stack:
+        if served:
+            urls = config.url_list or [stack.enter_context(openai_backend.serve(
+                config.server_command, champion, timeout=config.server_timeout))]
+            started = time.time()
+        bar = None if served else Progress(len(jobs), "rollout", True)
+        for name, env in envs.items():
+            mine = [(task, sample) for n, task, sample in jobs if n == name]
+            parser, max_turns = chat.resolve(config, tokenizer, env)
+            # each episode's randomness from the seed and the episode's own identity: the same
             # episode whatever else is in its batch
-            generators = [torch.Generator().manual_seed(
-                zlib.crc32(f"{base.seed}/{name}/{task['task_id']}/{sample}".encode()))
-                for task, sample in chunk]
-            done = len(rows)
-            episodes = chat.rollout(
-                model, tokenizer, env, [task for task, _ in chunk], parser=parser,
-                temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-                max_turns=max_turns, generator=generators, top_p=config.top_p, top_k=config.top_k,
-                template=templates[name], on_step=lambda n, base=done: bar.update(base + n))
-            for (task, sample), episode in zip(chunk, episodes):
-                added = episode.messages[len(task["messages"]):]
-                rows.append({  # ids of different environments' tasks may coincide
-                    "task_id": f"{name}:{task['task_id']}", "environment": name,
-                    "sample": sample,
-                    "task": json.dumps(task), "messages": json.dumps(episode.messages),
-                    "completion": json.dumps(added), "token_ids": episode.token_ids,
-                    "model_mask": episode.model_mask, "logprobs": episode.logprobs,
-                    "finish": episode.finish, "tool_calls": episode.tool_calls,
-                    "tool_errors": episode.tool_errors, "error": episode.error,
-                    "turns": episode.turns, "chat": True})
-    bar.close()
-    seconds = time.time() - started
+            seeds = [zlib.crc32(f"{base.seed}/{name}/{task['task_id']}/{sample}".encode())
+                     for task, sample in mine]
+            if served:
+                episodes, stat = openai_backend.chat_rollout(
+                    tokenizer, env, [task for task, _ in mine], seeds, urls=urls, parser=parser,
+                    max_turns=max_turns, context=context, ends=ends, template=templates[name],
+                    model=config.model, temperature=config.temperature, top_p=config.top_p,
+                    top_k=config.top_k, max_new_tokens=config.max_new_tokens,
+                    concurrency=config.concurrency, timeout=config.request_timeout,
+                    retries=config.retries,
+                    api_key=openai_backend.api_key_from(config.api_key_env))
+                stats.append(stat)
+                for (task, sample), episode in zip(mine, episodes):
+                    add(name, task, sample, episode)
+                continue
+            for start in range(0, len(mine), config.batch_size):
+                chunk = mine[start:start + config.batch_size]
+                generators = [torch.Generator().manual_seed(seed)
+                              for seed in seeds[start:start + config.batch_size]]
+                done = len(rows)
+                episodes = chat.rollout(
+                    model, tokenizer, env, [task for task, _ in chunk], parser=parser,
+                    temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+                    max_turns=max_turns, generator=generators, top_p=config.top_p,
+                    top_k=config.top_k, template=templates[name],
+                    on_step=lambda n, base=done: bar.update(base + n))
+                for (task, sample), episode in zip(chunk, episodes):
+                    add(name, task, sample, episode)
+        if bar is not None:
+            bar.close()
+        seconds = time.time() - started  # generation only, not the server's start and stop
     io.write_parquet(rollouts, pa.Table.from_pylist(rows, schema=CHAT_SCHEMA))
     generated = sum(sum(r["model_mask"]) for r in rows)
     per_env = {}
@@ -177,7 +216,15 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
             # DVC does not track the module's file: its hash here is the lineage of the code
             "source_sha256": hashlib.sha256(Path(envs[name].source).read_bytes()).hexdigest()
             if envs[name].source else None}
-    return {"backend": "transformers", "path": "chat", "tool_parser": parser,
+    requests = {}
+    if served:
+        by_url: dict[str, int] = {}
+        for stat in stats:
+            for url, count in stat.by_url.items():
+                by_url[url] = by_url.get(url, 0) + count
+        requests = {"requests": sum(s.requests for s in stats),
+                    "retries": sum(s.retries for s in stats), "requests_by_url": by_url}
+    return {"backend": config.backend, "path": "chat", "tool_parser": parser, **requests,
             "template": "prefix-preserving" if all(t.prefix_preserving for t in templates.values())
             else "incremental", "tasks": sum(e["tasks"] for e in per_env.values()),
             "episodes": len(rows), "generated_tokens": generated, "seconds": round(seconds, 2),

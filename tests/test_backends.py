@@ -231,6 +231,30 @@ def test_bad_request_fails_at_once_with_the_servers_message(trained, serve):
     assert server.handler.posts == 1  # not retried
 
 
+def test_the_server_keeps_the_end_token_it_stopped_on_as_vllm_does(trained, serve):
+    import httpx
+
+    _, tokenizer, _ = trained
+    server = serve()
+    body = {"prompt": [tokenizer.bos_token_id] + tokenizer.encode(
+        arith.prompt("5+6"), add_special_tokens=False), "max_tokens": 40, "temperature": 0.0,
+        "logprobs": 1, "return_tokens_as_token_ids": True}
+
+    def complete(**extra):
+        choice = httpx.post(f"{server.url}/completions", json={**body, **extra}).json()
+        choice = choice["choices"][0]
+        return choice, [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+
+    plain, ids = complete()
+    assert len(ids) == len(plain["logprobs"]["token_logprobs"]) > 1
+    if plain["finish_reason"] == "stop":  # the eos is the last id; its text is not written
+        assert ids[-1] == tokenizer.eos_token_id and plain["stop_reason"] is None
+    # a stop token of the request's own ends the completion on it, and is named by its id
+    stopped, first = complete(stop_token_ids=[ids[0]])
+    assert first == ids[:1] and stopped["finish_reason"] == "stop"
+    assert stopped["stop_reason"] == ids[0]
+
+
 def test_server_that_never_recovers_names_the_url(trained, serve):
     def down(self, n):
         self.error(503, "overloaded", "server_error")

@@ -241,3 +241,35 @@ def test_a_tokenizer_without_chat_template_is_refused_saying_what_to_do(trained)
             chat.Template.of(tok, None)
     finally:
         tok.chat_template = original
+
+
+def test_a_server_that_sends_no_token_ids_is_refused_on_the_chat_path(trained, support, tasks,
+                                                                      tmp_path):
+    import threading
+
+    from stages.generation import openai_backend, serve_tiny
+
+    tok, model, template = trained
+    folder = tmp_path / "served"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+    class NoIds(serve_tiny.Handler):  # a server without vLLM's return_tokens_as_token_ids
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.body())
+            body.pop("return_tokens_as_token_ids", None)
+            self.complete(json.dumps(body).encode())
+
+    server = serve_tiny.make_server(folder, handler=NoIds, name="tiny")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host, port = server.server_address[:2]
+    try:
+        with pytest.raises(openai_backend.ServerError, match="return_tokens_as_token_ids"):
+            openai_backend.chat_rollout(
+                tok, support, tasks[:1], [0], urls=[f"http://{host}:{port}/v1"], parser="hermes",
+                max_turns=2, context=model.config.max_position_embeddings,
+                ends=chat.end_ids(model, tok), template=template, temperature=0.0,
+                progress=False, retries=0)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -94,6 +94,37 @@ def workspace(tmp_path: Path, monkeypatch) -> Path:
     return tmp_path
 
 
+def test_the_openai_backend_plays_the_same_chat_episodes_through_a_server(workspace, champion):
+    """rollout.backend: openai on the environments path: the stage starts a server on the
+    champion (serve_tiny, asked as vLLM is: token ids in, token ids out), renders and parses
+    every turn here, and stores the same conversations, ids, masks and turns as in-process.
+    """
+    params = yaml.safe_load((workspace / "params.yaml").read_text())
+    params["rollout"].update({"temperature": 0.0, "samples_per_task": 1, "max_tasks": 6})
+    (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    args = ["data/validated.parquet", str(champion), "data/local.parquet", "metrics/local.json"]
+    rollout.main(args)
+    params["rollout"].update({"backend": "openai", "server_command": (
+        f"{sys.executable} -m stages.generation.serve_tiny {{model}} --port {{port}} --threads 1")})
+    (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    rollout.main(["data/validated.parquet", str(champion), "data/served.parquet",
+                  "metrics/served.json"])
+    local = pq.read_table(workspace / "data/local.parquet").to_pylist()
+    served = pq.read_table(workspace / "data/served.parquet").to_pylist()
+    metrics = json.loads((workspace / "metrics/served.json").read_text())
+    assert metrics["backend"] == "openai" and metrics["episodes"] == len(local) == 6
+    assert sum(r["tool_calls"] for r in served) > 0, "some episodes call lookup_order"
+    # one request per model turn: each assistant message the episodes hold
+    assert metrics["requests"] == sum(
+        [m["role"] for m in json.loads(r["completion"])].count("assistant") for r in served)
+    keys = ("task_id", "messages", "token_ids", "model_mask", "turns", "finish", "tool_calls",
+            "tool_errors", "error")
+    for a, b in zip(local, served):
+        assert {k: b[k] for k in keys} == {k: a[k] for k in keys}
+        assert torch.allclose(torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]),
+                              atol=1e-4)
+
+
 def test_rollout_reward_and_training_on_a_chat_model_in_two_own_environments(workspace, champion):
     rollout.main(["data/validated.parquet", str(champion), "data/rollouts.parquet",
                   "metrics/rollout.json"])

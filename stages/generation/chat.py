@@ -308,7 +308,6 @@ def rollout(model, tokenizer, env: contract.Environment, tasks: list[dict], *, p
     `parser`: a `tool_parsers.PARSERS` name; `max_turns`: tool calls answered per episode;
     `max_new_tokens`: per model turn. `generator`: a torch.Generator, or one per task.
     """
-    from stages.generation.episode import turn_index
     from stages.generation.transformers_backend import generate_ids
 
     if parser not in tool_parsers.PARSERS:
@@ -322,25 +321,38 @@ def rollout(model, tokenizer, env: contract.Environment, tasks: list[dict], *, p
                         max_new_tokens=max_new_tokens, generator=generator, top_p=top_p,
                         top_k=top_k, on_turn_end=play.on_turn_end, end_ids=ends,
                         on_step=on_step)
-    for index, (prompt, row, episode) in enumerate(zip(prompts, rows, play.episodes)):
-        episode.token_ids = prompt + row.token_ids
-        episode.model_mask = [0] * len(prompt) + row.model_mask
-        episode.logprobs = [0.0] * len(prompt) + row.logprobs
-        episode.finish = row.finish
-        episode.turns = turn_index(len(prompt), row.model_mask, row.closes)
-        if row.finish == "length" and play.turns_ended[index] > len(row.closes):
-            # its last turn's tool answers found no room in the context: never fed, not kept
-            while episode.messages and episode.messages[-1].get("role") == "tool":
-                episode.messages.pop()
-            episode.tool_calls, episode.tool_errors = play.answered[index]
-        if row.finish == "length" and play.turns_ended[index] == len(row.closes):
-            # cut off mid-turn: what it wrote since the last injected token is its last message
-            start = len(row.model_mask)
-            while start and row.model_mask[start - 1]:
-                start -= 1
-            text = tokenizer.decode(row.token_ids[start:], skip_special_tokens=False)
-            episode.messages.append(assistant_message(tool_parsers.parse(parser, text)))
+    for index, (prompt, row) in enumerate(zip(prompts, rows)):
+        settle(play, index, prompt, row.token_ids, row.model_mask, row.logprobs, row.finish,
+               row.closes)
     return episodes_checked(play.episodes)
+
+
+def settle(play: _Play, index: int, prompt: list[int], ids: list[int], mask: list[int],
+           logprobs: list[float], finish: str, closes: list[int]) -> ChatEpisode:
+    """Episode `index` of `play` from what the model and the environment wrote after its prompt
+    (`closes`: where each answered turn's end token sits in `ids`), whichever backend generated it.
+    """
+    from stages.generation.episode import turn_index
+
+    episode = play.episodes[index]
+    episode.token_ids = prompt + ids
+    episode.model_mask = [0] * len(prompt) + mask
+    episode.logprobs = [0.0] * len(prompt) + logprobs
+    episode.finish = finish
+    episode.turns = turn_index(len(prompt), mask, closes)
+    if finish == "length" and play.turns_ended[index] > len(closes):
+        # its last turn's tool answers found no room in the context: never fed, not kept
+        while episode.messages and episode.messages[-1].get("role") == "tool":
+            episode.messages.pop()
+        episode.tool_calls, episode.tool_errors = play.answered[index]
+    if finish == "length" and play.turns_ended[index] == len(closes):
+        # cut off mid-turn: what it wrote since the last injected token is its last message
+        start = len(mask)
+        while start and mask[start - 1]:
+            start -= 1
+        text = play.template.tokenizer.decode(ids[start:], skip_special_tokens=False)
+        episode.messages.append(assistant_message(tool_parsers.parse(play.parser, text)))
+    return episode
 
 
 def episodes_checked(episodes: list[ChatEpisode]) -> list[ChatEpisode]:

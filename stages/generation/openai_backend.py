@@ -16,6 +16,13 @@ as text. We also ask for vLLM's `include_stop_str_in_output` and read `stop_reas
 `matched_stop` (SGLang) to tell a tool call from the end of the answer; a server with neither
 (plain OpenAI) ends an episode that stopped on a stop string as "eos".
 
+Chat episodes (`chat_rollout`, the `environments:` path): the same token-in, token-out protocol over
+`/completions`, one request per model turn, with the turn's end ids as vLLM's `stop_token_ids`. The
+conversation is rendered and extended by `stages.generation.chat` here (the champion's chat template,
+the tool parser, the environment's `call_tool`); the server returns the ids its model chose, end
+token included as vLLM returns it. So an episode's ids, mask and turns are those the transformers
+backend gives for the same choices, and a server that sends no ids is an error, not a guess.
+
 Requests: async (httpx), at most `concurrency` in flight, each to the least-loaded URL (ties in
 turn: round-robin), so several servers share the work. Timeouts, connection failures, 429 and 5xx
 are retried with exponential backoff (honouring Retry-After), each retry on the least-loaded URL;
@@ -228,6 +235,12 @@ async def _episode(client: Client, model: str, env, prompt: str, index: int, *, 
         token_lps = [float(lp) for lp in logprobs.get("token_logprobs") or []]
         ids = _token_ids(logprobs.get("tokens") or [])
         reason = choice.get("stop_reason", choice.get("matched_stop"))
+        if (ids and tokenizer is not None and choice.get("finish_reason") == "stop"
+                and (reason is None or isinstance(reason, int))
+                and ids[-1] in (tokenizer.eos_token_id, reason) and len(ids) == len(token_lps)):
+            # the end token the server stopped on (vLLM keeps it among the ids): this protocol's
+            # episodes end before it, as the transformers backend's do
+            ids, token_lps = ids[:-1], token_lps[:-1]
         closed = text.endswith(close) or reason == close
         state.completion += text
         state.model_logprobs += token_lps
@@ -329,6 +342,135 @@ def generate(prompts: list[str], env, *, urls: list[str], tokenizer=None, model:
         max_new_tokens=max_new_tokens, max_turns=max_turns, stop=tuple(stop), seed=seed,
         concurrency=concurrency, timeout=timeout, retries=retries, backoff=backoff,
         api_key=api_key, progress=progress))
+
+
+async def _chat_episode(client: Client, model: str, play, index: int, prompt: list[int], *,
+                        sampling: dict, max_new_tokens: int, context: int, ends: tuple[int, ...],
+                        eos: int, seed: int):
+    """One chat episode (`stages.generation.chat`), one `/completions` request per model turn:
+    the conversation so far goes as token ids, the turn comes back as token ids and is parsed,
+    answered and extended with the template's ids here, exactly as the transformers backend does.
+    """
+    from stages.generation import chat
+
+    ids: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    closes: list[int] = []
+    finish = "length"
+    for turn in range(1 << 16):
+        budget = min(max_new_tokens, context - len(prompt) - len(ids))
+        if budget <= 0:
+            break
+        payload = {"model": model, "prompt": prompt + ids, "max_tokens": budget, "logprobs": 1,
+                   "return_tokens_as_token_ids": True, "stop_token_ids": list(ends), "n": 1,
+                   "seed": (seed * 1_000_003 + turn) % 2 ** 31, **sampling}
+        choice = (await client.request("POST", "/completions", payload))["choices"][0]
+        lps = [float(lp) for lp in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+        got = _token_ids((choice.get("logprobs") or {}).get("tokens") or [])
+        if got is None or len(got) != len(lps):
+            raise ServerError("the server sent no token ids for a completion: the chat path "
+                              "trains on the ids the model produced, so it needs vLLM's "
+                              "`return_tokens_as_token_ids` with `logprobs` (vLLM and "
+                              "stages.generation.serve_tiny have it)")
+        stopped = choice.get("finish_reason") == "stop"
+        if stopped and (not got or got[-1] not in ends):
+            # a server that leaves out the end token it stopped on: the model did choose it (its
+            # log-prob is unknown here, recorded as 0)
+            reason = choice.get("stop_reason")
+            got, lps = got + [reason if reason in ends else eos], lps + [0.0]
+        ids += got
+        mask += [1] * len(got)
+        logprobs += lps
+        if not stopped:  # cut off mid-turn
+            break
+        answer = play.on_turn_end(index, got)
+        if answer is None or isinstance(answer, str):
+            finish = answer or "eos"
+            break
+        if len(prompt) + len(ids) + len(answer) >= context:  # no room left for the next turn
+            break
+        closes.append(len(ids) - 1)
+        ids += answer
+        mask += [0] * len(answer)
+        logprobs += [0.0] * len(answer)
+    return chat.settle(play, index, prompt, ids, mask, logprobs, finish, closes)
+
+
+async def _chat(play, prompts: list[list[int]], seeds: list[int], *, urls: list[str], model: str,
+                sampling: dict, max_new_tokens: int, context: int, ends: tuple[int, ...],
+                eos: int, concurrency: int, timeout: float, retries: int, backoff: float,
+                api_key: str | None, progress: bool):
+    client = Client(urls, concurrency=concurrency, timeout=timeout, retries=retries,
+                    backoff=backoff, api_key=api_key, seed=seeds[0] if seeds else 0)
+    bar = Progress(len(prompts), "rollout (openai)", progress)
+    try:
+        if not model:
+            model = (await client.request("GET", "/models", url=client.pool.urls[0]))["data"][0]["id"]
+        done = 0
+
+        async def one(index: int):
+            nonlocal done
+            episode = await _chat_episode(
+                client, model, play, index, prompts[index], sampling=sampling,
+                max_new_tokens=max_new_tokens, context=context, ends=ends, eos=eos,
+                seed=seeds[index])
+            done += 1
+            bar.update(done)
+            return episode
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+        try:
+            episodes = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+    finally:
+        bar.close()
+        await client.close()
+    return list(episodes), client.stats
+
+
+def chat_rollout(tokenizer, env, tasks: list[dict], seeds: list[int], *, urls: list[str],
+                 parser: str, max_turns: int, context: int, ends: tuple[int, ...],
+                 template=None, model: str = "", temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, max_new_tokens: int = 48, concurrency: int = 64,
+                 timeout: float = 60.0, retries: int = 5, backoff: float = 0.5,
+                 api_key: str | None = None, progress: bool = True):
+    """One chat episode per task (`stages.generation.chat.ChatEpisode`), from the servers at `urls`;
+    and the stats. The same episodes as `chat.rollout` gives in this process: the prompt and every
+    tool result are rendered here with `tokenizer`'s chat template (the served model's), the
+    model's tokens are the ids the server chose (vLLM's `return_tokens_as_token_ids`), its tool
+    calls are parsed here by `parser`; nothing is re-tokenized. `seeds`: one per episode (each
+    turn's request gets its own from it); `context`: the model's context length;
+    `ends`: the ids that end a turn (sent as vLLM's `stop_token_ids`).
+    """
+    from stages.generation import chat, tool_parsers
+
+    if parser not in tool_parsers.PARSERS:
+        raise ValueError(f"unknown tool parser {parser!r}: one of "
+                         f"{', '.join(tool_parsers.PARSERS)}")
+    if not urls:
+        raise ValueError("no server URL given (rollout.urls, or rollout.server_command)")
+    template = template or chat.Template.of(tokenizer, list(env.tools), ends)
+    play = chat._Play(template, env, tasks, parser, max_turns)
+    prompts = [template.prompt(task["messages"]) for task in tasks]
+    too_long = [task["task_id"] for task, p in zip(tasks, prompts) if len(p) >= context]
+    if too_long:
+        raise ValueError(f"task {too_long[0]}: its prompt has no room to answer in the model's "
+                         f"context of {context} tokens")
+    sampling = {"temperature": temperature, "top_p": top_p}
+    if top_k:
+        sampling["top_k"] = top_k
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else ends[0]
+    episodes, stats = asyncio.run(_chat(
+        play, prompts, seeds, urls=urls, model=model, sampling=sampling,
+        max_new_tokens=max_new_tokens, context=context, ends=ends, eos=eos,
+        concurrency=concurrency, timeout=timeout, retries=retries, backoff=backoff,
+        api_key=api_key, progress=progress))
+    return chat.episodes_checked(episodes), stats
 
 
 def api_key_from(variable: str) -> str | None:

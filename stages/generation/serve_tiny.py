@@ -9,7 +9,11 @@ Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions` with what the
 sends: `prompt` (text or token ids; text is tokenized without adding <bos>, as vLLM does with this
 tokenizer), `max_tokens`, `temperature`, `top_p`, `top_k`, `seed` (per request, honoured in a batch),
 `stop`, `logprobs` (the chosen token's), and vLLM's `include_stop_str_in_output` and
-`return_tokens_as_token_ids`; the answer carries vLLM's `stop_reason`. A prompt plus max_tokens
+`return_tokens_as_token_ids` and `stop_token_ids`; the answer carries vLLM's `stop_reason`. As vLLM
+does, a completion ends at the model's end tokens (the tokenizer's eos and the generation config's
+eos ids) or a `stop_token_ids` id, and that token is the last of the completion's ids and log-probs
+(its text, a special token, is skipped); `stop_reason` is None for the tokenizer's eos and the id
+for the others. A prompt plus max_tokens
 longer than the model's context is refused with 400, as vLLM does. Requests that arrive together
 are generated as one batch (grouped by sampling parameters). Binds 127.0.0.1 by default; there is
 no authentication.
@@ -31,7 +35,7 @@ from pathlib import Path
 import torch
 
 from stages import tinylm
-from stages.generation import transformers_backend
+from stages.generation import chat, transformers_backend
 
 MAX_BATCH = 256
 
@@ -64,6 +68,7 @@ class Engine:
         self.model, self.tokenizer = tinylm.load(folder)
         self.name = name
         self.context = self.model.config.max_position_embeddings
+        self.end_ids = chat.end_ids(self.model, self.tokenizer)  # vLLM stops on these too
         self.jobs: queue.Queue = queue.Queue()
         threading.Thread(target=self._work, daemon=True).start()
 
@@ -100,11 +105,17 @@ class Engine:
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise BadRequest(f"'seed' must be an integer, got {seed!r}")
+        stop_ids = body.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool)
+                and 0 <= t < self.model.config.vocab_size for t in stop_ids):
+            raise BadRequest("'stop_token_ids' must be a list of token ids in the vocabulary")
         logprobs = body.get("logprobs")
         if logprobs is not None and (not isinstance(logprobs, int) or logprobs < 0):
             raise BadRequest(f"'logprobs' must be a non-negative integer, got {logprobs!r}")
         return {
             "ids": ids, "max_tokens": max_tokens, "stop": tuple(stop), "seed": seed,
+            "ends": tuple(sorted(set(self.end_ids) | set(stop_ids))),
             "temperature": _number(body, "temperature", 1.0, float, 0.0, 100.0),
             "top_p": _number(body, "top_p", 1.0, float, 0.0, 1.0),
             "top_k": _number(body, "top_k", 0, int, -1),
@@ -130,13 +141,15 @@ class Engine:
             groups: dict[tuple, list] = {}
             for request, future in batch:
                 key = (request["temperature"], request["top_p"], max(request["top_k"], 0),
-                       request["stop"])
+                       request["stop"], request["ends"])
                 groups.setdefault(key, []).append((request, future))
-            for (temperature, top_p, top_k, stop), jobs in groups.items():
+            for (temperature, top_p, top_k, stop, ends), jobs in groups.items():
                 try:
+                    # one turn each: an end token closes it and is kept, as vLLM keeps it
                     rows = transformers_backend.generate_ids(
                         self.model, self.tokenizer, [r["ids"] for r, _ in jobs],
                         temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
+                        on_turn_end=lambda row, ids: None, end_ids=ends,
                         max_new_tokens=[r["max_tokens"] for r, _ in jobs],
                         generator=[torch.Generator().manual_seed(
                             r["seed"] if r["seed"] is not None else int(time.time_ns() % 2**62))
@@ -153,9 +166,12 @@ class Engine:
         text = tokenizer.decode(row.token_ids, skip_special_tokens=True)
         if row.stop is not None and not request["echo_stop"]:
             text = text.removesuffix(row.stop)
+        reason = row.stop
+        if row.finish == "eos" and row.token_ids and row.token_ids[-1] != tokenizer.eos_token_id:
+            reason = row.token_ids[-1]  # a stop token other than eos: vLLM names its id
         choice = {"index": 0, "text": text,
                   "finish_reason": "length" if row.finish == "length" else "stop",
-                  "stop_reason": row.stop, "logprobs": None}
+                  "stop_reason": reason, "logprobs": None}
         if request["logprobs"] is not None:
             pieces = [tokenizer.decode([t]) for t in row.token_ids]
             tokens = [f"token_id:{t}" for t in row.token_ids] if request["as_ids"] else pieces
