@@ -12,7 +12,8 @@ never on the prompt or on a tool result the environment injected):
   completion of a task), through the transformers Trainer;
 - `dpo`: preference pairs from the same task's higher- and lower-reward episodes, and from the
   traces' thumbs (the trace's own answer against a rollout of its task, only where the verifier
-  agrees with the thumbs: `feedback_pairs`), through TRL's DPOTrainer with the champion as the
+  agrees with the thumbs: `feedback_pairs`; on the `environments:` path the trace's conversation,
+  encoded by the chat template: `chat_feedback_pairs`), through TRL's DPOTrainer with the champion as the
   explicit reference model;
 - `grpo`: group-relative advantages over each task's samples and a clipped ratio against the
   log-probabilities recorded at rollout time, optionally a KL term to the champion: our loss on
@@ -75,32 +76,30 @@ def algorithm(name: str):
     return importlib.import_module(f"stages.training.{name}")
 
 
-def trace_conversations(validated: Path, specs: dict, root: Path, tokenizer,
-                        end_ids: tuple[int, ...] = ()) -> tuple[list, dict]:
-    """SFT rows from the production traces with a thumbs up (an `environments:` section): each
-    trace's own conversation, its tool calls and tool results included, encoded turn by turn
-    with the champion's chat template and its environment's tools (`chat.encode`: the loss on
-    the assistant's tokens only). A trace is kept when its environment's reward gives its turns
-    full marks or cannot judge them (None); one the reward scores lower is counted, not used.
+def encoded_traces(validated: Path, specs: dict, root: Path, tokenizer,
+                   end_ids: tuple[int, ...] = (), thumbs: tuple[bool, ...] = (True,)) -> list[dict]:
+    """The production traces of the `environments:` whose feedback is in `thumbs`, each scored by
+    its environment's reward and encoded turn by turn with the champion's chat template and the
+    environment's tools (`chat.encode`: mask 1 on the assistant's tokens). Each item: `trace_id`,
+    `task_id` (`<environment>:trace:<id>`, as its rollouts have), `environment`, `thumbs_up`,
+    `scores` (None: the reward cannot judge), `token_ids`, `model_mask`, `completion`; or `error`
+    (why it cannot be used).
     """
     import json
 
     from stages.envs import contract
     from stages.generation import chat
 
-    counts = {"trace_examples": 0, "traces_thumbs_up": 0, "traces_reward_disagrees": 0,
-              "traces_unusable": 0}
     if not validated.exists():
-        return [], counts
+        return []
     table = pq.read_table(validated, columns=["trace_id", "messages", "thumbs_up", "question"],
-                          filters=[("thumbs_up", "==", True)]).to_pylist()
-    envs, templates, rows = {}, {}, []
-    for trace in table:
+                          filters=[("thumbs_up", "in", list(thumbs))]).to_pylist()
+    envs, templates, items = {}, {}, []
+    for trace in sorted(table, key=lambda t: t["trace_id"]):
         task = json.loads(trace["question"]) if trace["question"] else None
         name = task.get("environment") if isinstance(task, dict) else None
         if name not in specs:
             continue
-        counts["traces_thumbs_up"] += 1
         if name not in envs:
             envs[name] = contract.load(name, specs[name].module, root)
             templates[name] = chat.Template.of(tokenizer, list(envs[name].tools), end_ids)
@@ -108,23 +107,59 @@ def trace_conversations(validated: Path, specs: dict, root: Path, tokenizer,
         task = {k: v for k, v in task.items() if k != "environment"}
         start = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"),
                      len(messages))
+        item = {"trace_id": trace["trace_id"], "task_id": f"{name}:trace:{trace['trace_id']}",
+                "environment": name, "thumbs_up": trace["thumbs_up"],
+                "completion": json.dumps(messages[start:]), "error": None}
         try:
-            scores = contract.score(envs[name], task, task["messages"] + messages[start:])
-            if scores is not None and not contract.full_marks(scores):
-                counts["traces_reward_disagrees"] += 1
-                continue
-            ids, mask = chat.encode(templates[name], messages)
-        except Exception as err:  # one odd trace: counted, said, and the others still train
+            item["scores"] = contract.score(envs[name], task, task["messages"] + messages[start:])
+            item["token_ids"], item["model_mask"] = chat.encode(templates[name], messages)
+        except Exception as err:  # one odd trace: counted and said; the others still train
+            item["error"] = f"{type(err).__name__}: {err}"
+            print(f"train: trace {trace['trace_id']} not used: {item['error']}", file=sys.stderr)
+        items.append(item)
+    return items
+
+
+def trace_conversations(validated: Path, specs: dict, root: Path, tokenizer,
+                        end_ids: tuple[int, ...] = ()) -> tuple[list, dict]:
+    """SFT rows from the production traces with a thumbs up (an `environments:` section): each
+    trace's own conversation, its tool calls and tool results included (`encoded_traces`: the
+    loss on the assistant's tokens only). A trace is kept when its environment's reward gives its
+    turns full marks or cannot judge them (None); one the reward scores lower is counted, not used.
+    """
+    from stages.envs import contract
+
+    counts = {"trace_examples": 0, "traces_thumbs_up": 0, "traces_reward_disagrees": 0,
+              "traces_unusable": 0}
+    rows = []
+    for item in encoded_traces(validated, specs, root, tokenizer, end_ids):
+        counts["traces_thumbs_up"] += 1
+        if item["error"] is not None:
             counts["traces_unusable"] += 1
-            print(f"train: trace {trace['trace_id']} not used: {type(err).__name__}: {err}",
-                  file=sys.stderr)
             continue
-        rows.append({"task_id": f"{name}:trace:{trace['trace_id']}", "environment": name,
-                     "completion":
-                     json.dumps(messages[start:]), "correct": 1.0, "reward": 1.0,
-                     "token_ids": ids, "model_mask": mask, "logprobs": None, "chat": True})
+        if item["scores"] is not None and not contract.full_marks(item["scores"]):
+            counts["traces_reward_disagrees"] += 1
+            continue
+        rows.append({"task_id": item["task_id"], "environment": item["environment"],
+                     "completion": item["completion"], "correct": 1.0, "reward": 1.0,
+                     "token_ids": item["token_ids"], "model_mask": item["model_mask"],
+                     "logprobs": None, "chat": True})
     counts["trace_examples"] = len(rows)
     return rows, counts
+
+
+def chat_tokenizer(champion: Path):
+    """The champion's tokenizer and the ids that end its turns, as the rollout takes them
+    (the generation config's eos ids: Llama 3 has three).
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(champion)
+    try:
+        ends = GenerationConfig.from_pretrained(champion).eos_token_id
+    except OSError:
+        ends = None
+    return tokenizer, tuple([ends] if isinstance(ends, int) else list(ends or []))
 
 
 def by_weight(examples: list[dict], environment_of: dict[str, str], specs: dict, seed: int
@@ -249,22 +284,25 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
     examples, counts = method.examples(rows)
     traced = []
     if specs and config.algorithm == "sft" and validated is not None:
-        from transformers import AutoTokenizer, GenerationConfig
-
-        tokenizer = AutoTokenizer.from_pretrained(champion)
-        try:  # the turn's end tokens, as the rollout takes them (Llama 3 has three)
-            ends = GenerationConfig.from_pretrained(champion).eos_token_id
-        except OSError:
-            ends = None
-        ends = [ends] if isinstance(ends, int) else list(ends or [])
-        traced, found = trace_conversations(validated, specs, root or Path.cwd(), tokenizer,
-                                            tuple(ends))
+        tokenizer, ends = chat_tokenizer(champion)
+        traced, found = trace_conversations(validated, specs, root or Path.cwd(), tokenizer, ends)
         examples = examples + method.examples(traced)[0]
         counts.update(found)
     if len(specs or {}) > 1:  # the environments' shares of the examples, by weight
         environment_of = {r["task_id"]: r.get("environment") for r in rows + traced}
         examples, counts["examples_by_environment"] = by_weight(examples, environment_of, specs,
                                                                 base.seed)
+    if config.algorithm == "dpo" and specs:
+        counts["pairs_from_rollouts"] = len(examples)
+        if validated is not None:
+            tokenizer, ends = chat_tokenizer(champion)
+            more, feedback = method.chat_feedback_pairs(
+                rows, encoded_traces(validated, specs, root or Path.cwd(), tokenizer, ends,
+                                     thumbs=(True, False)),
+                {(e["task_id"], e["completion"]) for e in examples})
+            examples = examples + more
+            counts.update(feedback)
+        counts["pairs_from_feedback"] = len(examples) - counts["pairs_from_rollouts"]
     if config.algorithm == "dpo" and not specs:
         counts["pairs_from_rollouts"] = len(examples)
         if validated is not None:

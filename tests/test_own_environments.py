@@ -355,6 +355,65 @@ def test_a_thumbs_up_trace_is_trained_on_as_it_is_with_its_tool_calls(tmp_path, 
     assert example["chat"] and example["task_id"] == "support:trace:a"
 
 
+def test_thumbs_on_traces_become_dpo_pairs_against_their_tasks_rollouts(tmp_path, champion):
+    import pyarrow as pa
+
+    from stages import config as cfg
+    from stages.envs.contract import Router
+    from stages.training import dpo
+
+    support = contract.load("support", "examples.support.support_env", REPO)
+    router = Router({"support": support})
+    traces = {"up": support_trace("A1001", "delivered", True),  # the reward agrees: chosen
+              "down": support_trace("A1004", "lost", False),  # the reward agrees: rejected
+              "up-wrong": support_trace("A1002", "lost", True),  # the reward says no: unused
+              "down-right": support_trace("A1007", "returned", False)}  # full marks: unused
+    validated = tmp_path / "validated.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"trace_id": trace_id, "messages": json.dumps(t["messages"]),
+         "thumbs_up": t["feedback"]["thumbs_up"],
+         "question": router.task_from_messages(t["messages"], t["tools"])["question"]}
+        for trace_id, t in traces.items()]), validated)
+    tok, ends = train.chat_tokenizer(champion)
+    template = chat.Template.of(tok, list(support.tools), ends)
+
+    def rollout(trace_id, answer, correct):
+        """A scored rollout of the trace's task: the same prompt, the model's own answer."""
+        messages = traces[trace_id]["messages"][:2] + [{"role": "assistant", "content": answer}]
+        ids, mask = chat.encode(template, messages)
+        return {"task_id": f"support:trace:{trace_id}", "completion": json.dumps(messages[2:]),
+                "correct": correct, "reward": correct, "token_ids": ids, "model_mask": mask}
+
+    rows = [rollout("up", "Your order A1001 is lost.", 0.0),
+            rollout("down", "Your order A1004 is out for delivery.", 1.0),
+            rollout("up-wrong", "I do not know.", 0.0),
+            rollout("down-right", "Your order A1007 is returned.", 1.0)]
+    specs = {"support": cfg.EnvironmentSpec(module="examples.support.support_env")}
+    items = train.encoded_traces(validated, specs, REPO, tok, ends, thumbs=(True, False))
+    pairs, counts = dpo.chat_feedback_pairs(rows, items)
+    assert counts == {"feedback_traces": 4, "thumbs_up_verifier_wrong": 1,
+                      "thumbs_down_verifier_correct": 1, "feedback_unusable": 0,
+                      "feedback_without_partner": 0}
+    down, up = pairs
+    assert (down["task_id"], up["task_id"]) == ("support:trace:down", "support:trace:up")
+
+    def said(ids, mask):
+        return tok.decode([t for t, m in zip(ids, mask) if m])
+
+    # thumbs up: the trace's own turns, tool call included, over the rollout that got it wrong
+    assert "lookup_order" in said(up["chosen_ids"], up["chosen_mask"])
+    assert "A1001 is delivered" in said(up["chosen_ids"], up["chosen_mask"])
+    assert "A1001 is lost" in said(up["rejected_ids"], up["rejected_mask"])
+    # thumbs down: a rollout with full marks over the trace's answer
+    assert "A1004 is out for delivery" in said(down["chosen_ids"], down["chosen_mask"])
+    assert "A1004 is lost" in said(down["rejected_ids"], down["rejected_mask"])
+    assert up["chat"] and up["prompt_ids"] == rows[0]["token_ids"][:len(up["prompt_ids"])]
+    assert tok.decode(up["prompt_ids"]).endswith("<|im_start|>assistant\n")
+    # a pair the rollouts already gave is not added twice
+    again, _ = dpo.chat_feedback_pairs(rows, items, {(p["task_id"], p["completion"]) for p in pairs})
+    assert again == []
+
+
 def test_init_refuses_a_model_without_a_chat_template_saying_what_to_do(tmp_path):
     from conftest import TINY, make_project, offseason
 

@@ -137,6 +137,65 @@ def feedback_pairs(rows: list[dict], traces: list[dict], env, tokenizer,
     return pairs, counts
 
 
+def chat_feedback_pairs(rows: list[dict], traces: list[dict], taken: set | None = None
+                        ) -> tuple[list[dict], dict]:
+    """Pairs from the thumbs of production traces on the `environments:` path, by the rules of
+    `feedback_pairs`: a thumbs-up conversation is `chosen` against its task's worst failing
+    rollout, a thumbs-down one `rejected` against its best full-marks rollout, and feedback never
+    overrules the reward (a thumbs up the reward scores lower, or a thumbs down it gives full marks,
+    is counted, not used; a reward that cannot judge leaves the thumbs to decide). `traces`:
+    `train.encoded_traces` items (the conversation encoded with the chat template as its rollouts
+    were); their task is `<environment>:trace:<id>`. A trace whose prompt ids differ from its
+    rollouts' is unusable (counted).
+    """
+    from stages.envs import contract
+
+    tasks = trainers.by_task(rows)
+    counts = dict.fromkeys(("feedback_traces", "thumbs_up_verifier_wrong",
+                            "thumbs_down_verifier_correct", "feedback_unusable",
+                            "feedback_without_partner"), 0)
+    pairs = []
+    for trace in traces:
+        group = tasks.get(trace["task_id"])
+        if trace["thumbs_up"] is None or not group:
+            continue
+        counts["feedback_traces"] += 1
+        if trace["error"] is not None:
+            counts["feedback_unusable"] += 1
+            continue
+        full = None if trace["scores"] is None else contract.full_marks(trace["scores"])
+        if trace["thumbs_up"] and full is False:
+            counts["thumbs_up_verifier_wrong"] += 1
+            continue
+        if not trace["thumbs_up"] and full is True:
+            counts["thumbs_down_verifier_correct"] += 1
+            continue
+        ranked = sorted((r for r in group if r["correct"] is not None),
+                        key=lambda r: (-r["reward"], r["completion"]))
+        if trace["thumbs_up"]:
+            partner = next((r for r in reversed(ranked) if r["correct"] < 1.0), None)
+        else:
+            partner = next((r for r in ranked if r["correct"] == 1.0), None)
+        if partner is None:
+            counts["feedback_without_partner"] += 1
+            continue
+        own = {k: trace[k] for k in ("token_ids", "model_mask", "completion")}
+        chosen, rejected = (own, partner) if trace["thumbs_up"] else (partner, own)
+        cut, rcut = prompt_length(chosen["model_mask"]), prompt_length(rejected["model_mask"])
+        if chosen["token_ids"][:cut] != rejected["token_ids"][:rcut]:
+            counts["feedback_unusable"] += 1  # not the prompt its rollouts answered
+            continue
+        key = (trace["task_id"], f"{chosen['completion']}\x00{rejected['completion']}")
+        if key in (taken or set()):
+            continue
+        pairs.append({
+            "task_id": key[0], "completion": key[1], "prompt_ids": chosen["token_ids"][:cut],
+            "chosen_ids": chosen["token_ids"][cut:], "chosen_mask": chosen["model_mask"][cut:],
+            "rejected_ids": rejected["token_ids"][rcut:],
+            "rejected_mask": rejected["model_mask"][rcut:], "chat": True})
+    return pairs, counts
+
+
 def read_traces(validated: Path) -> list[dict]:
     """The validated traces that carry a thumbs signal, with their task."""
     table = pq.read_table(validated, columns=["trace_id", "messages", "thumbs_up", "question",
