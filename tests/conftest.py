@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -84,10 +88,75 @@ def make_project(path: Path, overrides: dict | None = None) -> Path:
     return path
 
 
-def cli_env(root: Path) -> dict:
-    """The environment a user has; Prefect's local database is shared by the tests for speed."""
+_PREFECT: dict = {"embedded": False}
+
+
+def shared_prefect_api() -> str:
+    """One Prefect server on loopback for the whole test session, started on first use.
+
+    Each CLI process in Prefect's embedded mode starts a temporary server of its own (about 7 s
+    on 2 cores); the tests' cycles talk to this one instead, as a team's processes talk to the
+    server of `offseason ui`. The embedded default keeps its own tests: those marked
+    `embedded_prefect` (a fresh clone's first cycle), and the no-network and `offseason ui`
+    tests, which start their own.
+    """
+    if "url" not in _PREFECT:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        home = Path(tempfile.mkdtemp(prefix="offseason-tests-prefect-"))
+        env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        env.pop("PREFECT_API_URL", None)
+        log = home / "server.log"
+        proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
+                                 "--port", str(port), "--no-services", "--no-ui"], env=env,
+                                stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        atexit.register(_stop_group, proc)
+        url = f"http://127.0.0.1:{port}/api"
+        deadline = time.time() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"the tests' Prefect server did not start:\n"
+                                   f"{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        _PREFECT["url"] = url
+    return _PREFECT["url"]
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(autouse=True)
+def _prefect_mode(request):
+    """Tests marked `embedded_prefect` run the CLI in Prefect's embedded mode, as a fresh clone does."""
+    _PREFECT["embedded"] = request.node.get_closest_marker("embedded_prefect") is not None
+    yield
+    _PREFECT["embedded"] = False
+
+
+def cli_env(root: Path, shared_prefect: bool = True) -> dict:
+    """The environment a user has. Prefect: the session's server (`shared_prefect_api`), or with
+    `shared_prefect=False` (or the `embedded_prefect` marker) the embedded mode, its local database
+    shared by the tests.
+    """
     env = {**os.environ, "PREFECT_HOME": str(root.parent.parent / "prefect-home")}
     env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("PREFECT_API_URL", None)
+    if shared_prefect and not _PREFECT["embedded"]:
+        env["PREFECT_API_URL"] = shared_prefect_api()
     return env
 
 

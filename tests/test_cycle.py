@@ -31,6 +31,7 @@ def mlflow_client(root):
     return mlflow.MlflowClient()
 
 
+@pytest.mark.embedded_prefect  # what a fresh clone runs: no server anywhere
 def test_init_simulate_and_one_cycle(project):
     out = offseason(project, "init")
     assert "generation 0 is the champion" in out.stdout

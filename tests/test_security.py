@@ -87,7 +87,7 @@ def listeners(pid: int) -> set[str]:
 def cycle(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("security")
     root = make_project(tmp / "project")
-    env = {**cli_env(root), "PREFECT_HOME": str(tmp / "prefect"), "OPENAI_API_KEY": ENV_SECRET,
+    env = {**cli_env(root, shared_prefect=False), "PREFECT_HOME": str(tmp / "prefect"), "OPENAI_API_KEY": ENV_SECRET,
            "ANTHROPIC_API_KEY": ENV_SECRET, "HF_TOKEN": ENV_SECRET}
     trace = {"id": "leaky-1", "messages": [
         {"role": "user", "content": f"What is 12+30? (my key is {TRACE_SECRETS[0]}, use "

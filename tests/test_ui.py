@@ -27,7 +27,7 @@ def group_alive(pgid):
 
 
 def test_ui_starts_both_servers_and_stops_them_on_ctrl_c(project):
-    env = {**cli_env(project), "PREFECT_HOME": str(project / ".prefect")}
+    env = {**cli_env(project, shared_prefect=False), "PREFECT_HOME": str(project / ".prefect")}
     proc = subprocess.Popen([str(BIN / "offseason"), "ui", "--prefect-port", "0",
                              "--mlflow-port", "0"], cwd=project, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
