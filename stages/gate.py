@@ -433,7 +433,8 @@ def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path
         for name, suite in items.items():
             template = chat.Template.of(tokenizer, list(chats[name][0].tools))
             contaminated += [f"{name}/{task['task_id']}" for task in suite if normalized_hash(
-                tokenizer.decode(template.prompt(task["messages"]), skip_special_tokens=True))
+                tokenizer.decode(template.for_task(task).prompt(task["messages"]),
+                                 skip_special_tokens=True))
                 in seen]
         contaminated.sort()
     else:

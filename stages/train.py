@@ -112,7 +112,8 @@ def encoded_traces(validated: Path, specs: dict, root: Path, tokenizer,
                 "completion": json.dumps(messages[start:]), "error": None}
         try:
             item["scores"] = contract.score(envs[name], task, task["messages"] + messages[start:])
-            item["token_ids"], item["model_mask"] = chat.encode(templates[name], messages)
+            item["token_ids"], item["model_mask"] = chat.encode(templates[name].for_task(task),
+                                                                 messages)
         except Exception as err:  # one odd trace: counted and said; the others still train
             item["error"] = f"{type(err).__name__}: {err}"
             print(f"train: trace {trace['trace_id']} not used: {item['error']}", file=sys.stderr)

@@ -273,3 +273,36 @@ def test_a_server_that_sends_no_token_ids_is_refused_on_the_chat_path(trained, s
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_each_task_is_rendered_and_played_with_its_own_tools(family):
+    """toolcall's tasks each offer their own tools (TOOLS is empty): a task's prompt shows its
+    tools and no other task's, and its episode starts from exactly that prompt.
+    """
+    from stages.generation import tool_parsers
+
+    name, tok, model = family
+    env = contract.load("toolcall", "stages.envs.toolcall", REPO)
+    by_tools = {}
+    for task in contract.load_tasks(REPO / "data/tasks/toolcall.jsonl", env):
+        by_tools.setdefault(json.dumps(task["tools"], sort_keys=True), task)
+    tasks = list(by_tools.values())[:4]
+    assert len(tasks) == 4
+    template = chat.Template.of(tok, list(env.tools), chat.end_ids(model, tok))
+    everything = {t["function"]["name"] for task in tasks for t in task["tools"]}
+    for task in tasks:
+        text = tok.decode(template.for_task(task).prompt(task["messages"]))
+        offered = {t["function"]["name"] for t in task["tools"]}
+        assert all(f'"name": "{n}"' in text for n in offered), (name, text)
+        assert not any(f'"name": "{n}"' in text for n in everything - offered), (name, text)
+    # Llama 3.1's template writes each tool schema indented: with the test's small BPE vocabulary
+    # some of those prompts outgrow the model's 2048 positions; the shorter ones are played
+    tasks = [t for t in tasks if len(template.for_task(t).prompt(t["messages"])) < 1900]
+    assert len(tasks) >= 2, name
+    episodes = chat.rollout(model, tok, env, tasks, parser=tool_parsers.detect(tok.chat_template),
+                            temperature=1.0, max_new_tokens=12, max_turns=1,
+                            generator=torch.Generator().manual_seed(0), template=template)
+    for task, episode in zip(tasks, episodes):
+        prompt = template.for_task(task).prompt(task["messages"])
+        assert episode.token_ids[:len(prompt)] == prompt
+        assert episode.model_mask[:len(prompt)] == [0] * len(prompt) and any(episode.model_mask)

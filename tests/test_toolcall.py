@@ -160,3 +160,94 @@ def test_validate_derives_tool_call_tasks_from_trace_rows():
     assert json.loads(per_trace.answer[0])["tools"] == [WEATHER]
     assert pd.isna(per_trace.question[1])  # no schema in the trace: quarantined by validate
     assert list(calls.name) == ["get_weather", "get_weather"]
+
+
+# --- on the environment contract: a chat model's native tool calls, each task its own tools ----
+
+def contract_env():
+    from stages.envs import contract
+
+    return contract.load("toolcall", "stages.envs.toolcall")
+
+
+def turn(name, arguments, call_id="call_0", reply='{"ok": true}'):
+    return [{"role": "assistant", "content": None, "tool_calls": [{
+        "id": call_id, "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments)}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": reply}]
+
+
+def chat_task(arguments=None, name="get_weather", tools=(WEATHER, TIMER)):
+    return {"task_id": "t", "messages": [{"role": "user", "content": Q}], "tools": list(tools),
+            "expected": {"name": name, "arguments": arguments}}
+
+
+def test_on_the_contract_every_suite_task_has_its_own_tools_and_a_full_marks_gold():
+    from stages.envs import contract
+
+    env = contract_env()
+    assert env.tools == () and env.version == toolcall.VERSION  # the tools come with each task
+    offered = set()
+    for path in ("data/tasks/toolcall.jsonl", "data/benchmarks/toolcall.jsonl"):
+        for task in contract.load_tasks(path, env):
+            assert contract.full_marks(contract.check_gold(env, task)), task["task_id"]
+            offered.add(tuple(sorted(t["function"]["name"] for t in task["tools"])))
+    assert len(offered) > 3  # the offered tools differ from task to task
+
+
+def test_on_the_contract_calls_are_checked_against_the_tasks_own_schemas():
+    from stages.envs import contract
+
+    env, task = contract_env(), chat_task({"city": "Paris"}, tools=(WEATHER,))
+    assert contract.call(env, task, "get_weather", '{"city": "Paris"}') == ('{"ok": true}', None)
+    # set_timer exists in other tasks, not in this one
+    content, why = contract.call(env, task, "set_timer", '{"minutes": 5}')
+    assert why == "unknown tool 'set_timer'; the tools are: get_weather"
+    content, why = contract.call(env, task, "get_weather", '{"town": "Paris"}')
+    assert content.startswith("Error: invalid arguments for get_weather")
+
+
+def test_on_the_contract_the_reward_judges_the_last_call_of_the_conversation():
+    from stages.envs import contract
+
+    env, task = contract_env(), chat_task({"city": "Paris"})
+    score = lambda added: contract.score(env, task, task["messages"] + added)  # noqa: E731
+    assert score(turn("get_weather", {"city": "Paris"})) == FULL
+    assert score(turn("get_weather", {"city": "Rome"}))["correct"] == 0.0
+    wrong = score(turn("set_timer", {"minutes": 5}))
+    assert (wrong["right_tool"], wrong["tool_ok"], wrong["format"]) == (0.0, 1.0, 1.0)
+    # a refused call, then the right one: the last call is judged, the refused one costs tool_ok
+    retried = score(turn("get_weather", {"town": "Paris"}, "a", "Error: invalid")
+                    + turn("get_weather", {"city": "Paris"}, "b"))
+    assert (retried["correct"], retried["tool_ok"]) == (1.0, 0.0)
+    # a malformed call: the parser's error answers no call the assistant made
+    malformed = score([{"role": "assistant", "content": "<tool_call>{oops</tool_call>"},
+                       {"role": "tool", "tool_call_id": "call_malformed_0", "content": "Error"}])
+    assert (malformed["format"], malformed["correct"]) == (0.0, 0.0)
+    assert score([{"role": "assistant", "content": "It is sunny."}])["format"] == 0.0
+    # no expected arguments: any the schema accepts are right
+    assert contract.score(env, chat_task(None), chat_task(None)["messages"]
+                          + turn("get_weather", {"city": "Oslo"}))["correct"] == 1.0
+    assert contract.score(env, {**task, "expected": {"name": "nope"}}, task["messages"]) is None
+
+
+def test_on_the_contract_a_trace_that_called_an_offered_tool_is_a_task():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": Q},
+                *turn("get_weather", {"city": "Paris"}),
+                {"role": "assistant", "content": "Sunny."}]
+    task = toolcall.task_from_trace(messages, [WEATHER, TIMER])
+    assert task == {"messages": messages[:2], "tools": [WEATHER, TIMER],
+                    "expected": {"name": "get_weather", "arguments": None}}
+    assert toolcall.task_from_trace(messages, [TIMER]) is None  # the called tool not offered
+    assert toolcall.task_from_trace(messages[:2], [WEATHER]) is None  # no call
+
+
+def test_a_task_line_with_bad_tools_is_refused_naming_its_line(tmp_path):
+    from stages.envs import contract
+
+    path = tmp_path / "tasks.jsonl"
+    bad = {**chat_task(), "task_id": "u",
+           "tools": [{"type": "function", "function": {"name": "x"}}]}
+    path.write_text(json.dumps(chat_task()) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(contract.TaskFileError, match=rf"{path}:2: task 'u': tools\[0\] \(x\) has no function.parameters"):
+        contract.load_tasks(path, contract_env())

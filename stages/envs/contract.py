@@ -29,7 +29,9 @@ value: the module, e.g. `support = my_pkg.support`). The module defines:
   behind a production trace, without `task_id`; None when it has none).
 
 A task is one JSON line: `task_id`, `messages` (OpenAI chat messages, usually the system and user
-turns) and any fields its reward needs (`load_tasks`).
+turns) and any fields its reward needs (`load_tasks`). A task may carry its own `tools` (the same
+schema list as TOOLS): the tools offered in that task instead of TOOLS, rendered into its prompt
+and checked on its calls, for agents whose tools differ from request to request.
 
 `load(name, module)` imports and checks a module into an `Environment`; `call` runs a tool call as
 a rollout does; `score` runs the reward and normalises it; `check_gold` checks a task's gold.
@@ -95,14 +97,7 @@ class Environment:
 
     def __post_init__(self):
         """Build each tool's argument validator (the schemas are checked by `load`)."""
-        from jsonschema.validators import validator_for
-
-        validators = {}
-        for tool in self.tools:
-            function = tool["function"]
-            schema = function["parameters"]
-            validators[function["name"]] = validator_for(schema)(schema)
-        object.__setattr__(self, "validators", validators)
+        object.__setattr__(self, "validators", _validators(self.tools))
 
     @property
     def where(self) -> str:
@@ -113,6 +108,32 @@ class Environment:
     def tool_names(self) -> list[str]:
         """The names of the tools, in TOOLS order."""
         return [tool["function"]["name"] for tool in self.tools]
+
+    def tools_of(self, task: dict | None) -> tuple[dict, ...]:
+        """The tools offered in `task`: its own `tools` when its line has them, else TOOLS."""
+        tools = (task or {}).get("tools")
+        return self.tools if tools is None else tuple(tools)
+
+    def validators_of(self, task: dict | None) -> dict:
+        """Tool name -> argument validator for the tools offered in `task`."""
+        tools = (task or {}).get("tools")
+        if tools is None:
+            return self.validators
+        key = json.dumps(tools, sort_keys=True)
+        cache = self.__dict__.setdefault("_task_validators", {})
+        if key not in cache:
+            cache[key] = _validators(tools)
+        return cache[key]
+
+
+def _validators(tools) -> dict:
+    from jsonschema.validators import validator_for
+
+    validators = {}
+    for tool in tools:
+        schema = tool["function"]["parameters"]
+        validators[tool["function"]["name"]] = validator_for(schema)(schema)
+    return validators
 
 
 def _where(name: str, module: str) -> str:
@@ -354,19 +375,28 @@ def load_tasks(path: str | Path, environment: Environment | str) -> list[dict]:
                 problem = _check_message(message, index, ROLES)
                 if problem:
                     raise TaskFileError(f"{where}: task {task_id!r}: {problem}")
+            if "tools" in row:  # this task's own tools, checked as TOOLS are
+                try:
+                    row["tools"] = list(_check_tools(f"{where}: task {task_id!r}",
+                                                     row["tools"]))
+                except ContractError as err:
+                    raise TaskFileError(str(err).replace("TOOLS", "tools")) from None
             tasks.append(row)
     return tasks
 
 
-def _arguments(env: Environment, name: Any, arguments: Any) -> tuple[dict | None, str | None]:
+def _arguments(env: Environment, name: Any, arguments: Any, task: dict | None = None
+               ) -> tuple[dict | None, str | None]:
     """(the parsed arguments, None), or (None, why they are refused): an unknown tool, arguments
     that are not a JSON object or do not match the tool's schema. Blank arguments count as {}.
+    The tools are those offered in `task` (its own `tools`, else TOOLS).
     """
     from jsonschema.exceptions import best_match
 
-    validator = env.validators.get(name) if isinstance(name, str) else None
+    validators = env.validators_of(task)
+    validator = validators.get(name) if isinstance(name, str) else None
     if validator is None:
-        return None, f"unknown tool {name!r}; the tools are: {', '.join(env.tool_names) or 'none'}"
+        return None, f"unknown tool {name!r}; the tools are: {', '.join(validators) or 'none'}"
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
@@ -391,7 +421,11 @@ def call(env: Environment, task: dict, name: str, arguments_json: str | dict
     Blank arguments count as {}. Any other exception from the module's call_tool propagates: an
     infrastructure failure, recorded with its cause.
     """
-    arguments, why = _arguments(env, name, arguments_json)
+    arguments, why = _arguments(env, name, arguments_json, task)
+    if why is None and env.call_tool is None:
+        raise ContractError(f"{env.where}: task {task.get('task_id')!r} offers tools of its own "
+                            f"but the module defines no call_tool; add "
+                            f"`def call_tool(task, name, arguments) -> str`")
     if why is None:
         try:
             result = env.call_tool(task, name, arguments)
@@ -472,7 +506,7 @@ def check_gold(env: Environment, task: dict) -> dict[str, float] | None:
                 raise GoldError(f"{where}: gold() messages[{index}] has a tool call without "
                                 f"'function'; write {{\"id\": ..., \"type\": \"function\", "
                                 f"\"function\": {{\"name\": ..., \"arguments\": \"{{...}}\"}}}}")
-            _, error = _arguments(env, function.get("name"), function.get("arguments"))
+            _, error = _arguments(env, function.get("name"), function.get("arguments"), task)
             if error:
                 raise GoldError(f"{where}: gold() messages[{index}] calls a tool wrongly: "
                                 f"{error}; fix gold() or TOOLS")

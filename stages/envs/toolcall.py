@@ -31,6 +31,15 @@ network) raises VerifierError: the verifier broke, not the agent.
 Tasks come from task suites (`data/tasks/toolcall.jsonl`, held out: `data/benchmarks/toolcall.jsonl`)
 and from ingested traces whose assistant called a tool (`task_from_messages`, the trace's `tools`
 giving the schemas). Pure Python (jsonschema, no torch).
+
+On the environment contract (`stages.envs.contract`; params.yaml `environments:` with
+`module: stages.envs.toolcall`), a chat model plays the same tasks with its native tool calls. Each
+task line carries its own `tools` (the offered tools differ from task to task; TOOLS is empty) and
+`expected`, beside the tag protocol's `question`/`answer`. The contract checks every call against
+the task's schemas and shows a refused one to the model as a tool error; `call_tool` answers an
+accepted one `{"ok": true}`. `reward` gives the components above for the conversation (a
+malformed call is a tool message answering no call the assistant made), `gold` the expected call,
+`task_from_trace` the task behind a trace that called one of its offered tools.
 """
 
 from __future__ import annotations
@@ -271,3 +280,94 @@ def _no_demo(*args):
 
 
 sample_question = mix_for_day = demonstration = _no_demo
+
+
+# --- the environment contract: the environments: path --------------------------------------------
+
+TOOLS: list[dict] = []  # each task offers its own: the task line's `tools`
+
+
+def call_tool(task: dict, name: str, arguments: dict) -> str:
+    """The reply to an accepted call (the contract already checked the name and the arguments
+    against the task's schema; a refused call reaches the model as an error instead).
+    """
+    return json.dumps({"ok": True})
+
+
+def _calls(task: dict, messages: list[dict]) -> tuple[list[dict | None], bool]:
+    """The assistant's calls after the task's messages (None: arguments that are not a JSON
+    object), and whether some call was malformed: a tool message answering no call it made.
+    """
+    calls, ids = [], set()
+    for message in messages[len(task["messages"]):]:
+        if message.get("role") == "assistant":
+            for call in message.get("tool_calls") or ():
+                function = call.get("function") or {}
+                ids.add(call.get("id"))
+                arguments = function.get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments) if arguments.strip() else {}
+                    except json.JSONDecodeError:
+                        arguments = None
+                calls.append({"name": function.get("name"), "arguments": arguments}
+                             if isinstance(arguments, dict) else None)
+    malformed = any(m.get("role") == "tool" and m.get("tool_call_id") not in ids
+                    for m in messages[len(task["messages"]):])
+    return calls, malformed
+
+
+def reward(task: dict, messages: list[dict]) -> dict[str, float] | None:
+    """The components of `score` for a conversation: the last call is judged; None when the task
+    cannot be judged (no usable `tools`/`expected`).
+    """
+    judged = _task(json.dumps({"tools": task.get("tools"), "expected": task.get("expected")}))
+    if judged is None:
+        return None
+    schemas, expected = judged
+    calls, malformed = _calls(task, messages)
+    tool_ok = not malformed and all(
+        c is not None and c["name"] in schemas and _valid(schemas[c["name"]], c["arguments"],
+                                                          c["name"]) for c in calls)
+    last = calls[-1] if calls else None
+    right_tool = last is not None and last["name"] == expected["name"]
+    arguments_valid = right_tool and _valid(schemas[last["name"]], last["arguments"],
+                                            last["name"])
+    if expected["arguments"] is None:
+        correct = arguments_valid
+    else:
+        correct = right_tool and last["arguments"] == expected["arguments"]
+    well_formed = bool(calls) and not malformed and all(c is not None for c in calls)
+    return {"correct": float(correct), "format": float(well_formed), "tool_ok": float(tool_ok),
+            "right_tool": float(right_tool), "arguments_valid": float(arguments_valid)}
+
+
+def gold(task: dict) -> list[dict]:
+    """The expected call (arguments made up from the schema when none are expected), its reply
+    and a short final answer.
+    """
+    schemas, expected = _task(json.dumps({"tools": task.get("tools"),
+                                          "expected": task.get("expected")}))
+    arguments = expected["arguments"]
+    if arguments is None:
+        arguments = example(schemas[expected["name"]])
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": expected["name"], "arguments": json.dumps(arguments)}}
+    return [{"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": json.dumps({"ok": True})},
+            {"role": "assistant", "content": "Done."}]
+
+
+def task_from_trace(messages: list[dict], tools: list | None) -> dict | None:
+    """The task behind a trace whose assistant called one of its offered `tools`: the messages
+    before the assistant's first turn, all the offered tools (the model must pick the right one),
+    and the called tool expected with `arguments: null` (judged by its schema; a logged call's
+    arguments are not known to be right). None otherwise.
+    """
+    found = task_from_messages(messages, tools)
+    if found is None:
+        return None
+    first = next(i for i, m in enumerate(messages) if m.get("role") == "assistant")
+    offered = [t for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+    return {"messages": [m for m in messages[:first] if m.get("role") in ("system", "user")],
+            "tools": offered, "expected": json.loads(found["answer"])["expected"]}

@@ -64,6 +64,7 @@ class Template:
     tools: list[dict] | None
     prefix_preserving: bool = True
     end_markers: tuple[str, ...] = ()
+    _variants: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, tokenizer, tools: list[dict] | None, end_ids: tuple[int, ...] = ()) -> Template:
@@ -82,6 +83,20 @@ class Template:
         template = cls(tokenizer, list(tools) if tools else None, True, markers)
         template.prefix_preserving = template._keeps_prefixes()
         return template
+
+    def for_task(self, task: dict) -> Template:
+        """The template for one task: rendered with the task's own `tools` when its line has them
+        (offered tools may differ from task to task, as in OpenAI chat logs), else this one.
+        """
+        tools = task.get("tools")
+        if tools is None:
+            return self
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._variants:
+            variant = Template(self.tokenizer, list(tools) or None, True, self.end_markers)
+            variant.prefix_preserving = variant._keeps_prefixes()
+            self._variants[key] = variant
+        return self._variants[key]
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         """The template's text for `messages` (with the tools), as the model reads it."""
@@ -232,18 +247,23 @@ class _Play:
                  parser: str, max_turns: int):
         self.template, self.env, self.parser, self.max_turns = template, env, parser, max_turns
         self.tasks = tasks
+        self.templates = [template.for_task(task) for task in tasks]  # a task's own tools
         self.episodes = [ChatEpisode(messages=[dict(m) for m in task["messages"]])
                          for task in tasks]
         self.turns_ended = [0] * len(tasks)  # turns that reached their end token
         self.answered = [(0, 0)] * len(tasks)  # (tool_calls, tool_errors) before the last turn
+
+    def prompts(self) -> list[list[int]]:
+        """The ids each episode starts from: its task's messages and the generation prompt."""
+        return [t.prompt(task["messages"]) for t, task in zip(self.templates, self.tasks)]
 
     def on_turn_end(self, row: int, turn_ids: list[int]):
         """`generate_ids`' hook: the ids to feed after this turn, or why the episode ends."""
         episode, task = self.episodes[row], self.tasks[row]
         self.turns_ended[row] += 1
         self.answered[row] = (episode.tool_calls, episode.tool_errors)
-        text = self.template.strip_end(
-            self.template.tokenizer.decode(turn_ids, skip_special_tokens=False))
+        template = self.templates[row]
+        text = template.strip_end(template.tokenizer.decode(turn_ids, skip_special_tokens=False))
         parsed = tool_parsers.parse(self.parser, text)
         episode.messages.append(assistant_message(parsed))
         attempts = len(parsed.tool_calls) + len(parsed.errors)
@@ -268,9 +288,9 @@ class _Play:
             answers.append({"role": "tool", "tool_call_id": f"call_malformed_{number}",
                             "content": f"Error: {problem}"})
         episode.tool_calls += attempts
-        injected = self.template.after_turn(episode.messages, answers)
+        injected = template.after_turn(episode.messages, answers)
         episode.messages.extend(answers)
-        return self.template.ids(injected)
+        return template.ids(injected)
 
 
 def resolve(rollout, tokenizer, env: contract.Environment) -> tuple[str, int]:
@@ -316,7 +336,7 @@ def rollout(model, tokenizer, env: contract.Environment, tasks: list[dict], *, p
     ends = end_ids(model, tokenizer)
     template = template or Template.of(tokenizer, list(env.tools), ends)
     play = _Play(template, env, tasks, parser, max_turns)
-    prompts = [template.prompt(task["messages"]) for task in tasks]
+    prompts = play.prompts()
     rows = generate_ids(model, tokenizer, prompts, temperature=temperature,
                         max_new_tokens=max_new_tokens, generator=generator, top_p=top_p,
                         top_k=top_k, on_turn_end=play.on_turn_end, end_ids=ends,

@@ -456,7 +456,7 @@ def chat_rollout(tokenizer, env, tasks: list[dict], seeds: list[int], *, urls: l
         raise ValueError("no server URL given (rollout.urls, or rollout.server_command)")
     template = template or chat.Template.of(tokenizer, list(env.tools), ends)
     play = chat._Play(template, env, tasks, parser, max_turns)
-    prompts = [template.prompt(task["messages"]) for task in tasks]
+    prompts = play.prompts()
     too_long = [task["task_id"] for task, p in zip(tasks, prompts) if len(p) >= context]
     if too_long:
         raise ValueError(f"task {too_long[0]}: its prompt has no room to answer in the model's "

@@ -46,7 +46,7 @@ def chat_demonstrations(template, env, rng: random.Random, tool_fraction: float,
             question = env.sample_question(rng)
             task = env.chat_task(question)
             answer = env.chat_demonstration(question, use_tool=rng.random() < tool_fraction)
-            ids, mask = chat.encode(template, task["messages"] + answer)
+            ids, mask = chat.encode(template.for_task(task), task["messages"] + answer)
             batch.append({"token_ids": ids, "model_mask": mask, "chat": True})
         yield batch
 
