@@ -33,6 +33,7 @@ import yaml
 
 from flows import params as settings
 from flows.workspace import (
+    ENVIRONMENT_SOURCES,
     WorkspaceError,
     configure_env,
     cycle_lock,
@@ -41,6 +42,7 @@ from flows.workspace import (
     generations,
     git,
     inputs_fingerprint,
+    note_environments,
     read_at,
 )
 from stages import config as cfg
@@ -143,6 +145,7 @@ def cmd_init(args) -> int:
         items = read_benchmark(root)
     with cycle_lock(root, "offseason init"):
         print("init: building generation 0 ...", flush=True)
+        note_environments(root)  # what the stages' dep data/environments.json says
         champion = root / "models" / "champion"
         metrics = init.run(configs["base"], configs["init"], champion, base_model, chat=demo)
         if specs:
@@ -192,7 +195,7 @@ def cmd_init(args) -> int:
                  "at": promotion.now()}
         promotion.append_log(root, entry)
         git(root, "add", "--", "models/champion.dvc", "models/.gitignore", "metrics",
-            "params.yaml", promotion.LOG)
+            "params.yaml", promotion.LOG, str(ENVIRONMENT_SOURCES))
         git(root, "commit", "--quiet", "-m",
             f"gen-0: first champion ({metrics['source']}), benchmark pass@1 "
             f"{metrics['benchmark_score']:.3f}")

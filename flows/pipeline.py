@@ -295,7 +295,8 @@ def changed_since_last_cycle(root: Path) -> list[str]:
     last = (read_at(root, "HEAD", "metrics/promotion.json") or {}).get("inputs", {})
     now = inputs_fingerprint(root)
     words = {"inbox": NEW_TRACES, "params": "params.yaml changed",
-             "code": "stage code or dvc.yaml changed"}
+             "code": "stage code or dvc.yaml changed",
+             "environments": "an environment's module changed (data/environments.json)"}
     return [words[key] for key in now if now[key] != last.get(key)]
 
 
@@ -323,6 +324,8 @@ def begin(root: Path, session: Session | None = None) -> Start:
         else:  # the first cycle: the snapshot that `dvc repro` keeps up to date from now on
             session.run(["add", "--quiet", "data/inbox"])
             new_traces = True
+        # the environments' modules by content: a dep of the stages that run them (dvc.yaml)
+        workspace.note_environments(root)
         reasons = changed_since_last_cycle(root)
         if new_traces and NEW_TRACES not in reasons:
             reasons.insert(0, NEW_TRACES)

@@ -43,7 +43,14 @@ from flows import params as settings
 
 # Prefect and MLflow (flows.tracking) are imported where they are used: `offseason run` repairs
 # files with recover_files() before either is loaded, and `approve` and `pending` skip MLflow
-from flows.workspace import WorkspaceError, dvc, git, inputs_fingerprint, read_at
+from flows.workspace import (
+    ENVIRONMENT_SOURCES,
+    WorkspaceError,
+    dvc,
+    git,
+    inputs_fingerprint,
+    read_at,
+)
 from stages import io
 
 LOG = "promotions.jsonl"
@@ -350,6 +357,7 @@ def write_records(root: Path, record: dict, entry: dict | None, tx: Transaction)
 
 
 CYCLE_PATHS = ["dvc.lock", "dvc.yaml", "params.yaml", "metrics", "data/inbox.dvc", LOG,
+               str(ENVIRONMENT_SOURCES),
                "models/champion.dvc", "data/.gitignore", "models/.gitignore",
                "data/quarantine/.gitignore"]
 

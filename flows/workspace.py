@@ -192,6 +192,53 @@ def _held_by(root: Path, path: Path) -> str:
             f"stop that process")
 
 
+ENVIRONMENT_SOURCES = Path("data") / "environments.json"  # a dep of the stages in dvc.yaml
+
+
+def note_environments(root: Path) -> dict:
+    """Write `data/environments.json`: each `environments:` module of params.yaml by content.
+
+    DVC tracks the files dvc.yaml lists; a user's environment lives in their own module (or an
+    installed package), which no stage's deps can name ahead of time. This note can: per
+    environment, the module, its VERSION and the SHA-256 of its source, and for a module inside
+    the project the files of its folder too (the data its reward or tools read). dvc.yaml lists
+    the note as a dep of the stages that run the modules, so editing a reward reruns them as
+    editing a stage does; the file is rewritten only when that content changes. Importing the
+    modules here also fails a cycle before any stage when one does not load (ContractError).
+    """
+    from stages import config as cfg
+    from stages.envs import contract
+
+    root = root.resolve()
+    note = {}
+    for name, spec in sorted(cfg.environments(root / "params.yaml").items()):
+        env = contract.load(name, spec.module, root)
+        source = Path(env.source).resolve() if env.source else None
+        files = [source] if source else []
+        if source and source.parent != root and source.is_relative_to(root):
+            files = sorted(f for f in source.parent.rglob("*") if f.is_file() and not any(
+                part.startswith((".", "__pycache__")) for part in f.relative_to(root).parts))
+        inside = bool(source) and source.is_relative_to(root)
+        # where it is, the same on every machine: in the project, or by its dotted name
+        shown = (source.relative_to(root).as_posix() if inside else
+                 env.module.replace(".", "/") + ("/__init__.py" if source.name == "__init__.py"
+                                                 else ".py")) if source else None
+        digest = hashlib.sha256()
+        for file in files:
+            at = file.relative_to(root).as_posix() if inside else shown
+            digest.update(at.encode() + b"\0" + file.read_bytes() + b"\0")
+        note[name] = {"module": env.module, "version": env.version, "source": shown,
+                      "files": len(files), "sha256": digest.hexdigest() if files else None}
+    path = root / ENVIRONMENT_SOURCES
+    text = json.dumps(note, indent=2, sort_keys=True) + "\n"
+    if not path.exists() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return note
+
+
 def inputs_fingerprint(root: Path) -> dict[str, str]:
     """What a cycle learns from, hashed: the inbox snapshot, the params, the pipeline's code.
 
@@ -208,7 +255,8 @@ def inputs_fingerprint(root: Path) -> dict[str, str]:
 
     return {"inbox": digest([root / "data" / "inbox.dvc"]),
             "params": digest([root / "params.yaml"]),
-            "code": digest([root / "dvc.yaml", *sorted((root / "stages").glob("*.py"))])}
+            "code": digest([root / "dvc.yaml", *sorted((root / "stages").rglob("*.py"))]),
+            "environments": digest([root / ENVIRONMENT_SOURCES])}
 
 
 def limit_name(root: Path) -> str:

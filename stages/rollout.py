@@ -213,7 +213,8 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
                                      / max(1, sum(r["tool_calls"] for r in mine)), 4),
             "errors": sum(r["error"] is not None for r in mine),
             "module": envs[name].module, "version": envs[name].version,
-            # DVC does not track the module's file: its hash here is the lineage of the code
+            # the module's own file as this stage ran it (data/environments.json, a dep of
+            # the stage, hashes its folder)
             "source_sha256": hashlib.sha256(Path(envs[name].source).read_bytes()).hexdigest()
             if envs[name].source else None}
     requests = {}

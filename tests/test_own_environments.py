@@ -325,6 +325,21 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
                          text=True).stdout
     assert log.startswith("gen-1")
 
+    # the user's module is among the stages' deps through data/environments.json (committed with
+    # the cycle): editing its reward makes DVC see every stage that runs it as changed
+    note = json.loads(subprocess.run(["git", "show", "gen-1:data/environments.json"], cwd=root,
+                                     capture_output=True, text=True, check=True).stdout)
+    assert note["greeter"]["source"] == "my_envs/greeter.py" and note["greeter"]["files"] == 1
+    (root / "my_envs" / "greeter.py").write_text(GREETER.replace("greeter@1", "greeter@2"))
+    subprocess.run([sys.executable, "-c", "from pathlib import Path; from flows.workspace import "
+                    "note_environments; note_environments(Path('.'))"], cwd=root, check=True)
+    status = json.loads(subprocess.run([str(BIN / "dvc"), "status", "--json"], cwd=root,
+                                       capture_output=True, text=True, check=True).stdout)
+    changed = {stage for stage, entries in status.items() for entry in entries
+               if isinstance(entry, dict)
+               and "data/environments.json" in entry.get("changed deps", {})}
+    assert changed == {"validate", "rollout", "reward", "train", "champion_scores", "gate"}
+
 
 def test_a_thumbs_up_trace_is_trained_on_as_it_is_with_its_tool_calls(tmp_path, champion):
     import pyarrow as pa

@@ -42,3 +42,38 @@ def test_fingerprint_follows_inbox_params_and_code(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "inbox.dvc").write_text("outs: [md5: 1]\n")
     assert inputs_fingerprint(tmp_path)["inbox"] != second["inbox"]
+    (tmp_path / "stages" / "envs").mkdir()
+    (tmp_path / "stages" / "envs" / "b.py").write_text("y = 1\n")  # a subpackage's code counts
+    assert inputs_fingerprint(tmp_path)["code"] != second["code"]
+
+
+def test_the_environments_note_follows_each_modules_code_and_data(tmp_path):
+    import json
+    import os
+
+    import yaml
+
+    from flows.workspace import ENVIRONMENT_SOURCES, note_environments
+
+    (tmp_path / "note_envs").mkdir()
+    module = tmp_path / "note_envs" / "greeter.py"
+    module.write_text("TOOLS = []\nVERSION = 'g@1'\n\ndef reward(task, messages):\n    return 1.0\n")
+    (tmp_path / "note_envs" / "names.json").write_text('["Ada"]')
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"environments": {
+        "greeter": {"module": "note_envs.greeter"}, "arith": {"module": "stages.envs.arith"}}}))
+    first = note_environments(tmp_path)
+    assert first["greeter"] == {"module": "note_envs.greeter", "version": "g@1",
+                                "source": "note_envs/greeter.py", "files": 2,
+                                "sha256": first["greeter"]["sha256"]}
+    # a built-in module is named the same on every machine, wherever it is installed
+    assert first["arith"]["source"] == "stages/envs/arith.py"
+    path = tmp_path / ENVIRONMENT_SOURCES
+    assert json.loads(path.read_text()) == first
+    fingerprint = inputs_fingerprint(tmp_path)["environments"]
+    os.utime(path, (1, 1))
+    assert note_environments(tmp_path) == first and path.stat().st_mtime == 1  # unchanged: kept
+    (tmp_path / "note_envs" / "names.json").write_text('["Ada", "Grace"]')  # the data it reads
+    second = note_environments(tmp_path)
+    assert second["greeter"]["sha256"] != first["greeter"]["sha256"]
+    assert second["arith"] == first["arith"]
+    assert inputs_fingerprint(tmp_path)["environments"] != fingerprint
