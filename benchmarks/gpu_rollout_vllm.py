@@ -4,6 +4,13 @@
     .venv/bin/python benchmarks/gpu_rollout_vllm.py       # prints both throughputs (Markdown)
     .venv/bin/python benchmarks/gpu_rollout_vllm.py --tasks 512 --samples 8 --keep /tmp/gpu-check
 
+`--path chat` (the default, the path the demo and every `environments:` project run): generation 0
+is the demo's chat model, the tasks are arith's chat tasks, and `stages.rollout.run_chat` runs
+them through vLLM (each turn sent as token ids rendered by the chat template here, the model's ids
+back with `return_tokens_as_token_ids`, the end ids as `stop_token_ids`) and through the
+transformers backend; it fails unless vLLM gave token ids, tool calls, and prompts that begin
+every stored conversation as rendered here. `--path tags`: the tag protocol, as below.
+
 What it does, in a temporary folder: builds generation 0 with `stages.init` (the demo's params.yaml
 `init:` section; `--warmup-steps` shortens the warm start), writes a validated-tasks file of
 `--tasks` arithmetic questions, then runs `stages.rollout.run` twice on the same tasks and seed:
@@ -74,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-command", default=COMMAND,
                         help="rollout.server_command ({model} and {port} are filled in)")
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it")
+    parser.add_argument("--path", choices=("chat", "tags"), default="chat",
+                        help="chat: the environments: path (default); tags: the tag protocol")
     args = parser.parse_args(argv)
     if not VLLM.exists() and args.server_command == COMMAND:
         print(f"error: {VLLM} not found; run `make vllm-env` first (needs a GPU machine with PyPI)",
@@ -84,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     work = args.keep or Path(tempfile.mkdtemp(prefix="offseason-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.path == "chat":
+        try:
+            return chat_check(args, work)
+        finally:
+            if args.keep is None:
+                shutil.rmtree(work, ignore_errors=True)
     try:
         base = cfg.Base(seed=0)
         params = cfg.load("init", ROOT / "params.yaml")
@@ -144,6 +159,58 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def chat_check(args, work: Path) -> int:
+    """The chat path: `run_chat` through the server and in-process on arith's chat tasks."""
+    import json
+
+    base = cfg.Base(seed=0)
+    params = cfg.load("init", ROOT / "params.yaml")
+    champion = work / "champion"
+    init.run(base, cfg.Init(**{**params.__dict__, "warmup_steps": args.warmup_steps}), champion,
+             chat=True)
+    rng = random.Random(7)
+    tasks = work / "arith.jsonl"
+    tasks.write_text("".join(json.dumps({"task_id": f"t{i:05d}", **arith.chat_task(
+        arith.sample_question(rng))}) + "\n" for i in range(args.tasks)))
+    specs = {"arith": cfg.EnvironmentSpec(module="stages.envs.arith", tasks=str(tasks))}
+    common = {"samples_per_task": args.samples, "temperature": args.temperature}
+    results = {}
+    for name, config in (
+        ("vllm (openai backend)", cfg.Rollout(backend="openai", concurrency=args.concurrency,
+                                              server_command=args.server_command, **common)),
+        ("transformers", cfg.Rollout(**common)),
+    ):
+        out = work / f"rollouts-{config.backend}.parquet"
+        metrics = rollout.run_chat(base, config, specs, champion, out, ROOT)
+        results[name] = (metrics, pq.read_table(out).to_pylist())
+    print(f"\ntorch {torch.__version__}, GPU: "
+          f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}\n")
+    print("| backend | episodes | generated tokens | seconds | tokens/s | tool use |")
+    print("|---|---|---|---|---|---|")
+    for name, (metrics, rows) in results.items():
+        used = sum(r["tool_calls"] > 0 for r in rows) / max(1, len(rows))
+        print(f"| {name} | {metrics['episodes']} | {metrics['generated_tokens']} | "
+              f"{metrics['seconds']} | {metrics['tokens_per_second']} | {used:.3f} |")
+    (served, served_rows), (_, local_rows) = list(results.values())
+    same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(served_rows, local_rows))
+    print(f"\nconversations with identical ids in both: {same}/{len(local_rows)}; requests: "
+          f"{served['requests']}, retries: {served['retries']}")
+    prompts_agree = all(a["token_ids"][:a["model_mask"].index(1)]
+                        == b["token_ids"][:b["model_mask"].index(1)]
+                        for a, b in zip(served_rows, local_rows) if 1 in a["model_mask"])
+    if not all(any(r["model_mask"]) for r in served_rows):
+        print("error: vLLM returned no token ids for some episodes", file=sys.stderr)
+        return 1
+    if not any(r["tool_calls"] for r in served_rows):
+        print("error: no episode through vLLM called the tool", file=sys.stderr)
+        return 1
+    if not prompts_agree:
+        print("error: a stored conversation does not begin with its rendered prompt",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
