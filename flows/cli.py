@@ -619,6 +619,73 @@ def cmd_rescore(args) -> int:
     return 0
 
 
+def holdout_path(root: Path) -> Path:
+    """The pool of held-out tasks, as the validate stage in dvc.yaml names it (`--holdout`)."""
+    cmd = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["validate"]["cmd"].split()
+    if "--holdout" not in cmd:
+        raise WorkspaceError("dvc.yaml: the validate stage has no `--holdout data/holdout`; add it "
+                             "(and `data/holdout: {persist: true}` to its outs) to hold traces "
+                             "out for the benchmarks")
+    return root / cmd[cmd.index("--holdout") + 1]
+
+
+def cmd_benchmark(args) -> int:
+    """`offseason benchmark refresh`: worn benchmark items replaced by held-out traces' tasks."""
+    from stages import gate, io
+    from stages.envs import contract
+
+    root, configs = workspace(env=False)
+    specs = cfg.environments(root / "params.yaml")
+    if not specs:
+        raise cfg.ParamsError("environments: is empty; benchmark refresh works on the "
+                              "environments: path (the held-out pool holds their tasks)")
+    if args.env and args.env not in specs:
+        raise cfg.ParamsError(f"environments.{args.env}: no such environment; one of "
+                              f"{', '.join(sorted(specs))}")
+    pool_dir = holdout_path(root)
+    history_path = root / "data" / "gate_history.jsonl"
+    history = io.read_jsonl(history_path) if history_path.exists() else []
+    changed, lines = [], []
+    with cycle_lock(root, "offseason benchmark refresh"):
+        for name in [args.env] if args.env else sorted(specs):
+            spec = specs[name]
+            if not spec.benchmark:
+                print(f"{name}: no benchmark (environments.{name}.benchmark); skipped")
+                continue
+            env = contract.load(name, spec.module, root)
+            path = root / spec.benchmark
+            items = contract.load_tasks(path, env)
+            pool_file = pool_dir / f"{name}.jsonl"
+            pool = contract.load_tasks(pool_file, env) if pool_file.exists() else []
+            decided = gate.item_decisions(history, name)
+            new, retired, added = gate.refreshed(items, pool, decided, args.items,
+                                                 args.min_decisions)
+            if not added:
+                why = ("no held-out task is left in " + str(pool_file.relative_to(root))
+                       if pool else f"the pool {pool_file.relative_to(root)} is empty (set "
+                       f"validate.holdout_fraction to hold traces out)")
+                worn = sum(1 for item in items if decided.get(str(item["task_id"]), 0)
+                           >= args.min_decisions)
+                print(f"{name}: nothing replaced: {worn} of {len(items)} items have informed "
+                      f"{args.min_decisions}+ decisions; {why}")
+                continue
+            mean = sum(decided.get(str(t["task_id"]), 0) for t in retired) / len(retired)
+            line = (f"{name}: {len(added)} of {len(items)} items replaced by held-out production "
+                    f"tasks (the retired ones had informed {mean:.1f} decisions on average; "
+                    f"{len(pool) - len(added)} pool tasks left)")
+            print(line)
+            lines.append(line)
+            if not args.dry_run:
+                io.write_jsonl(path, new)
+                changed.append(str(path.relative_to(root)))
+        if changed:
+            git(root, "add", "--", *changed)
+            git(root, "commit", "--quiet", "-m", "benchmark refresh: " + "; ".join(lines))
+            print(f"committed {', '.join(changed)}; the next cycle scores the champion on them "
+                  f"again (champion_scores reruns)")
+    return 0
+
+
 def cmd_ui(args) -> int:
     """`offseason ui`: Prefect's and MLflow's UIs on 127.0.0.1 until Ctrl-C."""
     root = find_root()
@@ -791,6 +858,26 @@ def audit_commands(sub) -> None:
     s.add_argument("--generation", metavar="gen-N", help="whose lineage graph to draw")
     s.add_argument("--out", type=Path, metavar="HTML", help="default reports/index.html")
     s.set_defaults(func=cmd_report)
+    s = sub.add_parser("benchmark", help="benchmark upkeep: `benchmark refresh`",
+                       description="Benchmark upkeep on the environments: path.")
+    actions = s.add_subparsers(dest="action", required=True, metavar="ACTION")
+    s = actions.add_parser(
+        "refresh", help="replace worn benchmark items by held-out production tasks",
+        description="Held-out items that decided many cycles wear out: a team keeps choosing "
+        "candidates by them. With validate.holdout_fraction > 0, each cycle keeps that share of "
+        "its production traces out of training and their tasks in data/holdout/<environment>.jsonl. "
+        "This replaces the benchmark items that informed the most gate decisions "
+        "(data/gate_history.jsonl) by the oldest of those tasks that never decided anything, "
+        "keeping each suite's size, writes environments.<name>.benchmark and commits it. The next "
+        "cycle scores the champion on the new items (champion_scores reruns).")
+    s.add_argument("--env", metavar="NAME", help="only this environment (default: every one)")
+    s.add_argument("--items", type=int, default=0, metavar="N",
+                   help="replace at most N items per environment (default: as many as the pool "
+                   "allows)")
+    s.add_argument("--min-decisions", type=int, default=1, metavar="K",
+                   help="only items that informed at least K decisions give way (default 1)")
+    s.add_argument("--dry-run", action="store_true", help="say what would change; write nothing")
+    s.set_defaults(func=cmd_benchmark)
     s = sub.add_parser("rescore", help="re-score stored rollouts with the current verifier",
                        description="Re-score stored rollouts whose `verifier` column is not the "
                        "current environment's verifier version (after a change of its VERSION), "

@@ -163,9 +163,14 @@ def stage_order(root: Path) -> list[str]:
 
 
 def accepted_traces(root: Path) -> int:
-    """How many traces validate accepted in its last run (0 when it has not run)."""
+    """How many traces validate accepted for training in its last run, those held out for the
+    benchmarks not counted (0 when it has not run).
+    """
     path = root / "metrics" / "validate.json"
-    return json.loads(path.read_text()).get("accepted", 0) if path.exists() else 0
+    if not path.exists():
+        return 0
+    metrics = json.loads(path.read_text())
+    return metrics.get("accepted", 0) - metrics.get("held_out", 0)
 
 
 class Stage:

@@ -117,9 +117,16 @@ class Validate:
     # stop the cycle when the task mix moved more than this from the previous cycle's (total
     # variation distance, 0 to 1); 1.0 never stops
     max_drift: float = 1.0
+    # the environments: path: this share of the valid traces that give a task is held out, never
+    # trained on, and kept in data/holdout/ to refresh the benchmarks (`offseason benchmark
+    # refresh`); 0 holds none out
+    holdout_fraction: float = 0.0
 
     def __post_init__(self):
-        """Refuse fractions outside [0, 1]."""
+        """Refuse fractions outside [0, 1] (a held-out share above one half)."""
+        if not 0.0 <= self.holdout_fraction <= 0.5:
+            raise ParamsError(f"validate.holdout_fraction: must be between 0 and 0.5 (a share "
+                              f"of the traces kept from training), got {self.holdout_fraction}")
         if not 0.0 <= self.min_valid_fraction <= 1.0:
             raise ParamsError(f"validate.min_valid_fraction: must be between 0 and 1, got "
                               f"{self.min_valid_fraction}")

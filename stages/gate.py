@@ -491,6 +491,42 @@ def item_usage(earlier: list[dict], used: dict[str, list[str]], unchanged: bool)
     return out
 
 
+def item_decisions(history: list[dict], suite: str) -> dict[str, int]:
+    """How many decisions each item of `suite` has informed, from data/gate_history.jsonl's
+    lines (a candidate that was the champion unchanged decided nothing).
+    """
+    counts: dict[str, int] = {}
+    for line in history:
+        if line.get("unchanged"):
+            continue
+        for item in set((line.get("items") or {}).get(suite, ())):
+            counts[item] = counts.get(item, 0) + 1
+    return counts
+
+
+def refreshed(items: list[dict], pool: list[dict], decided: dict[str, int], limit: int = 0,
+              min_decisions: int = 1) -> tuple[list[dict], list[dict], list[dict]]:
+    """A benchmark with its most-used items replaced by held-out production tasks.
+
+    `items`: the benchmark's tasks; `pool`: held-out tasks, oldest first (`data/holdout/`);
+    `decided`: decisions per item id (`item_decisions`). The items that informed the most
+    decisions (at least `min_decisions`; ties: the earlier in the file) give way, each to the
+    oldest pool task that is not in the benchmark and never decided anything, at most `limit`
+    (0: as many as the pool allows). The suite keeps its size and order. Returns (the new items,
+    the retired ones, the ones added).
+    """
+    ids = {str(i["task_id"]) for i in items}
+    fresh = [t for t in pool if str(t["task_id"]) not in ids and str(t["task_id"]) not in decided]
+    worn = sorted((i for i, item in enumerate(items)
+                   if decided.get(str(item["task_id"]), 0) >= min_decisions),
+                  key=lambda i: (-decided.get(str(items[i]["task_id"]), 0), i))
+    n = min(len(fresh), len(worn), limit or len(worn))
+    out = list(items)
+    for position, task in zip(sorted(worn[:n]), fresh[:n]):
+        out[position] = task
+    return out, [items[i] for i in sorted(worn[:n])], fresh[:n]
+
+
 def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: set,
            contaminated: list[str], unchanged: bool,
            margins: dict[str, tuple[str, float]] | None = None,

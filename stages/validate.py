@@ -9,8 +9,16 @@ profile and its drift from the previous cycle's, kept in `data/profiles/`) and G
 (`data/docs/index.html`). The stage fails only when the valid
 fraction falls below `validate.min_valid_fraction`.
 
+Held out (the `environments:` path, `validate.holdout_fraction` > 0): that share of the valid traces
+that give a task, chosen by a hash of the seed and the trace id (the same traces on a rerun), is
+not written to `data/validated.parquet`, so it is never rolled out or trained on; its tasks are
+appended to `--holdout` (`data/holdout/<environment>.jsonl`, task id `trace:<id>`, a persistent
+output), the pool `offseason benchmark refresh` draws fresh benchmark items from. `accepted`
+counts them, `held_out` says how many.
+
     python -m stages.validate data/ingested.parquet data/validated.parquet \
-        data/quarantine/validate.jsonl data/profiles data/docs metrics/validate.json
+        data/quarantine/validate.jsonl data/profiles data/docs metrics/validate.json \
+        --holdout data/holdout
 """
 
 from __future__ import annotations
@@ -180,16 +188,51 @@ def _empty_counts() -> dict:
     return {"rows_read": 0, "accepted": 0, "quarantined": 0, "duplicates": 0}
 
 
+def held_out(seed: int, trace_id: str, fraction: float) -> bool:
+    """Whether a trace is held out: a hash of the seed and its id below `fraction`."""
+    digest = hashlib.sha256(f"{seed}/holdout/{trace_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2 ** 64
+
+
+def add_to_pool(holdout: Path, tasks: list[dict]) -> int:
+    """Append held-out tasks to `holdout/<environment>.jsonl`, each once (a rerun of a cycle adds
+    nothing twice); returns how many were new.
+    """
+    added = 0
+    by_env: dict[str, list[dict]] = {}
+    for task in tasks:
+        by_env.setdefault(task.pop("environment"), []).append(task)
+    holdout.mkdir(parents=True, exist_ok=True)
+    for name, new in sorted(by_env.items()):
+        path = holdout / f"{name}.jsonl"
+        have = io.read_jsonl(path) if path.exists() else []
+        seen = {t["task_id"] for t in have}
+        fresh = [t for t in new if t["task_id"] not in seen]
+        if fresh:
+            io.write_jsonl(path, have + fresh)
+            added += len(fresh)
+    return added
+
+
 def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
         quarantine: Path, profiles: Path, docs: Path, specs: dict | None = None,
-        root: Path | None = None) -> dict:
+        root: Path | None = None, holdout: Path | None = None) -> dict:
     """Split the ingested traces into valid and quarantined; returns the stage metrics.
 
     Reads and checks `BATCH` traces at a time, so memory does not grow with their number. With
     `specs` (an `environments:` section) a trace's task is the one the first of the user's
     environments finds in it (`task_from_trace`; `contract.Router`), its question that task as
-    JSON; a trace none of them claims is quarantined.
+    JSON; a trace none of them claims is quarantined. `holdout`: the pool of held-out tasks
+    (`validate.holdout_fraction`).
     """
+    if config.holdout_fraction and not specs:
+        raise cfg.ParamsError("validate.holdout_fraction: holding traces out for the benchmarks "
+                              "needs an environments: section (their tasks are the benchmark "
+                              "items); set it to 0 on the tag protocol")
+    if config.holdout_fraction and holdout is None:
+        raise cfg.ParamsError("validate.holdout_fraction is set but the validate stage in "
+                              "dvc.yaml has no `--holdout data/holdout`; add it (and "
+                              "`data/holdout: {persist: true}` to its outs)")
     if specs:
         from stages.envs import contract
 
@@ -207,6 +250,7 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
     tmp = validated.with_name(f".{validated.name}.tmp")
     writer = pq.ParquetWriter(tmp, schema)
     quarantined, failed, per_format, profile = [], {}, {}, drift.Profile()
+    pool: list[dict] = []
     for table in source.iter_batches(batch_size=BATCH):
         traces = table.to_pandas()
         per_trace, per_message, per_call = flatten(traces, env)
@@ -239,6 +283,13 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
                 kept, good.n_messages.tolist(), good.feedback.tolist(), questions.tolist()):
             profile.add(n_messages, tools_of.get(r, []), json.loads(feedback),
                         env.task_kind(question))
+        if config.holdout_fraction:  # kept from training: the benchmarks' future items
+            out = [i for i, (trace_id, question) in enumerate(zip(good.trace_id, questions))
+                   if question is not None and not pd.isna(question)
+                   and held_out(base.seed, trace_id, config.holdout_fraction)]
+            pool += [{"task_id": f"trace:{good.trace_id.iloc[i]}",
+                      **json.loads(questions.iloc[i])} for i in out]
+            good = good.drop(index=out).reset_index(drop=True)
         writer.write_table(pa.Table.from_pandas(good, schema=schema, preserve_index=False))
     writer.close()
     os.replace(tmp, validated)
@@ -250,8 +301,12 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
     valid_fraction = accepted / total if total else 1.0
     summary = profile.summary()
     changes = drift.compare(summary, save_profile(profiles, ingested, summary))
+    if holdout is not None:
+        holdout.mkdir(parents=True, exist_ok=True)  # the DVC output exists, held out or not
+    added = add_to_pool(holdout, pool) if pool else 0
     metrics = {"rows_read": total, "accepted": accepted, "quarantined": len(quarantined),
-               "duplicates": 0, "valid_fraction": round(valid_fraction, 4),
+               "duplicates": 0, "held_out": len(pool), "held_out_new": added,
+               "valid_fraction": round(valid_fraction, 4),
                "per_format": per_format, "failed_expectations": failed,
                "profile": summary, "drift": changes}
     if valid_fraction < config.min_valid_fraction:
@@ -292,17 +347,23 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("ingested", "validated", "quarantine", "profiles", "docs", "metrics"):
         parser.add_argument(name, type=Path)
     parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--holdout", type=Path,
+                        help="data/holdout: the pool of held-out tasks, one JSONL per environment "
+                             "(validate.holdout_fraction)")
     args = parser.parse_args(argv)
     try:
         metrics = run(cfg.load("base", args.params), cfg.load("validate", args.params),
                       args.ingested, args.validated, args.quarantine, args.profiles, args.docs,
-                      cfg.environments(args.params), Path(args.params).resolve().parent)
+                      cfg.environments(args.params), Path(args.params).resolve().parent,
+                      args.holdout)
     except ValidationFailed as err:
         print(f"validate: error: {err}", file=sys.stderr)
         sys.exit(1)
     io.write_json(args.metrics, metrics)
     print(f"validate: {metrics['accepted']} of {metrics['rows_read']} traces valid, "
-          f"{metrics['quarantined']} quarantined", file=sys.stderr)
+          f"{metrics['quarantined']} quarantined"
+          + (f", {metrics['held_out']} held out for the benchmarks" if metrics["held_out"] else ""),
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

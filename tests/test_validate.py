@@ -115,3 +115,35 @@ def test_the_same_input_renders_the_same_data_docs(tmp_path):
     assert targets
     for target in targets:
         assert f"id={target} " in page or f'id="{target}"' in page, target
+
+
+def test_a_share_of_traces_is_held_out_for_the_benchmarks_and_never_trained_on(tmp_path):
+    import pyarrow.parquet as pq
+
+    specs = {"arith": cfg.EnvironmentSpec(module="stages.envs.arith")}
+    path = ingested(tmp_path, [good(f"g{i}", f"{i}+1") for i in range(40)])
+    holdout = tmp_path / "holdout"
+
+    def run(seed=0):
+        return validate.run(cfg.Base(seed=seed), cfg.Validate(holdout_fraction=0.25), path,
+                            tmp_path / "valid.parquet", tmp_path / "q.jsonl",
+                            tmp_path / "profiles", tmp_path / "docs", specs, tmp_path, holdout)
+
+    m = run()
+    assert 0 < m["held_out"] < 40 and m["held_out_new"] == m["held_out"]
+    assert m["rows_read"] == m["accepted"] + m["quarantined"] == 40  # held out counts as accepted
+    trained = {r["trace_id"] for r in pq.read_table(tmp_path / "valid.parquet").to_pylist()}
+    pool = [json.loads(line) for line in (holdout / "arith.jsonl").read_text().splitlines()]
+    assert len(trained) + len(pool) == 40
+    assert not trained & {t["task_id"].removeprefix("trace:") for t in pool}
+    # benchmark items of the environment's own shape: messages and what its reward needs
+    assert all(t["task_id"].startswith("trace:g") and t["messages"] and t["answer"] for t in pool)
+    assert run() == m | {"held_out_new": 0}  # a rerun holds out the same traces, adds nothing
+    assert len((holdout / "arith.jsonl").read_text().splitlines()) == len(pool)
+    assert run(seed=1)["held_out_new"] > 0  # another seed, another share: new pool items
+    with pytest.raises(cfg.ParamsError, match="validate.holdout_fraction: holding traces out"):
+        validate.run(cfg.Base(), cfg.Validate(holdout_fraction=0.25), path,
+                     tmp_path / "v2.parquet", tmp_path / "q2.jsonl", tmp_path / "p2",
+                     tmp_path / "d2", holdout=holdout)
+    with pytest.raises(cfg.ParamsError, match="must be between 0 and 0.5"):
+        cfg.Validate(holdout_fraction=0.8)
