@@ -18,19 +18,24 @@ from stages import tinylm
 from stages.training import trainers
 
 UNIT = "task groups with a reward spread"  # what one example is, for the stage's messages
+# A group's rewards closer together than this are equal: weighted components (1.0 + 0.3 + 0.3
+# = 1.6) are not exact binary fractions, and their float mean leaves a std of ~1e-16 that would
+# blow up into advantages of +-1 on identical samples.
+FLAT = 1e-6
 
 
 def examples(rows: list[dict]) -> tuple[list[dict], dict]:
     """One group per task with its episodes' advantages: (reward - mean) / std within the group.
 
-    A group whose samples all got the same reward has no advantage to learn from: counted, dropped.
+    A group whose samples all got the same reward (to `FLAT`) has no advantage to learn from:
+    counted, dropped.
     """
     groups, flat = [], 0
     for task, group in trainers.by_task(rows).items():
         rewards = [r["reward"] for r in group]
         mean = sum(rewards) / len(rewards)
         std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
-        if std == 0 or any(r.get("logprobs") is None for r in group):
+        if max(rewards) - min(rewards) <= FLAT or any(r.get("logprobs") is None for r in group):
             flat += 1
             continue
         groups.append({"task_id": task, "completion": "\x00".join(r["completion"] for r in group),
@@ -121,13 +126,21 @@ class GRPOTrainer(trainers.StepLog, Trainer):
         clipped = torch.clamp(ratio, 1 - self.clip, 1 + self.clip)
         per_token = -torch.minimum(ratio * advantage, clipped * advantage)
         if self.kl_coef:
-            delta = inputs["ref_logprobs"] - logp
+            # masked before the exponential: at a padding position logp can be -200, and
+            # exp(200) is inf, which the mask's 0 would turn into NaN, not 0
+            delta = torch.where(mask > 0, inputs["ref_logprobs"] - logp, 0.0)
             per_token = per_token + self.kl_coef * (torch.exp(delta) - delta - 1)
+        per_token = torch.where(mask > 0, per_token, 0.0)
         tokens = mask.sum().clamp(min=1)
-        loss = (per_token * mask).sum() / tokens
+        loss = per_token.sum() / tokens
         with torch.no_grad():
-            outside = ((ratio - 1).abs() > self.clip).float()
-            self._extra = {"clip_fraction": round(float((outside * mask).sum() / tokens), 4)}
+            # where the clip binds: the ratio above 1 + clip with a positive advantage, below
+            # 1 - clip with a negative one (elsewhere the unclipped term is the minimum)
+            high = ((ratio > 1 + self.clip) & (advantage > 0)).float() * mask
+            low = ((ratio < 1 - self.clip) & (advantage < 0)).float() * mask
+            self._extra = {"clip_fraction": round(float((high + low).sum() / tokens), 4),
+                           "clip_fraction_high": round(float(high.sum() / tokens), 4),
+                           "clip_fraction_low": round(float(low.sum() / tokens), 4)}
         return (loss, None) if return_outputs else loss
 
 

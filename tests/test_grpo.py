@@ -1,0 +1,77 @@
+"""GRPO's loss and groups on fixed batches: flat groups, padding under the KL term, where the
+clip binds (issue: GRPO as the field runs it)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from stages.training import grpo
+
+
+def rows_of(rewards, task="t"):
+    return [{"task_id": task, "completion": f"c{i}", "reward": r, "token_ids": [1, 2],
+             "model_mask": [0, 1], "logprobs": [0.0, -0.5]} for i, r in enumerate(rewards)]
+
+
+@pytest.mark.parametrize("size", [3, 4, 8])
+@pytest.mark.parametrize("parts", [(1.0, 0.3, 0.3), (0.1,), (0.7, 0.1, 0.1)])
+def test_a_group_of_equal_rewards_that_are_not_binary_fractions_is_flat(size, parts):
+    reward = sum(parts)  # 1.6 as weighted components add up: not exactly representable
+    groups, counts = grpo.examples(rows_of([reward] * size))
+    assert groups == [] and counts == {"groups_without_spread": 1}
+
+
+def test_a_group_with_a_spread_keeps_advantages_of_mean_zero():
+    groups, counts = grpo.examples(rows_of([1.6, 1.6, 0.3, 0.3]))
+    advantages = [e["advantage"] for e in groups[0]["episodes"]]
+    assert counts == {"groups_without_spread": 0}
+    assert advantages == pytest.approx([1.0, 1.0, -1.0, -1.0])
+
+
+class Fixed(torch.nn.Module):
+    """A 'model' whose logits are a parameter: the loss and its gradient on a fixed batch."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = torch.nn.Parameter(logits)
+
+    def forward(self, input_ids, attention_mask):
+        return SimpleNamespace(logits=self.logits)
+
+
+def loss_of(logits, inputs, clip=0.2, kl_coef=0.0):
+    trainer = SimpleNamespace(clip=clip, kl_coef=kl_coef, _extra={})
+    model = Fixed(logits)
+    loss = grpo.GRPOTrainer.compute_loss(trainer, model, inputs)
+    loss.backward()
+    return loss, model.logits.grad, trainer._extra
+
+
+def batch(advantage, old=-1.0, ids=(0, 1, 2, 3), mask=(1, 1, 0)):
+    n = len(ids) - 1
+    return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids)),
+            "mask": torch.tensor([mask], dtype=torch.float),
+            "old_logprobs": torch.full((1, n), old), "ref_logprobs": torch.zeros(1, n),
+            "advantage": torch.tensor([advantage])}
+
+
+def test_a_padding_position_with_a_tiny_probability_leaves_the_kl_loss_finite():
+    logits = torch.zeros(1, 4, 5)
+    logits[0, 2, 3] = -200.0  # the padding token after the last model token: log-prob ~ -200
+    loss, grad, _ = loss_of(logits, batch(1.0), kl_coef=0.1)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert grad[0, 2].abs().sum() == 0  # the padding position does not train
+
+
+def test_the_clip_fraction_counts_only_where_the_clip_binds():
+    uniform = torch.zeros(1, 4, 5)  # log-prob of every token log(1/5) = -1.61
+    # recorded at -2.5: ratio exp(0.89) = 2.4 > 1.2 on both model tokens
+    _, _, up = loss_of(uniform.clone(), batch(1.0, old=-2.5))
+    _, _, down = loss_of(uniform.clone(), batch(-1.0, old=-2.5))
+    assert (up["clip_fraction"], up["clip_fraction_high"], up["clip_fraction_low"]) == (1.0, 1.0, 0)
+    # a negative advantage with a ratio above 1 + clip: the unclipped term is the minimum
+    assert down["clip_fraction"] == 0.0
+    # recorded at -0.5: ratio exp(-1.11) = 0.33 < 0.8, binding for a negative advantage
+    _, _, low = loss_of(uniform.clone(), batch(-1.0, old=-0.5))
+    assert (low["clip_fraction"], low["clip_fraction_low"]) == (1.0, 1.0)
