@@ -272,8 +272,8 @@ def _steps_csv(history: list[dict]) -> str:
 
 def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candidate: Path,
         replay: Path, checkpoints: Path | None = None, steps_csv: Path | None = None,
-        validated: Path | None = None, specs: dict | None = None, root: Path | None = None
-        ) -> dict:
+        validated: Path | None = None, specs: dict | None = None, root: Path | None = None,
+        temperature: float = 1.0) -> dict:
     """Train and write the candidate; returns the stage metrics. `validated`: the traces whose
     feedback adds DPO pairs (see `feedback_pairs`), or, with `specs` (an `environments:`
     section) and SFT, whose thumbs-up conversations are trained on (`trace_conversations`).
@@ -348,7 +348,9 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
         work, batch_size=config.batch_size, epochs=settings.epochs, lr=settings.lr, seed=base.seed,
         checkpoint_steps=config.checkpoint_steps,
         deepspeed=trainers.deepspeed_config(config.deepspeed, hw["bf16"]))
-    trainer = method.trainer(model, tokenizer, champion, data, args_for, settings)
+    # GRPO's ratio is against log-probs recorded at the rollout's temperature (rollout.temperature)
+    trainer = method.trainer(model, tokenizer, champion, data, args_for, settings,
+                             **({"temperature": temperature} if config.algorithm == "grpo" else {}))
     from transformers import PrinterCallback
 
     resume = last_checkpoint(work)
@@ -394,7 +396,8 @@ def main(argv: list[str] | None = None) -> None:
     trainers.relaunch_on_gpus(config.deepspeed, "stages.train", sys.argv[1:])
     metrics = run(base, config, args.rewards, args.champion, args.candidate, args.replay,
                   args.checkpoints, args.steps, args.validated, cfg.environments(args.params),
-                  Path(args.params).resolve().parent)
+                  Path(args.params).resolve().parent,
+                  cfg.load("rollout", args.params).temperature)
     if int(os.environ.get("RANK", "0")) == 0:
         io.write_json(args.metrics, metrics)
 

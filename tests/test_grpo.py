@@ -75,3 +75,33 @@ def test_the_clip_fraction_counts_only_where_the_clip_binds():
     # recorded at -0.5: ratio exp(-1.11) = 0.33 < 0.8, binding for a negative advantage
     _, _, low = loss_of(uniform.clone(), batch(-1.0, old=-0.5))
     assert (low["clip_fraction"], low["clip_fraction_low"]) == (1.0, 1.0)
+
+
+def test_log_probs_recorded_at_a_temperature_are_those_the_loss_takes_at_it():
+    """At T = 0.7 the rollout samples from softmax(logits / T): it records those log-probs and the
+    loss takes them at T too, so the ratio is 1 at step 0 (TRL divides the logits by T likewise).
+    """
+    import random
+
+    from stages import tinylm
+    from stages.envs import arith
+    from stages.generation import transformers_backend
+
+    tokenizer = tinylm.build_tokenizer(arith)
+    model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
+    model.eval()
+    rng = random.Random(0)
+    prompts = [[tokenizer.bos_token_id] + tokenizer.encode(
+        arith.prompt(arith.sample_question(rng)), add_special_tokens=False) for _ in range(4)]
+    rows = transformers_backend.generate_ids(model, tokenizer, prompts, temperature=0.7,
+                                             max_new_tokens=12,
+                                             generator=torch.Generator().manual_seed(0))
+    for prompt, row in zip(prompts, rows):
+        ids = torch.tensor([prompt + row.token_ids])
+        with torch.no_grad():
+            at_t = grpo.token_logprobs(model, ids, torch.ones_like(ids), temperature=0.7)[0]
+            at_1 = grpo.token_logprobs(model, ids, torch.ones_like(ids))[0]
+        chosen = [len(prompt) - 1 + i for i, m in enumerate(row.model_mask) if m]
+        recorded = torch.tensor([lp for lp, m in zip(row.logprobs, row.model_mask) if m])
+        assert torch.allclose(at_t[chosen], recorded, atol=1e-5)
+        assert not torch.allclose(at_1[chosen], recorded, atol=1e-3)  # T = 1 would be off

@@ -184,7 +184,10 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
         buf[:, nxt] = token
         chosen_mask[:, nxt] = model_turn
         if model_turn.any():
-            logp = torch.log_softmax(logits, dim=-1)[torch.arange(batch, device=device), token]
+            # the log-prob under the distribution sampled from (the logits over T; top-k/top-p
+            # are not in it, as in TRL's GRPO loss), so the ratio's old policy is the sampler
+            scaled = logits / temperature if temperature > 0 else logits
+            logp = torch.log_softmax(scaled, dim=-1)[torch.arange(batch, device=device), token]
             logp_buf[:, nxt] = torch.where(model_turn, logp, 0.0)
         if chat and turn_ended.any():
             for i in turn_ended.nonzero().flatten().tolist():

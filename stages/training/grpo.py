@@ -79,15 +79,21 @@ def collate(bos: int, pad: int):
     return collate
 
 
-def token_logprobs(model, input_ids, attention_mask) -> torch.Tensor:
-    """Per position t: the log-probability of token t + 1 given the tokens up to t, in fp32."""
+def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0) -> torch.Tensor:
+    """Per position t: the log-probability of token t + 1 given the tokens up to t, in fp32,
+    under the logits over `temperature` (the rollout's: the distribution it sampled from, as the
+    rollout recorded it and as TRL's GRPO takes it).
+    """
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(2, input_ids[:, 1:, None]).squeeze(2)
 
 
 @torch.no_grad()
-def reference_logprobs(model, rows: list[dict], bos: int, pad: int, batch_size: int) -> None:
-    """Fill `ref_logprobs` (the champion's, per token) into each GRPO row, in place."""
+def reference_logprobs(model, rows: list[dict], bos: int, pad: int, batch_size: int,
+                       temperature: float = 1.0) -> None:
+    """Fill `ref_logprobs` (the champion's, per token, at `temperature`) into each row, in place."""
     batch_of = collate(bos, pad)
     model.eval()
     for start in range(0, len(rows), batch_size):
@@ -95,7 +101,7 @@ def reference_logprobs(model, rows: list[dict], bos: int, pad: int, batch_size: 
         batch = batch_of([{"token_ids": r["token_ids"], "model_mask": r["model_mask"],
                           "logprobs": [0.0] * len(r["token_ids"]), "advantage": 0.0,
                           "chat": r.get("chat")} for r in chunk])
-        logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+        logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature)
         for i, row in enumerate(chunk):
             # per token of the row; a chat row's first token has no prediction: 0.0
             head = [0.0] if row.get("chat") else []
@@ -108,18 +114,19 @@ class GRPOTrainer(trainers.StepLog, Trainer):
     Per model-chosen token: -min(ratio * A, clip(ratio, 1 - clip, 1 + clip) * A) with ratio the
     policy's probability over the one recorded at rollout time and A the episode's group-relative
     advantage; plus `kl_coef` times the k3 estimate of KL(policy || champion). Averaged over the
-    batch's model tokens.
+    batch's model tokens. Log-probs are taken at the rollout's sampling temperature.
     """
 
-    def __init__(self, *args, clip: float, kl_coef: float, **kwargs):
-        """A GRPO trainer with the clip range and KL coefficient."""
+    def __init__(self, *args, clip: float, kl_coef: float, temperature: float = 1.0, **kwargs):
+        """A GRPO trainer with the clip range, KL coefficient and sampling temperature."""
         super().__init__(*args, **kwargs)
-        self.clip, self.kl_coef = clip, kl_coef
+        self.clip, self.kl_coef, self.temperature = clip, kl_coef, temperature
         self._extra = {}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The clipped policy loss of a batch, with the KL penalty when on."""
-        logp = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"])
+        logp = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"],
+                              getattr(self, "temperature", 1.0))
         mask = inputs["mask"]
         ratio = torch.exp(logp - inputs["old_logprobs"])
         advantage = inputs["advantage"][:, None]
@@ -144,9 +151,11 @@ class GRPOTrainer(trainers.StepLog, Trainer):
         return (loss, None) if return_outputs else loss
 
 
-def trainer(model, tokenizer, champion: Path, groups: list[dict], args_for, config):
+def trainer(model, tokenizer, champion: Path, groups: list[dict], args_for, config,
+            temperature: float = 1.0):
     """The Trainer for `groups`; `args_for(n)`: the TrainingArguments for n dataset rows;
-    `config`: the `train.grpo` section.
+    `config`: the `train.grpo` section; `temperature`: `rollout.temperature`, the one the
+    episodes were sampled at (their recorded log-probs are under it).
     """
     from datasets import Dataset
 
@@ -154,7 +163,7 @@ def trainer(model, tokenizer, champion: Path, groups: list[dict], args_for, conf
     if config.kl_coef or any(g.get("replayed") for g in groups):
         reference, _ = tinylm.load(champion)
         reference_logprobs(reference, rows, tokenizer.bos_token_id, trainers.pad_id(tokenizer),
-                           args_for.batch_size)
+                           args_for.batch_size, temperature)
         for row, replayed in zip(rows, [g.get("replayed", False) for g in groups
                                         for _ in g["episodes"]]):
             if replayed:  # recorded by an older policy: the ratio is taken against the champion
@@ -165,4 +174,4 @@ def trainer(model, tokenizer, champion: Path, groups: list[dict], args_for, conf
     return GRPOTrainer(
         model=model, args=args_for(len(data)), train_dataset=data,
         data_collator=collate(tokenizer.bos_token_id, trainers.pad_id(tokenizer)),
-        clip=config.clip, kl_coef=config.kl_coef)
+        clip=config.clip, kl_coef=config.kl_coef, temperature=temperature)
