@@ -294,13 +294,35 @@ class GRPO:
     lr: float = 3e-4
     clip: float = 0.3  # the ratio against the rollout policy is clipped to 1 +- clip
     kl_coef: float = 0.0  # weight of the KL term to the champion; 0 = none
+    # how the per-token losses are averaged, as TRL's GRPOTrainer names it: bnpo (over the
+    # batch's model tokens), grpo (per episode, then over episodes), dapo (over the model tokens
+    # of the global batch: every process), dr_grpo (a fixed denominator: episodes x
+    # max_completion_length)
+    loss_type: str = "bnpo"
+    clip_high: float = 0.0  # the upper clip, 1 + clip_high (DAPO's clip-higher); 0: = clip
+    # the advantage's scale: group (reward std within the task's samples), batch (over all the
+    # cycle's samples) or none (Dr. GRPO: reward - group mean, unscaled)
+    scale_rewards: str = "group"
+    max_completion_length: int = 256  # dr_grpo's fixed denominator, per episode
 
     def __post_init__(self):
-        """Refuse non-positive settings and a negative KL coefficient."""
-        _positive("train.grpo", epochs=self.epochs, lr=self.lr, clip=self.clip)
+        """Refuse non-positive settings, a negative KL coefficient and unknown variants."""
+        _positive("train.grpo", epochs=self.epochs, lr=self.lr, clip=self.clip,
+                  max_completion_length=self.max_completion_length)
         if self.kl_coef < 0:
             raise ParamsError(f"train.grpo.kl_coef: must be >= 0 (0 turns it off), got "
                               f"{self.kl_coef}")
+        if self.clip_high < 0:
+            raise ParamsError(f"train.grpo.clip_high: must be >= 0 (0: the same as clip), got "
+                              f"{self.clip_high}")
+        for key, value, known in (("loss_type", self.loss_type, GRPO_LOSSES),
+                                  ("scale_rewards", self.scale_rewards, ("group", "batch", "none"))):
+            if value not in known:
+                raise ParamsError(f"train.grpo.{key}: {value!r} is not one of "
+                                  f"{', '.join(known)} (the names TRL's GRPOTrainer uses)")
+
+
+GRPO_LOSSES = ("bnpo", "grpo", "dapo", "dr_grpo")
 
 
 # The training algorithms by name, with their settings; each is the module

@@ -282,7 +282,9 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
     checkpoints = checkpoints or candidate.with_name(candidate.name + ".ckpt")
     method, settings = algorithm(config.algorithm), config.method
     rows = _read(rewards)
-    examples, counts = method.examples(rows)
+    # GRPO's advantages are scaled as train.grpo.scale_rewards says
+    examples, counts = method.examples(rows, **(
+        {"scale": settings.scale_rewards} if config.algorithm == "grpo" else {}))
     traced = []
     if specs and config.algorithm == "sft" and validated is not None:
         tokenizer, ends = chat_tokenizer(champion)

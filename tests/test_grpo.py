@@ -105,3 +105,91 @@ def test_log_probs_recorded_at_a_temperature_are_those_the_loss_takes_at_it():
         recorded = torch.tensor([lp for lp, m in zip(row.logprobs, row.model_mask) if m])
         assert torch.allclose(at_t[chosen], recorded, atol=1e-5)
         assert not torch.allclose(at_1[chosen], recorded, atol=1e-3)  # T = 1 would be off
+
+
+def trl_loss(logits, inputs, loss_type, clip, clip_high, kl_coef, max_completion_length):
+    """TRL 1.16's own `GRPOTrainer._compute_loss` on the same batch: called unbound on an object
+    holding just what it reads (its per-token log-probs come from the same fixed logits; the
+    prompt is the first token, the completion the rest, as our batch's positions are)."""
+    from collections import defaultdict
+
+    from trl.trainer.grpo_trainer import GRPOTrainer as TRLGRPOTrainer
+
+    model = Fixed(logits)
+    tokens = inputs["mask"].sum()
+
+    def per_token_logps(model, input_ids, attention_mask, logits_to_keep, **_):
+        logp = grpo.token_logprobs(model, input_ids, attention_mask)[:, -logits_to_keep:]
+        return logp, torch.zeros_like(logp), None
+
+    accelerator = SimpleNamespace(num_processes=1, sync_gradients=True,
+                                  reduce=lambda x, reduction: x, gather=lambda x: x,
+                                  gather_for_metrics=lambda x: x)
+    trainer = SimpleNamespace(
+        _get_per_token_logps_and_entropies=per_token_logps, aux_loss_enabled=False,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
+        beta=kl_coef, args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        loss_type=loss_type, epsilon_low=clip, epsilon_high=clip_high or clip, use_vllm=False,
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        max_completion_length=max_completion_length, accelerator=accelerator,
+        _entropy_bonus_enabled=False, _metrics={"train": defaultdict(list)})
+    trl_inputs = {"prompt_ids": inputs["input_ids"][:, :1],
+                  "prompt_mask": inputs["attention_mask"][:, :1].long(),
+                  "completion_ids": inputs["input_ids"][:, 1:],
+                  "completion_mask": inputs["mask"], "advantages": inputs["advantage"],
+                  "old_per_token_logps": inputs["old_logprobs"],
+                  "ref_per_token_logps": inputs["ref_logprobs"], "num_items_in_batch": tokens}
+    loss = TRLGRPOTrainer._compute_loss(trainer, model, trl_inputs)
+    loss.backward()
+    return loss, model.logits.grad
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("clip_high,kl_coef", [(0.0, 0.0), (0.28, 0.05)])
+def test_each_loss_variant_equals_trls_own_code_on_one_fixed_batch(loss_type, clip_high, kl_coef):
+    """2 groups x 4 episodes of 2 to 9 model tokens, a masked tool span, noisy old log-probs."""
+    generator = torch.Generator().manual_seed(0)
+    episodes, width, vocab = 8, 12, 7
+    logits = torch.randn(episodes, width, vocab, generator=generator)
+    mask = torch.zeros(episodes, width - 1)
+    for row, length in enumerate([2, 5, 9, 3, 7, 4, 9, 6]):
+        mask[row, :length] = 1
+    mask[2, 3:5] = 0  # a tool result inside the episode: not the model's tokens
+    inputs = {"input_ids": torch.randint(0, vocab, (episodes, width), generator=generator),
+              "attention_mask": torch.ones(episodes, width), "mask": mask,
+              "advantage": torch.tensor([1.2, -0.4, 0.3, -1.1, 0.9, -0.2, -0.8, 0.1])}
+    with torch.no_grad():
+        now = grpo.token_logprobs(Fixed(logits), inputs["input_ids"], inputs["attention_mask"])
+    inputs["old_logprobs"] = now + 0.3 * torch.randn(now.shape, generator=generator)
+    inputs["ref_logprobs"] = now + 0.2 * torch.randn(now.shape, generator=generator)
+
+    ours = SimpleNamespace(clip=0.2, kl_coef=kl_coef, _extra={}, loss_type=loss_type,
+                           clip_high=clip_high, max_completion_length=16, temperature=1.0)
+    model = Fixed(logits.clone())
+    loss = grpo.GRPOTrainer.compute_loss(ours, model, inputs)
+    loss.backward()
+    expected, expected_grad = trl_loss(logits.clone(), inputs, loss_type, 0.2, clip_high,
+                                       kl_coef, 16)
+    assert torch.allclose(loss, expected, atol=1e-5), (float(loss), float(expected))
+    assert torch.allclose(model.logits.grad, expected_grad, atol=1e-4)
+
+
+def test_advantages_scaled_by_group_batch_or_not_at_all():
+    rows = rows_of([1.0, 0.0, 1.0, 0.0], "a") + rows_of([2.0, 0.0, 0.0, 0.0], "b")
+    by = {scale: {g["task_id"]: [round(e["advantage"], 4) for e in g["episodes"]]
+                  for g in grpo.examples(rows, scale)[0]} for scale in ("group", "batch", "none")}
+    assert by["group"]["a"] == [1.0, -1.0, 1.0, -1.0]
+    assert by["none"] == {"a": [0.5, -0.5, 0.5, -0.5], "b": [1.5, -0.5, -0.5, -0.5]}
+    std = (sum((r - 0.5) ** 2 for r in [1, 0, 1, 0, 2, 0, 0, 0]) / 8) ** 0.5  # every reward's
+    assert by["batch"]["b"] == [round(a / std, 4) for a in (1.5, -0.5, -0.5, -0.5)]
+
+
+def test_the_grpo_variants_are_checked_by_name():
+    from stages import config as cfg
+
+    with pytest.raises(cfg.ParamsError, match="train.grpo.loss_type: 'ppo' is not one of bnpo"):
+        cfg.GRPO(loss_type="ppo")
+    with pytest.raises(cfg.ParamsError, match="train.grpo.scale_rewards: 'std'"):
+        cfg.GRPO(scale_rewards="std")
+    with pytest.raises(cfg.ParamsError, match="train.grpo.clip_high: must be >= 0"):
+        cfg.GRPO(clip_high=-0.1)

@@ -24,13 +24,19 @@ UNIT = "task groups with a reward spread"  # what one example is, for the stage'
 FLAT = 1e-6
 
 
-def examples(rows: list[dict]) -> tuple[list[dict], dict]:
-    """One group per task with its episodes' advantages: (reward - mean) / std within the group.
+def examples(rows: list[dict], scale: str = "group") -> tuple[list[dict], dict]:
+    """One group per task with its episodes' advantages: reward - the group's mean, over the
+    group's reward std (`scale` "group"), over the std of every reward of the batch ("batch"),
+    or unscaled ("none", Dr. GRPO's), as TRL's `scale_rewards` (its std is Bessel-corrected plus
+    1e-4; ours the plain std, and no epsilon is needed: flat groups are gone before dividing).
 
     A group whose samples all got the same reward (to `FLAT`) has no advantage to learn from:
     counted, dropped.
     """
     groups, flat = [], 0
+    everything = [r["reward"] for r in rows]
+    batch_mean = sum(everything) / max(1, len(everything))
+    batch_std = (sum((r - batch_mean) ** 2 for r in everything) / max(1, len(everything))) ** 0.5
     for task, group in trainers.by_task(rows).items():
         rewards = [r["reward"] for r in group]
         mean = sum(rewards) / len(rewards)
@@ -38,6 +44,7 @@ def examples(rows: list[dict]) -> tuple[list[dict], dict]:
         if max(rewards) - min(rewards) <= FLAT or any(r.get("logprobs") is None for r in group):
             flat += 1
             continue
+        std = {"group": std, "batch": batch_std, "none": 1.0}[scale]
         groups.append({"task_id": task, "completion": "\x00".join(r["completion"] for r in group),
                        "episodes": [{"token_ids": r["token_ids"], "model_mask": r["model_mask"],
                                      "logprobs": r["logprobs"], "chat": bool(r.get("chat")),
@@ -108,6 +115,25 @@ def reference_logprobs(model, rows: list[dict], bos: int, pad: int, batch_size: 
             row["ref_logprobs"] = head + logp[i, :len(row["token_ids"]) - len(head)].tolist()
 
 
+def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str = "bnpo",
+                max_completion_length: int = 256) -> torch.Tensor:
+    """The batch's loss from masked per-token losses, by `loss_type`, as TRL's
+    `GRPOTrainer._compute_loss` (trl 1.16: its `loss_type` branches after the KL term) does.
+    """
+    if loss_type == "grpo":  # each episode's token mean, then the mean over episodes
+        return (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    if loss_type == "dr_grpo":  # a fixed denominator: no length bias
+        return per_token.sum() / (per_token.size(0) * max_completion_length)
+    tokens = mask.sum()
+    if loss_type == "dapo" and torch.distributed.is_available() \
+            and torch.distributed.is_initialized():
+        # the global batch's token count; DDP averages the processes' gradients
+        tokens = tokens.detach().clone()
+        torch.distributed.all_reduce(tokens)
+        tokens = tokens / torch.distributed.get_world_size()
+    return per_token.sum() / tokens.clamp(min=1)  # bnpo (and dapo on one process)
+
+
 class GRPOTrainer(trainers.StepLog, Trainer):
     """Group-relative policy optimization on recorded rollouts: our loss on the Trainer.
 
@@ -117,10 +143,16 @@ class GRPOTrainer(trainers.StepLog, Trainer):
     batch's model tokens. Log-probs are taken at the rollout's sampling temperature.
     """
 
-    def __init__(self, *args, clip: float, kl_coef: float, temperature: float = 1.0, **kwargs):
-        """A GRPO trainer with the clip range, KL coefficient and sampling temperature."""
+    def __init__(self, *args, clip: float, kl_coef: float, temperature: float = 1.0,
+                 loss_type: str = "bnpo", clip_high: float = 0.0,
+                 max_completion_length: int = 256, **kwargs):
+        """A GRPO trainer with the clip range, KL coefficient, sampling temperature and the loss
+        variant (TRL's names: see `cfg.GRPO`).
+        """
         super().__init__(*args, **kwargs)
         self.clip, self.kl_coef, self.temperature = clip, kl_coef, temperature
+        self.loss_type, self.clip_high = loss_type, clip_high
+        self.max_completion_length = max_completion_length
         self._extra = {}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -130,7 +162,8 @@ class GRPOTrainer(trainers.StepLog, Trainer):
         mask = inputs["mask"]
         ratio = torch.exp(logp - inputs["old_logprobs"])
         advantage = inputs["advantage"][:, None]
-        clipped = torch.clamp(ratio, 1 - self.clip, 1 + self.clip)
+        high = getattr(self, "clip_high", 0.0) or self.clip
+        clipped = torch.clamp(ratio, 1 - self.clip, 1 + high)
         per_token = -torch.minimum(ratio * advantage, clipped * advantage)
         if self.kl_coef:
             # masked before the exponential: at a padding position logp can be -200, and
@@ -139,12 +172,14 @@ class GRPOTrainer(trainers.StepLog, Trainer):
             per_token = per_token + self.kl_coef * (torch.exp(delta) - delta - 1)
         per_token = torch.where(mask > 0, per_token, 0.0)
         tokens = mask.sum().clamp(min=1)
-        loss = per_token.sum() / tokens
+        loss = reduce_loss(per_token, mask, getattr(self, "loss_type", "bnpo"),
+                           getattr(self, "max_completion_length", 256))
         with torch.no_grad():
             # where the clip binds: the ratio above 1 + clip with a positive advantage, below
             # 1 - clip with a negative one (elsewhere the unclipped term is the minimum)
-            high = ((ratio > 1 + self.clip) & (advantage > 0)).float() * mask
+            above = ((ratio > 1 + high) & (advantage > 0)).float() * mask
             low = ((ratio < 1 - self.clip) & (advantage < 0)).float() * mask
+            high = above
             self._extra = {"clip_fraction": round(float((high + low).sum() / tokens), 4),
                            "clip_fraction_high": round(float(high.sum() / tokens), 4),
                            "clip_fraction_low": round(float(low.sum() / tokens), 4)}
@@ -174,4 +209,6 @@ def trainer(model, tokenizer, champion: Path, groups: list[dict], args_for, conf
     return GRPOTrainer(
         model=model, args=args_for(len(data)), train_dataset=data,
         data_collator=collate(tokenizer.bos_token_id, trainers.pad_id(tokenizer)),
-        clip=config.clip, kl_coef=config.kl_coef, temperature=temperature)
+        clip=config.clip, kl_coef=config.kl_coef, temperature=temperature,
+        loss_type=config.loss_type, clip_high=config.clip_high,
+        max_completion_length=config.max_completion_length)
