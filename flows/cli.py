@@ -527,6 +527,9 @@ def cmd_check(args) -> int:
 
     root, configs = workspace(env=False)
     shown = {k: settings.plain(v) for k, v in configs.items() if v or k != "environments"}
+    # where work runs is shown where it is written: runtime.<stage>, apart from the stage's params
+    shown["runtime"] = {section: {key: shown[section].pop(key) for key in keys}
+                        for section, keys in cfg.RUNTIME.items() if section in shown}
     print(yaml.safe_dump(shown, sort_keys=False))
     for name, spec in configs["environments"].items():  # the user's modules import and comply
         env = contract.load(name, spec.module, root)

@@ -253,8 +253,22 @@ def inputs_fingerprint(root: Path) -> dict[str, str]:
             h.update(path.read_bytes() if path.exists() else b"-")
         return h.hexdigest()[:16]
 
+    def params_digest() -> str:
+        # without runtime: (where work runs): changing it is not a reason for a cycle
+        import yaml
+
+        path = root / "params.yaml"
+        try:
+            params = yaml.safe_load(path.read_text()) if path.exists() else None
+        except yaml.YAMLError:
+            return digest([path])
+        if isinstance(params, dict):
+            params.pop("runtime", None)
+        text = json.dumps(params, sort_keys=True, default=str).encode()
+        return hashlib.sha256(b"params.yaml\0" + text).hexdigest()[:16]
+
     return {"inbox": digest([root / "data" / "inbox.dvc"]),
-            "params": digest([root / "params.yaml"]),
+            "params": params_digest(),
             "code": digest([root / "dvc.yaml", *sorted((root / "stages").rglob("*.py"))]),
             "environments": digest([root / ENVIRONMENT_SOURCES])}
 

@@ -180,36 +180,37 @@ class Rollout:
             samples_per_task=self.samples_per_task,
             max_new_tokens=self.max_new_tokens,
             batch_size=self.batch_size,
-            concurrency=self.concurrency,
-            server_timeout=self.server_timeout,
-            request_timeout=self.request_timeout,
         )
+        _positive("runtime.rollout", concurrency=self.concurrency,
+                  server_timeout=self.server_timeout, request_timeout=self.request_timeout)
         if self.temperature < 0:
             raise ParamsError(f"rollout.temperature: must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ParamsError(f"rollout.top_p: must be in (0, 1] (1 turns it off), got {self.top_p}")
         for key, value in {"top_k": self.top_k, "max_turns": self.max_turns,
-                           "max_tasks": self.max_tasks, "retries": self.retries,
+                           "max_tasks": self.max_tasks, "runtime.rollout.retries": self.retries,
                            "suite_tasks": self.suite_tasks}.items():
             if value < 0:
-                raise ParamsError(f"rollout.{key}: must be >= 0, got {value}")
+                where = key if key.startswith("runtime.") else f"rollout.{key}"
+                raise ParamsError(f"{where}: must be >= 0, got {value}")
         for url in self.url_list:
             if not url.startswith(("http://", "https://")):
-                raise ParamsError(f"rollout.urls: {url!r} is not an http(s) URL; write e.g. "
+                raise ParamsError(f"runtime.rollout.urls: {url!r} is not an http(s) URL; write e.g. "
                                   f"http://127.0.0.1:8000/v1")
         if self.server_command and self.urls:
-            raise ParamsError("rollout.server_command and rollout.urls are both set; set "
+            raise ParamsError("runtime.rollout.server_command and runtime.rollout.urls are both set; set "
                               "server_command to have the stage start a server, or urls to use "
                               "servers already running")
         if self.server_command and "{port}" not in self.server_command:
-            raise ParamsError("rollout.server_command: must contain {port} (the stage picks a "
+            raise ParamsError("runtime.rollout.server_command: must contain {port} (the stage picks a "
                               "free port), e.g. '.venv-vllm/bin/vllm serve {model} --port {port} "
                               "--host 127.0.0.1'")
         if self.backend == "openai" and not (self.urls or self.server_command):
-            raise ParamsError("rollout.backend 'openai' needs rollout.urls (servers already up) "
-                              "or rollout.server_command (a server the stage starts)")
+            raise ParamsError("rollout.backend 'openai' needs runtime.rollout.urls (servers "
+                              "already up) or runtime.rollout.server_command (a server the stage "
+                              "starts)")
         if not self.api_key_env.replace("_", "a").isalnum():
-            raise ParamsError(f"rollout.api_key_env: {self.api_key_env!r} is not an environment "
+            raise ParamsError(f"runtime.rollout.api_key_env: {self.api_key_env!r} is not an environment "
                               f"variable name (the key itself never goes in params.yaml)")
 
     def check_tool_parser(self, parsers) -> None:
@@ -252,7 +253,7 @@ class Reward:
         # every component, in a fixed order, so the params print and log complete
         object.__setattr__(self, "weights", {c: self.weights.get(c, 0.0) for c in COMPONENTS})
         if self.workers < 0:
-            raise ParamsError(f"reward.workers: must be >= 0 (0 uses every core), got {self.workers}")
+            raise ParamsError(f"runtime.reward.workers: must be >= 0 (0 uses every core), got {self.workers}")
 
 
 @dataclass(frozen=True)
@@ -468,7 +469,44 @@ class EnvironmentSpec:
     max_regression: float = 0.05
 
 
-OPTIONAL = {"environments"}  # sections a params.yaml may leave out
+OPTIONAL = {"environments", "runtime"}  # sections a params.yaml may leave out
+
+# Settings that say where and how fast work runs, never what it computes. They live in params.yaml's
+# `runtime:` section (runtime.rollout.urls, runtime.reward.workers, ...), which no DVC stage lists
+# as a param: changing one reruns nothing and starts no cycle. `load` merges them into their
+# stage's config, so the code reads config.urls as before, and the stages record what they used.
+RUNTIME = {"rollout": ("urls", "server_command", "server_timeout", "concurrency",
+                       "request_timeout", "retries", "api_key_env"),
+           "reward": ("workers", "ray_address")}
+
+
+def runtime_of(config) -> dict:
+    """The runtime settings a stage's config holds (see RUNTIME), for its metrics."""
+    section = {Rollout: "rollout", Reward: "reward"}[type(config)]
+    return {key: getattr(config, key) for key in RUNTIME[section]}
+
+
+def _runtime(raw: dict, section: str, where: str) -> dict:
+    """`runtime.<section>` of params.yaml, checked: only the RUNTIME keys of that section."""
+    runtime = raw.get("runtime") or {}
+    if not isinstance(runtime, dict):
+        _fail(where, f"runtime: expected a mapping of stages to settings, e.g. 'runtime: "
+                     f"{{reward: {{workers: 2}}}}', got {_short(runtime)}")
+    for name in runtime:
+        if name not in RUNTIME:
+            _fail(where, f"unknown section 'runtime.{name}'; runtime settings exist for "
+                         f"{', '.join(RUNTIME)}")
+    values = runtime.get(section) or {}
+    if not isinstance(values, dict):
+        _fail(where, f"runtime.{section}: expected a mapping of keys to values")
+    for key in values:
+        if key not in RUNTIME[section]:
+            hint = (f" ('{section}.{key}' says what is computed: it stays in the '{section}:' "
+                    f"section)" if key in {f.name for f in dataclasses.fields(SECTIONS[section])}
+                    else "")
+            _fail(where, f"unknown key 'runtime.{section}.{key}'{hint}; valid keys: "
+                         f"{', '.join(RUNTIME[section])}")
+    return values
 
 
 def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]:
@@ -619,7 +657,16 @@ def load(section: str, path: str | Path = "params.yaml", sections: dict | None =
     if section not in raw:
         _fail(str(path), f"missing section '{section}:'; add it (an empty '{section}: {{}}' takes "
                          f"the defaults)")
-    config = _build((sections or SECTIONS)[section], section, raw[section], str(path))
+    values = raw[section]
+    if section in RUNTIME:
+        values = dict(values or {})
+        moved = [key for key in values if key in RUNTIME[section]]
+        if moved:
+            _fail(str(path), f"{section}.{moved[0]} says where or how fast work runs, not what it "
+                             f"computes: it lives in runtime.{section}.{moved[0]}, which no stage "
+                             f"lists as a DVC param (changing it reruns nothing); move it there")
+        values.update(_runtime(raw, section, str(path)))
+    config = _build((sections or SECTIONS)[section], section, values, str(path))
     if section == "gate":  # its primary names a suite or, with environments:, an environment
         try:
             check_primary(config, environments(path))

@@ -14,8 +14,8 @@ Reads `data/rollouts.parquet`; writes `data/rewards.parquet` (every rollout colu
   (correct, format, tool_ok); the others are kept as columns. `verifier` records the environment
   and its verifier's version (`arith/exact-match@2`), so `rescore` can re-score stored rollouts
   after the verifier changed.
-- Fan-out: `reward.workers` local processes (0 = one per core, 1 = in this process), or the Ray
-  cluster at `reward.ray_address` (`auto` or `host:port`; its workers need offseason installed,
+- Fan-out: `runtime.reward.workers` local processes (0 = one per core, 1 = in this process), or the Ray
+  cluster at `runtime.reward.ray_address` (`auto` or `host:port`; its workers need offseason installed,
   as any Ray job's dependencies). Same results, in the same order, either way.
 
 With an `environments:` section the rollouts are chat episodes of the user's modules, scored by
@@ -374,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     except VerifierBroken as err:
         print(f"reward: error: {err}", file=sys.stderr)
         sys.exit(1)
+    metrics["runtime"] = cfg.runtime_of(cfg.load("reward", args.params))  # what ran where
     io.write_json(args.metrics, metrics)
     print(f"reward: mean {metrics['mean_reward']} over {metrics['judged']} judged episodes, "
           f"pass@k {metrics['pass_at_k']}, {metrics['errors']} errors, "

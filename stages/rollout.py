@@ -8,8 +8,8 @@ chose, their log-probabilities, the turn of each token) and `metrics/rollout.jso
 `base.seed`, so a rerun gives the same episodes.
 
 `rollout.backend` picks who generates: `transformers` (in this process, `stages.generation.transformers_backend`) or
-`openai` (OpenAI-compatible servers, `stages.generation.openai_backend`: the ones at `rollout.urls`, or one
-the stage starts with `rollout.server_command` on models/champion and stops afterwards).
+`openai` (OpenAI-compatible servers, `stages.generation.openai_backend`: the ones at `runtime.rollout.urls`, or one
+the stage starts with `runtime.rollout.server_command` on models/champion and stops afterwards).
 
 With an `environments:` section in params.yaml (your own environments, README "Bring your own
 agent"), the champion is a chat model and each environment's `tasks` file is attempted instead:
@@ -326,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
                            Path(args.params).resolve().parent, args.validated)
     else:
         metrics = run(base, config, args.validated, args.champion, args.rollouts, args.tasks)
+    metrics["runtime"] = cfg.runtime_of(config)  # what ran where (runtime.rollout)
     io.write_json(args.metrics, metrics)
     print(f"rollout: {metrics['episodes']} episodes for {metrics['tasks']} tasks in "
           f"{metrics['seconds']} s", file=sys.stderr)

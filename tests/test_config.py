@@ -107,3 +107,30 @@ def test_algorithm_errors_name_the_key_and_value(tmp_path):
     with pytest.raises(cfg.ParamsError, match=r"train.replay_fraction: must be between 0 and 1, "
                                               r"got 1.5"):
         settings.load_all(write(tmp_path, full(train={"replay_fraction": 1.5})))
+
+
+def test_where_work_runs_lives_in_runtime_and_is_merged_into_its_stage(tmp_path):
+    params = yaml.safe_load(open("params.yaml"))
+    params["runtime"] = {"reward": {"workers": 3}, "rollout": {"concurrency": 9}}
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    assert cfg.load("reward", path).workers == 3 and cfg.load("rollout", path).concurrency == 9
+    assert cfg.runtime_of(cfg.load("reward", path)) == {"workers": 3, "ray_address": ""}
+
+    def refused(edit, message):
+        changed = yaml.safe_load(open("params.yaml"))
+        edit(changed)
+        path.write_text(yaml.safe_dump(changed))
+        with pytest.raises(cfg.ParamsError, match=message):
+            settings.load_all(path)
+
+    # in its stage's section it would be a DVC param: changing it would rerun the stage
+    refused(lambda p: p["reward"].update(workers=2),
+            r"reward.workers says where or how fast work runs.*runtime.reward.workers")
+    refused(lambda p: p["runtime"]["rollout"].update(temperature=0.5),
+            r"unknown key 'runtime.rollout.temperature' \('rollout.temperature' says what is "
+            r"computed: it stays in the 'rollout:' section\)")
+    refused(lambda p: p["runtime"].update(gate={"alpha": 0.1}),
+            r"unknown section 'runtime.gate'; runtime settings exist for rollout, reward")
+    refused(lambda p: p["runtime"]["rollout"].update(urls="localhost:8000"),
+            r"runtime.rollout.urls: 'localhost:8000' is not an http\(s\) URL")

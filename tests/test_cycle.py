@@ -107,10 +107,19 @@ def test_init_simulate_and_one_cycle(project):
     assert [r["tag"] for r in rows] == ["gen-0", "gen-1"]
     assert [r["champion"] for r in rows] == ([False, True] if verdict["passed"] else [True, False])
 
-    # nothing changed: nothing reruns, and it says so
+    # nothing changed: nothing reruns, and it says so; nor does a change of where work runs
+    # (runtime:, which no stage lists as a DVC param)
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["runtime"] = {"reward": {"workers": 1}, "rollout": {
+        "concurrency": 7, "request_timeout": 30.0, "retries": 2, "server_timeout": 60.0,
+        "api_key_env": "MY_KEY", "urls": "http://127.0.0.1:9/v1"}}
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     again = offseason(project, "run")
     assert "nothing changed since gen-1" in again.stdout and "no stage reran" in again.stdout
     assert git(project, "tag", "--list").split() == ["gen-0", "gen-1"]
+    dvc_status = subprocess.run([str(BIN / "dvc"), "status", "--json"], cwd=project,
+                                capture_output=True, text=True, check=True).stdout
+    assert json.loads(dvc_status) == {}, dvc_status  # every stage up to date
 
     # `dvc repro` alone agrees that the cycle is complete
     status = subprocess.run([str(BIN / "dvc"), "status", "rollout", "reward", "ingest",

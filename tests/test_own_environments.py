@@ -104,8 +104,9 @@ def test_the_openai_backend_plays_the_same_chat_episodes_through_a_server(worksp
     (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     args = ["data/validated.parquet", str(champion), "data/local.parquet", "metrics/local.json"]
     rollout.main(args)
-    params["rollout"].update({"backend": "openai", "server_command": (
-        f"{sys.executable} -m stages.generation.serve_tiny {{model}} --port {{port}} --threads 1")})
+    params["rollout"]["backend"] = "openai"
+    params.setdefault("runtime", {}).setdefault("rollout", {})["server_command"] = (
+        f"{sys.executable} -m stages.generation.serve_tiny {{model}} --port {{port}} --threads 1")
     (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     rollout.main(["data/validated.parquet", str(champion), "data/served.parquet",
                   "metrics/served.json"])

@@ -165,13 +165,15 @@ def test_process_pool_and_ray_give_identical_rewards(tmp_path, ray_cluster):
     path = write(tmp_path, rows)
     pooled, m_pool = reward.score_table("toolcall", cfg.Reward(workers=2), pq.read_table(path))
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"base": {"environment": "toolcall"},
-                                      "reward": {"ray_address": ray_cluster}}))
+    params.write_text(yaml.safe_dump({"base": {"environment": "toolcall"}, "reward": {},
+                                      "runtime": {"reward": {"ray_address": ray_cluster}}}))
     # the stage as DVC runs it, connecting to the cluster by its address
     subprocess.run([sys.executable, "-m", "stages.reward", str(path), str(tmp_path / "ray.parquet"),
                     str(tmp_path / "ray.json"), "--params", str(params)], check=True)
     assert pq.read_table(tmp_path / "ray.parquet").equals(pooled)
-    assert json.loads((tmp_path / "ray.json").read_text()) == m_pool
+    on_ray = json.loads((tmp_path / "ray.json").read_text())
+    assert on_ray.pop("runtime") == {"workers": 0, "ray_address": ray_cluster}  # what ran where
+    assert on_ray == m_pool
     assert m_pool["errors"] == 1 and m_pool["episodes"] == len(rows)
 
 
@@ -213,7 +215,8 @@ def test_rescore_command(tmp_path, monkeypatch, capsys):
         (tmp_path / name).write_text((cli.find_root() / name).read_text())
     monkeypatch.chdir(tmp_path)
     params = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    params["reward"]["workers"] = 1  # the patched verifier lives in this process
+    # the patched verifier lives in this process
+    params.setdefault("runtime", {}).setdefault("reward", {})["workers"] = 1
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     lenient(monkeypatch)
     assert cli.main(["rescore", "--output", "data/rescored.parquet"]) == 2  # no data/rewards
@@ -232,7 +235,8 @@ def test_rescore_a_generation_from_its_tag(tmp_path, monkeypatch, capsys):
     rewards_file(root / "data")
     (root / "data" / "rollouts.parquet").unlink()
     params = yaml.safe_load((cli.find_root() / "params.yaml").read_text())
-    params["reward"]["workers"] = 1  # the patched verifier lives in this process
+    # the patched verifier lives in this process
+    params.setdefault("runtime", {}).setdefault("reward", {})["workers"] = 1
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     (root / "dvc.yaml").write_text("stages: {}\n")  # the rewards tracked by `dvc add` here
     bin_dir = cli.Path(sys.executable).parent

@@ -29,7 +29,7 @@ are retried with exponential backoff (honouring Retry-After), each retry on the 
 any other status fails at once with the server's message. Seeds are per request (`seed` + episode
 + turn), so episodes do not depend on the order requests complete in.
 
-`serve(command, ...)` starts a server (`rollout.server_command`, e.g. `.venv-vllm/bin/vllm serve
+`serve(command, ...)` starts a server (`runtime.rollout.server_command`, e.g. `.venv-vllm/bin/vllm serve
 {model} --port {port} --host 127.0.0.1`) in its own process group, waits for `GET /health`, and
 always stops it (SIGTERM, then SIGKILL), also on an error or a SIGTERM to the stage.
 
@@ -160,7 +160,7 @@ class Client:
         raise ServerError(
             f"{method} {tried[-1]}{path} failed after {len(tried)} attempts (servers tried: "
             f"{servers}); last error: {last}. Check that the server is up and healthy "
-            f"(rollout.urls or rollout.server_command in params.yaml)")
+            f"(runtime.rollout.urls or runtime.rollout.server_command in params.yaml)")
 
     async def close(self) -> None:
         """Close the HTTP connections."""
@@ -333,7 +333,7 @@ def generate(prompts: list[str], env, *, urls: list[str], tokenizer=None, model:
     served model's, to send and record token ids (see the module docstring).
     """
     if not urls:
-        raise ValueError("no server URL given (rollout.urls, or rollout.server_command)")
+        raise ValueError("no server URL given (runtime.rollout.urls, or runtime.rollout.server_command)")
     sampling = {"temperature": temperature, "top_p": top_p}
     if top_k:
         sampling["top_k"] = top_k  # not in OpenAI's API; vLLM, SGLang and TGI take it
@@ -453,7 +453,7 @@ def chat_rollout(tokenizer, env, tasks: list[dict], seeds: list[int], *, urls: l
         raise ValueError(f"unknown tool parser {parser!r}: one of "
                          f"{', '.join(tool_parsers.PARSERS)}")
     if not urls:
-        raise ValueError("no server URL given (rollout.urls, or rollout.server_command)")
+        raise ValueError("no server URL given (runtime.rollout.urls, or runtime.rollout.server_command)")
     template = template or chat.Template.of(tokenizer, list(env.tools), ends)
     play = chat._Play(template, env, tasks, parser, max_turns)
     prompts = play.prompts()
@@ -517,7 +517,7 @@ def serve(command: str, model: Path, *, timeout: float = 600.0, host: str = "127
         process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as err:
-        raise ServerError(f"rollout.server_command: cannot start {argv[0]!r}: {err}") from None
+        raise ServerError(f"runtime.rollout.server_command: cannot start {argv[0]!r}: {err}") from None
     finally:
         log_file.close()
     previous = signal.getsignal(signal.SIGTERM)
@@ -549,7 +549,7 @@ def _wait_healthy(base: str, process: subprocess.Popen, timeout: float, log: Pat
     while time.time() < deadline:
         if process.poll() is not None:
             raise ServerError(
-                f"rollout.server_command exited with code {process.returncode} before it was "
+                f"runtime.rollout.server_command exited with code {process.returncode} before it was "
                 f"healthy; its last output ({log}):\n{_tail(log)}")
         try:
             if httpx.get(f"{base}/health", timeout=5.0).status_code == 200:
@@ -558,6 +558,6 @@ def _wait_healthy(base: str, process: subprocess.Popen, timeout: float, log: Pat
             last = f"{type(err).__name__}: {err}"
         time.sleep(0.5)
     raise ServerError(
-        f"rollout.server_command: {base}/health did not answer 200 within {timeout:.0f} s "
+        f"runtime.rollout.server_command: {base}/health did not answer 200 within {timeout:.0f} s "
         f"(rollout.server_timeout; last: {last or 'a non-200 answer'}); its last output "
         f"({log}):\n{_tail(log)}")

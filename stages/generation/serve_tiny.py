@@ -3,7 +3,7 @@
 Serves the demo model (or any Hugging Face causal LM folder) through the transformers backend's
 core (`stages.generation.transformers_backend.generate_ids`), so `rollout.backend: openai` can be tried without vLLM:
 
-    python -m stages.generation.serve_tiny models/champion --port 8000     # then rollout.urls: http://127.0.0.1:8000/v1
+    python -m stages.generation.serve_tiny models/champion --port 8000     # then runtime.rollout.urls: http://127.0.0.1:8000/v1
 
 Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions` with what the openai backend
 sends: `prompt` (text or token ids; text is tokenized without adding <bos>, as vLLM does with this
