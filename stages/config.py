@@ -305,6 +305,9 @@ class GRPO:
     # cycle's samples) or none (Dr. GRPO: reward - group mean, unscaled)
     scale_rewards: str = "group"
     max_completion_length: int = 256  # dr_grpo's fixed denominator, per episode
+    # the KL term weighted by the ratio to the rollout policy (TRL's use_bias_correction_kl): the
+    # k3 estimate is unbiased for samples of the current policy, the rollouts are the old one's
+    kl_importance_weighted: bool = False
 
     def __post_init__(self):
         """Refuse non-positive settings, a negative KL coefficient and unknown variants."""

@@ -107,7 +107,8 @@ def test_log_probs_recorded_at_a_temperature_are_those_the_loss_takes_at_it():
         assert not torch.allclose(at_1[chosen], recorded, atol=1e-3)  # T = 1 would be off
 
 
-def trl_loss(logits, inputs, loss_type, clip, clip_high, kl_coef, max_completion_length):
+def trl_loss(logits, inputs, loss_type, clip, clip_high, kl_coef, max_completion_length,
+             weighted_kl=False):
     """TRL 1.16's own `GRPOTrainer._compute_loss` on the same batch: called unbound on an object
     holding just what it reads (its per-token log-probs come from the same fixed logits; the
     prompt is the first token, the completion the rest, as our batch's positions are)."""
@@ -128,7 +129,8 @@ def trl_loss(logits, inputs, loss_type, clip, clip_high, kl_coef, max_completion
     trainer = SimpleNamespace(
         _get_per_token_logps_and_entropies=per_token_logps, aux_loss_enabled=False,
         top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
-        beta=kl_coef, args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        beta=kl_coef, args=SimpleNamespace(use_bias_correction_kl=weighted_kl, delta=None,
+                             steps_per_generation=1),
         loss_type=loss_type, epsilon_low=clip, epsilon_high=clip_high or clip, use_vllm=False,
         model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
         max_completion_length=max_completion_length, accelerator=accelerator,
@@ -145,8 +147,10 @@ def trl_loss(logits, inputs, loss_type, clip, clip_high, kl_coef, max_completion
 
 
 @pytest.mark.parametrize("loss_type", ["bnpo", "grpo", "dapo", "dr_grpo"])
-@pytest.mark.parametrize("clip_high,kl_coef", [(0.0, 0.0), (0.28, 0.05)])
-def test_each_loss_variant_equals_trls_own_code_on_one_fixed_batch(loss_type, clip_high, kl_coef):
+@pytest.mark.parametrize("clip_high,kl_coef,weighted_kl", [(0.0, 0.0, False), (0.28, 0.05, False),
+                                                            (0.0, 0.05, True)])
+def test_each_loss_variant_equals_trls_own_code_on_one_fixed_batch(loss_type, clip_high, kl_coef,
+                                                                   weighted_kl):
     """2 groups x 4 episodes of 2 to 9 model tokens, a masked tool span, noisy old log-probs."""
     generator = torch.Generator().manual_seed(0)
     episodes, width, vocab = 8, 12, 7
@@ -164,12 +168,13 @@ def test_each_loss_variant_equals_trls_own_code_on_one_fixed_batch(loss_type, cl
     inputs["ref_logprobs"] = now + 0.2 * torch.randn(now.shape, generator=generator)
 
     ours = SimpleNamespace(clip=0.2, kl_coef=kl_coef, _extra={}, loss_type=loss_type,
-                           clip_high=clip_high, max_completion_length=16, temperature=1.0)
+                           clip_high=clip_high, max_completion_length=16, temperature=1.0,
+                           kl_importance_weighted=weighted_kl)
     model = Fixed(logits.clone())
     loss = grpo.GRPOTrainer.compute_loss(ours, model, inputs)
     loss.backward()
     expected, expected_grad = trl_loss(logits.clone(), inputs, loss_type, 0.2, clip_high,
-                                       kl_coef, 16)
+                                       kl_coef, 16, weighted_kl)
     assert torch.allclose(loss, expected, atol=1e-5), (float(loss), float(expected))
     assert torch.allclose(model.logits.grad, expected_grad, atol=1e-4)
 

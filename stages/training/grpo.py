@@ -145,7 +145,8 @@ class GRPOTrainer(trainers.StepLog, Trainer):
 
     def __init__(self, *args, clip: float, kl_coef: float, temperature: float = 1.0,
                  loss_type: str = "bnpo", clip_high: float = 0.0,
-                 max_completion_length: int = 256, **kwargs):
+                 max_completion_length: int = 256, kl_importance_weighted: bool = False,
+                 **kwargs):
         """A GRPO trainer with the clip range, KL coefficient, sampling temperature and the loss
         variant (TRL's names: see `cfg.GRPO`).
         """
@@ -153,6 +154,7 @@ class GRPOTrainer(trainers.StepLog, Trainer):
         self.clip, self.kl_coef, self.temperature = clip, kl_coef, temperature
         self.loss_type, self.clip_high = loss_type, clip_high
         self.max_completion_length = max_completion_length
+        self.kl_importance_weighted = kl_importance_weighted
         self._extra = {}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -169,7 +171,10 @@ class GRPOTrainer(trainers.StepLog, Trainer):
             # masked before the exponential: at a padding position logp can be -200, and
             # exp(200) is inf, which the mask's 0 would turn into NaN, not 0
             delta = torch.where(mask > 0, inputs["ref_logprobs"] - logp, 0.0)
-            per_token = per_token + self.kl_coef * (torch.exp(delta) - delta - 1)
+            kl = torch.exp(delta) - delta - 1
+            if getattr(self, "kl_importance_weighted", False):
+                kl = kl * ratio  # the samples are the rollout policy's, not the current one's
+            per_token = per_token + self.kl_coef * kl
         per_token = torch.where(mask > 0, per_token, 0.0)
         tokens = mask.sum().clamp(min=1)
         loss = reduce_loss(per_token, mask, getattr(self, "loss_type", "bnpo"),
@@ -211,4 +216,5 @@ def trainer(model, tokenizer, champion: Path, groups: list[dict], args_for, conf
         data_collator=collate(tokenizer.bos_token_id, trainers.pad_id(tokenizer)),
         clip=config.clip, kl_coef=config.kl_coef, temperature=temperature,
         loss_type=config.loss_type, clip_high=config.clip_high,
-        max_completion_length=config.max_completion_length)
+        max_completion_length=config.max_completion_length,
+        kl_importance_weighted=config.kl_importance_weighted)
