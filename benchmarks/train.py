@@ -67,14 +67,25 @@ def tokens_of(rows: list[dict]) -> int:
     return sum(len(r["token_ids"]) + 2 for r in rows)  # <bos> ... <eos>
 
 
-def plain_loop(init, tokenizer, rows, batch, lr):
-    """Train a fresh model with the plain warm-start loop; returns tokens per second."""
+def plain_loop(init, tokenizer, rows, batch, lr, tokens=None):
+    """Train a fresh model with the plain warm-start loop; returns tokens per second (`tokens`:
+    how many the rows count for, default `tokens_of(rows)`).
+    """
     model = fresh(init, tokenizer)
     data = [{"token_ids": r["token_ids"], "model_mask": r["model_mask"]} for r in rows]
     started = time.perf_counter()
     warmstart.train(model, iter([data[i:i + batch] for i in range(0, len(data), batch)]),
               steps=len(data) // batch, lr=lr, tokenizer=tokenizer, seed=0, label="plain loop")
-    return tokens_of(rows) / (time.perf_counter() - started)
+    return (tokens or tokens_of(rows)) / (time.perf_counter() - started)
+
+
+def grpo_episodes(rows):
+    """GRPO's data from the demonstrations: two episodes a group, the good one ahead."""
+    return [[{"token_ids": r["token_ids"], "model_mask": r["model_mask"],
+              "logprobs": [0.0] * len(r["token_ids"]), "advantage": 1.0},
+             {"token_ids": r["bad_ids"], "model_mask": r["bad_mask"],
+              "logprobs": [0.0] * len(r["bad_ids"]), "advantage": -1.0}]
+            for r in rows[:len(rows) // 2]]
 
 
 def args_for(work: Path, batch: int, lr: float):
@@ -94,13 +105,8 @@ def stage(algorithm, init, tokenizer, rows, batch, lr, work):
                      "chosen_mask": r["model_mask"][c:], "rejected_ids": r["bad_ids"][c:],
                      "rejected_mask": r["bad_mask"][c:]} for r, c in zip(rows, cut)]
         tokens = tokens_of(rows) + sum(len(r["bad_ids"]) + 2 for r in rows)
-    else:  # two episodes a group, the good one ahead
-        examples = [{"episodes": [
-            {"token_ids": r["token_ids"], "model_mask": r["model_mask"],
-             "logprobs": [0.0] * len(r["token_ids"]), "advantage": 1.0},
-            {"token_ids": r["bad_ids"], "model_mask": r["bad_mask"],
-             "logprobs": [0.0] * len(r["bad_ids"]), "advantage": -1.0}]}
-            for r in rows[:len(rows) // 2]]
+    else:
+        examples = [{"episodes": group} for group in grpo_episodes(rows)]
         tokens = sum(len(e["token_ids"]) + 1 for g in examples for e in g["episodes"])
     champion = work / "champion"
     if not champion.exists():
@@ -153,7 +159,15 @@ def main(argv: list[str] | None = None) -> None:
                 stage("sft", init, tokenizer, rows, batch, lr, work))
         results["trl-sft"] = [trl_sft(init, tokenizer, rows, batch, lr, work)]
         results["dpo"] = [stage("dpo", init, tokenizer, rows, batch, lr, work)]
-        results["grpo"] = [stage("grpo", init, tokenizer, rows, batch, lr, work)]
+        # GRPO's episodes are a different set (a short wrong answer beside each good one: more
+        # padding per batch), so its baseline is the plain loop on those same episodes
+        episodes = [e for group in grpo_episodes(rows) for e in group]
+        counted = sum(len(e["token_ids"]) + 1 for e in episodes)
+        for _ in range(2):
+            results.setdefault("plain-grpo", []).append(
+                plain_loop(init, tokenizer, episodes, batch, lr, counted))
+            results.setdefault("grpo", []).append(
+                stage("grpo", init, tokenizer, rows, batch, lr, work))
     best = {k: max(v) for k, v in results.items()}
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{sum(p.numel() for p in fresh(init, tokenizer).parameters()) / 1e6:.2f}M parameters, "
@@ -164,10 +178,13 @@ def main(argv: list[str] | None = None) -> None:
              "sft": "train stage, sft (transformers Trainer)",
              "trl-sft": "TRL SFTTrainer used directly",
              "dpo": "train stage, dpo (TRL DPOTrainer; chosen + rejected + reference)",
+             "plain-grpo": "plain PyTorch loop on GRPO's episodes (its baseline)",
              "grpo": "train stage, grpo (our loss on the Trainer)"}
     for key, name in names.items():
         runs = ", ".join(f"{v:.0f}" for v in results[key])
-        print(f"| {name} | {best[key]:.0f} (runs: {runs}) | {best[key] / best['plain']:.2f} |")
+        baseline = "plain-grpo" if key == "grpo" else "plain"
+        print(f"| {name} | {best[key]:.0f} (runs: {runs}) | {best[key] / best[baseline]:.2f}"
+              f"{' vs its baseline' if key == 'grpo' else ''} |")
 
 
 if __name__ == "__main__":
