@@ -26,7 +26,28 @@ def test_a_group_with_a_spread_keeps_advantages_of_mean_zero():
     groups, counts = grpo.examples(rows_of([1.6, 1.6, 0.3, 0.3]))
     advantages = [e["advantage"] for e in groups[0]["episodes"]]
     assert counts == {"groups_without_spread": 0}
-    assert advantages == pytest.approx([1.0, 1.0, -1.0, -1.0])
+    assert sum(advantages) == pytest.approx(0.0, abs=1e-9)
+    assert advantages[0] == advantages[1] > 0 > advantages[2] == advantages[3]
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_are_trls_for_each_reward_scaling(scale):
+    """TRL 1.16's formula (`_generate_and_score_completions`, scale_rewards), with its own nanstd:
+    rewards - group mean, over (nanstd + 1e-4) of the group or of the batch, or unscaled."""
+    from trl.trainer.utils import nanstd
+
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [2.0, 0.0, 0.0, 0.3], [0.5, 0.5, 0.5, 0.5]])
+    rows = [row for g, values in enumerate(rewards.tolist())
+            for row in rows_of(values, f"task{g}")]
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = {"group": nanstd(rewards, dim=1, keepdim=True) + 1e-4,
+           "batch": nanstd(rewards) + 1e-4, "none": torch.tensor(1.0)}[scale]
+    expected = (rewards - mean) / std
+    groups, counts = grpo.examples(rows, scale)
+    assert counts == {"groups_without_spread": 1}  # task2: flat, dropped (TRL: advantage 0)
+    ours = torch.tensor([[e["advantage"] for e in g["episodes"]] for g in groups])
+    assert torch.allclose(ours, expected[:2], atol=1e-6)
+    assert torch.allclose(expected[2], torch.zeros(4))  # TRL's zero for the dropped group
 
 
 class Fixed(torch.nn.Module):
@@ -177,16 +198,6 @@ def test_each_loss_variant_equals_trls_own_code_on_one_fixed_batch(loss_type, cl
                                        kl_coef, 16, weighted_kl)
     assert torch.allclose(loss, expected, atol=1e-5), (float(loss), float(expected))
     assert torch.allclose(model.logits.grad, expected_grad, atol=1e-4)
-
-
-def test_advantages_scaled_by_group_batch_or_not_at_all():
-    rows = rows_of([1.0, 0.0, 1.0, 0.0], "a") + rows_of([2.0, 0.0, 0.0, 0.0], "b")
-    by = {scale: {g["task_id"]: [round(e["advantage"], 4) for e in g["episodes"]]
-                  for g in grpo.examples(rows, scale)[0]} for scale in ("group", "batch", "none")}
-    assert by["group"]["a"] == [1.0, -1.0, 1.0, -1.0]
-    assert by["none"] == {"a": [0.5, -0.5, 0.5, -0.5], "b": [1.5, -0.5, -0.5, -0.5]}
-    std = (sum((r - 0.5) ** 2 for r in [1, 0, 1, 0, 2, 0, 0, 0]) / 8) ** 0.5  # every reward's
-    assert by["batch"]["b"] == [round(a / std, 4) for a in (1.5, -0.5, -0.5, -0.5)]
 
 
 def test_the_grpo_variants_are_checked_by_name():

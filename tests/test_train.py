@@ -165,7 +165,8 @@ def test_grpo_groups_and_flat_groups_counted(tmp_path, champion):
     groups, counts = grpo.examples(pq.read_table(rewards).to_pylist())
     assert counts == {"groups_without_spread": 2} and len(groups) == 1
     advantages = [e["advantage"] for e in groups[0]["episodes"]]
-    assert advantages[0] == pytest.approx(3 ** 0.5) and sum(advantages) == pytest.approx(0)
+    # TRL's: (1 - 0.25) over the Bessel std 0.5 plus 1e-4
+    assert advantages[0] == pytest.approx(0.75 / (0.5 + 1e-4)) and sum(advantages) == pytest.approx(0)
 
 
 @pytest.mark.parametrize("algorithm", ["dpo", "grpo"])

@@ -24,27 +24,31 @@ UNIT = "task groups with a reward spread"  # what one example is, for the stage'
 FLAT = 1e-6
 
 
+def _std(values: list[float]) -> float:
+    """The Bessel-corrected standard deviation, as TRL's `nanstd`."""
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)) ** 0.5
+
+
 def examples(rows: list[dict], scale: str = "group") -> tuple[list[dict], dict]:
-    """One group per task with its episodes' advantages: reward - the group's mean, over the
-    group's reward std (`scale` "group"), over the std of every reward of the batch ("batch"),
-    or unscaled ("none", Dr. GRPO's), as TRL's `scale_rewards` (its std is Bessel-corrected plus
-    1e-4; ours the plain std, and no epsilon is needed: flat groups are gone before dividing).
+    """One group per task with its episodes' advantages, as TRL's GRPOTrainer computes them
+    (trl 1.16, `_generate_and_score_completions`, `scale_rewards`): reward - the group's mean,
+    over (the group's reward std + 1e-4) for `scale` "group", over (the std of every reward of
+    the batch + 1e-4) for "batch", unscaled for "none" (Dr. GRPO's); the std Bessel-corrected.
 
     A group whose samples all got the same reward (to `FLAT`) has no advantage to learn from:
-    counted, dropped.
+    counted and dropped (TRL keeps it at advantage 0; the gradient is zero either way).
     """
     groups, flat = [], 0
     everything = [r["reward"] for r in rows]
-    batch_mean = sum(everything) / max(1, len(everything))
-    batch_std = (sum((r - batch_mean) ** 2 for r in everything) / max(1, len(everything))) ** 0.5
+    batch_std = _std(everything) if len(everything) > 1 else 0.0
     for task, group in trainers.by_task(rows).items():
         rewards = [r["reward"] for r in group]
         mean = sum(rewards) / len(rewards)
-        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
         if max(rewards) - min(rewards) <= FLAT or any(r.get("logprobs") is None for r in group):
             flat += 1
             continue
-        std = {"group": std, "batch": batch_std, "none": 1.0}[scale]
+        std = {"group": _std(rewards) + 1e-4, "batch": batch_std + 1e-4, "none": 1.0}[scale]
         groups.append({"task_id": task, "completion": "\x00".join(r["completion"] for r in group),
                        "episodes": [{"token_ids": r["token_ids"], "model_mask": r["model_mask"],
                                      "logprobs": r["logprobs"], "chat": bool(r.get("chat")),
