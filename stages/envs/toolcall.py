@@ -143,9 +143,16 @@ def score(question: str, answer: str, completion: str) -> dict[str, float] | Non
         return None
     schemas, expected = task
     calls = [parse_call(match[1]) for match in _CALL.finditer(completion)]
-    unclosed = CALL_OPEN in _CALL.sub("", completion)
-    well_formed = bool(calls) and not unclosed and all(c is not None for c in calls)
-    tool_ok = not unclosed and all(
+    return _judge(schemas, expected, calls, broken=CALL_OPEN in _CALL.sub("", completion))
+
+
+def _judge(schemas: dict, expected: dict, calls: list[dict | None], broken: bool
+           ) -> dict[str, float]:
+    """The components for the calls made (None: not a well-formed call); `broken`: a call that
+    was never closed (tags) or answered no call the assistant made (chat).
+    """
+    well_formed = bool(calls) and not broken and all(c is not None for c in calls)
+    tool_ok = not broken and all(
         c is not None and c["name"] in schemas and _valid(schemas[c["name"]], c["arguments"],
                                                           c["name"]) for c in calls)
     last = calls[-1] if calls else None
@@ -326,20 +333,7 @@ def reward(task: dict, messages: list[dict]) -> dict[str, float] | None:
         return None
     schemas, expected = judged
     calls, malformed = _calls(task, messages)
-    tool_ok = not malformed and all(
-        c is not None and c["name"] in schemas and _valid(schemas[c["name"]], c["arguments"],
-                                                          c["name"]) for c in calls)
-    last = calls[-1] if calls else None
-    right_tool = last is not None and last["name"] == expected["name"]
-    arguments_valid = right_tool and _valid(schemas[last["name"]], last["arguments"],
-                                            last["name"])
-    if expected["arguments"] is None:
-        correct = arguments_valid
-    else:
-        correct = right_tool and last["arguments"] == expected["arguments"]
-    well_formed = bool(calls) and not malformed and all(c is not None for c in calls)
-    return {"correct": float(correct), "format": float(well_formed), "tool_ok": float(tool_ok),
-            "right_tool": float(right_tool), "arguments_valid": float(arguments_valid)}
+    return _judge(schemas, expected, calls, broken=malformed)
 
 
 def gold(task: dict) -> list[dict]:

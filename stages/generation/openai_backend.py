@@ -285,6 +285,20 @@ async def _episode(client: Client, model: str, env, prompt: str, index: int, *, 
     return episode
 
 
+async def _all_or_none(coroutines: list) -> list:
+    """Every episode's result, in order; when one fails the others are cancelled (no request is
+    left running behind the error) and the error is raised.
+    """
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 async def _generate(prompts: list[str], env, *, urls: list[str], model: str, tokenizer,
                     sampling: dict, max_new_tokens: int, max_turns: int, stop: tuple[str, ...],
                     seed: int, concurrency: int, timeout: float, retries: int, backoff: float,
@@ -307,14 +321,7 @@ async def _generate(prompts: list[str], env, *, urls: list[str], model: str, tok
             bar.update(done)
             return episode
 
-        tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
-        try:
-            episodes = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        episodes = await _all_or_none([one(i, p) for i, p in enumerate(prompts)])
     finally:
         bar.close()
         await client.close()
@@ -419,14 +426,7 @@ async def _chat(play, prompts: list[list[int]], seeds: list[int], *, urls: list[
             bar.update(done)
             return episode
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
-        try:
-            episodes = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        episodes = await _all_or_none([one(i) for i in range(len(prompts))])
     finally:
         bar.close()
         await client.close()

@@ -76,6 +76,17 @@ def _injected_as_env(env, completion: str) -> bool:
     return True
 
 
+def _partner(group: list[dict], thumbs_up: bool) -> dict | None:
+    """The rollout a trace's own answer is paired with: for a thumbs up its task's worst failing
+    rollout, for a thumbs down its best verified-correct one (None: there is none).
+    """
+    ranked = sorted((r for r in group if r["correct"] is not None),
+                    key=lambda r: (-r["reward"], r["completion"]))
+    if thumbs_up:
+        return next((r for r in reversed(ranked) if r["correct"] < 1.0), None)
+    return next((r for r in ranked if r["correct"] == 1.0), None)
+
+
 def feedback_pairs(rows: list[dict], traces: list[dict], env, tokenizer,
                    taken: set | None = None) -> tuple[list[dict], dict]:
     """Pairs from the traces' thumbs: the trace's own answer against one of its task's rollouts.
@@ -114,12 +125,7 @@ def feedback_pairs(rows: list[dict], traces: list[dict], env, tokenizer,
         if not trace["thumbs_up"] and verdict == 1.0:
             counts["thumbs_down_verifier_correct"] += 1
             continue
-        ranked = sorted((r for r in group if r["correct"] is not None),
-                        key=lambda r: (-r["reward"], r["completion"]))
-        if trace["thumbs_up"]:
-            partner = next((r for r in reversed(ranked) if r["correct"] < 1.0), None)
-        else:
-            partner = next((r for r in ranked if r["correct"] == 1.0), None)
+        partner = _partner(group, trace["thumbs_up"])
         if partner is None:
             counts["feedback_without_partner"] += 1
             continue
@@ -170,12 +176,7 @@ def chat_feedback_pairs(rows: list[dict], traces: list[dict], taken: set | None 
         if not trace["thumbs_up"] and full is True:
             counts["thumbs_down_verifier_correct"] += 1
             continue
-        ranked = sorted((r for r in group if r["correct"] is not None),
-                        key=lambda r: (-r["reward"], r["completion"]))
-        if trace["thumbs_up"]:
-            partner = next((r for r in reversed(ranked) if r["correct"] < 1.0), None)
-        else:
-            partner = next((r for r in ranked if r["correct"] == 1.0), None)
+        partner = _partner(group, trace["thumbs_up"])
         if partner is None:
             counts["feedback_without_partner"] += 1
             continue
