@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -143,36 +144,70 @@ def test_weights_in_params(tmp_path):
         load({"weights": {"tool_ok": -1}})
 
 
-@pytest.fixture
-def ray_cluster():
-    """A local Ray cluster of 2 CPUs, started by this test process, stopped after."""
-    import ray  # in the dev extra: `make test` has it
+# A local Ray cluster in a network namespace of its own with only loopback up: Ray binds the host's
+# network address whatever it is told, and the tests talk to 127.0.0.1 only. The cluster, the
+# reward stage connecting to it by its address, and a look at what listens, all inside it.
+RAY_IN_NETNS = r"""
+import json, os, subprocess, sys
+import ray, yaml
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024 ** 2,
+         log_to_driver=False)
+address = ray.get_runtime_context().gcs_address
+params, table, out, metrics = sys.argv[1:5]
+with open(params, "w") as f:
+    yaml.safe_dump({"base": {"environment": "toolcall"}, "reward": {},
+                    "runtime": {"reward": {"ray_address": address}}}, f)
+subprocess.run([sys.executable, "-m", "stages.reward", table, out, metrics, "--params", params],
+               check=True)
+listening = set()
+for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in open(name).read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A":  # LISTEN
+            host = local.split(":")[0]
+            loopback = {"0100007F", "0000000000000000FFFF00000100007F",  # v4, v4-mapped v6
+                        "00000000000000000000000001000000"}  # ::1
+            listening.add("loopback" if host in loopback else "any" if set(host) == {"0"}
+                          else host)
+ray.shutdown()
+print(json.dumps({"address": address, "listening": sorted(listening)}))
+"""
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024 ** 2,
-             log_to_driver=False)
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
+
+def netns_available() -> bool:
+    """Whether this machine lets the tests make a network namespace (root, unshare, ip)."""
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
+        return False
+    return subprocess.run(["unshare", "-n", "ip", "link", "set", "lo", "up"],
+                          capture_output=True).returncode == 0
 
 
-def test_process_pool_and_ray_give_identical_rewards(tmp_path, ray_cluster):
+@pytest.mark.skipif(not netns_available(), reason="Ray runs only in a loopback-only network "
+                    "namespace here (needs root, unshare and ip)")
+def test_process_pool_and_ray_give_identical_rewards(tmp_path):
     rows = toolcall_rows() + [(f"x{i}", "2*3", "6", f"answer:{i}") for i in range(4)]
     rows += [("remote", "weather?", json.dumps({"tools": [{"type": "function", "function": {
         "name": "w", "parameters": {"$ref": "https://example.com/w.json"}}}],
         "expected": {"name": "w", "arguments": None}}), call("w", {}))]
     path = write(tmp_path, rows)
     pooled, m_pool = reward.score_table("toolcall", cfg.Reward(workers=2), pq.read_table(path))
-    params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"base": {"environment": "toolcall"}, "reward": {},
-                                      "runtime": {"reward": {"ray_address": ray_cluster}}}))
     # the stage as DVC runs it, connecting to the cluster by its address
-    subprocess.run([sys.executable, "-m", "stages.reward", str(path), str(tmp_path / "ray.parquet"),
-                    str(tmp_path / "ray.json"), "--params", str(params)], check=True)
+    ran = subprocess.run(
+        ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" -c "$1" "$2" "$3" "$4" "$5"',
+         sys.executable, RAY_IN_NETNS, str(tmp_path / "params.yaml"), str(path),
+         str(tmp_path / "ray.parquet"), str(tmp_path / "ray.json")],
+        capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    seen = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert seen["address"].startswith("127.0.0.1:")
+    # only loopback (or every address, of which this namespace has no other) is listened on
+    assert "loopback" in seen["listening"] and set(seen["listening"]) <= {"loopback", "any"}, seen
     assert pq.read_table(tmp_path / "ray.parquet").equals(pooled)
     on_ray = json.loads((tmp_path / "ray.json").read_text())
-    assert on_ray.pop("runtime") == {"workers": 0, "ray_address": ray_cluster}  # what ran where
+    assert on_ray.pop("runtime") == {"workers": 0, "ray_address": seen["address"]}
     assert on_ray == m_pool
     assert m_pool["errors"] == 1 and m_pool["episodes"] == len(rows)
 
