@@ -61,6 +61,30 @@ def _chunks(jobs: list, parts: int) -> list[list]:
     return [jobs[i:i + size] for i in range(0, len(jobs), size)]
 
 
+RAY_PROBE_S = 10.0  # how long the cluster's address may take to accept a connection
+
+
+def probe_ray(address: str, timeout: float = RAY_PROBE_S) -> None:
+    """Fail at once, naming the setting, when nothing accepts connections at a `host:port` Ray
+    address: `ray.init` would otherwise retry for minutes, printing "Failed to get cluster ID"
+    (a listener that accepts and never answers is not caught here). "auto" is left to Ray.
+    """
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return
+    except OSError as err:
+        raise ConnectionError(
+            f"runtime.reward.ray_address={address!r}: nothing accepts connections there "
+            f"({type(err).__name__}: {err}, within {timeout:.0f} s); start the cluster "
+            f"(`ray start --head`), fix the address, or set runtime.reward.ray_address to '' "
+            f"for the local process pool") from None
+
+
 @contextmanager
 def verifier_pool(workers: int = 0, ray_address: str = ""):
     """(map, parts): `map(env_name, chunks)` yields score_chunk's result for each chunk, in order,
@@ -68,6 +92,7 @@ def verifier_pool(workers: int = 0, ray_address: str = ""):
     of `workers` (0 = one per core); `parts` is how many chunks keep it busy.
     """
     if ray_address:
+        probe_ray(ray_address)
         import ray
 
         connect = not ray.is_initialized()
@@ -77,9 +102,9 @@ def verifier_pool(workers: int = 0, ray_address: str = ""):
                 ray.init(address=ray_address, log_to_driver=False)
             except ConnectionError as err:
                 raise ConnectionError(
-                    f"reward.ray_address={ray_address!r}: no Ray cluster to connect to ({err}); "
-                    f"start one (`ray start --head`) or set reward.ray_address to '' for the "
-                    f"local process pool") from err
+                    f"runtime.reward.ray_address={ray_address!r}: no Ray cluster to connect to "
+                    f"({err}); start one (`ray start --head`) or set runtime.reward.ray_address "
+                    f"to '' for the local process pool") from err
         try:
             remote = ray.remote(score_chunk)
             # submitted all at once, collected in submission order: the order of the jobs
@@ -371,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
         metrics = run(cfg.load("base", args.params), cfg.load("reward", args.params),
                       args.rollouts, args.rewards, cfg.environments(args.params),
                       Path(args.params).resolve().parent)
-    except VerifierBroken as err:
+    except (VerifierBroken, ConnectionError) as err:  # a broken verifier, an absent cluster
         print(f"reward: error: {err}", file=sys.stderr)
         sys.exit(1)
     metrics["runtime"] = cfg.runtime_of(cfg.load("reward", args.params))  # what ran where
