@@ -110,16 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         pq.write_table(pa.Table.from_pylist([
             {"trace_id": f"t{i:05d}", "question": q, "answer": str(arith.gold_answer(q))}
             for i, q in enumerate(questions)]), validated)
-        common = {"samples_per_task": args.samples, "temperature": args.temperature}
-        results = {}
-        for name, config in (
-            ("vllm (openai backend)", cfg.Rollout(backend="openai", concurrency=args.concurrency,
-                                                  server_command=args.server_command, **common)),
-            ("transformers", cfg.Rollout(**common)),
-        ):
-            out = work / f"rollouts-{config.backend}.parquet"
-            metrics = rollout.run(base, config, validated, champion, out)
-            results[name] = (metrics, pq.read_table(out).to_pylist())
+        results = both_backends(args, work, lambda config, out: rollout.run(
+            base, config, validated, champion, out))
         device = "cuda" if next(tinylm.load(champion)[0].parameters()).is_cuda else "cpu"
         if torch.cuda.is_available():
             model, tokenizer = tinylm.load(champion)
@@ -161,6 +153,20 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def both_backends(args, work: Path, run_stage) -> dict:
+    """{name: (metrics, rows)} of `run_stage(config, out)` through vLLM, then in-process."""
+    common = {"samples_per_task": args.samples, "temperature": args.temperature}
+    results = {}
+    for name, config in (
+        ("vllm (openai backend)", cfg.Rollout(backend="openai", concurrency=args.concurrency,
+                                              server_command=args.server_command, **common)),
+        ("transformers", cfg.Rollout(**common)),
+    ):
+        out = work / f"rollouts-{config.backend}.parquet"
+        results[name] = (run_stage(config, out), pq.read_table(out).to_pylist())
+    return results
+
+
 def chat_check(args, work: Path) -> int:
     """The chat path: `run_chat` through the server and in-process on arith's chat tasks."""
     import json
@@ -175,16 +181,8 @@ def chat_check(args, work: Path) -> int:
     tasks.write_text("".join(json.dumps({"task_id": f"t{i:05d}", **arith.chat_task(
         arith.sample_question(rng))}) + "\n" for i in range(args.tasks)))
     specs = {"arith": cfg.EnvironmentSpec(module="stages.envs.arith", tasks=str(tasks))}
-    common = {"samples_per_task": args.samples, "temperature": args.temperature}
-    results = {}
-    for name, config in (
-        ("vllm (openai backend)", cfg.Rollout(backend="openai", concurrency=args.concurrency,
-                                              server_command=args.server_command, **common)),
-        ("transformers", cfg.Rollout(**common)),
-    ):
-        out = work / f"rollouts-{config.backend}.parquet"
-        metrics = rollout.run_chat(base, config, specs, champion, out, ROOT)
-        results[name] = (metrics, pq.read_table(out).to_pylist())
+    results = both_backends(args, work, lambda config, out: rollout.run_chat(
+        base, config, specs, champion, out, ROOT))
     print(f"\ntorch {torch.__version__}, GPU: "
           f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}\n")
     print("| backend | episodes | generated tokens | seconds | tokens/s | tool use |")

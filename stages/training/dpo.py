@@ -87,6 +87,39 @@ def _partner(group: list[dict], thumbs_up: bool) -> dict | None:
     return next((r for r in ranked if r["correct"] == 1.0), None)
 
 
+def _feedback_pair(task_id: str, own: dict, thumbs_up: bool, full: bool | None,
+                   group: list[dict], counts: dict, taken: set | None, chat: bool = False
+                   ) -> dict | None:
+    """The pair of a trace's own answer (`own`: token_ids, model_mask, completion) and its
+    partner rollout, or None with the reason counted: feedback the verifier overrules (`full`:
+    whether it gives the answer full marks; None: it cannot judge, the thumbs decide), no partner,
+    or (chat) another prompt than its rollouts'. A pair already `taken` is skipped uncounted.
+    """
+    if thumbs_up and full is False:
+        counts["thumbs_up_verifier_wrong"] += 1
+        return None
+    if not thumbs_up and full is True:
+        counts["thumbs_down_verifier_correct"] += 1
+        return None
+    partner = _partner(group, thumbs_up)
+    if partner is None:
+        counts["feedback_without_partner"] += 1
+        return None
+    chosen, rejected = (own, partner) if thumbs_up else (partner, own)
+    cut, rcut = prompt_length(chosen["model_mask"]), prompt_length(rejected["model_mask"])
+    if chat and chosen["token_ids"][:cut] != rejected["token_ids"][:rcut]:
+        counts["feedback_unusable"] += 1  # not the prompt its rollouts answered
+        return None
+    key = (task_id, f"{chosen['completion']}\x00{rejected['completion']}")
+    if key in (taken or set()):
+        return None
+    pair = {"task_id": key[0], "completion": key[1], "prompt_ids": chosen["token_ids"][:cut],
+            "chosen_ids": chosen["token_ids"][cut:], "chosen_mask": chosen["model_mask"][cut:],
+            "rejected_ids": rejected["token_ids"][rcut:],
+            "rejected_mask": rejected["model_mask"][rcut:]}
+    return {**pair, "chat": True} if chat else pair
+
+
 def feedback_pairs(rows: list[dict], traces: list[dict], env, tokenizer,
                    taken: set | None = None) -> tuple[list[dict], dict]:
     """Pairs from the traces' thumbs: the trace's own answer against one of its task's rollouts.
@@ -119,27 +152,11 @@ def feedback_pairs(rows: list[dict], traces: list[dict], env, tokenizer,
         if tokenizer.unk_token_id in ids:
             counts["feedback_unusable"] += 1
             continue
-        if trace["thumbs_up"] and verdict < 1.0:
-            counts["thumbs_up_verifier_wrong"] += 1
-            continue
-        if not trace["thumbs_up"] and verdict == 1.0:
-            counts["thumbs_down_verifier_correct"] += 1
-            continue
-        partner = _partner(group, trace["thumbs_up"])
-        if partner is None:
-            counts["feedback_without_partner"] += 1
-            continue
-        own = {"token_ids": ids, "model_mask": mask, "completion": completion}
-        chosen, rejected = (own, partner) if trace["thumbs_up"] else (partner, own)
-        key = (trace["trace_id"], f"{chosen['completion']}\x00{rejected['completion']}")
-        if key in (taken or set()):
-            continue
-        cut, rcut = prompt_length(chosen["model_mask"]), prompt_length(rejected["model_mask"])
-        pairs.append({
-            "task_id": key[0], "completion": key[1], "prompt_ids": chosen["token_ids"][:cut],
-            "chosen_ids": chosen["token_ids"][cut:], "chosen_mask": chosen["model_mask"][cut:],
-            "rejected_ids": rejected["token_ids"][rcut:],
-            "rejected_mask": rejected["model_mask"][rcut:]})
+        pair = _feedback_pair(trace["trace_id"], {"token_ids": ids, "model_mask": mask,
+                                                   "completion": completion},
+                              trace["thumbs_up"], verdict == 1.0, group, counts, taken)
+        if pair is not None:
+            pairs.append(pair)
     return pairs, counts
 
 
@@ -170,30 +187,11 @@ def chat_feedback_pairs(rows: list[dict], traces: list[dict], taken: set | None 
             counts["feedback_unusable"] += 1
             continue
         full = None if trace["scores"] is None else contract.full_marks(trace["scores"])
-        if trace["thumbs_up"] and full is False:
-            counts["thumbs_up_verifier_wrong"] += 1
-            continue
-        if not trace["thumbs_up"] and full is True:
-            counts["thumbs_down_verifier_correct"] += 1
-            continue
-        partner = _partner(group, trace["thumbs_up"])
-        if partner is None:
-            counts["feedback_without_partner"] += 1
-            continue
         own = {k: trace[k] for k in ("token_ids", "model_mask", "completion")}
-        chosen, rejected = (own, partner) if trace["thumbs_up"] else (partner, own)
-        cut, rcut = prompt_length(chosen["model_mask"]), prompt_length(rejected["model_mask"])
-        if chosen["token_ids"][:cut] != rejected["token_ids"][:rcut]:
-            counts["feedback_unusable"] += 1  # not the prompt its rollouts answered
-            continue
-        key = (trace["task_id"], f"{chosen['completion']}\x00{rejected['completion']}")
-        if key in (taken or set()):
-            continue
-        pairs.append({
-            "task_id": key[0], "completion": key[1], "prompt_ids": chosen["token_ids"][:cut],
-            "chosen_ids": chosen["token_ids"][cut:], "chosen_mask": chosen["model_mask"][cut:],
-            "rejected_ids": rejected["token_ids"][rcut:],
-            "rejected_mask": rejected["model_mask"][rcut:], "chat": True})
+        pair = _feedback_pair(trace["task_id"], own, trace["thumbs_up"], full, group, counts,
+                              taken, chat=True)
+        if pair is not None:
+            pairs.append(pair)
     return pairs, counts
 
 
