@@ -100,8 +100,9 @@ def cmd_init(args) -> int:
         print(f"already initialised: {root / 'models/champion.dvc'} exists (generation 0 was "
               f"made). Run `offseason run` for a cycle, or `offseason init --force` to start over.")
         return 0
-    from flows import promotion, tracking
-    from stages import gate, init, io
+    # what can be wrong with the inputs is checked before torch, transformers and MLflow load
+    # (seconds): a bad benchmark or params key fails at once
+    from stages.envs import contract
     from stages.envs.registry import ENVIRONMENTS
 
     specs = configs["environments"]
@@ -120,7 +121,7 @@ def cmd_init(args) -> int:
                     "base.environment) has a tiny model offseason can build")
         elif not base_model.is_absolute():
             base_model = root / base_model
-        chats = gate.chat_suites(specs, root, configs["gate"].benchmark_size)
+        chats = contract.benchmark_suites(specs, root, configs["gate"].benchmark_size)
 
         def templates_of(folder: Path) -> list:
             """The model's chat template for each environment's tools; a folder without its
@@ -143,6 +144,9 @@ def cmd_init(args) -> int:
                       flush=True)
     else:
         items = read_benchmark(root)
+    from flows import promotion, tracking
+    from stages import gate, init, io
+
     with cycle_lock(root, "offseason init"):
         print("init: building generation 0 ...", flush=True)
         note_environments(root)  # what the stages' dep data/environments.json says

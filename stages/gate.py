@@ -34,10 +34,10 @@ The rules, every one recorded in the verdict with its numbers:
 the primary suite's.
 
 With an `environments:` section the suites are the user's environments with a `benchmark`
-(`chat_suites`; `gate.primary` names the one that must improve, each other one is a guard with
-its own `environments.<name>.max_regression`), attempted greedily through the chat path with the
-rollout's `max_new_tokens`, `max_turns` and `tool_parser` (`score_chat`); `format` is then "the
-model ended its answer itself" and `tool_ok` "no tool call failed".
+(`contract.benchmark_suites`; `gate.primary` names the one that must improve, each other one is a
+guard with its own `environments.<name>.max_regression`), attempted greedily through the chat path
+with the rollout's `max_new_tokens`, `max_turns` and `tool_parser` (`score_chat`); `format` is then
+"the model ended its answer itself" and `tool_ok` "no tool call failed".
 
     python -m stages.gate models/candidate data/champion_scores.parquet data/forgetting.jsonl data/rewards.parquet \
         data/replay data/gate.parquet metrics/gate.json data/benchmarks/arith.jsonl
@@ -58,6 +58,7 @@ import pyarrow.parquet as pq
 
 from stages import config as cfg
 from stages import io, tinylm
+from stages.envs import contract
 from stages.envs.registry import ENVIRONMENTS
 from stages.generation import transformers_backend
 
@@ -105,28 +106,6 @@ def question_of(task: dict) -> str:
     return ""
 
 
-def chat_suites(specs: dict, root: Path, benchmark_size: int) -> dict[str, tuple]:
-    """{environment name: (Environment, its benchmark tasks)} for each of the user's
-    environments with a `benchmark` (the first `gate.benchmark_size` when set).
-    """
-    from stages.envs import contract
-
-    out = {}
-    for name, spec in specs.items():
-        if not spec.benchmark:
-            continue
-        env = contract.load(name, spec.module, root)
-        tasks = contract.load_tasks(root / spec.benchmark, env)
-        if benchmark_size:
-            tasks = tasks[:benchmark_size]
-        if not tasks:
-            raise contract.TaskFileError(f"{spec.benchmark}: the benchmark of environment "
-                                         f"{name!r} is empty; the gate needs items to compare "
-                                         f"on: write held-out tasks into it")
-        out[name] = (env, tasks)
-    return out
-
-
 def score_chat(model_dir: Path, suites: dict[str, tuple], rollout: cfg.Rollout, seed: int
                ) -> list[dict]:
     """Every benchmark task of the user's environments attempted greedily by one chat model
@@ -139,7 +118,6 @@ def score_chat(model_dir: Path, suites: dict[str, tuple], rollout: cfg.Rollout, 
 
     import torch
 
-    from stages.envs import contract
     from stages.generation import chat
 
     model, tokenizer = tinylm.load(model_dir)
@@ -184,7 +162,7 @@ def score_all(model_dir: Path, config: cfg.Gate, suites: list[Path], seed: int,
     `gate.suites`. What champion_scores and the gate both score, alike.
     """
     if specs:
-        chats = chat_suites(specs, root or Path.cwd(), config.benchmark_size)
+        chats = contract.benchmark_suites(specs, root or Path.cwd(), config.benchmark_size)
         items = {name: tasks for name, (_, tasks) in chats.items()}
         return items, score_chat(model_dir, chats, rollout or cfg.Rollout(), seed), chats
     items = suite_items(config, suites)

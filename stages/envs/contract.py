@@ -559,3 +559,23 @@ class Router:
     def task_kind(question: str | None) -> str:
         """The environment a routed task belongs to."""
         return json.loads(question)["environment"] if question else "none"
+
+
+def benchmark_suites(specs: dict, root: Path, benchmark_size: int) -> dict[str, tuple]:
+    """{environment name: (Environment, its benchmark tasks)} for each of the user's
+    environments with a `benchmark` (the first `gate.benchmark_size` when set).
+    """
+    out = {}
+    for name, spec in specs.items():
+        if not spec.benchmark:
+            continue
+        env = load(name, spec.module, root)
+        tasks = load_tasks(root / spec.benchmark, env)
+        if benchmark_size:
+            tasks = tasks[:benchmark_size]
+        if not tasks:
+            raise TaskFileError(f"{spec.benchmark}: the benchmark of environment {name!r} is "
+                                f"empty; the gate needs items to compare on: write held-out "
+                                f"tasks into it")
+        out[name] = (env, tasks)
+    return out
