@@ -42,12 +42,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/offseason demo
 
-# The tests run in one process by default: on 2 cores the suite is CPU-bound, and xdist workers
-# made it slower, not faster (BENCHMARKS.md, "The test suite"). On a bigger machine,
-# `make test TEST_WORKERS=auto` spreads it over pytest-xdist workers (one torch thread per worker
-# process, tests/conftest.py; a module with an expensive module fixture stays on one worker).
-# The slowest tests are listed at the end.
-TEST_WORKERS ?= 0
+# The tests run on pytest-xdist workers, one per core (`auto`), one torch thread in each
+# (tests/conftest.py): about half the suite waits on processes, servers and disks, so two workers
+# on 2 cores beat one process (BENCHMARKS.md, "The test suite"). A module with an expensive module
+# fixture stays on one worker (`--dist loadgroup`); modules with slow tests start first.
+# `make test TEST_WORKERS=0` runs them in one process. The slowest tests are listed at the end.
+TEST_WORKERS ?= auto
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 

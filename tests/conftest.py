@@ -49,6 +49,15 @@ os.environ.update({"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
                    "HF_HUB_OFFLINE": "1", "GX_ANALYTICS_ENABLED": "False"})
 
 
+def pytest_collection_modifyitems(config, items):
+    """Modules with slow tests first, in file order otherwise: under xdist the longest work
+    starts at once instead of being the tail that one worker runs alone at the end. Whole
+    modules move, so a module-scoped fixture is still built once per module.
+    """
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow)
+
+
 def train_config(**values) -> cfg.Train:
     """`cfg.Train` from flat keys, as tests write them: the algorithm's own (epochs, lr, beta,
     clip, kl_coef) go into its section, `train.<algorithm>`.

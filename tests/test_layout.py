@@ -108,3 +108,16 @@ def test_the_test_sees_a_lineage_hole(graph):
     # the check above is not vacuous: gate imports the environments and the generation loop
     assert {"stages.envs.coding", "stages.envs.sandbox", "stages.generation.episode"} <= \
         closure(graph, "stages.champion_scores")
+
+
+@pytest.mark.xdist_group("canary")
+def test_xdist_groups_are_applied(request):
+    """Under `--dist loadgroup` a grouped test's id carries its group: without it each worker
+    builds the lineage and security projects again (pytest 9.2 with pytest-xdist 3.8 loses the
+    group; constraints.txt pins pytest). Nothing to check in one process.
+    """
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("not under pytest-xdist's --dist loadgroup")
+    assert request.node.nodeid.endswith("@canary"), (
+        f"{request.node.nodeid}: xdist's group is lost; install the pytest and pytest-xdist "
+        f"versions in constraints.txt")
