@@ -9,7 +9,10 @@ is the demo's chat model, the tasks are arith's chat tasks, and `stages.rollout.
 them through vLLM (each turn sent as token ids rendered by the chat template here, the model's ids
 back with `return_tokens_as_token_ids`, the end ids as `stop_token_ids`) and through the
 transformers backend; it fails unless vLLM gave token ids, tool calls, and prompts that begin
-every stored conversation as rendered here. `--path tags`: the tag protocol, as below.
+every stored conversation as rendered here. `--api chat` sends the turns to vLLM's
+/chat/completions instead (messages and `tools=`, vLLM started with `--enable-auto-tool-choice
+--tool-call-parser hermes`, `return_token_ids`), which offseason checks token for token against
+its own rendering and parsing (`runtime.rollout.api: chat`). `--path tags`: the tag protocol, as below.
 
 What it does, in a temporary folder: builds generation 0 with `stages.init` (the demo's params.yaml
 `init:` section; `--warmup-steps` shortens the warm start), writes a validated-tasks file of
@@ -83,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it")
     parser.add_argument("--path", choices=("chat", "tags"), default="chat",
                         help="chat: the environments: path (default); tags: the tag protocol")
+    parser.add_argument("--api", choices=("completions", "chat"), default="completions",
+                        help="the chat path's endpoint (runtime.rollout.api)")
     args = parser.parse_args(argv)
+    if args.api == "chat" and args.server_command == COMMAND:
+        args.server_command += " --enable-auto-tool-choice --tool-call-parser hermes"
     if not VLLM.exists() and args.server_command == COMMAND:
         print(f"error: {VLLM} not found; run `make vllm-env` first (needs a GPU machine with PyPI)",
               file=sys.stderr)
@@ -159,7 +166,8 @@ def both_backends(args, work: Path, run_stage) -> dict:
     results = {}
     for name, config in (
         ("vllm (openai backend)", cfg.Rollout(backend="openai", concurrency=args.concurrency,
-                                              server_command=args.server_command, **common)),
+                                              server_command=args.server_command,
+                                              api=getattr(args, "api", "completions"), **common)),
         ("transformers", cfg.Rollout(**common)),
     ):
         out = work / f"rollouts-{config.backend}.parquet"

@@ -162,6 +162,10 @@ class Rollout:
     request_timeout: float = 120.0  # seconds per request before it is retried
     retries: int = 5  # per request, on timeouts, 429 and 5xx, with exponential backoff
     api_key_env: str = "OPENAI_API_KEY"  # the environment variable holding the API key, if any
+    # the chat path's endpoint: "completions" (token ids in and out; any vLLM) or "chat" (messages
+    # and tools= to /chat/completions, tool_calls read back; the server's rendering and parsing
+    # checked against ours, token for token; vLLM >= 0.10.2 with --tool-call-parser)
+    api: str = "completions"
     # how the chat model writes tool calls (`environments:`): hermes, llama3_json or mistral, as
     # vLLM names them; auto = the one its chat template implies
     tool_parser: str = "auto"
@@ -183,6 +187,10 @@ class Rollout:
         )
         _positive("runtime.rollout", concurrency=self.concurrency,
                   server_timeout=self.server_timeout, request_timeout=self.request_timeout)
+        if self.api not in ("completions", "chat"):
+            raise ParamsError(f"runtime.rollout.api: {self.api!r} is not an endpoint; use "
+                              f"'completions' (token ids in and out) or 'chat' (messages and "
+                              f"tools, /chat/completions)")
         if self.temperature < 0:
             raise ParamsError(f"rollout.temperature: must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -479,7 +487,7 @@ OPTIONAL = {"environments", "runtime"}  # sections a params.yaml may leave out
 # as a param: changing one reruns nothing and starts no cycle. `load` merges them into their
 # stage's config, so the code reads config.urls as before, and the stages record what they used.
 RUNTIME = {"rollout": ("urls", "server_command", "server_timeout", "concurrency",
-                       "request_timeout", "retries", "api_key_env"),
+                       "request_timeout", "retries", "api_key_env", "api"),
            "reward": ("workers", "ray_address")}
 
 

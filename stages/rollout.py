@@ -177,7 +177,7 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
                     model=config.model, temperature=config.temperature, top_p=config.top_p,
                     top_k=config.top_k, max_new_tokens=config.max_new_tokens,
                     concurrency=config.concurrency, timeout=config.request_timeout,
-                    retries=config.retries,
+                    retries=config.retries, api=config.api,
                     api_key=openai_backend.api_key_from(config.api_key_env))
                 stats.append(stat)
                 for (task, sample), episode in zip(mine, episodes):

@@ -134,3 +134,5 @@ def test_where_work_runs_lives_in_runtime_and_is_merged_into_its_stage(tmp_path)
             r"unknown section 'runtime.gate'; runtime settings exist for rollout, reward")
     refused(lambda p: p["runtime"]["rollout"].update(urls="localhost:8000"),
             r"runtime.rollout.urls: 'localhost:8000' is not an http\(s\) URL")
+    refused(lambda p: p["runtime"]["rollout"].update(api="grpc"),
+            r"runtime.rollout.api: 'grpc' is not an endpoint; use 'completions'")

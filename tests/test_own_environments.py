@@ -125,6 +125,83 @@ def test_the_openai_backend_plays_the_same_chat_episodes_through_a_server(worksp
         assert torch.allclose(torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]),
                               atol=1e-4)
 
+    # the same through /chat/completions, as a vLLM user serves it: messages and tools= sent,
+    # tool_calls read back by the server's --tool-call-parser, its rendering checked against ours
+    params["runtime"]["rollout"].update(api="chat", server_command=(
+        params["runtime"]["rollout"]["server_command"]
+        + " --enable-auto-tool-choice --tool-call-parser hermes"))
+    (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    rollout.main(["data/validated.parquet", str(champion), "data/chat.parquet",
+                  "metrics/chat.json"])
+    chatted = pq.read_table(workspace / "data/chat.parquet").to_pylist()
+    assert json.loads((workspace / "metrics/chat.json").read_text())["runtime"]["api"] == "chat"
+    for a, b in zip(local, chatted):
+        assert {k: b[k] for k in keys} == {k: a[k] for k in keys}
+        assert torch.allclose(torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]),
+                              atol=1e-4)
+
+
+def serving(folder: Path, tool_parser: str | None):
+    """serve_tiny on `folder` in a thread of this process; yields its base URL."""
+    import contextlib
+    import threading
+
+    from stages.generation import serve_tiny
+
+    @contextlib.contextmanager
+    def running():
+        server = serve_tiny.make_server(folder, threads=1, tool_parser=tool_parser)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+        finally:
+            server.shutdown()
+            server.server_close()
+    return running()
+
+
+def test_the_chat_endpoint_refuses_a_rendering_or_parsing_that_is_not_ours(champion, tmp_path):
+    """api: chat trusts nothing: a server whose chat template differs (one character in the
+    system turn) fails naming the first differing token; one started without a tool parser
+    fails with the server's own advice; neither yields episodes.
+    """
+    from stages.generation import openai_backend
+
+    tok = AutoTokenizer.from_pretrained(champion)
+    model = AutoModelForCausalLM.from_pretrained(champion)
+    support = contract.load("support", "examples.support.support_env", REPO)
+    tasks = contract.load_tasks(REPO / "examples/support/tasks.jsonl", support)[:2]
+    ends = chat.end_ids(model, tok)
+
+    def play(url):
+        return openai_backend.chat_rollout(
+            tok, support, tasks, [1, 2], urls=[url], parser="hermes", max_turns=2,
+            context=model.config.max_position_embeddings, ends=ends, temperature=0.0,
+            api="chat", retries=0, progress=False)
+
+    with serving(champion, "hermes") as url:  # the champion's own: the same as ours
+        episodes, _ = play(url)
+        assert len(episodes) == 2 and all(e.token_ids for e in episodes)
+        assert sum(e.tool_calls for e in episodes) > 0  # the server's tool_calls were compared
+    other = tmp_path / "other-template"
+    shutil.copytree(champion, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    if "chat_template" in config:
+        config["chat_template"] = config["chat_template"].replace("<|im_start|>", "<|im_start|> ", 1)
+        (other / "tokenizer_config.json").write_text(json.dumps(config))
+    else:
+        jinja = (other / "chat_template.jinja").read_text()
+        (other / "chat_template.jinja").write_text(jinja.replace("<|im_start|>", "<|im_start|> ", 1))
+    assert AutoTokenizer.from_pretrained(other).chat_template != tok.chat_template
+    with serving(other, "hermes") as url:
+        with pytest.raises(openai_backend.ServerError, match="rendered the conversation to "
+                           "other token ids than the episode's own, from token"):
+            play(url)
+    with serving(champion, None) as url:
+        with pytest.raises(openai_backend.ServerError,
+                           match="--enable-auto-tool-choice and --tool-call-parser"):
+            play(url)
+
 
 def test_rollout_reward_and_training_on_a_chat_model_in_two_own_environments(workspace, champion):
     rollout.main(["data/validated.parquet", str(champion), "data/rollouts.parquet",

@@ -23,6 +23,17 @@ the tool parser, the environment's `call_tool`); the server returns the ids its 
 token included as vLLM returns it. So an episode's ids, mask and turns are those the transformers
 backend gives for the same choices, and a server that sends no ids is an error, not a guess.
 
+With `api="chat"` (`runtime.rollout.api: chat`) each model turn is instead one
+`POST {url}/chat/completions` with the conversation as `messages`, the task's tools as `tools=`
+(`tool_choice: auto`) and vLLM's `return_token_ids`: the server renders the conversation with its
+own chat template and reads the tool calls with its own `--tool-call-parser`. Nothing is taken on
+trust: the server's `prompt_token_ids` must equal the ids of the episode so far (our rendering of
+the task, the ids the model chose, our rendering of the tool results) and its `tool_calls` must be
+the calls `rollout.tool_parser` reads from the ids it returned; either mismatch is an error naming
+the first differing token or call (a template that re-renders earlier turns, a model whose output
+does not re-tokenize to itself, another parser), since training on the server's re-rendering
+would train on tokens the model never chose. The episodes are then the completions ones.
+
 Requests: async (httpx), at most `concurrency` in flight, each to the least-loaded URL (ties in
 turn: round-robin), so several servers share the work. Timeouts, connection failures, 429 and 5xx
 are retried with exponential backoff (honouring Retry-After), each retry on the least-loaded URL;
@@ -351,9 +362,60 @@ def generate(prompts: list[str], env, *, urls: list[str], tokenizer=None, model:
         api_key=api_key, progress=progress))
 
 
+async def _chat_turn(client: Client, model: str, play, index: int, so_far: list[int],
+                     payload: dict) -> tuple[list[int], list[float], str]:
+    """One model turn through `/chat/completions`: (the ids the model chose, their log-probs,
+    the finish reason), after checking the server rendered `so_far` and parses calls as we do.
+    """
+    import json
+
+    from stages.generation import tool_parsers
+
+    template = play.templates[index]
+    payload = {**payload, "messages": play.episodes[index].messages, "logprobs": True,
+               "return_token_ids": True}
+    if template.tools:
+        payload.update(tools=template.tools, tool_choice="auto")
+    answer = await client.request("POST", "/chat/completions", payload)
+    choice = answer["choices"][0]
+    rendered, got = answer.get("prompt_token_ids"), choice.get("token_ids")
+    if rendered is None or got is None:
+        raise ServerError("the server sent no token ids for a chat completion: "
+                          "runtime.rollout.api: chat needs vLLM's `return_token_ids` (vLLM 0.10.2 "
+                          "or later); use api: completions with older servers")
+    task = play.tasks[index]["task_id"]
+    if rendered != so_far:
+        at = next((i for i, (a, b) in enumerate(zip(rendered, so_far)) if a != b),
+                  min(len(rendered), len(so_far)))
+        tokenizer = template.tokenizer
+        raise ServerError(
+            f"task {task}: the server rendered the conversation to other token ids than the "
+            f"episode's own, from token {at} ({tokenizer.decode(so_far[at:at + 12])!r} here, "
+            f"{tokenizer.decode(rendered[at:at + 12])!r} there): its chat template differs from "
+            f"the champion's, or re-renders earlier turns, or the model's own tokens do not "
+            f"re-tokenize to themselves; training on that rendering would train on tokens the "
+            f"model never chose. Serve the champion's own template, or use "
+            f"runtime.rollout.api: completions (token ids in and out)")
+    lps = [float(c["logprob"]) for c in (choice.get("logprobs") or {}).get("content") or []]
+    if len(lps) != len(got):
+        raise ServerError(f"task {task}: the server sent {len(lps)} log-probs for "
+                          f"{len(got)} tokens; ask it for `logprobs` on every token")
+    served = [(c["function"]["name"], json.loads(c["function"]["arguments"] or "{}"))
+              for c in choice["message"].get("tool_calls") or []]
+    if served:
+        text = template.strip_end(template.tokenizer.decode(got, skip_special_tokens=False))
+        ours = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in tool_parsers.parse(play.parser, text).tool_calls]
+        if served != ours:
+            raise ServerError(f"task {task}: the server read the tool calls {served} where "
+                              f"rollout.tool_parser ({play.parser}) reads {ours}: start the "
+                              f"server with --tool-call-parser {play.parser}")
+    return got, lps, choice.get("finish_reason") or ""
+
+
 async def _chat_episode(client: Client, model: str, play, index: int, prompt: list[int], *,
                         sampling: dict, max_new_tokens: int, context: int, ends: tuple[int, ...],
-                        eos: int, seed: int):
+                        eos: int, seed: int, api: str = "completions"):
     """One chat episode (`stages.generation.chat`), one `/completions` request per model turn:
     the conversation so far goes as token ids, the turn comes back as token ids and is parsed,
     answered and extended with the template's ids here, exactly as the transformers backend does.
@@ -369,18 +431,25 @@ async def _chat_episode(client: Client, model: str, play, index: int, prompt: li
         budget = min(max_new_tokens, context - len(prompt) - len(ids))
         if budget <= 0:
             break
-        payload = {"model": model, "prompt": prompt + ids, "max_tokens": budget, "logprobs": 1,
-                   "return_tokens_as_token_ids": True, "stop_token_ids": list(ends), "n": 1,
-                   "seed": (seed * 1_000_003 + turn) % 2 ** 31, **sampling}
-        choice = (await client.request("POST", "/completions", payload))["choices"][0]
-        lps = [float(lp) for lp in (choice.get("logprobs") or {}).get("token_logprobs") or []]
-        got = _token_ids((choice.get("logprobs") or {}).get("tokens") or [])
-        if got is None or len(got) != len(lps):
-            raise ServerError("the server sent no token ids for a completion: the chat path "
-                              "trains on the ids the model produced, so it needs vLLM's "
-                              "`return_tokens_as_token_ids` with `logprobs` (vLLM and "
-                              "stages.generation.serve_tiny have it)")
-        stopped = choice.get("finish_reason") == "stop"
+        common = {"model": model, "max_tokens": budget, "stop_token_ids": list(ends), "n": 1,
+                  "seed": (seed * 1_000_003 + turn) % 2 ** 31, **sampling}
+        if api == "chat":
+            got, lps, finish_reason = await _chat_turn(client, model, play, index, prompt + ids,
+                                                       common)
+            stopped = finish_reason in ("stop", "tool_calls")
+            choice = {}
+        else:
+            payload = {**common, "prompt": prompt + ids, "logprobs": 1,
+                       "return_tokens_as_token_ids": True}
+            choice = (await client.request("POST", "/completions", payload))["choices"][0]
+            lps = [float(lp) for lp in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+            got = _token_ids((choice.get("logprobs") or {}).get("tokens") or [])
+            if got is None or len(got) != len(lps):
+                raise ServerError("the server sent no token ids for a completion: the chat path "
+                                  "trains on the ids the model produced, so it needs vLLM's "
+                                  "`return_tokens_as_token_ids` with `logprobs` (vLLM and "
+                                  "stages.generation.serve_tiny have it)")
+            stopped = choice.get("finish_reason") == "stop"
         if stopped and (not got or got[-1] not in ends):
             # a server that leaves out the end token it stopped on: the model did choose it (its
             # log-prob is unknown here, recorded as 0)
@@ -407,7 +476,7 @@ async def _chat_episode(client: Client, model: str, play, index: int, prompt: li
 async def _chat(play, prompts: list[list[int]], seeds: list[int], *, urls: list[str], model: str,
                 sampling: dict, max_new_tokens: int, context: int, ends: tuple[int, ...],
                 eos: int, concurrency: int, timeout: float, retries: int, backoff: float,
-                api_key: str | None, progress: bool):
+                api_key: str | None, progress: bool, api: str = "completions"):
     client = Client(urls, concurrency=concurrency, timeout=timeout, retries=retries,
                     backoff=backoff, api_key=api_key, seed=seeds[0] if seeds else 0)
     bar = Progress(len(prompts), "rollout (openai)", progress)
@@ -421,7 +490,7 @@ async def _chat(play, prompts: list[list[int]], seeds: list[int], *, urls: list[
             episode = await _chat_episode(
                 client, model, play, index, prompts[index], sampling=sampling,
                 max_new_tokens=max_new_tokens, context=context, ends=ends, eos=eos,
-                seed=seeds[index])
+                seed=seeds[index], api=api)
             done += 1
             bar.update(done)
             return episode
@@ -438,14 +507,15 @@ def chat_rollout(tokenizer, env, tasks: list[dict], seeds: list[int], *, urls: l
                  template=None, model: str = "", temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, max_new_tokens: int = 48, concurrency: int = 64,
                  timeout: float = 60.0, retries: int = 5, backoff: float = 0.5,
-                 api_key: str | None = None, progress: bool = True):
+                 api_key: str | None = None, progress: bool = True, api: str = "completions"):
     """One chat episode per task (`stages.generation.chat.ChatEpisode`), from the servers at `urls`;
     and the stats. The same episodes as `chat.rollout` gives in this process: the prompt and every
     tool result are rendered here with `tokenizer`'s chat template (the served model's), the
     model's tokens are the ids the server chose (vLLM's `return_tokens_as_token_ids`), its tool
     calls are parsed here by `parser`; nothing is re-tokenized. `seeds`: one per episode (each
     turn's request gets its own from it); `context`: the model's context length;
-    `ends`: the ids that end a turn (sent as vLLM's `stop_token_ids`).
+    `ends`: the ids that end a turn (sent as vLLM's `stop_token_ids`); `api`: "completions"
+    (token ids in and out) or "chat" (`/chat/completions`, checked against ours; module docstring).
     """
     from stages.generation import chat, tool_parsers
 
@@ -469,7 +539,7 @@ def chat_rollout(tokenizer, env, tasks: list[dict], seeds: list[int], *, urls: l
         play, prompts, seeds, urls=urls, model=model, sampling=sampling,
         max_new_tokens=max_new_tokens, context=context, ends=ends, eos=eos,
         concurrency=concurrency, timeout=timeout, retries=retries, backoff=backoff,
-        api_key=api_key, progress=progress))
+        api_key=api_key, progress=progress, api=api))
     return chat.episodes_checked(episodes), stats
 
 

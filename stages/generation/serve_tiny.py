@@ -17,6 +17,15 @@ for the others. A prompt plus max_tokens
 longer than the model's context is refused with 400, as vLLM does. Requests that arrive together
 are generated as one batch (grouped by sampling parameters). Binds 127.0.0.1 by default; there is
 no authentication.
+
+`POST /v1/chat/completions`, as vLLM serves it: `messages` and `tools` rendered by the model's own
+chat template (`apply_chat_template(..., add_generation_prompt=True)`, then tokenized without
+special tokens added), `max_tokens` (or `max_completion_tokens`), the sampling fields above,
+`logprobs` (true: the chosen tokens'), `stop_token_ids`, and vLLM's `return_token_ids` (the
+completion's `token_ids` on the choice, the rendered `prompt_token_ids` on the response). Tool calls
+are parsed as `vllm serve --enable-auto-tool-choice --tool-call-parser NAME` parses them (`--tool-call-parser`
+here; without it a request with `tools` and `tool_choice: auto` is refused, as vLLM refuses it)
+and come back as `message.tool_calls`, `finish_reason: tool_calls`.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from pathlib import Path
 import torch
 
 from stages import tinylm
-from stages.generation import chat, transformers_backend
+from stages.generation import chat, tool_parsers, transformers_backend
 
 MAX_BATCH = 256
 
@@ -62,8 +71,14 @@ def _number(body: dict, key: str, default, kind=float, low=None, high=None):
 class Engine:
     """The model behind a lock-free queue: one worker thread generates batches of requests."""
 
-    def __init__(self, folder: Path, name: str, threads: int = 0):
-        """Load the model in `folder` and start the worker that runs requests."""
+    def __init__(self, folder: Path, name: str, threads: int = 0, tool_parser: str | None = None):
+        """Load the model in `folder` and start the worker that runs requests; `tool_parser`:
+        how /v1/chat/completions reads tool calls (vLLM's `--tool-call-parser`).
+        """
+        if tool_parser is not None and tool_parser not in tool_parsers.PARSERS:
+            raise ValueError(f"--tool-call-parser {tool_parser!r}: one of "
+                             f"{', '.join(tool_parsers.PARSERS)}")
+        self.tool_parser = tool_parser
         tinylm.set_threads(threads)
         self.model, self.tokenizer = tinylm.load(folder)
         self.name = name
@@ -123,6 +138,44 @@ class Engine:
             "as_ids": bool(body.get("return_tokens_as_token_ids")),
         }
 
+    def parse_chat(self, body: dict) -> dict:
+        """A chat completions request rendered to a completions one, as vLLM renders it."""
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        messages, tools = body.get("messages"), body.get("tools")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) for m in messages):
+            raise BadRequest("'messages' must be a non-empty list of message objects")
+        if tools is not None and not isinstance(tools, list):
+            raise BadRequest("'tools' must be a list of tool objects")
+        choice = body.get("tool_choice", "auto" if tools else "none")
+        if tools and choice == "auto" and self.tool_parser is None:
+            raise BadRequest('"auto" tool choice requires --enable-auto-tool-choice and '
+                             '--tool-call-parser to be set')
+        # vLLM: the JSON-string arguments of earlier calls go to the template as objects
+        rendered = []
+        for message in messages:
+            message = dict(message)
+            if message.get("tool_calls"):
+                message["tool_calls"] = [
+                    {**call, "function": {**call["function"], "arguments": json.loads(
+                        call["function"]["arguments"]) if isinstance(
+                        call["function"].get("arguments"), str) else call["function"].get(
+                        "arguments", {})}} for call in message["tool_calls"]]
+            rendered.append(message)
+        try:
+            text = self.tokenizer.apply_chat_template(rendered, tools=tools or None,
+                                                      add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # noqa: BLE001 - the template's own complaint, as a 400
+            raise BadRequest(f"the chat template could not render the messages: {err}") from None
+        completion = {**body, "prompt": self.tokenizer.encode(text, add_special_tokens=False),
+                      "max_tokens": body.get("max_completion_tokens", body.get("max_tokens", 16)),
+                      "logprobs": 1 if body.get("logprobs") else None}
+        request = self.parse(completion)
+        request["chat"] = {"tools": bool(tools) and choice != "none",
+                           "token_ids": bool(body.get("return_token_ids"))}
+        return request
+
     def submit(self, request: dict) -> dict:
         """Queue a parsed request and wait for its response."""
         future: Future = Future()
@@ -162,6 +215,8 @@ class Engine:
                     future.set_result(self._answer(request, row))
 
     def _answer(self, request: dict, row: transformers_backend.Row) -> dict:
+        if "chat" in request:
+            return self._answer_chat(request, row)
         tokenizer = self.tokenizer
         text = tokenizer.decode(row.token_ids, skip_special_tokens=True)
         if row.stop is not None and not request["echo_stop"]:
@@ -188,6 +243,37 @@ class Engine:
                 "usage": {"prompt_tokens": len(request["ids"]),
                           "completion_tokens": len(row.token_ids),
                           "total_tokens": len(request["ids"]) + len(row.token_ids)}}
+
+
+    def _answer_chat(self, request: dict, row: transformers_backend.Row) -> dict:
+        tokenizer = self.tokenizer
+        text = tokenizer.decode(row.token_ids, skip_special_tokens=True)
+        message = {"role": "assistant", "content": text, "tool_calls": []}
+        finish = "length" if row.finish == "length" else "stop"
+        if request["chat"]["tools"]:
+            parsed = tool_parsers.parse(self.tool_parser, text)
+            if parsed.tool_calls:
+                message = {"role": "assistant", "content": parsed.content,
+                           "tool_calls": parsed.tool_calls}
+                finish = "tool_calls"
+        reason = None
+        if row.finish == "eos" and row.token_ids and row.token_ids[-1] != tokenizer.eos_token_id:
+            reason = row.token_ids[-1]
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
+                  "stop_reason": reason}
+        if request["logprobs"] is not None:
+            choice["logprobs"] = {"content": [
+                {"token": tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                for t, lp in zip(row.token_ids, row.logprobs)]}
+        answer = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                  "created": int(time.time()), "model": self.name, "choices": [choice],
+                  "usage": {"prompt_tokens": len(request["ids"]),
+                            "completion_tokens": len(row.token_ids),
+                            "total_tokens": len(request["ids"]) + len(row.token_ids)}}
+        if request["chat"]["token_ids"]:
+            choice["token_ids"] = list(row.token_ids)
+            answer["prompt_token_ids"] = list(request["ids"])
+        return answer
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -235,12 +321,17 @@ class Handler(BaseHTTPRequestHandler):
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
     def complete(self, raw: bytes) -> None:
-        """Answer /v1/completions with the engine's completion, or an error."""
-        if self.path != "/v1/completions":
-            self.error(404, f"no route {self.path}; this server has /v1/completions")
+        """Answer /v1/completions or /v1/chat/completions with the engine's completion, or an
+        error.
+        """
+        parse = {"/v1/completions": self.engine.parse,
+                 "/v1/chat/completions": self.engine.parse_chat}.get(self.path)
+        if parse is None:
+            self.error(404, f"no route {self.path}; this server has /v1/completions and "
+                            f"/v1/chat/completions")
             return
         try:
-            request = self.engine.parse(json.loads(raw or b"null"))
+            request = parse(json.loads(raw or b"null"))
         except (BadRequest, json.JSONDecodeError) as err:
             self.error(400, str(err))
             return
@@ -260,9 +351,10 @@ class Server(ThreadingHTTPServer):
 
 
 def make_server(folder: Path, host: str = "127.0.0.1", port: int = 0, name: str = "",
-                handler: type[Handler] = Handler, threads: int = 0) -> Server:
+                handler: type[Handler] = Handler, threads: int = 0,
+                tool_parser: str | None = None) -> Server:
     """A server bound to host:port (0 = a free port; see `.server_address`), not yet serving."""
-    engine = Engine(Path(folder), name or str(folder), threads)
+    engine = Engine(Path(folder), name or str(folder), threads, tool_parser)
     bound = type("BoundHandler", (handler,), {"engine": engine})
     return Server((host, port), bound)
 
@@ -275,8 +367,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--name", default="", help="the model's name in requests (default: the folder)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = all cores)")
+    parser.add_argument("--tool-call-parser", choices=sorted(tool_parsers.PARSERS), default=None,
+                        help="how /v1/chat/completions reads tool calls, as vLLM's option "
+                             "(with --enable-auto-tool-choice there)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM's command line; --tool-call-parser enables it")
     args = parser.parse_args(argv)
-    server = make_server(args.model, args.host, args.port, args.name, threads=args.threads)
+    server = make_server(args.model, args.host, args.port, args.name, threads=args.threads,
+                         tool_parser=args.tool_call_parser)
     host, port = server.server_address[:2]
     print(f"serve_tiny: {args.model} at http://{host}:{port}/v1", file=sys.stderr, flush=True)
     try:
