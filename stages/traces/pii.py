@@ -7,8 +7,8 @@ Kinds, each switched on or off by `ingest.scrub_<kind>s` in params.yaml:
 | secret | API keys and tokens (OpenAI, Anthropic, AWS, GitHub, Slack, Google, Stripe, Hugging Face), JWTs, `Bearer` tokens | `<SECRET_n>` |
 | email  | e-mail addresses                                                  | `<EMAIL_n>`  |
 | card   | payment card numbers, 13 to 19 digits, only if the Luhn check passes | `<CARD_n>` |
-| ip     | IPv4 and IPv6 addresses (IPv6 checked by `ipaddress`)             | `<IP_n>`     |
-| phone  | `+` and 8 to 15 digits, or three digit groups with separators     | `<PHONE_n>`  |
+| ip     | IPv4 and IPv6 addresses (IPv6 checked by `ipaddress`, never inside code: `std::move`) | `<IP_n>` |
+| phone  | `+` and 8 to 15 digits, three digit groups (`(415)555-0132`), `09-7625400`, mobile `13812345678` | `<PHONE_n>` |
 
 Placeholders are consistent inside a trace: the same address becomes the same placeholder, so a
 conversation still reads sensibly ("mail <EMAIL_1>... sent to <EMAIL_1>"). Secrets go first: a key
@@ -37,12 +37,18 @@ SECRET = re.compile(
 )
 EMAIL = re.compile(r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9.\-]+\.[A-Za-z]{2,}")
 CARD = re.compile(r"(?<![\d.])\d(?:[ \-]?\d){12,18}(?![\d.])")
-IPV4 = re.compile(r"(?<![\d.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}"
-                  r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\d.])")
-IPV6 = re.compile(r"(?<![0-9A-Fa-f:])[0-9A-Fa-f]{0,4}(?::[0-9A-Fa-f]{0,4}){2,7}(?![0-9A-Fa-f:])")
+# an IPv4 address may end a sentence ("My IP is 10.0.0.1."), not a longer dotted number
+IPV4 = re.compile(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}"
+                  r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?!\w|\.\d)")
+# IPv6: hex groups standing on their own, never inside identifiers: `std::move`, `Foo::bar`,
+# `a[1::2]`, `Usage::` and CSS `::before` are code (`_is_ipv6` also wants the shape of an address)
+IPV6 = re.compile(r"(?<![\w:.])[0-9A-Fa-f]{0,4}(?::[0-9A-Fa-f]{0,4}){2,7}(?![\w:]|\.\d)")
 # not part of a longer run of digit groups (a card number that failed Luhn is not a phone)
-PHONE = re.compile(r"(?<![\w+])(?<!\d[ .\-])(?:\+\d[\d ().\-]{7,17}\d"
-                   r"|\(?\d{2,4}\)?[ .\-]\d{3,4}[ .\-]\d{3,5})(?!\w)(?![ .\-]\d)")
+PHONE = re.compile(r"(?<![\w+])(?<!\d[ .\-])(?:\+[1-9][\d ().\-]{7,17}\d"  # no code starts 0
+                   r"|(?:\(\d{2,4}\)[ .\-]?|\d{2,4}[ .\-])\d{3,4}[ .\-]\d{3,5}"  # (415)555-0132
+                   r"|0\d{1,3}-\d{6,8}"                       # 09-7625400: area code, subscriber
+                   r"|1[3-9]\d{9})"                            # 13812345678: a mobile number
+                   r"(?!\w)(?![ .\-]\d)")
 
 
 DIGIT = re.compile(r"\d")
@@ -60,11 +66,23 @@ def luhn(digits: str) -> bool:
 
 
 def _is_card(text: str) -> bool:
+    """13 to 19 digits passing Luhn, starting as card numbers do (1 to 9; `0000-0000-...` of a
+    nil UUID passes Luhn too).
+    """
     digits = re.sub(r"\D", "", text)
-    return 13 <= len(digits) <= 19 and luhn(digits)
+    return 13 <= len(digits) <= 19 and digits[0] != "0" and luhn(digits)
+
+
+_HEX_GROUP = re.compile(r"[0-9A-Fa-f]{3,4}")
 
 
 def _is_ipv6(text: str) -> bool:
+    """An address, not code: valid, with a digit and a group of three or four hex digits
+    (`fe80::1`, `2001:db8::8a2e:370:7334`); `a::b`, `dead::beef`, `1::2` and `::1` are left alone
+    (the loopback address is nobody's).
+    """
+    if not any(c.isdigit() for c in text) or not _HEX_GROUP.search(text):
+        return False
     try:
         ipaddress.IPv6Address(text)
     except ValueError:
@@ -72,15 +90,19 @@ def _is_ipv6(text: str) -> bool:
     return True
 
 
+_DECIMAL = re.compile(r"[+\-]?\d+\.\d+")
+
+
 def _is_phone(text: str) -> bool:
-    return 8 <= len(re.sub(r"\D", "", text)) <= 15
+    """8 to 15 digits, and not a decimal number (`+35236450.6`)."""
+    return 8 <= len(re.sub(r"\D", "", text)) <= 15 and not _DECIMAL.fullmatch(text)
 
 
 # Cheap tests over a whole serialized trace: only text that might hold PII is scrubbed piece by
 # piece. Looser than the patterns above (they only have to see every candidate); three simple
 # searches are several times faster than one alternation of everything.
 _MAYBE_SECRET = re.compile(r"sk[-_]|rk_|AKIA|ASIA|gh[pousr]_|github_pat_|xox|AIza|hf_|eyJ|Bearer")
-_MAYBE_NUMBER = re.compile(r"\d[\d .\-()]{6,}\d")  # phones, cards, IPv4
+_MAYBE_NUMBER = re.compile(r"\d[\d .\-()]{5,}\d")  # phones, cards, IPv4 (8.8.8.8: 7 characters)
 _MAYBE_IPV6 = re.compile(r"::|[0-9A-Fa-f]:[0-9A-Fa-f]{1,4}:")
 
 
