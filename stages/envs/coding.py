@@ -64,6 +64,7 @@ class Verdict:
     correct: float | None
     outcome: str  # a sandbox outcome, or "no-code" / "no-tests"
     reason: str
+    suspect: str = ""  # the sandbox's note of a likely reward hack (sandbox.Result.suspect)
 
 
 def prompt(question: str) -> str:
@@ -95,7 +96,7 @@ def check(question: str, answer: str, completion: str) -> Verdict:
     if code is None:
         return Verdict(0.0, "no-code", f"no closed {FENCE_OPEN} ... {FENCE_CLOSE} block")
     result = sandbox.run_tests(code, tests, limits=TEST_LIMITS)
-    return Verdict(1.0 if result.passed else 0.0, result.outcome, result.reason)
+    return Verdict(1.0 if result.passed else 0.0, result.outcome, result.reason, result.suspect)
 
 
 def verify(question: str, answer: str, completion: str) -> float | None:

@@ -45,9 +45,22 @@ file-size limit raises OSError: "failed"), "crashed" (the code exited the
 harness itself: sys.exit or os._exit before the tests reported). All of those are the candidate's
 doing: a wrong answer. When our own machinery breaks (bwrap or prlimit missing, the interpreter
 cannot start, the harness never came up, a killed run that will not die) `SandboxError` is raised:
-an error with its cause, never a score of zero. The harness reports over a file descriptor with a
-random nonce it reads from stdin before the candidate's code is imported, so printing a fake
-"all passed" or exiting 0 early does not pass.
+an error with its cause, never a score of zero.
+
+`run_tests` runs two sandboxed processes, each with the limits, each in a sandbox of its own: the
+candidate's (CANDIDATE: imports `solution`, answers calls) and the tests' (TESTER: never imports
+the candidate's code, which is not even in its sandbox; its `solution` module is proxies). A call
+crosses two pipes as data only (JSON with tags for tuples, sets, bytes, big ints; exact built-in
+types only, so an object that overrides `__eq__`, an `int` subclass or a `__class__` trick is
+"returned an object of type X", a failed test), and an exception comes back as its nearest
+built-in class. The verdict is the tests' process's report, written with a random nonce it reads
+from stdin into main()'s frame: the candidate's process never holds the nonce or the report fd,
+so patching `unittest`, `builtins` or `json`, forging report lines, exiting 0 early or returning
+objects equal to anything cannot pass (tests/test_reward_hacks.py; RELIABILITY.md, "Reward
+hacking"). What an honest solution has no reason to do (import `unittest`, `gc` or `ctypes`,
+replace a builtin) is noted in `Result.suspect`. Under the rlimit fallback the two processes are
+as separate as that fallback makes any two runs (same uid without the uid drop: see above).
+`run_code` (the `<run>` tool) is one process under HARNESS: it has no verdict to forge.
 """
 
 from __future__ import annotations
@@ -104,6 +117,9 @@ class Result:
     reason: str  # why, in a line: the first failing test, the limit hit, the exit code
     seconds: float
     isolation: str  # "bwrap" or "rlimit"
+    # what the candidate did that an honest solution has no reason to do (imported the test
+    # framework, the garbage collector or frame inspection, changed builtins); "" for nothing
+    suspect: str = ""
 
     @property
     def passed(self) -> bool:
@@ -111,14 +127,13 @@ class Result:
         return self.outcome == "passed"
 
 
-# The harness: runs first in the sandbox, reads the nonce, then imports the candidate and its tests.
-# It reports on the fd in argv[1] as lines "<nonce> <json>"; `ready` before any candidate code runs.
-# The nonce lives only in main()'s frame, not in a module global: code that walks the frames of its
-# own process could still find it (nothing in-process stops that), printing or exiting cannot.
+# The `run_code` harness: runs first in the sandbox, reads the nonce, then runs the code. It
+# reports on the fd in argv[1] as lines "<nonce> <json>"; `ready` before any code of the run's.
+# The nonce lives only in main()'s frame, not in a module global.
 HARNESS = r"""
 import io, json, os, sys, traceback
 
-def main(nonce=sys.stdin.readline().strip(), fd=int(sys.argv[1]), mode=sys.argv[2]):
+def main(nonce=sys.stdin.readline().strip(), fd=int(sys.argv[1])):
     sys.stdin = io.StringIO()
 
     def report(**fields):
@@ -130,29 +145,274 @@ def main(nonce=sys.stdin.readline().strip(), fd=int(sys.argv[1]), mode=sys.argv[
     report(ready=True)
     sys.path.append(os.getcwd())
     try:
-        if mode == "code":
-            import runpy
-            try:
-                runpy.run_path("main.py", run_name="__main__")
-            except SystemExit as e:
-                if e.code not in (None, 0):
-                    report(done=True, ok=False, reason="exit " + str(e.code)[:300])
-                    return 1
-            except MemoryError:
-                raise
-            except BaseException as e:
-                traceback.print_exc()
-                report(done=True, ok=False, reason=last_line(e))
+        import runpy
+        try:
+            runpy.run_path("main.py", run_name="__main__")
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                report(done=True, ok=False, reason="exit " + str(e.code)[:300])
                 return 1
-            report(done=True, ok=True)
-            return 0
+        except MemoryError:
+            raise
+        except BaseException as e:
+            traceback.print_exc()
+            report(done=True, ok=False, reason=last_line(e))
+            return 1
+        report(done=True, ok=True)
+        return 0
+    except MemoryError:
+        report(done=True, ok=False, memory=True, reason="MemoryError")
+        return 1
+
+sys.exit(main())
+"""
+
+# Values cross between the candidate's process and the tests' as data only: JSON with tags for
+# what JSON lacks. Only these exact types (no subclass: an int subclass could override __eq__)
+# are encoded; anything else is "returned an object of type X", a failed test.
+CODEC = r"""
+import math
+
+class Unencodable(Exception):
+    pass
+
+def encode(value, depth=0):
+    if depth > 100:
+        raise Unencodable("a value nested more than 100 deep")
+    kind = type(value)
+    if value is None or kind is bool or kind is str:
+        return value
+    if kind is int:
+        return value if -2**53 < value < 2**53 else {"int": str(value)}
+    if kind is float:
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if kind is list:
+        return [encode(item, depth + 1) for item in value]
+    if kind is tuple:
+        return {"tuple": [encode(item, depth + 1) for item in value]}
+    if kind is dict:
+        return {"dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+    if kind is set or kind is frozenset:
+        return {kind.__name__: [encode(item, depth + 1) for item in value]}
+    if kind is bytes:
+        return {"bytes": value.hex()}
+    if kind is complex:
+        return {"complex": [repr(value.real), repr(value.imag)]}
+    raise Unencodable("an object of type " + kind.__module__ + "." + kind.__qualname__)
+
+def decode(data):
+    if data is None or type(data) in (bool, int, float, str):
+        return data
+    if type(data) is list:
+        return [decode(item) for item in data]
+    (tag, body), = data.items()
+    if tag == "int":
+        return int(body)
+    if tag == "float":
+        return float(body)
+    if tag == "tuple":
+        return tuple(decode(item) for item in body)
+    if tag == "dict":
+        return {decode(k): decode(v) for k, v in body}
+    if tag == "set":
+        return {decode(item) for item in body}
+    if tag == "frozenset":
+        return frozenset(decode(item) for item in body)
+    if tag == "bytes":
+        return bytes.fromhex(body)
+    if tag == "complex":
+        return complex(float(body[0]), float(body[1]))
+    raise ValueError("unknown tag " + repr(tag))
+"""
+
+# The candidate's side: imports `solution` and answers calls, one JSON line per request on the fd
+# in argv[1], each answer one line on the fd in argv[2]. It holds no report channel and no secret:
+# whatever it writes is only a claim about what its own functions returned. It notes what an
+# honest solution has no reason to do (import the test framework, reach for frames or the
+# garbage collector, change builtins) as `suspect`.
+CANDIDATE = CODEC + r"""
+import builtins, json, os, sys
+
+def main(requests=os.fdopen(int(sys.argv[1]), "rb"), answers=int(sys.argv[2])):
+    sys.stdin = open(os.devnull)
+
+    def send(**fields):
+        os.write(answers, (json.dumps(fields) + "\n").encode())
+
+    def last_line(e):
+        try:
+            import traceback
+            return traceback.format_exception_only(type(e), e)[-1].strip()[:300]
+        except BaseException:
+            return type(e).__name__
+
+    builtin_ids = {k: id(v) for k, v in vars(builtins).items()}
+    watched = ("unittest", "gc", "ctypes", "_testcapi")
+
+    def suspect():
+        why = [m for m in watched if m in sys.modules and m not in preloaded]
+        why += ["builtins." + k for k, v in vars(builtins).items() if builtin_ids.get(k) != id(v)]
+        return ", ".join(why)
+
+    preloaded = set(sys.modules)
+    send(ready=True)
+    sys.path.append(os.getcwd())
+    try:
+        import solution
+    except MemoryError:
+        send(imported=False, memory=True, reason="MemoryError")
+        return 1
+    except BaseException as e:
+        send(imported=False, reason="import failed: " + last_line(e))
+        return 1
+    send(imported=True, suspect=suspect())
+    for line in requests:
+        try:
+            request = json.loads(line)
+            number, op, name = request["id"], request["op"], request["name"]
+        except (ValueError, KeyError, TypeError):
+            return 2
+        try:
+            value = getattr(solution, name)
+        except AttributeError:
+            send(id=number, missing=True)
+            continue
+        try:
+            if op == "get":
+                if callable(value):
+                    send(id=number, callable=True)
+                    continue
+            else:
+                value = value(*decode(request["args"]), **decode(request["kwargs"]))
+        except MemoryError:
+            send(id=number, memory=True, reason="MemoryError")
+            return 1
+        except BaseException as e:
+            kind = next((c.__name__ for c in type(e).__mro__
+                         if getattr(builtins, c.__name__, None) is c), "Exception")
+            send(id=number, raised=kind, reason=last_line(e), suspect=suspect())
+            continue
+        try:
+            data = encode(value)
+        except Unencodable as e:
+            send(id=number, unencodable="returned " + str(e), suspect=suspect())
+            continue
+        except RecursionError:
+            send(id=number, unencodable="returned a value nested too deep", suspect=suspect())
+            continue
+        send(id=number, value=data, suspect=suspect())
+    return 0
+
+sys.exit(main())
+"""
+
+# The tests' side: never imports the candidate's code (it is not in this sandbox). `solution` is a
+# module whose attributes are proxies: a call crosses to the candidate's process as data and its
+# answer comes back as data, so assertions only ever see plain values. The verdict goes out on the
+# report fd (argv[1]) with the nonce from stdin, which lives only in main()'s frame; the candidate's
+# process never sees either.
+TESTER = CODEC + r"""
+import builtins, io, json, os, sys, types
+
+class CandidateError(Exception):
+    pass
+
+def main(nonce=sys.stdin.readline().strip(), fd=int(sys.argv[1])):
+    sys.stdin = io.StringIO()
+    requests, answers = int(sys.argv[2]), os.fdopen(int(sys.argv[3]), "rb")
+    state = {"number": 0, "dead": "", "suspect": set(), "memory": False}
+
+    def report(**fields):
+        os.write(fd, (nonce + " " + json.dumps(fields) + "\n").encode())
+
+    def last_line(e):
+        import traceback
+        return traceback.format_exception_only(type(e), e)[-1].strip()[:300]
+
+    def receive():
+        line = answers.readline()
+        if not line:
+            state["dead"] = "the candidate's process ended"
+            raise CandidateError(state["dead"])
+        try:
+            answer = json.loads(line)
+            answer.get
+        except (ValueError, AttributeError):
+            state["dead"] = "the candidate's process sent something that is not an answer"
+            raise CandidateError(state["dead"]) from None
+        if answer.get("suspect"):
+            state["suspect"].add(answer["suspect"])
+        if answer.get("memory"):
+            state["memory"] = True
+        return answer
+
+    def ask(op, name, args=(), kwargs=None):
+        if state["dead"]:
+            raise CandidateError(state["dead"])
+        state["number"] += 1
+        request = {"id": state["number"], "op": op, "name": name}
+        if op == "call":
+            request.update(args=encode(list(args)), kwargs=encode(dict(kwargs or {})))
+        try:
+            os.write(requests, (json.dumps(request) + "\n").encode())
+        except OSError:
+            state["dead"] = "the candidate's process ended"
+            raise CandidateError(state["dead"]) from None
+        answer = receive()
+        if answer.get("id") != state["number"]:
+            state["dead"] = "the candidate's process answered out of turn"
+            raise CandidateError(state["dead"])
+        if answer.get("memory"):
+            raise MemoryError("the candidate's process ran out of memory")
+        if answer.get("missing"):
+            raise AttributeError("the candidate's module has no " + repr(name))
+        if "unencodable" in answer:
+            raise CandidateError(name + "() " + answer["unencodable"])
+        if "raised" in answer:
+            kind = getattr(builtins, answer["raised"], None)
+            if not (isinstance(kind, type) and issubclass(kind, Exception)):
+                kind = CandidateError
+            raise kind(answer["reason"])
+        return answer
+
+    def proxy(name):
+        def call(*args, **kwargs):
+            return decode(ask("call", name, args, kwargs)["value"])
+        call.__name__ = call.__qualname__ = name
+        return call
+
+    solution = types.ModuleType("solution")
+
+    def attribute(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        answer = ask("get", name)
+        return proxy(name) if answer.get("callable") else decode(answer["value"])
+
+    solution.__getattr__ = attribute
+    sys.modules["solution"] = solution
+    report(ready=True)
+    try:
+        started = receive()
+        report(candidate_ready=bool(started.get("ready")))
+        imported = receive()
+    except CandidateError as e:
+        report(done=True, ok=False, reason=str(e) + " before its code was imported")
+        return 1
+    if not imported.get("imported"):
+        report(done=True, ok=False, memory=bool(imported.get("memory")),
+               reason=imported.get("reason") or "import failed")
+        return 1
+    sys.path.append(os.getcwd())
+    try:
         import unittest
         try:
             import test_solution
         except MemoryError:
             raise
         except BaseException as e:
-            report(done=True, ok=False, reason="import failed: " + last_line(e))
+            report(done=True, ok=False, reason="import failed: " + last_line(e),
+                   suspect=", ".join(sorted(state["suspect"])))
             return 1
         suite = unittest.defaultTestLoader.loadTestsFromModule(test_solution)
         result = unittest.TextTestRunner(stream=sys.stderr, verbosity=1).run(suite)
@@ -163,7 +423,8 @@ def main(nonce=sys.stdin.readline().strip(), fd=int(sys.argv[1]), mode=sys.argv[
             first = test.id().split(".", 1)[-1] + ": " + text.strip().splitlines()[-1][:300]
         report(done=True, ok=result.wasSuccessful() and result.testsRun > 0,
                tests=result.testsRun, failures=len(result.failures), errors=len(result.errors),
-               memory=any("MemoryError" in text for _, text in problems),
+               memory=state["memory"] or any("MemoryError" in text for _, text in problems),
+               candidate=state["dead"], suspect=", ".join(sorted(state["suspect"])),
                reason=first or ("no tests ran" if result.testsRun == 0 else ""))
         return 0 if result.wasSuccessful() else 1
     except MemoryError:
@@ -292,7 +553,7 @@ def bwrap_problem() -> str | None:
     if shutil.which("bwrap") is None and not os.access("/usr/bin/bwrap", os.X_OK):
         return "bwrap is not installed (Debian: apt-get install bubblewrap; `make setup` does it as root)"
     try:
-        result = _run({"main.py": "print('ok')"}, "code", Limits(), "bwrap", interpreter())
+        result = _run({"main.py": "print('ok')"}, Limits(), "bwrap", _checked(interpreter()))
     except SandboxError as e:
         return str(e)
     return None if result.passed and result.stdout.strip() == "ok" else result.reason
@@ -321,16 +582,18 @@ def _warn_fallback(problem: str) -> None:
 
 def run_tests(code: str, tests: str, *, limits: Limits = Limits(), isolation: str = "auto",
               python: str | None = None) -> Result:
-    """Run unit tests (unittest source importing from `solution`) against `code` in a sandbox."""
-    return _run({"solution.py": code, "test_solution.py": tests}, "tests", limits,
-                choose_isolation(isolation), python or interpreter())
+    """Run unit tests (unittest source importing from `solution`) against `code`: the code in one
+    sandbox, the tests in another that never imports it (module docstring); `limits` apply to each.
+    """
+    kind = choose_isolation(isolation)
+    return _run_tests(code, tests, limits, kind, _checked(python or interpreter()))
 
 
 def run_code(code: str, *, limits: Limits = Limits(), isolation: str = "auto",
              python: str | None = None) -> Result:
     """Run `code` as a script in a sandbox; "passed" if it exits normally."""
-    return _run({"main.py": code}, "code", limits, choose_isolation(isolation),
-                python or interpreter())
+    return _run({"main.py": code}, limits, choose_isolation(isolation),
+                _checked(python or interpreter()))
 
 
 def _read(path: Path, limit: int) -> str:
@@ -340,7 +603,7 @@ def _read(path: Path, limit: int) -> str:
     return text + ("\n[... output truncated]" if len(data) > limit else "")
 
 
-def _run(files: dict[str, str], mode: str, limits: Limits, kind: str, python: str) -> Result:
+def _checked(python: str) -> str:
     if not os.path.isabs(python) or not os.access(python, os.X_OK):
         raise SandboxError(f"interpreter {python!r} is not an executable file: pass the real "
                            f"interpreter (os.path.realpath(sys.executable))")
@@ -348,127 +611,252 @@ def _run(files: dict[str, str], mode: str, limits: Limits, kind: str, python: st
     if _prefix(python) == "/":
         raise SandboxError(f"interpreter {python!r} lies in /bin or /sbin outside /usr: the sandbox "
                            f"binds the interpreter's installation and will not bind all of /")
+    return python
+
+
+@dataclass
+class _Box:
+    """One sandboxed process: its files, output and where it runs."""
+
+    proc: subprocess.Popen
+    folder: Path  # ours, never visible inside: the process's .stdout and .stderr
+
+    def output(self, limits: Limits) -> tuple[str, str]:
+        return tuple(_read(self.folder / n, limits.output_bytes) for n in (".stdout", ".stderr"))
+
+
+def _start(files: dict[str, str], harness: str, fds: list[int], limits: Limits, kind: str,
+           python: str, folder: Path) -> _Box:
+    """Start `python -I -c harness fd...` in a sandbox of `kind` holding `files` (and nothing
+    else of ours), with `fds` passed in (their numbers are the harness's arguments).
+    """
     root = os.geteuid() == 0
-    nonce = secrets.token_hex(16)
-    private = Path(tempfile.mkdtemp(prefix="offseason-sandbox-"))  # ours: never visible inside
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    out, err = (open(folder / n, "w+b") for n in (".stdout", ".stderr"))
+    readable = {name: os.open(folder / name, os.O_RDONLY) for name in files}
     try:
-        for name, text in files.items():
-            (private / name).write_text(text)
-        out, err, res = (open(private / n, "w+b") for n in (".stdout", ".stderr", ".result"))
-        fds = {name: os.open(private / name, os.O_RDONLY) for name in files}
+        command = [python, "-I", *(["-S"] if harness is TESTER else []), "-c", harness, *map(str, fds)]
+        if kind == "bwrap":
+            uid = UID_BASE + secrets.randbelow(1 << 20) if root else None
+            nproc = limits.processes if root else _own_tasks() + limits.processes
+            cwd, env = "/", None
+            argv = _prlimit(limits, nproc) + _bwrap_args(python, uid, limits, readable) + command
+        else:
+            work = folder / "work"
+            work.mkdir()
+            for name in files:
+                shutil.copy(folder / name, work / name)
+            prefix, uid = [], None
+            if net_namespace_works():
+                prefix = [_tool("unshare"), "--net", "--"]
+            if root and drops_root(python):
+                uid = UID_BASE + secrets.randbelow(1 << 20)
+                os.chmod(folder.parent, 0o711)
+                os.chmod(folder, 0o711)
+                for path in [work, *work.iterdir()]:
+                    os.chown(path, uid, uid)
+                prefix += [_tool("setpriv"), f"--reuid={uid}", f"--regid={uid}",
+                           "--clear-groups", "--"]
+            nproc = limits.processes if uid is not None else _own_tasks() + limits.processes
+            cwd, env = str(work), _env(str(work))
+            argv = _prlimit(limits, nproc) + prefix + command
         try:
-            if kind == "bwrap":
-                uid = UID_BASE + secrets.randbelow(1 << 20) if root else None
-                nproc = limits.processes if root else _own_tasks() + limits.processes
-                cwd, env = "/", None
-                argv = (_prlimit(limits, nproc) + _bwrap_args(python, uid, limits, fds)
-                        + [python, "-I", "-c", HARNESS, str(res.fileno()), mode])
-            else:
-                work = private / "work"
-                work.mkdir()
-                for name in files:
-                    shutil.copy(private / name, work / name)
-                prefix, uid = [], None
-                if net_namespace_works():
-                    prefix = [_tool("unshare"), "--net", "--"]
-                if root:
-                    if drops_root(python):
-                        uid = UID_BASE + secrets.randbelow(1 << 20)
-                        os.chmod(private, 0o711)
-                        for path in [work, *work.iterdir()]:
-                            os.chown(path, uid, uid)
-                        prefix += [_tool("setpriv"), f"--reuid={uid}", f"--regid={uid}",
-                                   "--clear-groups", "--"]
-                nproc = limits.processes if uid is not None else _own_tasks() + limits.processes
-                cwd, env = str(work), _env(str(work))
-                argv = (_prlimit(limits, nproc) + prefix
-                        + [python, "-I", "-c", HARNESS, str(res.fileno()), mode])
-            started = time.monotonic()
-            try:
-                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=err,
-                                        cwd=cwd, env=env if env is not None else {},
-                                        start_new_session=True, close_fds=True,
-                                        pass_fds=(*fds.values(), res.fileno()))
-            except OSError as e:
-                raise SandboxError(f"cannot start the sandbox ({argv[0]}): {e}") from e
-            return _wait(proc, nonce, limits, kind, started, private)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-            for f in (out, err, res):
-                f.close()
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                    cwd=cwd, env=env if env is not None else {},
+                                    start_new_session=True, close_fds=True,
+                                    pass_fds=(*readable.values(), *fds))
+        except OSError as e:
+            raise SandboxError(f"cannot start the sandbox ({argv[0]}): {e}") from e
+        return _Box(proc, folder)
     finally:
-        shutil.rmtree(private, ignore_errors=True)
+        for fd in readable.values():
+            os.close(fd)
+        out.close()
+        err.close()
 
 
-def _wait(proc: subprocess.Popen, nonce: str, limits: Limits, kind: str, started: float,
-          private: Path) -> Result:
-    try:
-        proc.stdin.write(f"{nonce}\n".encode())
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass  # it died before reading: the missing `ready` below says so
+def _stop(box: _Box, kind: str, deadline: float) -> bool:
+    """Wait for the process until `deadline` (monotonic); past it, kill its group. True if it
+    had to be killed.
+    """
     timed_out = False
     try:
-        proc.wait(timeout=limits.wall_seconds)
+        box.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(box.proc.pid, signal.SIGKILL)
         try:
-            proc.wait(timeout=5)
+            box.proc.wait(timeout=5)
         except subprocess.TimeoutExpired as e:
-            raise SandboxError(f"sandbox process {proc.pid} survived SIGKILL to its group "
+            raise SandboxError(f"sandbox process {box.proc.pid} survived SIGKILL to its group "
                                f"for 5 s") from e
-    seconds = time.monotonic() - started
     if kind == "rlimit":
         # children left in the group (not the ones that called setsid: see the docstring)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(box.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    stdout, stderr = (_read(private / n, limits.output_bytes) for n in (".stdout", ".stderr"))
+    return timed_out
+
+
+def _send_nonce(box: _Box, nonce: str) -> None:
+    try:
+        box.proc.stdin.write(f"{nonce}\n".encode())
+        box.proc.stdin.close()
+    except BrokenPipeError:
+        pass  # it died before reading: the missing `ready` says so
+
+
+def _reports(path: Path, nonce: str) -> list[dict]:
     reports = []
-    for line in (private / ".result").read_bytes()[:1 << 20].decode("utf-8", "replace").splitlines():
+    for line in path.read_bytes()[:1 << 20].decode("utf-8", "replace").splitlines():
         head, _, body = line.partition(" ")
         if head == nonce:
             try:
                 reports.append(json.loads(body))
             except json.JSONDecodeError:
                 continue
-    code = None if timed_out else proc.returncode
+    return reports
+
+
+def _signal_of(code: int | None, kind: str, reported: bool) -> signal.Signals | None:
+    number = -code if code is not None and code < 0 else None
+    if kind == "bwrap" and code is not None and code > 128 and not reported:
+        number = code - 128  # bwrap's pid 1 passes a signal death on as 128 + its number
+    return signal.Signals(number) if number is not None and number in signal.valid_signals() \
+        else None
+
+
+def _signal_outcome(sig: signal.Signals, seconds: float, limits: Limits,
+                    whose: str) -> tuple[str, str]:
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and seconds >= limits.cpu_seconds):
+        return "timeout", f"CPU limit of {limits.cpu_seconds} s ({sig.name}{whose})"
+    if sig == signal.SIGXFSZ:
+        return "killed", f"file size limit of {limits.file_mb} MB ({sig.name}{whose})"
+    return "killed", f"ended by {sig.name}{whose}"
+
+
+def _run(files: dict[str, str], limits: Limits, kind: str, python: str) -> Result:
+    """`run_code`: the code as main.py under HARNESS, reporting on a result file."""
+    nonce = secrets.token_hex(16)
+    private = Path(tempfile.mkdtemp(prefix="offseason-sandbox-"))  # ours: never visible inside
+    try:
+        with open(private / ".result", "w+b") as res:
+            started = time.monotonic()
+            box = _start(files, HARNESS, [res.fileno()], limits, kind, python, private / "run")
+        _send_nonce(box, nonce)
+        timed_out = _stop(box, kind, started + limits.wall_seconds)
+        seconds = time.monotonic() - started
+        stdout, stderr = box.output(limits)
+        reports = _reports(private / ".result", nonce)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    code = None if timed_out else box.proc.returncode
 
     def result(outcome: str, reason: str) -> Result:
         return Result(outcome, code, stdout, stderr, reason, round(seconds, 3), kind)
 
     if not any(r.get("ready") for r in reports):
-        if timed_out:
-            raise SandboxError(f"the sandbox did not start within {limits.wall_seconds} s "
-                               f"(machine overloaded?): {stderr[-500:]}")
-        raise SandboxError(f"the sandbox did not start ({kind}, exit {code}): "
-                           f"{stderr.strip()[-1000:] or 'no output'}")
+        _not_started(timed_out, limits, kind, code, stderr)
     final = next((r for r in reports if r.get("done")), None)
     if timed_out:
         return result("timeout", f"wall-clock limit of {limits.wall_seconds} s: killed with its "
                                  f"children")
-    number = -code if code is not None and code < 0 else None
-    if kind == "bwrap" and code is not None and code > 128 and final is None:
-        number = code - 128  # bwrap's pid 1 passes a signal death on as 128 + its number
-    if number is not None and number in signal.valid_signals():
-        sig = signal.Signals(number)
-        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and seconds >= limits.cpu_seconds):
-            return result("timeout", f"CPU limit of {limits.cpu_seconds} s ({sig.name})")
-        if sig == signal.SIGXFSZ:
-            return result("killed", f"file size limit of {limits.file_mb} MB ({sig.name})")
-        return result("killed", f"ended by {sig.name}")
+    sig = _signal_of(code, kind, final is not None)
+    if sig is not None:
+        return result(*_signal_outcome(sig, seconds, limits, ""))
     if final is None:
-        return result("crashed", f"exited with {code} before the tests reported "
+        return result("crashed", f"exited with {code} before it reported "
                                  f"(sys.exit or os._exit in the code?)")
     if final.get("memory"):
         return result("memory", f"memory limit of {limits.memory_mb} MB: "
                                 f"{final.get('reason') or 'MemoryError'}")
     if final.get("ok") and code == 0:
-        return result("passed", f"{final['tests']} tests passed" if "tests" in final else "exit 0")
+        return result("passed", "exit 0")
     return result("failed", final.get("reason") or f"exit {code}")
+
+
+def _not_started(timed_out: bool, limits: Limits, kind: str, code, stderr: str, what: str = ""):
+    if timed_out:
+        raise SandboxError(f"the sandbox{what} did not start within {limits.wall_seconds} s "
+                           f"(machine overloaded?): {stderr[-500:]}")
+    raise SandboxError(f"the sandbox{what} did not start ({kind}, exit {code}): "
+                       f"{stderr.strip()[-1000:] or 'no output'}")
+
+
+def _run_tests(code: str, tests: str, limits: Limits, kind: str, python: str) -> Result:
+    """The candidate under CANDIDATE in one sandbox, the tests under TESTER in another, joined by
+    two pipes that carry data only; the verdict is the tester's report (module docstring).
+    """
+    nonce = secrets.token_hex(16)
+    private = Path(tempfile.mkdtemp(prefix="offseason-sandbox-"))
+    calls_r, calls_w = os.pipe()  # tester -> candidate: requests
+    answers_r, answers_w = os.pipe()  # candidate -> tester: answers
+    try:
+        with open(private / ".result", "w+b") as res:
+            started = time.monotonic()
+            candidate = tester = None
+            try:
+                candidate = _start({"solution.py": code}, CANDIDATE, [calls_r, answers_w], limits,
+                                   kind, python, private / "candidate")
+                tester = _start({"test_solution.py": tests}, TESTER,
+                                [res.fileno(), calls_w, answers_r], limits, kind, python,
+                                private / "tester")
+            finally:
+                for fd in (calls_r, calls_w, answers_r, answers_w):
+                    os.close(fd)  # theirs now: an end closes when its process ends
+                if tester is None and candidate is not None:
+                    _stop(candidate, kind, 0)
+        candidate.proc.stdin.close()
+        _send_nonce(tester, nonce)
+        deadline = started + limits.wall_seconds
+        tester_late = _stop(tester, kind, deadline)
+        # the tests are done (or out of time): the candidate gets a moment to end by itself
+        candidate_late = _stop(candidate, kind, min(deadline, time.monotonic() + 1.0))
+        seconds = time.monotonic() - started
+        (c_out, c_err), (t_out, t_err) = candidate.output(limits), tester.output(limits)
+        reports = _reports(private / ".result", nonce)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    stdout, stderr = c_out + t_out, c_err + t_err
+    code = None if tester_late else tester.proc.returncode
+    final = next((r for r in reports if r.get("done")), None)
+    suspect = (final or {}).get("suspect", "")
+
+    def result(outcome: str, reason: str) -> Result:
+        return Result(outcome, code, stdout, stderr, reason, round(seconds, 3), kind, suspect)
+
+    if not any(r.get("ready") for r in reports):
+        _not_started(tester_late, limits, kind, code, t_err, " (tests)")
+    if not any(r.get("candidate_ready") for r in reports):
+        if final is not None and not tester_late:
+            _not_started(candidate_late, limits, kind, candidate.proc.returncode, c_err,
+                         " (candidate)")
+    if tester_late:
+        return result("timeout", f"wall-clock limit of {limits.wall_seconds} s: killed with its "
+                                 f"children")
+    # the candidate's process ended by a signal (its CPU limit, a crash) while tests still failed
+    candidate_code = None if candidate_late else candidate.proc.returncode
+    sig = _signal_of(candidate_code, kind, False)
+    if sig is not None and not (final or {}).get("ok"):
+        return result(*_signal_outcome(sig, seconds, limits, " in the candidate's process"))
+    sig = _signal_of(code, kind, final is not None)
+    if sig is not None:
+        return result(*_signal_outcome(sig, seconds, limits, ""))
+    if final is None:
+        return result("crashed", f"exited with {code} before the tests reported "
+                                 f"(sys.exit or os._exit in the tests?)")
+    if final.get("memory"):
+        return result("memory", f"memory limit of {limits.memory_mb} MB: "
+                                f"{final.get('reason') or 'MemoryError'}")
+    if final.get("ok") and code == 0:
+        return result("passed", f"{final['tests']} tests passed")
+    reason = final.get("reason") or f"exit {code}"
+    if final.get("candidate") and candidate_code not in (None, 0):
+        reason += f" ({final['candidate']} with exit {candidate_code})"
+    return result("failed", reason)
 
 
 def main(argv: list[str] | None = None) -> None:
