@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages import config as cfg
-from stages import io
+from stages import datadocs, io
 from stages.envs.registry import ENVIRONMENTS
 from stages.traces import drift
 
@@ -294,6 +294,8 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
     writer.close()
     os.replace(tmp, validated)
     settle_docs(docs_tmp)
+    if checker is not None:
+        datadocs.localize(docs_tmp)  # nothing fetched from outside when they are opened
     io.replace_dir(docs_tmp, docs)
     io.write_jsonl(quarantine, quarantined)
     total = source.metadata.num_rows

@@ -147,3 +147,64 @@ def test_a_share_of_traces_is_held_out_for_the_benchmarks_and_never_trained_on(t
                      tmp_path / "d2", holdout=holdout)
     with pytest.raises(cfg.ParamsError, match="must be between 0 and 0.5"):
         cfg.Validate(holdout_fraction=0.8)
+
+
+DOCS_PROBE = """<script>
+window.addEventListener('load', () => setTimeout(() => {
+  const rows = document.querySelectorAll('#section-1-content-block-2-1-body-table tbody tr[data-index]');
+  const out = document.createElement('pre');
+  out.id = 'probe';
+  out.textContent = JSON.stringify({
+    resources: [...document.querySelectorAll('script[src], link[href], img[src]')]
+      .map(e => e.src || e.href),
+    icons: document.fonts.check('900 1em "Font Awesome 6 Free"'),
+    jquery: typeof window.jQuery, table: typeof (window.jQuery && jQuery.fn.bootstrapTable),
+    rows: rows.length, text: [...rows].map(r => r.textContent.replace(/\\\\s+/g, ' ').trim()),
+    bootstrap: getComputedStyle(document.body).fontFamily});
+  document.body.appendChild(out);
+}, 500));
+</script>"""
+
+
+def test_data_docs_open_offline_with_every_asset_local(tmp_path):
+    """GE's Data Docs, as the validate stage writes them, in headless Chromium with no network at
+    all (its own network namespace): every resource the page loads is a local file, the scripts
+    ran and the validation list shows the three validations. GE's pages load them from a dozen CDNs.
+    """
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    from stages import datadocs
+
+    chromium = shutil.which("chromium")
+    if chromium is None or os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs Debian's chromium and root for a network namespace "
+                    "(tests/test_lineage.py installs chromium)")
+    bad = good("r", "2+2")
+    bad["messages"][1]["role"] = "robot"
+    path = ingested(tmp_path, [good(f"g{i}", f"{i}+1") for i in range(4)] + [bad])
+    docs = tmp_path / "docs"
+    validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.5), path, tmp_path / "v.parquet",
+                 tmp_path / "q.jsonl", tmp_path / "profiles", docs)
+    for page in [*docs.rglob("*.html"), *(docs / "static" / "styles").rglob("*.css")]:
+        assert datadocs.outside_assets(page.read_text()) == [], page
+    index = docs / "index.html"
+    probe = docs / "probe.html"  # beside index.html: the same relative paths
+    probe.write_text(index.read_text().replace("</body>", DOCS_PROBE + "</body>"))
+    dom = subprocess.run(
+        ["unshare", "-n", chromium, "--headless", "--no-sandbox", "--disable-gpu",
+         "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+        capture_output=True, text=True, timeout=180).stdout
+    found = json.loads(re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S).group(1)
+                       .replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<")
+                       .replace("&gt;", ">"))
+    assert found["resources"] and all(r.startswith("file://") for r in found["resources"]), \
+        found["resources"]
+    assert any("static/vendor/jquery@3.7.1" in r for r in found["resources"])
+    assert found["jquery"] == "function" and found["table"] == "function", found
+    assert "Segoe UI" in found["bootstrap"] and found["icons"], found  # its CSS and fonts loaded
+    listed = " ".join(found["text"])  # the validation list, filled by bootstrap-table's script
+    assert found["rows"] == 3 and all(f"ingested-{name}" in listed
+                                      for name in ("traces", "messages", "tool_calls")), found
