@@ -945,12 +945,13 @@ def main(argv: list[str] | None = None) -> int:
     """
     from stages.envs.contract import ContractError, TaskFileError
     from stages.generation.chat import TemplateError
+    from stages.remote import RemoteDown
 
     args = parser().parse_args(argv)
     try:
         return args.func(args)
     except (cfg.ParamsError, WorkspaceError, FileNotFoundError, ContractError,
-            TaskFileError, TemplateError) as err:
+            TaskFileError, TemplateError, RemoteDown) as err:
         print(f"offseason {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -340,11 +340,34 @@ def begin(root: Path, session: Session | None = None) -> Start:
                          f"nothing changed since gen-{last[-1] if last else 0} (no new traces, "
                          f"same params, same code): nothing to learn from, no stage reran",
                          recovered=recovered)
+        check_servers()  # before a stage runs: a server that is down fails the cycle in seconds
         return Start("run", "", (last[-1] + 1) if last else 1, reasons, recovered,
                      Pipeline(session))
     except BaseException:
         session.close(kill=True)
         raise
+
+
+def check_servers() -> None:
+    """The servers a cycle talks to, when they are servers (`MLFLOW_TRACKING_URI`,
+    `PREFECT_API_URL`), answer a health probe within `stages.remote`'s deadline; else
+    `stages.remote.RemoteDown` names the variable, the address and what to do. Without them the
+    MLflow client retries each request for minutes, and a server that accepts and never answers
+    holds it for its full request timeout, retry after retry.
+    """
+    from stages import remote
+
+    mlflow = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if mlflow.startswith(("http://", "https://")):
+        remote.probe(f"{mlflow.rstrip('/')}/health", setting="MLFLOW_TRACKING_URI",
+                     fix="start that server, or unset MLFLOW_TRACKING_URI for the embedded "
+                         "default (mlflow.db in the project); then run `offseason run` again")
+    prefect = os.environ.get("PREFECT_API_URL", "")
+    if prefect:
+        remote.probe(f"{prefect.rstrip('/')}/health", setting="PREFECT_API_URL",
+                     fix="start that server (`offseason ui` starts one), or unset "
+                         "PREFECT_API_URL for Prefect's temporary local server; then run "
+                         "`offseason run` again")
 
 
 _HANDED_OVER: dict[Path, Start] = {}

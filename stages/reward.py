@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages import config as cfg
-from stages import io
+from stages import io, remote
 from stages.envs.registry import COMPONENTS, ENVIRONMENTS, score_chunk
 
 COLUMNS = ("correct", "reward", "verifier", "error")  # plus score_<component>
@@ -61,28 +61,18 @@ def _chunks(jobs: list, parts: int) -> list[list]:
     return [jobs[i:i + size] for i in range(0, len(jobs), size)]
 
 
-RAY_PROBE_S = 10.0  # how long the cluster's address may take to accept a connection
-
-
-def probe_ray(address: str, timeout: float = RAY_PROBE_S) -> None:
-    """Fail at once, naming the setting, when nothing accepts connections at a `host:port` Ray
-    address: `ray.init` would otherwise retry for minutes, printing "Failed to get cluster ID"
-    (a listener that accepts and never answers is not caught here). "auto" is left to Ray.
+def probe_ray(address: str, timeout: float | None = None) -> None:
+    """Fail within the probe's deadline, naming the setting, when nothing answers at a
+    `host:port` Ray address, whether nothing listens or a listener never answers
+    (`stages.remote`: Ray's GCS is a gRPC server); `ray.init` would otherwise retry for minutes,
+    printing "Failed to get cluster ID". "auto" is left to Ray.
     """
-    import socket
-
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         return
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return
-    except OSError as err:
-        raise ConnectionError(
-            f"runtime.reward.ray_address={address!r}: nothing accepts connections there "
-            f"({type(err).__name__}: {err}, within {timeout:.0f} s); start the cluster "
-            f"(`ray start --head`), fix the address, or set runtime.reward.ray_address to '' "
-            f"for the local process pool") from None
+    remote.probe(address, setting="runtime.reward.ray_address", kind="grpc", timeout=timeout,
+                 fix="start the cluster (`ray start --head`), fix the address, or set "
+                     "runtime.reward.ray_address to '' for the local process pool")
 
 
 @contextmanager

@@ -159,8 +159,7 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
     started = time.time()
     with contextlib.ExitStack() as stack:
         if served:
-            urls = config.url_list or [stack.enter_context(openai_backend.serve(
-                config.server_command, champion, timeout=config.server_timeout))]
+            urls = openai_backend.servers(config, champion, stack)
             started = time.time()
         bar = None if served else Progress(len(jobs), "rollout", True)
         for name, env in envs.items():
@@ -278,8 +277,7 @@ def run(base: cfg.Base, config: cfg.Rollout, validated: Path, champion: Path,
     else:  # the served model is the champion: its tokenizer encodes prompts and tool results
         tokenizer = AutoTokenizer.from_pretrained(champion)
         with contextlib.ExitStack() as stack:
-            urls = config.url_list or [stack.enter_context(openai_backend.serve(
-                config.server_command, champion, timeout=config.server_timeout))]
+            urls = openai_backend.servers(config, champion, stack)
             started = time.time()
             episodes, stats = openai_backend.generate(
                 prompts, env, urls=urls, tokenizer=tokenizer, model=config.model,

@@ -543,6 +543,24 @@ def chat_rollout(tokenizer, env, tasks: list[dict], seeds: list[int], *, urls: l
     return chat.episodes_checked(episodes), stats
 
 
+def servers(config, champion: Path, stack: contextlib.ExitStack) -> list[str]:
+    """The base URLs to send a rollout's requests to: `runtime.rollout.urls`, each probed first
+    (`GET {url}/models` within `stages.remote`'s deadline: a server that is down or never answers
+    fails the stage in seconds, naming it, instead of after every request's retries), or one
+    server started with `runtime.rollout.server_command` on `champion`, stopped when `stack` closes.
+    """
+    from stages import remote
+
+    if config.url_list:
+        for url in config.url_list:
+            remote.probe(f"{url.rstrip('/')}/models", setting="runtime.rollout.urls",
+                         fix="start that server, fix the URL (a base URL ending in /v1), or set "
+                             "runtime.rollout.server_command to let the stage start one")
+        return config.url_list
+    return [stack.enter_context(serve(config.server_command, champion,
+                                      timeout=config.server_timeout))]
+
+
 def api_key_from(variable: str) -> str | None:
     """The API key from the environment variable `variable` (never from params, never logged)."""
     return os.environ.get(variable) or None
