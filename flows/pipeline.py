@@ -359,12 +359,12 @@ def check_servers() -> None:
 
     mlflow = os.environ.get("MLFLOW_TRACKING_URI", "")
     if mlflow.startswith(("http://", "https://")):
-        remote.probe(f"{mlflow.rstrip('/')}/health", setting="MLFLOW_TRACKING_URI",
+        remote.probe(f"{mlflow.rstrip('/')}/health", setting="MLFLOW_TRACKING_URI", value=mlflow,
                      fix="start that server, or unset MLFLOW_TRACKING_URI for the embedded "
                          "default (mlflow.db in the project); then run `offseason run` again")
     prefect = os.environ.get("PREFECT_API_URL", "")
     if prefect:
-        remote.probe(f"{prefect.rstrip('/')}/health", setting="PREFECT_API_URL",
+        remote.probe(f"{prefect.rstrip('/')}/health", setting="PREFECT_API_URL", value=prefect,
                      fix="start that server (`offseason ui` starts one), or unset "
                          "PREFECT_API_URL for Prefect's temporary local server; then run "
                          "`offseason run` again")

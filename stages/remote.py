@@ -44,9 +44,10 @@ def timeout_s() -> float:
 
 
 def probe(address: str, *, setting: str, fix: str, kind: str = "http",
-          timeout: float | None = None) -> float:
-    """Seconds the remote took to answer; raises RemoteDown (naming `setting`, `address` and
-    `fix`) when it refuses, is unreachable or does not answer within `timeout`.
+          timeout: float | None = None, value: str | None = None) -> float:
+    """Seconds the remote took to answer; raises RemoteDown (naming `setting` with its `value`,
+    default `address`, what was probed and `fix`) when it refuses, is unreachable or does not
+    answer within `timeout`.
     """
     timeout = timeout_s() if timeout is None else timeout
     started = time.monotonic()
@@ -63,7 +64,9 @@ def probe(address: str, *, setting: str, fix: str, kind: str = "http",
             what = "nothing listens there (connection refused)"
         else:
             what = f"{type(err).__name__}: {err}"
-        raise RemoteDown(f"{setting}={address!r}: {what} (after {waited:.1f} s); {fix}") from None
+        probed = f"GET {address}, " if kind == "http" and value not in (None, address) else ""
+        raise RemoteDown(f"{setting}={value or address!r}: {what} ({probed}after {waited:.1f} s); "
+                         f"{fix}") from None
     return time.monotonic() - started
 
 

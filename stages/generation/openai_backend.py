@@ -553,7 +553,7 @@ def servers(config, champion: Path, stack: contextlib.ExitStack) -> list[str]:
 
     if config.url_list:
         for url in config.url_list:
-            remote.probe(f"{url.rstrip('/')}/models", setting="runtime.rollout.urls",
+            remote.probe(f"{url.rstrip('/')}/models", setting="runtime.rollout.urls", value=url,
                          fix="start that server, fix the URL (a base URL ending in /v1), or set "
                              "runtime.rollout.server_command to let the stage start one")
         return config.url_list
