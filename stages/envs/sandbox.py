@@ -764,18 +764,26 @@ def _run(files: dict[str, str], limits: Limits, kind: str, python: str) -> Resul
     if timed_out:
         return result("timeout", f"wall-clock limit of {limits.wall_seconds} s: killed with its "
                                  f"children")
+    return result(*_verdict(final, code, kind, seconds, limits, "exit 0",
+                            "it reported (sys.exit or os._exit in the code?)"))
+
+
+def _verdict(final: dict | None, code: int | None, kind: str, seconds: float, limits: Limits,
+             passed: str, crashed: str) -> tuple[str, str]:
+    """(outcome, reason) of a harness process that ended by itself, from its exit and its final
+    report: a signal, no report ("crashed": exited before `crashed`), memory, passed or failed.
+    """
     sig = _signal_of(code, kind, final is not None)
     if sig is not None:
-        return result(*_signal_outcome(sig, seconds, limits, ""))
+        return _signal_outcome(sig, seconds, limits, "")
     if final is None:
-        return result("crashed", f"exited with {code} before it reported "
-                                 f"(sys.exit or os._exit in the code?)")
+        return "crashed", f"exited with {code} before {crashed}"
     if final.get("memory"):
-        return result("memory", f"memory limit of {limits.memory_mb} MB: "
-                                f"{final.get('reason') or 'MemoryError'}")
+        return "memory", f"memory limit of {limits.memory_mb} MB: " \
+                         f"{final.get('reason') or 'MemoryError'}"
     if final.get("ok") and code == 0:
-        return result("passed", "exit 0")
-    return result("failed", final.get("reason") or f"exit {code}")
+        return "passed", passed
+    return "failed", final.get("reason") or f"exit {code}"
 
 
 def _not_started(timed_out: bool, limits: Limits, kind: str, code, stderr: str, what: str = ""):
@@ -842,21 +850,12 @@ def _run_tests(code: str, tests: str, limits: Limits, kind: str, python: str) ->
     sig = _signal_of(candidate_code, kind, False)
     if sig is not None and not (final or {}).get("ok"):
         return result(*_signal_outcome(sig, seconds, limits, " in the candidate's process"))
-    sig = _signal_of(code, kind, final is not None)
-    if sig is not None:
-        return result(*_signal_outcome(sig, seconds, limits, ""))
-    if final is None:
-        return result("crashed", f"exited with {code} before the tests reported "
-                                 f"(sys.exit or os._exit in the tests?)")
-    if final.get("memory"):
-        return result("memory", f"memory limit of {limits.memory_mb} MB: "
-                                f"{final.get('reason') or 'MemoryError'}")
-    if final.get("ok") and code == 0:
-        return result("passed", f"{final['tests']} tests passed")
-    reason = final.get("reason") or f"exit {code}"
-    if final.get("candidate") and candidate_code not in (None, 0):
+    outcome, reason = _verdict(final, code, kind, seconds, limits,
+                               f"{(final or {}).get('tests')} tests passed",
+                               "the tests reported (sys.exit or os._exit in the tests?)")
+    if outcome == "failed" and final.get("candidate") and candidate_code not in (None, 0):
         reason += f" ({final['candidate']} with exit {candidate_code})"
-    return result("failed", reason)
+    return result(outcome, reason)
 
 
 def main(argv: list[str] | None = None) -> None:

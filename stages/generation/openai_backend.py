@@ -362,7 +362,7 @@ def generate(prompts: list[str], env, *, urls: list[str], tokenizer=None, model:
         api_key=api_key, progress=progress))
 
 
-async def _chat_turn(client: Client, model: str, play, index: int, so_far: list[int],
+async def _chat_turn(client: Client, play, index: int, so_far: list[int],
                      payload: dict) -> tuple[list[int], list[float], str]:
     """One model turn through `/chat/completions`: (the ids the model chose, their log-probs,
     the finish reason), after checking the server rendered `so_far` and parses calls as we do.
@@ -434,8 +434,7 @@ async def _chat_episode(client: Client, model: str, play, index: int, prompt: li
         common = {"model": model, "max_tokens": budget, "stop_token_ids": list(ends), "n": 1,
                   "seed": (seed * 1_000_003 + turn) % 2 ** 31, **sampling}
         if api == "chat":
-            got, lps, finish_reason = await _chat_turn(client, model, play, index, prompt + ids,
-                                                       common)
+            got, lps, finish_reason = await _chat_turn(client, play, index, prompt + ids, common)
             stopped = finish_reason in ("stop", "tool_calls")
             choice = {}
         else:
