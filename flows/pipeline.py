@@ -350,7 +350,7 @@ def begin(root: Path, session: Session | None = None) -> Start:
 
 def check_servers() -> None:
     """The servers a cycle talks to, when they are servers (`MLFLOW_TRACKING_URI`,
-    `PREFECT_API_URL`), answer a health probe within `stages.remote`'s deadline; else
+    `PREFECT_API_URL`, not the temporary one `offseason run` starts), answer a health probe within `stages.remote`'s deadline; else
     `stages.remote.RemoteDown` names the variable, the address and what to do. Without them the
     MLflow client retries each request for minutes, and a server that accepts and never answers
     holds it for its full request timeout, retry after retry.
@@ -362,8 +362,10 @@ def check_servers() -> None:
         remote.probe(f"{mlflow.rstrip('/')}/health", setting="MLFLOW_TRACKING_URI", value=mlflow,
                      fix="start that server, or unset MLFLOW_TRACKING_URI for the embedded "
                          "default (mlflow.db in the project); then run `offseason run` again")
+    from flows.ui import on_temporary_prefect
+
     prefect = os.environ.get("PREFECT_API_URL", "")
-    if prefect:
+    if prefect and not on_temporary_prefect():  # our own temporary server may still be starting
         remote.probe(f"{prefect.rstrip('/')}/health", setting="PREFECT_API_URL", value=prefect,
                      fix="start that server (`offseason ui` starts one), or unset "
                          "PREFECT_API_URL for Prefect's temporary local server; then run "

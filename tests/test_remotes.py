@@ -132,3 +132,18 @@ def test_webhook_warns_and_never_fails(fault, black_hole, monkeypatch, caplog):
         assert notify.send("failed", "cycle failed", attempts=2) is False
     assert time.monotonic() - started < 2 * 1 + 0.5 + 1  # two attempts, one back-off
     assert "not delivered" in caplog.text and "tok" not in caplog.text
+
+
+def test_the_temporary_prefect_server_still_starting_is_not_probed(monkeypatch):
+    """`offseason demo` holds one temporary Prefect server for its cycles; the cycle's probe runs
+    while it may still be starting: ours is not probed, a configured one is.
+    """
+    from flows import pipeline, ui
+
+    where = f"http://{refused()}/api"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("PREFECT_API_URL", where)
+    with pytest.raises(remote.RemoteDown, match="PREFECT_API_URL="):
+        pipeline.check_servers()
+    monkeypatch.setitem(ui._STARTING, where, lambda: None)
+    pipeline.check_servers()  # the temporary server of this process: not probed
