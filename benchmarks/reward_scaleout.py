@@ -6,10 +6,10 @@
 Runs itself inside a network namespace with only loopback (`unshare -n`, needs root), where Ray
 binds 127.0.0.1 only. For each environment and size: rollouts of the suite's tasks (arith:
 answered right and wrong; code: each reference solution, run in the sandbox), scored by
-`stages.reward.score_table` with the local process pool (one worker per core) and with
-`runtime.reward.ray_address` set to a local Ray cluster started beforehand (2 CPUs), each timed
-from the call to its return (for Ray: connecting, shipping the work, scoring). The rewards must be
-equal. Prints a Markdown table.
+the reward stage's own command (`python -m stages.reward`, as DVC runs it) with the local process
+pool (one worker per core) and with `runtime.reward.ray_address` set to a local Ray cluster
+started beforehand (2 CPUs), each timed from start to exit (start-up and imports included; for
+Ray also connecting and shipping the work). The rewards must be equal. Prints a Markdown table.
 
 One machine cannot show what Ray is for (more cores than one machine has): it shows Ray's cost
 per stage (connecting, scheduling, moving the rows) against the pool's, so that the gain from
@@ -60,34 +60,46 @@ def rollouts(env_name: str, n: int):
 
 
 def inside(args) -> int:
-    """The measurements, in the namespace."""
-    import ray
+    """The measurements, in the namespace: the reward stage's command, timed, with and without
+    `runtime.reward.ray_address` (a Ray cluster this process started and keeps up).
+    """
+    import tempfile
 
-    from stages import config as cfg
-    from stages import reward
+    import pyarrow.parquet as pq
+    import ray
+    import yaml
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024 ** 2,
+    ray.init(address="local", num_cpus=2, include_dashboard=False,
+             object_store_memory=200 * 1024 ** 2,
              log_to_driver=False)
     address = ray.get_runtime_context().gcs_address
-    ray.shutdown()  # the stage connects to it by its address, as `python -m stages.reward` does
+    work = Path(tempfile.mkdtemp(prefix="offseason-scaleout-"))
     results = []
     for env_name in args.envs:
         for n in args.sizes:
             if env_name == "code":
                 n = min(n, args.code_cap)
-            table = rollouts(env_name, n)
+            table = work / f"{env_name}-{n}.parquet"
+            pq.write_table(rollouts(env_name, n), table)
             timings, outputs = {}, {}
-            for how, config in (("pool", cfg.Reward()), ("ray", cfg.Reward(ray_address=address))):
+            for how, where in (("pool", ""), ("ray", address)):
+                params = work / "params.yaml"
+                params.write_text(yaml.safe_dump({
+                    "base": {"environment": env_name}, "reward": {},
+                    "runtime": {"reward": {"ray_address": where}}}))
+                out = work / f"{how}.parquet"
                 started = time.perf_counter()
-                outputs[how], _ = reward.score_table(env_name, config, table, progress=False)
+                subprocess.run([sys.executable, "-m", "stages.reward", str(table), str(out),
+                                str(work / f"{how}.json"), "--params", str(params)],
+                               check=True, cwd=ROOT, capture_output=True)
                 timings[how] = time.perf_counter() - started
-                if how == "ray":
-                    ray.shutdown()
+                outputs[how] = pq.read_table(out)
             assert outputs["pool"].equals(outputs["ray"]), "different rewards"
             results.append({"env": env_name, "rollouts": n, **{k: round(v, 2)
                                                                for k, v in timings.items()}})
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    ray.shutdown()
     print("| environment | rollouts | local pool, s | Ray (local cluster), s | Ray / pool |")
     print("|---|---|---|---|---|")
     for r in results:
