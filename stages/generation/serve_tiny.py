@@ -152,17 +152,8 @@ class Engine:
         if tools and choice == "auto" and self.tool_parser is None:
             raise BadRequest('"auto" tool choice requires --enable-auto-tool-choice and '
                              '--tool-call-parser to be set')
-        # vLLM: the JSON-string arguments of earlier calls go to the template as objects
-        rendered = []
-        for message in messages:
-            message = dict(message)
-            if message.get("tool_calls"):
-                message["tool_calls"] = [
-                    {**call, "function": {**call["function"], "arguments": json.loads(
-                        call["function"]["arguments"]) if isinstance(
-                        call["function"].get("arguments"), str) else call["function"].get(
-                        "arguments", {})}} for call in message["tool_calls"]]
-            rendered.append(message)
+        # as vLLM does: the JSON-string arguments of earlier calls go to the template as objects
+        rendered = chat._for_template(messages)
         try:
             text = self.tokenizer.apply_chat_template(rendered, tools=tools or None,
                                                       add_generation_prompt=True, tokenize=False)
