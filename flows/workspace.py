@@ -105,6 +105,29 @@ def dvc(root: Path, *args: str, on_line=None) -> str:
     return run([str(Path(sys.executable).parent / "dvc"), *args], root, on_line=on_line).stdout
 
 
+def dvc_remotes(root: Path) -> tuple[str | None, dict[str, dict[str, str]]]:
+    """The project's DVC remotes as DVC reads them (`.dvc/config`, then `.dvc/config.local`
+    over it): the default remote's name (`core.remote`) and each remote's settings (`url`, ...).
+    """
+    import configparser
+    import re
+
+    default, remotes = None, {}
+    for name in ("config", "config.local"):
+        path = root / ".dvc" / name
+        if not path.exists():
+            continue
+        parser = configparser.ConfigParser(interpolation=None)
+        parser.read_string(path.read_text())
+        for section in parser.sections():
+            match = re.fullmatch(r"""'?remote\s+"([^"]+)"'?""", section.strip())
+            if match:
+                remotes.setdefault(match.group(1), {}).update(parser[section])
+            elif section.strip() == "core" and parser.has_option(section, "remote"):
+                default = parser.get(section, "remote")
+    return default, remotes
+
+
 def generations(root: Path) -> list[int]:
     """The generation numbers tagged so far (`gen-<n>`), in order."""
     tags = git(root, "tag", "--list", "gen-*").split()
