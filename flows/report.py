@@ -74,11 +74,27 @@ def gate_lines(gate: dict) -> list[str]:
     # per-suite verdicts, when the gate scores several suites
     for name, suite in (gate.get("suites") or {}).items():
         if isinstance(suite, dict):
-            lines.append(f"  - suite `{name}`: candidate {_num(suite.get('candidate_score'))} vs "
-                         f"champion {_num(suite.get('champion_score'))}, difference interval "
-                         f"{_interval(suite.get('interval'))}"
+            lines.append(f"  - suite `{name}`: candidate "
+                         f"{_num(suite.get('candidate', suite.get('candidate_score')))} vs "
+                         f"champion {_num(suite.get('champion', suite.get('champion_score')))}, "
+                         f"difference interval {_interval(suite.get('interval'))}"
                          f"{': ' + str(suite['reason']) if suite.get('reason') else ''}")
+    # the reward-hacking guards (length, format, tool_ok, hacking), failed ones marked
+    for name, guard in (gate.get("guards") or {}).items():
+        if isinstance(guard, dict) and not guard.get("skipped"):
+            lines.append(f"  - guard `{name}`{'' if guard.get('passed') else ' **failed**'}: "
+                         f"candidate {_num(guard.get('candidate'))} vs champion "
+                         f"{_num(guard.get('champion'))}: {guard.get('reason')}")
     return lines
+
+
+def hacks_line(reward: dict) -> str:
+    """The episodes a verifier suspected of a reward hack, by reason, in words."""
+    hacks = reward.get("hack_suspected") or {}
+    if not hacks.get("episodes"):
+        return "none"
+    reasons = ", ".join(f"{reason}: {n}" for reason, n in hacks.get("reasons", {}).items())
+    return f"{hacks['episodes']} episodes ({reasons})"
 
 
 def decision(record: dict) -> str:
@@ -121,7 +137,8 @@ def markdown(root: Path, generation: int, metrics: dict, record: dict, *,
         "## Learning",
         f"- **Rewards**: mean {reward.get('mean_reward')}, pass@k {reward.get('pass_at_k')} over "
         f"{reward.get('episodes')} episodes ({reward.get('judged')} judged, "
-        f"{reward.get('unjudgeable', 0)} unjudgeable)",
+        f"{reward.get('unjudgeable', 0)} unjudgeable); suspected reward hacks: "
+        f"{hacks_line(reward)}",
         f"- **Training**: {training_summary(train)}",
         "",
         "## Decision",

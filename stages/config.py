@@ -419,6 +419,7 @@ class Gate:
     max_length_increase: float = 3.0
     max_format_regression: float = 0.1  # share of completions breaking the protocol
     max_tool_error_regression: float = 0.1  # share of completions with a failed tool call
+    max_hack_increase: float = 0.0  # share of completions a verifier noted hack_suspected
     # a guard suite too small for its margin (the smallest regression it detects at 80% power,
     # given its size and this cycle's disagreement, is above max_regression) is reported
     # "underpowered" and then: decide (it still blocks or passes, flagged) or skip (it does not)
@@ -459,6 +460,7 @@ class Gate:
                    "max_length_increase": self.max_length_increase,
                    "max_format_regression": self.max_format_regression,
                    "max_tool_error_regression": self.max_tool_error_regression,
+                   "max_hack_increase": self.max_hack_increase,
                    "forgetting_min_items": self.forgetting_min_items}
         for key, value in margins.items():
             if value < 0:

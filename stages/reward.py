@@ -1,8 +1,9 @@
 """Reward: the environment's verifier scores each rollout, component by component.
 
 Reads `data/rollouts.parquet`; writes `data/rewards.parquet` (every rollout column plus `correct`,
-`reward`, `verifier`, `error` and one `score_<component>` column per reward component) and
-`metrics/reward.json`.
+`reward`, `verifier`, `error`, one `score_<component>` column per reward component and
+`hack_suspected`, the verifier's note of a likely reward hack) and `metrics/reward.json` (with the
+`hack_suspected` episodes counted per reason).
 
 - A verifier's `score()` returns its components, or None ("cannot judge": counted, left out of
   the reward). One that raises is an error: its cause goes to the `error` column and is counted,
@@ -42,9 +43,10 @@ import pyarrow.parquet as pq
 
 from stages import config as cfg
 from stages import io, remote
+from stages.envs import contract
 from stages.envs.registry import COMPONENTS, ENVIRONMENTS, score_chunk
 
-COLUMNS = ("correct", "reward", "verifier", "error")  # plus score_<component>
+COLUMNS = ("correct", "reward", "verifier", "error", "hack_suspected")  # plus score_<component>
 
 
 class VerifierBroken(RuntimeError):
@@ -190,8 +192,10 @@ def score_table(env_name: str, config: cfg.Reward, table: pa.Table, progress: bo
     out = table
     for name in ("correct", "reward"):
         out = out.append_column(name, pa.array(columns[name], pa.float64()))
+    hacks = [contract.suspected(scored.get(i, (None, None))[0]) or None for i in range(len(rows))]
     out = out.append_column("verifier", pa.array([verifier_id(env)] * len(rows), pa.string())) \
-        .append_column("error", pa.array(columns["error"], pa.string()))
+        .append_column("error", pa.array(columns["error"], pa.string())) \
+        .append_column(contract.HACK_SUSPECTED, pa.array(hacks, pa.string()))
     for name in names:
         out = out.append_column(f"score_{name}", pa.array(parts[name], pa.float64()))
     solved = {}
@@ -208,8 +212,19 @@ def score_table(env_name: str, config: cfg.Reward, table: pa.Table, progress: bo
                "correct_episodes": int(sum(columns["correct"][i] for i in judged)),
                "pass_at_k": mean([float(s) for s in solved.values()]),
                "components": {name: mean([parts[name][i] for i in judged
-                                          if parts[name][i] is not None]) for name in names}}
+                                          if parts[name][i] is not None]) for name in names},
+               contract.HACK_SUSPECTED: hack_counts(hacks)}
     return out, metrics
+
+
+def hack_counts(notes: list[str | None]) -> dict:
+    """How many episodes a verifier suspected of a reward hack, and how many per reason (the
+    sandbox's notes name what the code touched: `imported unittest`, `replaced builtins` ...).
+    """
+    reasons: dict[str, int] = {}
+    for note in filter(None, notes):
+        reasons[note] = reasons.get(note, 0) + 1
+    return {"episodes": sum(reasons.values()), "reasons": dict(sorted(reasons.items()))}
 
 
 def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict]:
@@ -221,8 +236,6 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
     tool call broke at rollout, is an error with its cause, never a zero.
     """
     import json
-
-    from stages.envs import contract
 
     envs = {name: contract.load(name, spec.module, root) for name, spec in specs.items()}
     rows = table.select(["task_id", "environment", "task", "messages", "error"]).to_pylist()
@@ -265,13 +278,15 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
                              f"tasks set aside, e.g. {causes[0]}; fix the environment before "
                              f"training on its scores")
     verifier = {name: f"{name}/{env.version or env.module}" for name, env in envs.items()}
+    hacks = [contract.suspected(c) or None for c in scores]
     # the rollout's own error column (a tool call that broke) becomes the reward's
     out = table.drop_columns(["error"]) \
         .append_column("correct", pa.array(correct, pa.float64())) \
         .append_column("reward", pa.array(reward, pa.float64())) \
         .append_column("verifier", pa.array([verifier[r["environment"]] for r in rows],
                                             pa.string())) \
-        .append_column("error", pa.array(causes, pa.string()))
+        .append_column("error", pa.array(causes, pa.string())) \
+        .append_column(contract.HACK_SUSPECTED, pa.array(hacks, pa.string()))
     for name in names:
         out = out.append_column(f"score_{name}", pa.array(
             [None if c is None else c.get(name) for c in scores], pa.float64()))
@@ -290,7 +305,8 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
                 "tasks": len({(rows[i]["environment"], rows[i]["task_id"]) for i in indices}),
                 "mean_reward": mean([reward[i] for i in judged]),
                 "correct_episodes": int(sum(correct[i] for i in judged)),
-                "pass_at_k": mean([float(v) for v in solved.values()])}
+                "pass_at_k": mean([float(v) for v in solved.values()]),
+                contract.HACK_SUSPECTED: hack_counts([hacks[i] for i in indices])}
 
     every = list(range(len(rows)))
     return out, {**summary(every), "unjudgeable": unjudged, "tasks_set_aside": len(set_aside),
@@ -348,7 +364,7 @@ def rescore(base: cfg.Base, config: cfg.Reward, rewards: Path, out: Path,
             merged[n][i] = new_cols[n][j] if n in new_cols else None
     result = rollouts
     for n in names:
-        kind = pa.string() if n in ("verifier", "error") else pa.float64()
+        kind = pa.string() if n in ("verifier", "error", contract.HACK_SUSPECTED) else pa.float64()
         result = result.append_column(n, pa.array(merged[n], kind))
     io.write_parquet(out, result)
     old_reward = old.get("reward", [None] * len(table))

@@ -22,7 +22,9 @@ value: the module, e.g. `support = my_pkg.support`). The module defines:
   cause, never a zero reward. May be left out when TOOLS is empty.
 - `reward(task, messages) -> float | dict[str, float] | None`: the score of an episode (`messages`:
   the task's messages and the agent's assistant/tool turns); a dict holds named components;
-  None = cannot judge (counted, dropped).
+  None = cannot judge (counted, dropped). A dict may also hold `"hack_suspected": "<reason>"`, a
+  note that the episode tried to game the reward (e.g. it patched the test framework): never a
+  component, counted per cycle in the reward metrics and watched by the gate's `hacking` guard.
 - optional: `gold(task) -> list[dict]` (assistant/tool messages that must score full marks: 1.0,
   or 1.0 in every component), `MAX_TURNS` (an int >= 1: tool calls per episode), `VERSION` (a
   string recorded with every score), `task_from_trace(messages, tools) -> dict | None` (the task
@@ -447,20 +449,53 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def score(env: Environment, task: dict, messages: list[dict]) -> dict[str, float] | None:
+HACK_SUSPECTED = "hack_suspected"
+
+
+class Scores(dict):
+    """Reward components (names to numbers) and the verifier's note of a suspected reward hack:
+    `hack_suspected`, its reason ("" when none). The note is an attribute, not an item, so that
+    nothing sums, averages or weights it; it survives pickling into and out of worker processes.
+    """
+
+    hack_suspected: str = ""
+
+    @classmethod
+    def of(cls, components: dict, hack_suspected: str = "") -> Scores:
+        """Scores of `components`, noting `hack_suspected` (a reason) when given."""
+        scores = cls(components)
+        if hack_suspected:
+            scores.hack_suspected = hack_suspected
+        return scores
+
+
+def suspected(scores: dict | None) -> str:
+    """The reason a verifier suspected a reward hack in these scores; "" when none."""
+    return getattr(scores, HACK_SUSPECTED, "") or ""
+
+
+def score(env: Environment, task: dict, messages: list[dict]) -> Scores | None:
     """The reward of an episode: the module's reward(task, messages) as components (a float x is
-    {"reward": x}), or None when it cannot judge. An exception from reward propagates (the
-    verifier broke); a result that is not a finite number, a dict of them or None raises
-    VerifierError naming the module.
+    {"reward": x}), or None when it cannot judge; a `hack_suspected` reason in the dict becomes
+    the `Scores` note. An exception from reward propagates (the verifier broke); a result that
+    is not a finite number, a dict of them or None raises VerifierError naming the module.
     """
     result = env.reward(task, messages)
     if result is None:
         return None
     value = _number(result)
     if value is not None:
-        return {"reward": value}
+        return Scores({"reward": value})
     if isinstance(result, dict) and result:
-        components = {}
+        result = dict(result)
+        note = result.pop(HACK_SUSPECTED, "")
+        if not isinstance(note, str):
+            raise VerifierError(f"{env.where}: reward() returned {HACK_SUSPECTED}={note!r}; it "
+                                f"is a reason (a string), or leave it out")
+        if not result:
+            raise VerifierError(f"{env.where}: reward() returned only {HACK_SUSPECTED}; return "
+                                f"the components too")
+        components = Scores.of({}, note)
         for key, item in result.items():
             value = _number(item)
             if not isinstance(key, str) or not key or value is None:
