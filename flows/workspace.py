@@ -252,6 +252,11 @@ def note_environments(root: Path) -> dict:
             digest.update(at.encode() + b"\0" + file.read_bytes() + b"\0")
         note[name] = {"module": env.module, "version": env.version, "source": shown,
                       "files": len(files), "sha256": digest.hexdigest() if files else None}
+    # the judge's rubric, when it is a file of the project: a changed rubric re-scores
+    rubric = str(cfg.load("judge", root / "params.yaml").rubric).strip()
+    if rubric and "\n" not in rubric and len(rubric) < 256 and (root / rubric).is_file():
+        note["judge rubric"] = {"source": rubric, "sha256": hashlib.sha256(
+            (root / rubric).read_bytes()).hexdigest()}
     path = root / ENVIRONMENT_SOURCES
     text = json.dumps(note, indent=2, sort_keys=True) + "\n"
     if not path.exists() or path.read_text() != text:

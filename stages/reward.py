@@ -20,10 +20,15 @@ Reads `data/rollouts.parquet`; writes `data/rewards.parquet` (every rollout colu
   as any Ray job's dependencies). Same results, in the same order, either way.
 
 With an `environments:` section the rollouts are chat episodes of the user's modules, scored by
-each one's own `reward` in this process (`score_chat`): the reward is the mean of its components,
-full marks in every one is `correct`, `verifier` is `<environment>/<VERSION>`.
+each one's own `reward` in this process (`score_chat`), or its `reward_group` over all samples of
+a task at once: the reward is the mean of its components, full marks in every one is `correct`,
+`verifier` is `<environment>/<VERSION>`. A reward that calls the LLM judge (`stages/envs/judge.py`)
+adds a `judgment` column (the judge and its reasoning) and `judges` metrics (requests, tokens,
+cache hits, failures by kind); its paid judgments persist in `--judgments` (data/judgments), and a
+spent judge budget stops the stage.
 
-    python -m stages.reward data/rollouts.parquet data/rewards.parquet metrics/reward.json
+    python -m stages.reward data/rollouts.parquet data/rewards.parquet metrics/reward.json \
+        --judgments data/judgments
     offseason rescore [data/rewards.parquet] [--output data/rescored.parquet]
 """
 
@@ -255,14 +260,46 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
             set_aside[key] = f"task set aside: {err}"
         except Exception as err:  # the reward itself broke on the gold
             set_aside[key] = f"reward() raised on the gold: {type(err).__name__}: {err}"
+    from stages.envs.judge import JudgeBudget
+
+    # an environment with reward_group scores all samples of a task at once (a relative judge)
+    grouped: dict[tuple, list[int]] = {}
+    for i, row in enumerate(rows):
+        if envs[row["environment"]].reward_group is not None and not row["error"] and \
+                (row["environment"], row["task_id"]) not in set_aside:
+            grouped.setdefault((row["environment"], row["task_id"]), []).append(i)
+    group_scores: dict[int, object] = {}
+    for (name, _), members in grouped.items():
+        env = envs[name]
+        try:
+            results = env.reward_group(json.loads(rows[members[0]]["task"]),
+                                       [json.loads(rows[i]["messages"]) for i in members])
+            if not isinstance(results, list) or len(results) != len(members):
+                raise contract.VerifierError(
+                    f"{env.where}: reward_group() returned {type(results).__name__} for "
+                    f"{len(members)} episodes; return a list with one result per episode")
+            for i, result in zip(members, results):
+                group_scores[i] = contract.normalize(env, result)
+        except JudgeBudget:
+            raise
+        except Exception as err:  # a broken reward: its cause, never a zero
+            for i in members:
+                group_scores[i] = f"{env.where}: reward_group() raised {type(err).__name__}: {err}"
     scores, causes = [], []
-    for row in rows:
+    for i, row in enumerate(rows):
         env, key = envs[row["environment"]], (row["environment"], row["task_id"])
         cause = row["error"] or set_aside.get(key)
-        if cause is None:
+        if cause is None and i in group_scores:
+            if isinstance(group_scores[i], str):
+                cause = group_scores[i]
+            else:
+                scores.append(group_scores[i])
+        elif cause is None:
             try:
                 scores.append(contract.score(env, json.loads(row["task"]),
                                              json.loads(row["messages"])))
+            except JudgeBudget:  # the judge's budget is spent: the stage stops, naming it
+                raise
             except Exception as err:  # a broken reward: its cause, never a zero
                 cause = f"{env.where}: reward() raised {type(err).__name__}: {err}"
         if cause is not None:
@@ -279,6 +316,8 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
                              f"training on its scores")
     verifier = {name: f"{name}/{env.version or env.module}" for name, env in envs.items()}
     hacks = [contract.suspected(c) or None for c in scores]
+    judgments = [json.dumps(c.judgment, ensure_ascii=False) if getattr(c, "judgment", None)
+                 else None for c in scores]
     # the rollout's own error column (a tool call that broke) becomes the reward's
     out = table.drop_columns(["error"]) \
         .append_column("correct", pa.array(correct, pa.float64())) \
@@ -287,6 +326,8 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
                                             pa.string())) \
         .append_column("error", pa.array(causes, pa.string())) \
         .append_column(contract.HACK_SUSPECTED, pa.array(hacks, pa.string()))
+    if any(judgments):  # the judge's identity and reasoning, beside its score
+        out = out.append_column("judgment", pa.array(judgments, pa.string()))
     for name in names:
         out = out.append_column(f"score_{name}", pa.array(
             [None if c is None else c.get(name) for c in scores], pa.float64()))
@@ -309,7 +350,11 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
                 contract.HACK_SUSPECTED: hack_counts([hacks[i] for i in indices])}
 
     every = list(range(len(rows)))
-    return out, {**summary(every), "unjudgeable": unjudged, "tasks_set_aside": len(set_aside),
+    from stages.envs import judge
+
+    judges = {"judges": [j.metrics() for j in judge.used()]} if judge.used() else {}
+    return out, {**summary(every), **judges, "unjudgeable": unjudged,
+                 "tasks_set_aside": len(set_aside),
                  "components": {n: mean([c[n] for c in scores if c and n in c]) for n in names},
                  "environments": {name: {**summary([i for i in every
                                                     if rows[i]["environment"] == name]),
@@ -397,12 +442,26 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("rollouts", "rewards", "metrics"):
         parser.add_argument(name, type=Path)
     parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--judgments", type=Path, default=None,
+                        help="where the LLM judge keeps its paid judgments (a persistent output)")
     args = parser.parse_args(argv)
+    if args.judgments is not None:
+        from stages.envs import judge
+
+        args.judgments.mkdir(parents=True, exist_ok=True)  # an output, judged or not
+        judge.use_cache(args.judgments)
     try:
         metrics = run(cfg.load("base", args.params), cfg.load("reward", args.params),
                       args.rollouts, args.rewards, cfg.environments(args.params),
                       Path(args.params).resolve().parent)
     except (VerifierBroken, ConnectionError) as err:  # a broken verifier, an absent cluster
+        print(f"reward: error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as err:
+        from stages.envs.judge import JudgeBudget
+
+        if not isinstance(err, JudgeBudget):
+            raise
         print(f"reward: error: {err}", file=sys.stderr)
         sys.exit(1)
     metrics["runtime"] = cfg.runtime_of(cfg.load("reward", args.params))  # what ran where
