@@ -112,7 +112,9 @@ def test_init_simulate_and_one_cycle(project):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["runtime"] = {"reward": {"workers": 1}, "rollout": {
         "concurrency": 7, "request_timeout": 30.0, "retries": 2, "server_timeout": 60.0,
-        "api_key_env": "MY_KEY", "urls": "http://127.0.0.1:9/v1"}}
+        "api_key_env": "MY_KEY", "urls": "http://127.0.0.1:9/v1"},
+        "judge": {"url": "http://127.0.0.1:9/v1", "request_timeout": 5.0, "retries": 1,
+                  "api_key_env": "JUDGE_KEY"}}
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     again = offseason(project, "run")
     assert "nothing changed since gen-1" in again.stdout and "no stage reran" in again.stdout
