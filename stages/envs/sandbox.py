@@ -5,7 +5,8 @@
     python -m stages.envs.sandbox               # say which isolation this machine gives, and probe it
 
 Every run is a fresh process tree under the real interpreter (`os.path.realpath(sys.executable)`,
-never a version manager's shim, in isolated mode `-I`: no PYTHON* variables, no user site), in a
+never a version manager's shim, in isolated mode `-I`: no PYTHON* variables, no user site; and
+`-S`: no `.pth` file runs, the harness puts site-packages on sys.path itself), in a
 new session (its own process group), with a clean environment (only HOME, TMPDIR, PATH, LANG: no
 inherited variable, so no secret, reaches it), a private temporary directory as cwd and HOME, and
 limits set by util-linux's `prlimit`: CPU seconds, address space, file size, open files, processes,
