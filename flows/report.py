@@ -60,6 +60,15 @@ def training_summary(train: dict) -> str:
     return text
 
 
+def _words(value) -> str:
+    """A list or a {name: count} as words for people ("email 2, card 1"; "none"), not a repr."""
+    if isinstance(value, dict):
+        value = [f"{k} {v}" for k, v in value.items() if v]
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(v) for v in value) or "none"
+    return "none" if value is None else str(value)
+
+
 def gate_lines(gate: dict) -> list[str]:
     """The gate's verdict and its evidence as Markdown list lines."""
     from flows.lineage import how
@@ -130,8 +139,8 @@ def markdown(root: Path, generation: int, metrics: dict, record: dict, *,
         f"- **Quarantined**: {ingest.get('quarantined', 0)} at ingest, "
         f"{validate.get('quarantined', 0)} by validation (reasons in `data/quarantine/`)",
         f"- **Drift** from the previous cycle: task mix distance "
-        f"{drift.get('task_mix_distance')}, new tools {drift.get('new_tools')}; PII scrubbed "
-        f"{ingest.get('pii_redactions')}",
+        f"{drift.get('task_mix_distance')}, new tools {_words(drift.get('new_tools'))}; PII "
+        f"scrubbed {_words(ingest.get('pii_redactions'))}",
         f"- **Data Docs** (Great Expectations): [{docs}]({docs.as_uri()})",
         "",
         "## Learning",

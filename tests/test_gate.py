@@ -527,3 +527,7 @@ def test_the_cycle_report_shows_the_guards_and_the_suspected_hacks(tmp_path):
     assert "suspected reward hacks: 3 episodes (imported unittest: 2, replaced " in text
     assert f"suite `arith`: candidate {verdict['suites']['arith']['candidate']:.3f}" in text
     assert "suspected reward hacks: none" in report.markdown(tmp_path, 1, {"gate": verdict}, {})
+    # the drift line in words, not Python reprs
+    text = report.markdown(tmp_path, 1, {"gate": verdict, "ingest": {"pii_redactions": {
+        "email": 2, "card": 0, "ip": 1}}, "validate": {"drift": {"new_tools": []}}}, {})
+    assert "new tools none; PII scrubbed email 2, ip 1" in text, text
