@@ -509,6 +509,9 @@ class EnvironmentSpec:
     # the gate: a guard environment fails when the lower bound of candidate - champion on its
     # benchmark falls below minus this (the primary one, gate.primary, must improve instead)
     max_regression: float = 0.05
+    # MCP servers whose tools the environment offers: {server: {command | url, allow, timeout}}
+    # (stages/envs/mcp_tools.py)
+    mcp: dict[str, dict] = dataclasses.field(default_factory=dict)
 
 
 OPTIONAL = {"environments", "runtime", "judge"}  # sections a params.yaml may leave out
@@ -578,6 +581,13 @@ def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]
         if not spec.weight > 0:
             _fail(str(path), f"environments.{name}.weight: must be > 0 (a share of rollouts), "
                              f"got {spec.weight}")
+        if spec.mcp:
+            from stages.envs import mcp_tools
+
+            try:
+                mcp_tools.check(f"environments.{name}.mcp", spec.mcp)
+            except ValueError as err:
+                _fail(str(path), str(err))
     return out
 
 

@@ -86,7 +86,7 @@ def chat_jobs(specs: dict, config: cfg.Rollout, root: Path, validated: Path | No
     """
     from stages.envs import contract
 
-    envs = {name: contract.load(name, spec.module, root) for name, spec in specs.items()}
+    envs = {name: contract.load_spec(name, spec, root) for name, spec in specs.items()}
     tasks = {name: [] for name in specs}
     if validated is not None and validated.exists():
         for row in pq.read_table(validated, columns=["trace_id", "question"]).to_pylist():

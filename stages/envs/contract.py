@@ -65,7 +65,8 @@ from typing import Any
 from stages.envs.errors import TaskFileError, ToolError, VerifierError
 
 __all__ = ["ENTRY_POINT_GROUP", "ContractError", "Environment", "GoldError", "TaskFileError",
-           "ToolError", "VerifierError", "call", "check_gold", "load", "load_tasks", "score"]
+           "ToolError", "VerifierError", "call", "check_gold", "load", "load_spec", "load_tasks",
+           "score"]
 
 ENTRY_POINT_GROUP = "offseason.environments"
 ROLES = ("system", "user", "assistant", "tool")
@@ -312,6 +313,37 @@ def load(name: str, module: str, root: str | Path | None = None) -> Environment:
                        version=version, call_tool=call_tool, reward=reward, gold=gold,
                        task_from_trace=from_trace, source=source, entry_point=entry_point,
                        reward_group=reward_group)
+
+
+def load_spec(name: str, spec, root: str | Path | None = None) -> Environment:
+    """`load` of an `environments:` entry, with the tools of its MCP servers (`spec.mcp`,
+    stages/envs/mcp_tools.py) offered beside the module's own: their schemas from the servers'
+    tools/list, their calls to the servers. Without `mcp` it is `load`.
+    """
+    env = load(name, spec.module, root)
+    if not spec.mcp:
+        return env
+    import dataclasses
+
+    from stages.envs import mcp_tools
+
+    root = Path(root if root is not None else Path.cwd()).resolve()
+    servers = mcp_tools.servers_of(name, spec.mcp, root)
+    offered = servers.tools()
+    clash = {t["function"]["name"] for t in env.tools} & {t["function"]["name"] for t in offered}
+    if clash:
+        raise ContractError(f"{env.where}: the tool {sorted(clash)[0]!r} is in TOOLS and offered "
+                            f"by an MCP server of environments.{name}.mcp; keep one")
+    own = env.call_tool
+
+    def call_tool(task: dict, tool: str, arguments: dict) -> str:
+        if servers.offers(tool):
+            return servers.call(tool, arguments)
+        if own is None:
+            raise ToolError(f"unknown tool {tool!r}")
+        return own(task, tool, arguments)
+
+    return dataclasses.replace(env, tools=(*env.tools, *offered), call_tool=call_tool)
 
 
 def _env_name(environment: Environment | str) -> str:
@@ -617,7 +649,7 @@ def benchmark_suites(specs: dict, root: Path, benchmark_size: int) -> dict[str, 
     for name, spec in specs.items():
         if not spec.benchmark:
             continue
-        env = load(name, spec.module, root)
+        env = load_spec(name, spec, root)
         tasks = load_tasks(root / spec.benchmark, env)
         if benchmark_size:
             tasks = tasks[:benchmark_size]

@@ -1,0 +1,246 @@
+"""MCP tools: an environment offers the tools of MCP servers, through the official `mcp` SDK.
+
+    environments:
+      support:
+        module: my_envs.support
+        tasks: data/tasks/support.jsonl
+        mcp:                                   # server name -> how to reach it
+          shop:
+            command: python tools/shop_server.py   # a stdio server, started from the project
+            allow: [lookup_order, refund]          # its tools the agent may call ([] = all)
+            timeout: 30                            # seconds per tools/call
+          docs:
+            url: http://127.0.0.1:9000/mcp         # a Streamable HTTP server already running
+
+The tools come from each server's `tools/list` (as OpenAI function schemas, beside the module's own
+TOOLS); a call goes to its server's `tools/call`. One session per server per process (a rollout
+stage, a gate), opened on first use on a background event loop and closed at exit, never one per
+call. A result the server marks `is_error` is a tool error the agent sees and may recover from
+(`ToolError`); a call past its `timeout`, a server that cannot start or that dies mid-rollout is an
+infrastructure failure (`McpError`, naming the server and the tool): those episodes are errors
+with their cause, never zeros, and the stage says which server.
+
+The module stays the environment's: its `reward`, its `call_tool` for its own TOOLS; a tool name
+both the module and a server offer, or two servers offer, is refused at load (`ContractError`).
+
+    python -m stages.envs.mcp_tools "python tools/shop_server.py"     # list a server's tools
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import json
+import shlex
+import sys
+import threading
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+
+from stages.envs.errors import ToolError, VerifierError
+
+DEFAULT_TIMEOUT = 30.0
+KEYS = {"command", "url", "allow", "timeout"}
+
+
+class McpError(VerifierError):
+    """An MCP server failed (would not start, timed out, died): an infrastructure failure."""
+
+
+def check(where: str, servers) -> dict[str, dict]:
+    """The `mcp:` entry of an environment, checked: {server: {command | url, allow, timeout}}."""
+    if not isinstance(servers, dict):
+        raise ValueError(f"{where}: expected a mapping of server names to {{command or url, "
+                         f"allow, timeout}}, got {servers!r}")
+    out = {}
+    for name, spec in servers.items():
+        at = f"{where}.{name}"
+        if not isinstance(spec, dict):
+            raise ValueError(f"{at}: expected {{command or url, allow, timeout}}, got {spec!r}")
+        unknown = set(spec) - KEYS
+        if unknown:
+            raise ValueError(f"{at}: unknown key {sorted(unknown)[0]!r}; valid keys: "
+                             f"{', '.join(sorted(KEYS))}")
+        if bool(spec.get("command")) == bool(spec.get("url")):
+            raise ValueError(f"{at}: give one of command (a stdio server to start) or url (a "
+                             f"Streamable HTTP server)")
+        allow = spec.get("allow") or []
+        if not isinstance(allow, list) or not all(isinstance(a, str) for a in allow):
+            raise ValueError(f"{at}.allow: a list of tool names, got {allow!r}")
+        timeout = spec.get("timeout", DEFAULT_TIMEOUT)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"{at}.timeout: seconds > 0, got {timeout!r}")
+        out[name] = {"command": spec.get("command") or "", "url": spec.get("url") or "",
+                     "allow": allow, "timeout": float(timeout)}
+    return out
+
+
+class Servers:
+    """The MCP servers of one environment: their tools, and calls to them."""
+
+    def __init__(self, env_name: str, servers: dict[str, dict], root: Path):
+        """Servers as `check` returns them; `root`: where stdio commands start."""
+        self.env_name, self.servers, self.root = env_name, servers, root
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.clients: dict[str, object] = {}
+        self.owner: dict[str, str] = {}  # tool name -> server name
+        self.schemas: list[dict] = []
+        self._stop: asyncio.Event | None = None
+        self._done: list = []
+
+    def _where(self, server: str) -> str:
+        spec = self.servers[server]
+        return (f"MCP server {server!r} of environment {self.env_name!r} "
+                f"({spec['command'] or spec['url']})")
+
+    def start(self) -> Servers:
+        """Open a session to every server and list its tools (once per process)."""
+        if self.loop is not None:
+            return self
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True,
+                         name=f"mcp-{self.env_name}").start()
+        self._stop = asyncio.Event()
+        for name in self.servers:
+            ready = asyncio.run_coroutine_threadsafe(self._hold(name), self.loop)
+            self._done.append(ready)
+            deadline = max(30.0, self.servers[name]["timeout"])
+            try:
+                while name not in self.clients:  # the holder stores its client when listed
+                    if ready.done():
+                        ready.result()  # raises what stopped it
+                        raise McpError(f"{self._where(name)}: closed before listing its tools")
+                    deadline -= 0.05
+                    if deadline < 0:
+                        raise McpError(f"{self._where(name)}: no session within 30 s")
+                    threading.Event().wait(0.05)
+            except McpError:
+                self.close()
+                raise
+            except Exception as err:
+                self.close()
+                while isinstance(err, BaseExceptionGroup) and err.exceptions:  # anyio's groups
+                    err = err.exceptions[0]
+                if isinstance(err, McpError):
+                    raise err from None
+                hint = ("; install the MCP SDK: pip install -e '.[mcp]'"
+                        if isinstance(err, ModuleNotFoundError) else "")
+                raise McpError(f"{self._where(name)}: cannot start or connect: "
+                               f"{type(err).__name__}: {err}{hint}") from err
+        atexit.register(self.close)
+        return self
+
+    async def _hold(self, name: str) -> None:
+        """Own one server's session for the life of the process (anyio wants the same task to
+        enter and leave it), publishing its client and tools, until close().
+        """
+        from mcp import Client, StdioServerParameters
+
+        spec = self.servers[name]
+        if spec["command"]:
+            argv = shlex.split(spec["command"])
+            if argv and argv[0] in ("python", "python3"):
+                argv[0] = sys.executable  # the project's interpreter, as DVC's commands use
+            target = StdioServerParameters(command=argv[0], args=argv[1:], cwd=str(self.root))
+        else:
+            target = spec["url"]
+        async with Client(target, read_timeout_seconds=spec["timeout"]) as client:
+            listed = await client.list_tools()
+            for tool in listed.tools:
+                if spec["allow"] and tool.name not in spec["allow"]:
+                    continue
+                if tool.name in self.owner:
+                    raise McpError(f"{self._where(name)}: tool {tool.name!r} is also offered by "
+                                   f"server {self.owner[tool.name]!r}; allow it on one only")
+                self.owner[tool.name] = name
+                self.schemas.append({"type": "function", "function": {
+                    "name": tool.name, "description": tool.description or tool.name,
+                    "parameters": tool.input_schema or {"type": "object"}}})
+            missing = set(spec["allow"]) - {t.name for t in listed.tools}
+            if missing:
+                raise McpError(f"{self._where(name)}: allow names {sorted(missing)}, which the "
+                               f"server does not offer (it offers "
+                               f"{sorted(t.name for t in listed.tools)})")
+            self.clients[name] = client
+            await self._stop.wait()
+
+    def tools(self) -> list[dict]:
+        """The servers' allowed tools as OpenAI function schemas."""
+        return list(self.start().schemas)
+
+    def offers(self, name: str) -> bool:
+        """Whether a server offers the tool `name`."""
+        return name in self.start().owner
+
+    def call(self, name: str, arguments: dict) -> str:
+        """One tools/call: the text of the result; ToolError when the server marks it an error
+        (the agent sees it); McpError when the server times out or is gone.
+        """
+        self.start()
+        server = self.owner[name]
+        timeout = self.servers[server]["timeout"]
+        future = asyncio.run_coroutine_threadsafe(
+            self.clients[server].call_tool(name, arguments, read_timeout_seconds=timeout),
+            self.loop)
+        try:
+            result = future.result(timeout + 5)
+        except (FutureTimeout, TimeoutError) as err:
+            future.cancel()
+            raise McpError(f"{self._where(server)}: tools/call {name} gave no answer within "
+                           f"{timeout:g} s (its `timeout`)") from err
+        except Exception as err:
+            text = str(err) or type(err).__name__
+            if "timed out" in text:
+                raise McpError(f"{self._where(server)}: tools/call {name} gave no answer within "
+                               f"{timeout:g} s (its `timeout`)") from err
+            raise McpError(f"{self._where(server)}: tools/call {name} failed: "
+                           f"{type(err).__name__}: {text}") from err
+        text = "\n".join(getattr(part, "text", "") or json.dumps(part.model_dump(mode="json"))
+                         for part in result.content)
+        if result.is_error:
+            raise ToolError(text or f"{name} failed")
+        if not text and result.structured_content is not None:
+            text = json.dumps(result.structured_content)
+        return text
+
+    def close(self) -> None:
+        """End every session (stdio servers exit with it)."""
+        if self.loop is None or self._stop is None:
+            return
+        loop, self.loop = self.loop, None
+        loop.call_soon_threadsafe(self._stop.set)
+        for done in self._done:
+            try:
+                done.result(10)
+            except Exception:  # noqa: BLE001 (a server that died is closed already)
+                pass
+        loop.call_soon_threadsafe(loop.stop)
+
+
+_OPEN: dict[tuple, Servers] = {}
+
+
+def servers_of(env_name: str, servers: dict, root: Path) -> Servers:
+    """The (one per process) Servers of an environment's `mcp:` entry."""
+    key = (env_name, json.dumps(servers, sort_keys=True), str(root))
+    if key not in _OPEN:
+        _OPEN[key] = Servers(env_name, check(f"environments.{env_name}.mcp", servers), root)
+    return _OPEN[key]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """List a server's tools (the command line)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("server", help="a stdio command (quoted) or an http(s) URL")
+    args = parser.parse_args(argv)
+    key = "url" if args.server.startswith(("http://", "https://")) else "command"
+    found = Servers("cli", check("server", {"server": {key: args.server}}), Path.cwd())
+    try:
+        print(json.dumps(found.tools(), indent=2))
+    finally:
+        found.close()
+
+
+if __name__ == "__main__":
+    main()

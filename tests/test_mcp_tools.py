@@ -1,0 +1,111 @@
+"""MCP tools in an environment: a real stdio MCP server (tests/fixtures/mcp/shop_server.py,
+written with the `mcp` SDK) and the SDK's own client, through `contract.load_spec`.
+
+    pytest -q tests/test_mcp_tools.py
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from stages import config as cfg
+from stages.envs import contract, mcp_tools
+
+REPO = Path(__file__).resolve().parents[1]
+SERVER = {"command": "python tests/fixtures/mcp/shop_server.py"}
+MODULE = '''
+TOOLS = [{"type": "function", "function": {"name": "greet", "parameters": {"type": "object"}}}]
+
+
+def call_tool(task, name, arguments):
+    return "hello"
+
+
+def reward(task, messages):
+    return 1.0
+'''
+TASK = {"task_id": "t", "messages": [{"role": "user", "content": "Where is order 42?"}]}
+
+
+@pytest.fixture
+def project(tmp_path):
+    (tmp_path / "tests" / "fixtures" / "mcp").mkdir(parents=True)
+    (tmp_path / "tests/fixtures/mcp/shop_server.py").write_text(
+        (REPO / "tests/fixtures/mcp/shop_server.py").read_text())
+    (tmp_path / f"shop_env_{tmp_path.name}.py").write_text(MODULE)
+    return tmp_path
+
+
+def spec(project, **server):
+    return cfg.EnvironmentSpec(module=f"shop_env_{project.name}",
+                               mcp={"shop": {**SERVER, **server}})
+
+
+def test_an_environment_offers_and_calls_its_mcp_servers_tools(project):
+    env = contract.load_spec("support", spec(project, allow=["lookup_order", "refund"],
+                                             timeout=5), project)
+    names = [t["function"]["name"] for t in env.tools]
+    assert names == ["greet", "lookup_order", "refund"]  # the module's own, then the allowed
+    lookup = env.tools[1]["function"]
+    assert lookup["parameters"]["required"] == ["order_id"]  # from the server's tools/list
+    assert contract.call(env, TASK, "lookup_order", '{"order_id": "42"}') == \
+        ("order 42: shipped", None)
+    assert contract.call(env, TASK, "greet", "{}") == ("hello", None)
+    # a tool error the agent sees and may recover from
+    text, why = contract.call(env, TASK, "refund", '{"order_id": "42", "amount": 5}')
+    assert "refunds need a manager's approval" in why and text.startswith("Error: ")
+    text, why = contract.call(env, TASK, "lookup_order", '{"order_id": "7"}')
+    assert "no order 7" in why
+    # not allowed: not offered, so an unknown tool
+    text, why = contract.call(env, TASK, "slow_report", '{"days": 1}')
+    assert "unknown tool" in why
+    # arguments are checked against the server's schema before any call
+    text, why = contract.call(env, TASK, "lookup_order", '{"order": "42"}')
+    assert "order_id" in why
+
+
+def test_a_hanging_tool_and_a_dead_server_are_infrastructure_failures(project):
+    env = contract.load_spec("hang", spec(project, timeout=1), project)
+    started = time.monotonic()
+    with pytest.raises(mcp_tools.McpError, match=r"MCP server 'shop' of environment 'hang'.*"
+                                                  r"slow_report gave no answer within 1 s"):
+        contract.call(env, TASK, "slow_report", '{"days": 1}')
+    assert time.monotonic() - started < 8
+    # the session survives a timed-out call
+    assert contract.call(env, TASK, "lookup_order", '{"order_id": "43"}')[0] == \
+        "order 43: processing"
+    # the server dies mid-rollout: the next call says which server
+    servers = mcp_tools.servers_of("hang", spec(project, timeout=1).mcp, project.resolve())
+    import psutil
+
+    mine = [p for p in psutil.Process().children(recursive=True)
+            if "shop_server.py" in " ".join(p.cmdline()) and p.cwd() == str(project.resolve())]
+    assert len(mine) == 1, "the environment's stdio server runs, once"
+    os.kill(mine[0].pid, signal.SIGKILL)
+    mine[0].wait(10)
+    with pytest.raises(mcp_tools.McpError, match="MCP server 'shop' of environment 'hang'"):
+        contract.call(env, TASK, "lookup_order", '{"order_id": "42"}')
+    servers.close()
+
+
+def test_bad_mcp_settings_name_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"environments.x.mcp.shop: give one of command"):
+        mcp_tools.check("environments.x.mcp", {"shop": {"allow": []}})
+    with pytest.raises(ValueError, match=r"unknown key 'cmd'"):
+        mcp_tools.check("environments.x.mcp", {"shop": {"cmd": "x"}})
+    with pytest.raises(ValueError, match=r"timeout: seconds > 0"):
+        mcp_tools.check("environments.x.mcp", {"shop": {"url": "http://h/mcp", "timeout": 0}})
+    params = tmp_path / "params.yaml"
+    params.write_text("environments:\n  x:\n    module: m\n    mcp: {shop: {command: a, url: b}}\n")
+    with pytest.raises(cfg.ParamsError, match="give one of command"):
+        cfg.environments(params)
+
+
+def test_an_allow_list_naming_a_missing_tool_fails_at_load(project):
+    with pytest.raises(mcp_tools.McpError, match=r"allow names \['delete_everything'\]"):
+        contract.load_spec("bad", spec(project, allow=["delete_everything"]), project)
