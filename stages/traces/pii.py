@@ -70,10 +70,10 @@ _TOKENS = (
     r"|EZ[AT]K[A-Za-z0-9]{54}\b|EAA[MC][A-Za-z0-9]{100,}|FLW(?:SEC|PUB)K_TEST-\w{12,32}(?:-X)?"
     r"|fo1_[\w\-]{43}|fm[12][ar]?_[A-Za-z0-9+/]{100,}=*|fio-u-[\w\-=]{64}"  # Fly.io, Frame.io
     r"|sk_[A-Za-z0-9]{29}|pat\.\w{22}\.\w{24}\.\w{20}|sat\.[\w\-]{22}\.\w{24}\.\w{20}"  # Freemius, Harness
-    r"|[A-Za-z0-9]{14}\.atlasv1\.[\w\-=]{60,70}|HRKU-AA[\w\-]{58}"        # Terraform, Heroku
+    r"|HRKU-AA[\w\-]{58}"                                              # Heroku
     r"|(?<!\.)ico-[A-Za-z0-9]{32}\b|s-s4t2(?:ud|af)-[a-f0-9]{64}"               # Infracost, 42
     r"|eyJrIjoi[A-Za-z0-9]{70,}=*|glc_[A-Za-z0-9+/]{32,}=*|glsa_[A-Za-z0-9]{32}_[A-Fa-f0-9]{8}"  # Grafana
-    r"|lin_api_[A-Za-z0-9]{40}|[A-Za-z0-9]{6}_[A-Za-z0-9]{29}_mmk"    # Linear, MaxMind
+    r"|lin_api_[A-Za-z0-9]{40}"                                       # Linear
     r"|ntn_\d{11}[A-Za-z0-9]{35}\b|API-[A-Z0-9]{26}\b|sha256~[\w\-]{43}"  # Notion, Octopus, OpenShift
     r"|pplx-[A-Za-z0-9]{48}|pscale_(?:tkn|oauth|pw)_[\w=.\-]{32,64}"   # Perplexity, PlanetScale
     r"|PMAK-[a-f0-9]{24}-[a-f0-9]{34}|pnu_[A-Za-z0-9]{36}|pul-[a-f0-9]{40}"  # Postman, Prefect, Pulumi
@@ -85,20 +85,64 @@ _TOKENS = (
     r"|hv[sb]\.[\w\-]{90,300}|t1\.[\w\-]+=*\.[\w\-]{86}=*|YC[\w\-]{38}|AQVN[\w\-]{35,38}"  # Vault, Yandex
     r"|eyJ[A-Za-z0-9_\-]{10,}\.ey[A-Za-z0-9_/\\\-]{10,}(?:\.[A-Za-z0-9_/\\\-]+=*)?"  # JWT, signed or not
 )
-# Keys that are a URL: Slack and Microsoft Teams webhooks, credentials in a URL (`https://user:pw@`)
-_URLS = (
+# The gate for secrets. Every provider key is 20 characters or more without a space; a line with
+# such a run is looked at if one of the prefixes SECRET's alternatives begin with is in it. The
+# prefixes are one regex written as a trie: Python's `re` tries each branch of an alternation at
+# each position, and a trie only the branches of one first character (twice as fast). Names that
+# ASSIGNMENT and the header rules look for are searched in the lowercased text (faster again).
+_SECRET_PREFIXES = (
+    "sk-", "sk_", "rk_", "A3T", "AKIA", "ASIA", "ABIA", "ACCA", "ABSK", "bedrock-api-key-", "ghp_",
+    "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "glpat-", "gldt-", "glffct-", "glft-", "glimt-",
+    "glagent-", "gloas-", "glptt-", "glrt-", "glsoat-", "glcbt-", "glddt-", "GR1348941",
+    "_gitlab_session=", "xox", "xapp-", "AIza", "hf_", "api_org_", "npm_", "pypi-AgE", "SG.",
+    "xkeysib-", "AKCp", "cmVmd", "A3-", "ops_eyJ", "p8e-", "AGE-SECRET-KEY-1", "pat", "LTAI",
+    "sc_", "ext_", "scauth_", "authress_", "4b1d", "CLOJARS_", "v1.0-", "dapi", "doo_v1_", "dop_v1_",
+    "dor_v1_", "dp.pt.", "duffel_", "dt0c01.", "EZAK", "EZTK", "EAAM", "EAAC", "EAAA", "FLWSECK_TEST-",
+    "FLWPUBK_TEST-", "fo1_", "fm1", "fm2_", "fio-u-", "sat.", ".atlasv1.", "HRKU-AA", "ico-",
+    "s-s4t2", "eyJ", "glc_", "glsa_", "lin_api_", "_mmk", "ntn_", "API-", "sha256~", "pplx-",
+    "pscale_", "PMAK-", "pnu_", "pul-", "rdme_", "rubygems_", "tk-us-", "sntry", "sm_aat_", "sm_pat_",
+    "sm_sat_", "shippo_", "shpat_", "shpca_", "shppa_", "shpss_", "sgp_", "sq0atp-", "sq0csp-", "SK",
+    "hvs.", "hvb.", "t1.", "YC", "AQVN")
+
+
+def _trie(words) -> str:
+    """A regex matching any of the words, as a trie: `A(?:KIA|SIA)`."""
+    tree: dict = {}
+    for word in words:
+        node = tree
+        for char in word:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def emit(node: dict) -> str:
+        branches = [re.escape(char) + emit(child) for char, child in sorted(node.items()) if char]
+        if not branches:
+            return ""
+        if "" in node:  # a word ends here, a longer one goes on: the shorter is enough
+            return ""
+        return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+    return emit(tree)
+
+
+# Keys found by their prefix, tried only where one of the prefixes is (the lookahead: a trie of
+# `_SECRET_PREFIXES`, cheap at each position, where the alternation of all formats is not)
+SECRET = re.compile(r"\b(?=" + _trie(_SECRET_PREFIXES) + r")(?:" + _TOKENS + r")")
+# What no prefix announces: webhooks (Slack, Teams, Discord, Zapier), a header's value, a password
+# in a URL or after `curl -u`, the formats whose mark is inside (Azure's `Q~`, Terraform's
+# `.atlasv1.`, MaxMind's `_mmk`). Looked for only in text holding one of `_SECRET_MARKS`.
+MARKED = re.compile(
     r"(?:https?://)?hooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9+/]{20,}"
     r"|https://[a-z0-9]+\.webhook\.office\.com/webhookb2/[\w\-@]+/IncomingWebhook/\w+/[\w\-]+"
     r"|https?://(?:discord(?:app)?\.com|[\w.]+\.zapier\.com)/api/webhooks/\d+/[\w\-]+"
-)
-SECRET = re.compile(
-    r"\b(?:" + _TOKENS + r")" + r"|" + _URLS
-    + r"|(?:(?<=Bearer )|(?<=Token )|(?<=Api-Token ))[A-Za-z0-9._~+/\-]{16,}=*"
-    + r"|(?<=Basic )(?=[A-Za-z]*[0-9+/=])[A-Za-z0-9+/]{8,}={0,2}"  # base64 of `user:pw`, not a word
-    + r"|(?<![\w~.])[\w~.]{3}\dQ~[\w~.\-]{31,34}(?![\w~.\-])"  # Azure AD client secret
-    + r"|(?P<url>(?<=://)[^\s:/@\"'<>]{1,64}:[^\s:/@\"'<>]{3,128}(?=@[\w.\-]+))"  # user:password@host
-    + r"|(?P<curl>(?:(?<=\s-u)|(?<=\s--user))[ =]{1,3}[\"']?[^\s\"':]{0,64}:[^\s\"']{0,128}[\"']?)"  # curl -u
-)
+    r"|(?:(?<=Bearer )|(?<=Token )|(?<=Api-Token ))[A-Za-z0-9._~+/\-]{16,}=*"
+    r"|(?<=Basic )(?=[A-Za-z]*[0-9+/=])[A-Za-z0-9+/]{8,}={0,2}"  # base64 of `user:pw`, not a word
+    r"|(?<![\w~.])[\w~.]{3}\dQ~[\w~.\-]{31,34}(?![\w~.\-])"     # Azure AD client secret
+    r"|\b[A-Za-z0-9]{14}\.atlasv1\.[\w\-=]{60,70}"                # Terraform Cloud
+    r"|\b[A-Za-z0-9]{6}_[A-Za-z0-9]{29}_mmk\b"                      # MaxMind
+    r"|(?P<url>(?<=://)[^\s:/@\"'<>]{1,64}:[^\s:/@\"'<>]{3,128}(?=@[\w.\-]+))"  # user:password@host
+    r"|(?P<curl>(?:(?<=\s-u)|(?<=\s--user))[ =]{1,3}[\"']?[^\s\"':]{0,64}:[^\s\"']{0,128}[\"']?)")
+_SECRET_MARKS = ("hooks.slack.com", "webhook", "Bearer ", "Basic ", "Token ", "Q~", ".atlasv1.", "_mmk",
+                 "://", " -u", "--user")
 # A PEM private key, body and all; an unterminated one up to the end of its base64 lines
 PRIVATE_KEY = re.compile(r"-----BEGIN[ A-Z0-9_\-]{0,100}PRIVATE KEY(?: BLOCK)?-----"
                          r"(?:\s*[^\-\s][\s\S]*?-----END[ A-Z0-9_\-]{0,100}PRIVATE KEY(?: BLOCK)?-----"
@@ -197,16 +241,16 @@ _PROVIDER_PREFIX = re.compile(r"xox|xapp-|sk[-_]|rk_|gh[pousr]_|github_pat_|AKIA
 _ATTRIBUTE = re.compile(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)+|[A-Za-z_][\w\-]*")
 
 
+_ALPHABET, _DIGITS = "abcdefghijklmnopqrstuvwxyz", "0123456789"
+_SEQUENCE = re.compile("|".join(run[i:i + 10] for run in (_ALPHABET, _DIGITS)
+                                for i in range(len(run) - 9)))
+
+
 def _is_sequence(text: str) -> bool:
-    """True if it runs through ten letters or digits in order (`abcdefgh`, `12345678`): typed by
-    hand, as in examples (`AIzaSyabcdefghijklmnopqrstuvwxyz1234567`), never drawn at random.
+    """True if it runs through ten letters or digits in order (`abcdefghij`, `0123456789`): typed
+    by hand, as in examples (`AIzaSyabcdefghijklmnopqrstuvwxyz1234567`), never drawn at random.
     """
-    run = 1
-    for a, b in zip(text.lower(), text[1:].lower()):
-        run = run + 1 if ord(b) - ord(a) == 1 and b.isalnum() else 1
-        if run == 10:
-            return True
-    return False
+    return _SEQUENCE.search(text.lower()) is not None
 
 
 # prefixes no placeholder carries: what follows them is a key whatever it looks like
@@ -221,7 +265,7 @@ def _is_token(match: re.Match) -> bool:
     text = match[0]
     if text.startswith(_PROOF):
         return True
-    if match["url"] or match["curl"]:  # a password in a URL or curl's -u: whatever its entropy
+    if match.lastgroup in ("url", "curl"):  # a password in a URL or curl's -u: whatever its entropy
         return _CREDENTIALS_PLACEHOLDER.search(text.strip(" =\"'")) is None
     return not _NOT_A_SECRET.search(text) and entropy(text) >= 2.5 and not _is_sequence(text)
 
@@ -239,9 +283,9 @@ def _is_secret_value(match: re.Match) -> bool:
         return False
     if match["k"].lower() in ("pass", "pwd") and match["q"] and entropy(value) >= 2.3:
         return True  # a quoted string literal assigned to a password: `password = "hunter2!x"`
-    if len(value) < 10 or (match["c"] and sum(c.isdigit() for c in value) < 2):
+    digits = len(DIGIT.findall(value))
+    if len(value) < 10 or (match["c"] and digits < 2):
         return False  # short; or a list of names, `"tokens", "symbol2label"`
-    digits = sum(c.isdigit() for c in value)
     if "." in value and digits < 3 and _ATTRIBUTE.fullmatch(value):
         return False  # `settings.TOKEN`, `self.api_key`; a key's parts have digits (`s.ZC9Ecf4M5g9o`)
     if digits == len(value):  # a number: long, and not `100000000000`
@@ -259,75 +303,63 @@ def _is_phone(match: re.Match) -> bool:
 
 
 # Cheap tests over a whole serialized trace: only text that might hold PII is scrubbed piece by
-# piece. Looser than the patterns above (they only have to see every candidate); three simple
-# searches are several times faster than one alternation of everything. Every provider prefix of
-# SECRET is here, by its first characters, and every keyword of ASSIGNMENT.
-# The gate for secrets. Every provider key is 20 characters or more without a space; a line with
-# such a run is looked at if one of the prefixes SECRET's alternatives begin with is in it. The
-# prefixes are one regex written as a trie: Python's `re` tries each branch of an alternation at
-# each position, and a trie only the branches of one first character (twice as fast). Names that
-# ASSIGNMENT and the header rules look for are searched in the lowercased text (faster again).
-_SECRET_PREFIXES = (
-    "sk-", "sk_", "rk_", "A3T", "AKIA", "ASIA", "ABIA", "ACCA", "ABSK", "bedrock-api-key-", "ghp_",
-    "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "glpat-", "gldt-", "glffct-", "glft-", "glimt-",
-    "glagent-", "gloas-", "glptt-", "glrt-", "glsoat-", "glcbt-", "glddt-", "GR1348941",
-    "_gitlab_session=", "xox", "xapp-", "AIza", "hf_", "api_org_", "npm_", "pypi-AgE", "SG.",
-    "xkeysib-", "AKCp", "cmVmd", "A3-", "ops_eyJ", "p8e-", "AGE-SECRET-KEY-1", "pat", "LTAI",
-    "sc_", "ext_", "scauth_", "authress_", "4b1d", "CLOJARS_", "v1.0-", "dapi", "doo_v1_", "dop_v1_",
-    "dor_v1_", "dp.pt.", "duffel_", "dt0c01.", "EZAK", "EZTK", "EAAM", "EAAC", "EAAA", "FLWSECK_TEST-",
-    "FLWPUBK_TEST-", "fo1_", "fm1", "fm2_", "fio-u-", "sat.", ".atlasv1.", "HRKU-AA", "ico-",
-    "s-s4t2", "eyJ", "glc_", "glsa_", "lin_api_", "_mmk", "ntn_", "API-", "sha256~", "pplx-",
-    "pscale_", "PMAK-", "pnu_", "pul-", "rdme_", "rubygems_", "tk-us-", "sntry", "sm_aat_", "sm_pat_",
-    "sm_sat_", "shippo_", "shpat_", "shpca_", "shppa_", "shpss_", "sgp_", "sq0atp-", "sq0csp-", "SK",
-    "hvs.", "hvb.", "t1.", "YC", "AQVN", "hooks.slack.com", "webhook.office.com", "/api/webhooks/",
-    "-----BEGIN", "Q~")
+# piece. Looser than the patterns above (they only have to see every candidate); simple searches
+# are several times faster than one alternation of everything. Each pattern also has its own
+# test in PATTERNS, so a text is searched only by the patterns that may match in it.
+_LONG_RUN = re.compile(r"[\w\-.~+/=]{20}")  # every provider key is 20 characters or more
+_MAYBE_PREFIX = re.compile(_trie(_SECRET_PREFIXES))
+_MAYBE_NAME = re.compile(r"pass|pwd|secret|token|key|cred|auth|contribsys")  # ASSIGNMENT's, lowercased
+_MAYBE_MARKED = re.compile("|".join(re.escape(mark) for mark in _SECRET_MARKS))
 
 
-def _trie(words) -> str:
-    """A regex matching any of the words, as a trie: `A(?:KIA|SIA)`."""
-    tree: dict = {}
-    for word in words:
-        node = tree
-        for char in word:
-            node = node.setdefault(char, {})
-        node[""] = {}
-
-    def emit(node: dict) -> str:
-        branches = [re.escape(char) + emit(child) for char, child in sorted(node.items()) if char]
-        if not branches:
-            return ""
-        if "" in node:  # a word ends here, a longer one goes on: the shorter is enough
-            return ""
-        return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
-    return emit(tree)
+def _maybe_prefixed(text: str) -> bool:
+    return _LONG_RUN.search(text) is not None and _MAYBE_PREFIX.search(text) is not None
 
 
-_LONG_RUN = re.compile(r"[\w\-.~+/=]{20}")
-_MAYBE_SECRET = re.compile(_trie(_SECRET_PREFIXES))
-_MAYBE_KEYWORD = re.compile(r"pass|pwd|secret|token|key|cred|auth|bearer|basic |curl|contribsys")
+def _maybe_marked(text: str) -> bool:
+    return _MAYBE_MARKED.search(text) is not None
 
 
-def maybe_secret(text: str) -> bool:
-    """True if the text may hold a secret: a long run with a provider's prefix, a name ASSIGNMENT
-    or a header rule looks for (`password`, `Bearer`, `curl -u`), or a URL with a password in it.
-    """
-    return ((_LONG_RUN.search(text) is not None and _MAYBE_SECRET.search(text) is not None)
-            or _MAYBE_KEYWORD.search(text.lower()) is not None or ("://" in text and "@" in text))
+def _maybe_named(text: str) -> bool:
+    return _MAYBE_NAME.search(text.lower()) is not None
+
+
+def _maybe_pem(text: str) -> bool:
+    return "-----BEGIN" in text
 
 
 _MAYBE_NUMBER = re.compile(r"\d[\d .\-()]{5,}\d")  # phones, cards, IPv4 (8.8.8.8: 7 characters)
 _MAYBE_IPV6 = re.compile(r"::|[0-9A-Fa-f]:[0-9A-Fa-f]{1,4}:")
 
 
+def maybe_secret(text: str) -> bool:
+    """True if the text may hold a secret: a long run with a provider's prefix, a mark of MARKED
+    (`Bearer `, `://`, `curl -u`), a name ASSIGNMENT looks for (it holds `key`: so does a PEM
+    header).
+    """
+    return _maybe_prefixed(text) or _maybe_named(text) or _maybe_marked(text)
+
+
 def maybe_pii(text: str) -> bool:
     """True if the text may hold PII: a cheap test before the patterns run."""
-    return ("@" in text or maybe_secret(text)
-            or _MAYBE_NUMBER.search(text) is not None or _MAYBE_IPV6.search(text) is not None)
+    return ("@" in text or _MAYBE_NUMBER.search(text) is not None
+            or _MAYBE_IPV6.search(text) is not None or maybe_secret(text))
 
 
-PATTERNS = [("secret", PRIVATE_KEY, None), ("secret", SECRET, _is_token),
-            ("secret", ASSIGNMENT, _is_secret_value), ("email", EMAIL, None), ("card", CARD, _is_card),
-            ("ip", IPV4, None), ("ip", IPV6, _is_ipv6), ("phone", PHONE, _is_phone)]
+def _has_digit(text: str) -> bool:
+    return DIGIT.search(text) is not None
+
+
+def _maybe_ip(text: str) -> bool:
+    return ":" in text or DIGIT.search(text) is not None
+
+
+# (kind, pattern, the check of each match or None, the cheap test a text must pass to be searched)
+PATTERNS = [("secret", PRIVATE_KEY, None, _maybe_pem), ("secret", SECRET, _is_token, _maybe_prefixed),
+            ("secret", MARKED, _is_token, _maybe_marked), ("secret", ASSIGNMENT, _is_secret_value, _maybe_named),
+            ("email", EMAIL, None, lambda text: "@" in text), ("card", CARD, _is_card, _has_digit),
+            ("ip", IPV4, None, _has_digit), ("ip", IPV6, _is_ipv6, _maybe_ip),
+            ("phone", PHONE, _is_phone, _has_digit)]
 
 
 class Scrubber:
@@ -350,14 +382,9 @@ class Scrubber:
 
     def text(self, value: str) -> str:
         """The text with PII replaced by placeholders, counted."""
-        has_digit = DIGIT.search(value) is not None
-        might_hold_secret = maybe_secret(value)
-        for kind, pattern, check in PATTERNS:
-            # cheap pre-checks first: most strings hold no PII at all
-            if kind not in self.kinds or (kind == "secret" and not might_hold_secret) or (
-                    kind == "email" and "@" not in value) or (
-                    kind in ("card", "phone") and not has_digit) or (
-                    kind == "ip" and ":" not in value and not has_digit):
+        for kind, pattern, check, maybe in PATTERNS:
+            # cheap tests first: most strings hold no PII at all
+            if kind not in self.kinds or not maybe(value):
                 continue
 
             def replace(match: re.Match, kind=kind, check=check) -> str:
