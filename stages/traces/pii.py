@@ -218,10 +218,14 @@ def _is_ipv6(match: re.Match) -> bool:
     return True
 
 
+def _c_log2_c(c: int) -> float:
+    return c * math.log2(c)
+
+
 def entropy(text: str) -> float:
     """Shannon entropy of the text's characters, in bits per character."""
-    n = len(text)
-    return -sum(c / n * math.log2(c / n) for c in Counter(text).values())
+    n = len(text)  # log2(n) - sum(c log2 c) / n: one logarithm per distinct character, no division
+    return math.log2(n) - sum(map(_c_log2_c, Counter(text).values())) / n
 
 
 # what stands in for a secret in examples and templates: `${DB_PASSWORD}`, `%(token)s`, `{{ .Token }}`,
