@@ -134,15 +134,15 @@ MARKED = re.compile(
     r"(?:https?://)?hooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9+/]{20,}"
     r"|https://[a-z0-9]+\.webhook\.office\.com/webhookb2/[\w\-@]+/IncomingWebhook/\w+/[\w\-]+"
     r"|https?://(?:discord(?:app)?\.com|[\w.]+\.zapier\.com)/api/webhooks/\d+/[\w\-]+"
-    r"|(?:(?<=Bearer )|(?<=Token )|(?<=Api-Token ))[A-Za-z0-9._~+/\-]{16,}=*"
+    r"|(?:(?<=Bearer )|(?<=: Token )|(?<=Api-Token ))[A-Za-z0-9._~+/\-]{16,}=*"
     r"|(?<=Basic )(?=[A-Za-z]*[0-9+/=])[A-Za-z0-9+/]{8,}={0,2}"  # base64 of `user:pw`, not a word
     r"|(?<![\w~.])[\w~.]{3}\dQ~[\w~.\-]{31,34}(?![\w~.\-])"     # Azure AD client secret
     r"|\b[A-Za-z0-9]{14}\.atlasv1\.[\w\-=]{60,70}"                # Terraform Cloud
     r"|\b[A-Za-z0-9]{6}_[A-Za-z0-9]{29}_mmk\b"                      # MaxMind
     r"|(?P<url>(?<=://)[^\s:/@\"'<>]{1,64}:[^\s:/@\"'<>]{3,128}(?=@[\w.\-]+))"  # user:password@host
     r"|(?P<curl>(?:(?<=\s-u)|(?<=\s--user))[ =]{1,3}[\"']?[^\s\"':]{0,64}:[^\s\"']{0,128}[\"']?)")
-_SECRET_MARKS = ("hooks.slack.com", "webhook", "Bearer ", "Basic ", "Token ", "Q~", ".atlasv1.", "_mmk",
-                 "://", " -u", "--user")
+_SECRET_MARKS = ("hooks.slack.com", "webhook", "Bearer ", "Basic ", ": Token ", "Api-Token ", "Q~",
+                 ".atlasv1.", "_mmk", "://", " -u", "--user")
 # A PEM private key, body and all; an unterminated one up to the end of its base64 lines
 PRIVATE_KEY = re.compile(r"-----BEGIN[ A-Z0-9_\-]{0,100}PRIVATE KEY(?: BLOCK)?-----"
                          r"(?:\s*[^\-\s][\s\S]*?-----END[ A-Z0-9_\-]{0,100}PRIVATE KEY(?: BLOCK)?-----"
