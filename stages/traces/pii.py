@@ -346,23 +346,21 @@ def maybe_secret(text: str) -> bool:
 
 def maybe_pii(text: str) -> bool:
     """True if the text may hold PII: a cheap test before the patterns run."""
+    # an IPv6 address has a digit (`_is_ipv6`): C++'s `std::` alone is no reason to look
     return ("@" in text or _MAYBE_NUMBER.search(text) is not None
-            or _MAYBE_IPV6.search(text) is not None or maybe_secret(text))
+            or (_MAYBE_IPV6.search(text) is not None and DIGIT.search(text) is not None)
+            or maybe_secret(text))
 
 
 def _has_digit(text: str) -> bool:
     return DIGIT.search(text) is not None
 
 
-def _maybe_ip(text: str) -> bool:
-    return ":" in text or DIGIT.search(text) is not None
-
-
 # (kind, pattern, the check of each match or None, the cheap test a text must pass to be searched)
 PATTERNS = [("secret", PRIVATE_KEY, None, _maybe_pem), ("secret", SECRET, _is_token, _maybe_prefixed),
             ("secret", MARKED, _is_token, _maybe_marked), ("secret", ASSIGNMENT, _is_secret_value, _maybe_named),
             ("email", EMAIL, None, lambda text: "@" in text), ("card", CARD, _is_card, _has_digit),
-            ("ip", IPV4, None, _has_digit), ("ip", IPV6, _is_ipv6, _maybe_ip),
+            ("ip", IPV4, None, _has_digit), ("ip", IPV6, _is_ipv6, _has_digit),
             ("phone", PHONE, _is_phone, _has_digit)]
 
 
@@ -386,9 +384,14 @@ class Scrubber:
 
     def text(self, value: str) -> str:
         """The text with PII replaced by placeholders, counted."""
+        tested: dict = {}  # each cheap test once per text (card, IP and phone share theirs)
         for kind, pattern, check, maybe in PATTERNS:
             # cheap tests first: most strings hold no PII at all
-            if kind not in self.kinds or not maybe(value):
+            if kind not in self.kinds:
+                continue
+            if maybe not in tested:
+                tested[maybe] = maybe(value)
+            if not tested[maybe]:
                 continue
 
             def replace(match: re.Match, kind=kind, check=check) -> str:
