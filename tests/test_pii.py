@@ -102,9 +102,23 @@ def test_placeholders_are_consistent_within_a_trace():
     assert s.counts["email"] == 3
 
 
+def test_a_secret_keeps_its_placeholder_whatever_finds_it():
+    """The same key bare, assigned and in a header, and the same password twice: one placeholder
+    each, across the messages of a trace."""
+    key = "sk-proj-Hf3kLp9QxTq7Wm2Zr8Vb1Nc4"
+    s = Scrubber(set(KINDS))
+    out = s.walk([f"export OPENAI_API_KEY={key}", f"Authorization: Bearer {key}",
+                  'password = "hunter2!x"', "{'password': 'hunter2!x'}"])
+    assert out == ["export OPENAI_API_KEY=<SECRET_1>", "Authorization: Bearer <SECRET_1>",
+                   'password = "<SECRET_2>"', "{'password': '<SECRET_2>'}"]
+
+
 def test_kinds_can_be_switched_off():
     out, counts = scrub("a@x.io from 10.0.0.1", kinds={"ip"})
     assert out == "a@x.io from <IP_1>" and counts["email"] == 0
+    text = 'password = "hunter2!x" from 10.0.0.1'
+    out, counts = scrub(text, kinds={"ip"})
+    assert out == 'password = "hunter2!x" from <IP_1>' and counts["secret"] == 0
 
 
 def test_luhn():

@@ -85,11 +85,10 @@ _TOKENS = (
     r"|hv[sb]\.[\w\-]{90,300}|t1\.[\w\-]+=*\.[\w\-]{86}=*|YC[\w\-]{38}|AQVN[\w\-]{35,38}"  # Vault, Yandex
     r"|eyJ[A-Za-z0-9_\-]{10,}\.ey[A-Za-z0-9_/\\\-]{10,}(?:\.[A-Za-z0-9_/\\\-]+=*)?"  # JWT, signed or not
 )
-# The gate for secrets. Every provider key is 20 characters or more without a space; a line with
-# such a run is looked at if one of the prefixes SECRET's alternatives begin with is in it. The
-# prefixes are one regex written as a trie: Python's `re` tries each branch of an alternation at
-# each position, and a trie only the branches of one first character (twice as fast). Names that
-# ASSIGNMENT and the header rules look for are searched in the lowercased text (faster again).
+# The prefixes SECRET's alternatives begin with. Every provider key is 20 characters or more
+# without a space: a text is searched for them only if it has such a run (`_maybe_prefixed`).
+# They are one regex written as a trie: Python's `re` tries each branch of an alternation at each
+# position, a trie only the branches of one first character (twice as fast).
 _SECRET_PREFIXES = (
     "sk-", "sk_", "rk_", "A3T", "AKIA", "ASIA", "ABIA", "ACCA", "ABSK", "bedrock-api-key-", "ghp_",
     "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "glpat-", "gldt-", "glffct-", "glft-", "glimt-",
@@ -98,8 +97,8 @@ _SECRET_PREFIXES = (
     "xkeysib-", "AKCp", "cmVmd", "A3-", "ops_eyJ", "p8e-", "AGE-SECRET-KEY-1", "pat", "LTAI",
     "sc_", "ext_", "scauth_", "authress_", "4b1d", "CLOJARS_", "v1.0-", "dapi", "doo_v1_", "dop_v1_",
     "dor_v1_", "dp.pt.", "duffel_", "dt0c01.", "EZAK", "EZTK", "EAAM", "EAAC", "EAAA", "FLWSECK_TEST-",
-    "FLWPUBK_TEST-", "fo1_", "fm1", "fm2_", "fio-u-", "sat.", ".atlasv1.", "HRKU-AA", "ico-",
-    "s-s4t2", "eyJ", "glc_", "glsa_", "lin_api_", "_mmk", "ntn_", "API-", "sha256~", "pplx-",
+    "FLWPUBK_TEST-", "fo1_", "fm1", "fm2_", "fio-u-", "sat.", "HRKU-AA", "ico-",
+    "s-s4t2", "eyJ", "glc_", "glsa_", "lin_api_", "ntn_", "API-", "sha256~", "pplx-",
     "pscale_", "PMAK-", "pnu_", "pul-", "rdme_", "rubygems_", "tk-us-", "sntry", "sm_aat_", "sm_pat_",
     "sm_sat_", "shippo_", "shpat_", "shpca_", "shppa_", "shpss_", "sgp_", "sq0atp-", "sq0csp-", "SK",
     "hvs.", "hvb.", "t1.", "YC", "AQVN")
