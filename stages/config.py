@@ -96,7 +96,8 @@ class Simulate:
 class Ingest:
     """Reading traces from the inbox."""
 
-    scrub_secrets: bool = True  # API keys and tokens of the common providers, JWTs, Bearer tokens
+    # provider keys (gitleaks' formats), JWTs, auth headers, URL passwords, PEM keys, `password = ...`
+    scrub_secrets: bool = True
     scrub_emails: bool = True
     scrub_cards: bool = True  # payment card numbers that pass the Luhn check
     scrub_ips: bool = True

@@ -19,11 +19,12 @@ def scrub(text, kinds=KINDS):
     ("from 2001:db8::8a2e:370:7334 today", "ip"),
     ("call +44 20 7946 0958 now", "phone"),
     ("call (555) 123-4567 now", "phone"),
-    ("key sk-proj-abcdefghijklmnopqrstuvwx1234", "secret"),
-    ("key sk-ant-api03-abcdefghijklmnopqrstuvwxyz", "secret"),
-    ("aws AKIAIOSFODNN7EXAMPLE", "secret"),
-    ("gh ghp_abcdefghijklmnopqrstuvwxyz0123456789", "secret"),
-    ("Authorization: Bearer abcdef0123456789abcdef", "secret"),
+    # keys typed by hand (`abcdefghij...`, AWS's `...EXAMPLE`) are placeholders now: these look drawn
+    ("key sk-proj-Hf3kLp9QxTq7Wm2Zr8Vb1Nc4", "secret"),
+    ("key sk-ant-api03-Yb7Nc2Vd4Fg6Hj8Kl0MnPq3Rs5", "secret"),
+    ("aws AKIAQWERTYUIOP123456", "secret"),
+    ("gh ghp_Yb7Nc2Vd4Fg6Hj8Kl0MnYb7Nc2Vd4Fg6Hj8K", "secret"),
+    ("Authorization: Bearer Tk9TZWNyZXRGb3JZb3U5ODc2NTQz", "secret"),
     ("tok eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N", "secret"),
     # missed before (the scrubbing issue): at a sentence's end, short, phones without spaces
     ("My IP is 10.0.0.1.", "ip"),
@@ -33,6 +34,23 @@ def scrub(text, kinds=KINDS):
     ("call (415)555-0132 now", "phone"),
     ("call 09-7625400 now", "phone"),
     ("call 13812345678 now", "phone"),
+    ("call 91-415-555-0132 now", "phone"),
+    ("my ip: ::1", "ip"),
+    # secrets missed before the peers' cases (issue 24)
+    ("aws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYzq8Rt2Lk", "secret"),
+    ("HF_TOKEN=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", "secret"),
+    ("slack xapp-1-A0123BCDEF-4567890123456-7a8b9c0d1e2f3a4b5c6d7e8f", "secret"),
+    ("refresh xoxe-1-" + "Ab3Cd5Ef7Gh9" * 10, "secret"),
+    ("hook https://hooks.slack.com/services/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", "secret"),
+    ("stripe sk_prod_4eC39HqLyjWDarjtT1zdp7dc", "secret"),
+    ("jwt eyJhbGciOiJub25lIn0.eyJzdWIiOiJ1c2VyLTQyIiwiYWRtaW4iOnRydWV9.", "secret"),
+    ("gitlab glpat-Zx8Cv6Bn4Mq2Wr9Ty7Ui", "secret"),
+    ("npm npm_Zx8Cv6Bn4Mq2Wr9Ty7UiOp3As5Df1Gh0JkLm", "secret"),
+    ("pypi pypi-AgEIcHlwaS5vcmcCJGY3ZTg5ZWI2LTBjYTYtNDY1Ny05ZDJiLWM3ZGE1MGZlNjg3YwACKlszLCJhYmMiXQ", "secret"),
+    ("sendgrid 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", "secret"),
+    ('password = "hunter2!x"', "secret"),
+    ("DB_PASSWORD: Zx8Cv6Bn4Mq2", "secret"),
+    ("git clone https://ann:Zx8Cv6Bn4Mq2@git.example.com/repo.git", "secret"),
 ])
 def test_each_kind_is_found(text, kind):
     assert maybe_pii(text), "the cheap pre-check must see every candidate"
@@ -49,10 +67,31 @@ def test_each_kind_is_found(text, kind):
     "Console::WriteLine(x);", "use My::Module::Name;", "a::before { content: '' }",
     "Usage::", "x = a[1::2] + a[::2]", "dead::beef", "[[gnu::noreturn]] void f();",
     "Decimal('+35236450.6')", "ts 1700000000123",
+    # code that names a secret without holding one (the entropy floor and the name checks)
+    "password = get_password()", 'token = request.headers["Authorization"]',
+    "password = settings.DB_PASSWORD", "api_key = os.environ['OPENAI_API_KEY']",
+    'password = "${DB_PASSWORD}"', "token: {{ .Values.token }}", "max_tokens = 4096",
+    'secret_key = "changeme"', "ghp_xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx", "x = a[::1]",
+    "-----BEGIN OPENSSH PRIVATE KEY----------END OPENSSH PRIVATE KEY-----",
 ])
 def test_ordinary_text_is_left_alone(text):
     out, counts = scrub(text)
     assert out == text and sum(counts.values()) == 0
+
+
+def test_a_private_key_goes_whole():
+    """The PEM block, header, base64 body and footer, becomes one placeholder; the text around it
+    stays."""
+    body = "MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQDAC4AWkdwKYSd8\nKs14IReLcYgADhoXk56ZzXI="
+    text = f"key:\n-----BEGIN RSA PRIVATE KEY-----\n{body}\n-----END RSA PRIVATE KEY-----\nthanks"
+    out, counts = scrub(text)
+    assert out == "key:\n<SECRET_1>\nthanks" and counts["secret"] == 1
+
+
+def test_an_assignment_keeps_its_name():
+    """Only the value of `name = value` goes: the reader still sees what was set."""
+    out, _ = scrub('config = {"api_key": "Zx8Cv6Bn4Mq2Wr9Ty7Ui", "retries": 3}')
+    assert out == 'config = {"api_key": "<SECRET_1>", "retries": 3}'
 
 
 def test_placeholders_are_consistent_within_a_trace():
@@ -63,9 +102,23 @@ def test_placeholders_are_consistent_within_a_trace():
     assert s.counts["email"] == 3
 
 
+def test_a_secret_keeps_its_placeholder_whatever_finds_it():
+    """The same key bare, assigned and in a header, and the same password twice: one placeholder
+    each, across the messages of a trace."""
+    key = "sk-proj-Hf3kLp9QxTq7Wm2Zr8Vb1Nc4"
+    s = Scrubber(set(KINDS))
+    out = s.walk([f"export OPENAI_API_KEY={key}", f"Authorization: Bearer {key}",
+                  'password = "hunter2!x"', "{'password': 'hunter2!x'}"])
+    assert out == ["export OPENAI_API_KEY=<SECRET_1>", "Authorization: Bearer <SECRET_1>",
+                   'password = "<SECRET_2>"', "{'password': '<SECRET_2>'}"]
+
+
 def test_kinds_can_be_switched_off():
     out, counts = scrub("a@x.io from 10.0.0.1", kinds={"ip"})
     assert out == "a@x.io from <IP_1>" and counts["email"] == 0
+    text = 'password = "hunter2!x" from 10.0.0.1'
+    out, counts = scrub(text, kinds={"ip"})
+    assert out == 'password = "hunter2!x" from <IP_1>' and counts["secret"] == 0
 
 
 def test_luhn():
@@ -107,8 +160,10 @@ def test_cxx_headers_are_left_alone():
 def test_the_python_standard_library_is_left_alone():
     """CPython's own modules (its test suites, full of addresses, and site-packages left out):
     no phone, card or secret found, and what is found, 0.11 % of lines, are real e-mail
-    addresses (authors', 172 lines) and IP addresses (ipaddress.py's examples, 137): personal
-    data and what looks exactly like it, scrubbed as it should be.
+    addresses (authors', 172 lines) and IP addresses (ipaddress.py's examples, 137, and since
+    issue 24 the loopback `::1` written out, 3: `_LOCALHOST_V6 = '::1'`, which Presidio counts as
+    an address): personal data and what looks exactly like it, scrubbed as it should be. None of
+    the secret rules (gitleaks' formats, assignments) finds anything here.
     """
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}

@@ -4,39 +4,163 @@ Kinds, each switched on or off by `ingest.scrub_<kind>s` in params.yaml:
 
 | kind   | what                                                              | placeholder  |
 |--------|-------------------------------------------------------------------|--------------|
-| secret | API keys and tokens (OpenAI, Anthropic, AWS, GitHub, Slack, Google, Stripe, Hugging Face), JWTs, `Bearer` tokens | `<SECRET_n>` |
+| secret | provider keys, JWTs, auth headers, URL passwords, PEM keys, secret assignments (below) | `<SECRET_n>` |
 | email  | e-mail addresses                                                  | `<EMAIL_n>`  |
 | card   | payment card numbers, 13 to 19 digits, only if the Luhn check passes | `<CARD_n>` |
-| ip     | IPv4 and IPv6 addresses (IPv6 checked by `ipaddress`, never inside code: `std::move`) | `<IP_n>` |
-| phone  | `+` and 8 to 15 digits, three digit groups (`(415)555-0132`), `09-7625400`, mobile `13812345678` | `<PHONE_n>` |
+| ip     | IPv4 and IPv6 addresses (IPv6 checked by `ipaddress`, never inside code: `std::move`), `::1` | `<IP_n>` |
+| phone  | `+` and 8 to 15 digits, three digit groups (`(415)555-0132`, `91-415-555-0132`), `09-7625400`, mobile | `<PHONE_n>` |
+
+Secrets: the keys of the providers gitleaks covers, by their prefix (OpenAI, Anthropic, AWS,
+GitHub, GitLab, Slack tokens and webhooks, Google, Stripe, Hugging Face, npm, PyPI, SendGrid,
+Twilio, Vault and some 70 more: `_TOKENS`); JWTs, signed or not; `Bearer`, `Basic` and `Token`
+headers; passwords in URLs and after `curl -u`; PEM private keys, body and all; and a
+random-looking value assigned to a name that says secret (`password = "..."`, `API_TOKEN: ...`,
+`"client_secret": "..."`; only the value goes, the name stays).
 
 Placeholders are consistent inside a trace: the same address becomes the same placeholder, so a
 conversation still reads sensibly ("mail <EMAIL_1>... sent to <EMAIL_1>"). Secrets go first: a key
 can contain digit runs that look like phone or card numbers.
+
+A secret is not scrubbed when it is plainly a placeholder: low entropy (`ghp_xxxx...`), a run of
+the alphabet (`AIzaSyabcdefghij...`), `EXAMPLE`, `${VAR}`, `changeme`; nor is code that names a
+secret without holding one (`password = get_password()`, `token = request.headers[...]`). How
+often each rule is right is measured on the peers' own cases: tests/test_pii_peers.py and
+tests/fixtures/pii/README.md.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
+from collections import Counter
 
 KINDS = ("secret", "email", "card", "ip", "phone")
 
-SECRET = re.compile(
-    r"\b(?:sk-ant-[A-Za-z0-9_\-]{20,}"           # Anthropic
-    r"|sk-(?:proj-|svcacct-)?[A-Za-z0-9_\-]{20,}"  # OpenAI
-    r"|(?:AKIA|ASIA)[0-9A-Z]{16}"                 # AWS access key id
-    r"|gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,}"  # GitHub
-    r"|xox[abposr]-[A-Za-z0-9\-]{10,}"            # Slack
-    r"|AIza[0-9A-Za-z_\-]{35}"                    # Google API key
-    r"|(?:sk|rk)_(?:live|test)_[A-Za-z0-9]{16,}"  # Stripe
-    r"|hf_[A-Za-z0-9]{30,}"                       # Hugging Face
-    r"|eyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}"  # JWT
-    r")"
-    r"|(?<=Bearer )[A-Za-z0-9._~+/\-]{16,}=*"
+# Provider tokens: a prefix the provider puts on every key, then the key's alphabet. The formats
+# are those gitleaks' rules describe (cmd/generate/config/rules/*.go), written here with loose
+# lengths: a key one character shorter than documented is still a key.
+_TOKENS = (
+    r"sk-ant-(?:api|admin|sid)\d\d-[\w\-]{20,}"                     # Anthropic
+    r"|sk-(?:proj-|svcacct-|admin-)?[\w\-]{20,}"                     # OpenAI
+    r"|(?:A3T[A-Z0-9]|AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}"              # AWS access key id
+    r"|ABSK[A-Za-z0-9+/]{100,}=*|bedrock-api-key-YmVkcm9jay5hbWF6b25hd3MuY29t[\w+/=]*"        # AWS Bedrock
+    r"|gh[pousr]_\w{30,}|github_pat_\w{40,}"                         # GitHub
+    r"|gl(?:pat|dt|ffct|ft|imt|agent|oas|ptt|rt|soat|cbt|ddt)-[\w\-.]{20,}"  # GitLab
+    r"|GR1348941[\w\-]{20,}|_gitlab_session=[0-9a-z]{32}"
+    r"|xox[bpose]-(?:\d+-){2,}[\w\-]{4,}|xoxb-\d{8,}-[\w\-]{10,}|xox[ar]-(?:\d-)?[A-Za-z0-9\-]{15,}"  # Slack
+    r"|xapp-\d-[\w\-]{10,}|xoxe\.xox[bp]-\d-\w{100,}|xoxe-\d-\w{100,}"
+    r"|AIza[\w\-]{35}(?![\w\-])"                                               # Google
+    r"|(?:sk|rk)_(?:live|test|prod)_\w{10,}"                          # Stripe
+    r"|hf_[A-Za-z0-9]{34}\b|api_org_[A-Za-z]{34}\b"                    # Hugging Face
+    r"|npm_[A-Za-z0-9]{36}"                                          # npm
+    r"|pypi-AgE[\w\-]{50,}"                                           # PyPI
+    r"|SG\.[\w\-=.]{60,70}"                                            # SendGrid
+    r"|xkeysib-[a-f0-9]{64}-\w{16}"                                   # Brevo (Sendinblue)
+    r"|AKCp[A-Za-z0-9]{60,}|cmVmd[A-Za-z0-9]{59}"                    # Artifactory
+    r"|A3-[A-Z0-9]{6}-[A-Z0-9\-]{11,12}-[A-Z0-9]{5}-[A-Z0-9]{5}-[A-Z0-9]{5}"  # 1Password
+    r"|ops_eyJ[A-Za-z0-9+/]{100,}=*"
+    r"|p8e-[A-Za-z0-9]{32}|AGE-SECRET-KEY-1[0-9A-Z]{58}"              # Adobe, age
+    r"|pat[A-Za-z0-9]{14}\.[a-f0-9]{64}|LTAI[A-Za-z0-9]{20}"          # Airtable, Alibaba
+    r"|(?:sc|ext|scauth|authress)_\w{5,30}\.\w{4,6}\.acc[_\-][\w\-]{10,32}\.[\w+/=\-]{30,}"  # Authress
+    r"|4b1d[A-Za-z0-9]{38}|CLOJARS_[A-Za-z0-9]{60}"                  # ClickHouse, Clojars
+    r"|v1\.0-[a-f0-9]{24}-[a-f0-9]{146}"                              # Cloudflare origin CA
+    r"|dapi[a-f0-9]{32}(?:-\d)?\b|do[opr]_v1_[a-f0-9]{64}|dp\.pt\.\w{40,}"  # Databricks, DO, Doppler
+    r"|duffel_(?:test|live)_[\w\-=]{43}|dt0c01\.\w{24}\.\w{64}"         # Duffel, Dynatrace
+    r"|EZ[AT]K[A-Za-z0-9]{54}\b|EAA[MC][A-Za-z0-9]{100,}|FLW(?:SEC|PUB)K_TEST-\w{12,32}(?:-X)?"
+    r"|fo1_[\w\-]{43}|fm[12][ar]?_[A-Za-z0-9+/]{100,}=*|fio-u-[\w\-=]{64}"  # Fly.io, Frame.io
+    r"|sk_[A-Za-z0-9]{29}|pat\.\w{22}\.\w{24}\.\w{20}|sat\.[\w\-]{22}\.\w{24}\.\w{20}"  # Freemius, Harness
+    r"|HRKU-AA[\w\-]{58}"                                              # Heroku
+    r"|(?<!\.)ico-[A-Za-z0-9]{32}\b|s-s4t2(?:ud|af)-[a-f0-9]{64}"               # Infracost, 42
+    r"|eyJrIjoi[A-Za-z0-9]{70,}=*|glc_[A-Za-z0-9+/]{32,}=*|glsa_[A-Za-z0-9]{32}_[A-Fa-f0-9]{8}"  # Grafana
+    r"|lin_api_[A-Za-z0-9]{40}"                                       # Linear
+    r"|ntn_\d{11}[A-Za-z0-9]{35}\b|API-[A-Z0-9]{26}\b|sha256~[\w\-]{43}"  # Notion, Octopus, OpenShift
+    r"|pplx-[A-Za-z0-9]{48}|pscale_(?:tkn|oauth|pw)_[\w=.\-]{32,64}"   # Perplexity, PlanetScale
+    r"|PMAK-[a-f0-9]{24}-[a-f0-9]{34}|pnu_[A-Za-z0-9]{36}|pul-[a-f0-9]{40}"  # Postman, Prefect, Pulumi
+    r"|rdme_[a-z0-9]{70}|rubygems_[a-f0-9]{48}|tk-us-[\w\-]{48}"       # ReadMe, RubyGems, Scalingo
+    r"|sntryu_[a-f0-9]{64}\b|sntrys_eyJ[\w+/=]{40,}|sm_[aps]at_[A-Za-z0-9]{16}"              # Sentry, SettleMint
+    r"|shippo_(?:live|test)_[a-fA-F0-9]{40}|shp(?:at|ca|pa|ss)_[a-fA-F0-9]{32}"  # Shippo, Shopify
+    r"|sgp_(?:[a-fA-F0-9]{16}_|local_)?[a-fA-F0-9]{40}"              # Sourcegraph
+    r"|(?:EAAA|sq0atp-|sq0csp-)[\w\-]{22,60}|SK[0-9a-fA-F]{32}"        # Square, Twilio
+    r"|hv[sb]\.[\w\-]{90,300}|t1\.[\w\-]+=*\.[\w\-]{86}=*|YC[\w\-]{38}|AQVN[\w\-]{35,38}"  # Vault, Yandex
+    r"|eyJ[A-Za-z0-9_\-]{10,}\.ey[A-Za-z0-9_/\\\-]{10,}(?:\.[A-Za-z0-9_/\\\-]+=*)?"  # JWT, signed or not
 )
+# The prefixes SECRET's alternatives begin with. Every provider key is 20 characters or more
+# without a space: a text is searched for them only if it has such a run (`_maybe_prefixed`).
+# They are one regex written as a trie: Python's `re` tries each branch of an alternation at each
+# position, a trie only the branches of one first character (twice as fast).
+_SECRET_PREFIXES = (
+    "sk-", "sk_", "rk_", "A3T", "AKIA", "ASIA", "ABIA", "ACCA", "ABSK", "bedrock-api-key-", "ghp_",
+    "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "glpat-", "gldt-", "glffct-", "glft-", "glimt-",
+    "glagent-", "gloas-", "glptt-", "glrt-", "glsoat-", "glcbt-", "glddt-", "GR1348941",
+    "_gitlab_session=", "xox", "xapp-", "AIza", "hf_", "api_org_", "npm_", "pypi-AgE", "SG.",
+    "xkeysib-", "AKCp", "cmVmd", "A3-", "ops_eyJ", "p8e-", "AGE-SECRET-KEY-1", "pat", "LTAI",
+    "sc_", "ext_", "scauth_", "authress_", "4b1d", "CLOJARS_", "v1.0-", "dapi", "doo_v1_", "dop_v1_",
+    "dor_v1_", "dp.pt.", "duffel_", "dt0c01.", "EZAK", "EZTK", "EAAM", "EAAC", "EAAA", "FLWSECK_TEST-",
+    "FLWPUBK_TEST-", "fo1_", "fm1", "fm2_", "fio-u-", "sat.", "HRKU-AA", "ico-",
+    "s-s4t2", "eyJ", "glc_", "glsa_", "lin_api_", "ntn_", "API-", "sha256~", "pplx-",
+    "pscale_", "PMAK-", "pnu_", "pul-", "rdme_", "rubygems_", "tk-us-", "sntry", "sm_aat_", "sm_pat_",
+    "sm_sat_", "shippo_", "shpat_", "shpca_", "shppa_", "shpss_", "sgp_", "sq0atp-", "sq0csp-", "SK",
+    "hvs.", "hvb.", "t1.", "YC", "AQVN")
+
+
+def _trie(words) -> str:
+    """A regex matching any of the words, as a trie: `A(?:KIA|SIA)`."""
+    tree: dict = {}
+    for word in words:
+        node = tree
+        for char in word:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def emit(node: dict) -> str:
+        branches = [re.escape(char) + emit(child) for char, child in sorted(node.items()) if char]
+        if not branches:
+            return ""
+        if "" in node:  # a word ends here, a longer one goes on: the shorter is enough
+            return ""
+        return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+    return emit(tree)
+
+
+# Keys found by their prefix, tried only where one of the prefixes is (the lookahead: a trie of
+# `_SECRET_PREFIXES`, cheap at each position, where the alternation of all formats is not)
+SECRET = re.compile(r"\b(?=" + _trie(_SECRET_PREFIXES) + r")(?:" + _TOKENS + r")")
+# What no prefix announces: webhooks (Slack, Teams, Discord, Zapier), a header's value, a password
+# in a URL or after `curl -u`, the formats whose mark is inside (Azure's `Q~`, Terraform's
+# `.atlasv1.`, MaxMind's `_mmk`). Looked for only in text holding one of `_SECRET_MARKS`.
+MARKED = re.compile(
+    r"(?:https?://)?hooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9+/]{20,}"
+    r"|https://[a-z0-9]+\.webhook\.office\.com/webhookb2/[\w\-@]+/IncomingWebhook/\w+/[\w\-]+"
+    r"|https?://(?:discord(?:app)?\.com|[\w.]+\.zapier\.com)/api/webhooks/\d+/[\w\-]+"
+    r"|(?:(?<=Bearer )|(?<=: Token )|(?<=Api-Token ))[A-Za-z0-9._~+/\-]{16,}=*"
+    r"|(?<=Basic )(?=[A-Za-z]*[0-9+/=])[A-Za-z0-9+/]{8,}={0,2}"  # base64 of `user:pw`, not a word
+    r"|(?<![\w~.])[\w~.]{3}\dQ~[\w~.\-]{31,34}(?![\w~.\-])"     # Azure AD client secret
+    r"|\b[A-Za-z0-9]{14}\.atlasv1\.[\w\-=]{60,70}"                # Terraform Cloud
+    r"|\b[A-Za-z0-9]{6}_[A-Za-z0-9]{29}_mmk\b"                      # MaxMind
+    r"|(?P<url>(?<=://)[^\s:/@\"'<>]{1,64}:[^\s:/@\"'<>]{3,128}(?=@[\w.\-]+))"  # user:password@host
+    r"|(?P<curl>(?:(?<=\s-u)|(?<=\s--user))[ =]{1,3}[\"']?[^\s\"':]{0,64}:[^\s\"']{0,128}[\"']?)")
+_SECRET_MARKS = ("hooks.slack.com", "webhook", "Bearer ", "Basic ", ": Token ", "Api-Token ", "Q~",
+                 ".atlasv1.", "_mmk", "://", " -u", "--user")
+# A PEM private key, body and all; an unterminated one up to the end of its base64 lines
+PRIVATE_KEY = re.compile(r"-----BEGIN[ A-Z0-9_\-]{0,100}PRIVATE KEY(?: BLOCK)?-----"
+                         r"(?:\s*[^\-\s][\s\S]*?-----END[ A-Z0-9_\-]{0,100}PRIVATE KEY(?: BLOCK)?-----"
+                         r"|(?=\s*[^\-\s])[\s\S]*?(?=\n\s*\n|$))")
+# A secret assigned to a name that says it is one, in code or configuration: `password = "..."`,
+# `DB_PASS: ...`, `"api_key": "..."`, `<authToken>...</authToken>`, `apiKey := `...``. Only the value
+# is replaced, and only a value that looks random (`_is_secret_value`): `token = get_token()`,
+# `password = settings.DB_PASSWORD` and `token = request.headers["X"]` are code, and stay.
+ASSIGNMENT = re.compile(
+    r"(?P<k>(?i:pass|pwd|secret|token|key|cred|auth|contribsys__com))[\w.\-]{0,30}"
+    r"(?:[ \t]+[A-Za-z]\w{0,11})?"  # a type between name and value: `var apiToken string = "..."`
+    # `=`, `:=`, `=>`, `?=`, `.=`, `==`, `:`, `>` (XML); a comma only between quoted strings:
+    # `setProperty("API_TOKEN", "...")`, not `f(token, x)`
+    r"(?:[\"'`]?\s{0,4}(?:=>|:{0,3}=|[=!]==?|\?=|\.=|\|\||[=:>])|(?P<c>[\"'`]\s{0,4},))"
+    r"\s{0,8}(?P<q>\\?[\"'`])?"
+    r"(?P<v>[^\s\"'`;,<>(){}\[\]\\]{6,300})(?=[\"'`\s;,<)\]}]|\\[nrt\"]|$)")
 EMAIL = re.compile(r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9.\-]+\.[A-Za-z]{2,}")
-CARD = re.compile(r"(?<![\d.])\d(?:[ \-]?\d){12,18}(?![\d.])")
+# never glued to letters: digit runs inside hex hashes and identifiers pass Luhn one time in ten
+CARD = re.compile(r"(?<![\w.])\d(?:[ \-]?\d){12,18}(?![\w.])")
 # an IPv4 address may end a sentence ("My IP is 10.0.0.1."), not a longer dotted number
 IPV4 = re.compile(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}"
                   r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?!\w|\.\d)")
@@ -45,7 +169,7 @@ IPV4 = re.compile(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}"
 IPV6 = re.compile(r"(?<![\w:.])[0-9A-Fa-f]{0,4}(?::[0-9A-Fa-f]{0,4}){2,7}(?![\w:]|\.\d)")
 # not part of a longer run of digit groups (a card number that failed Luhn is not a phone)
 PHONE = re.compile(r"(?<![\w+])(?<!\d[ .\-])(?:\+[1-9][\d ().\-]{7,17}\d"  # no code starts 0
-                   r"|(?:\(\d{2,4}\)[ .\-]?|\d{2,4}[ .\-])\d{3,4}[ .\-]\d{3,5}"  # (415)555-0132
+                   r"|(?:\d{1,3}[ .\-])?(?:\(\d{2,4}\)[ .\-]?|\d{2,4}[ .\-])\d{3,4}[ .\-]\d{3,5}"  # (415)555-0132, 91-415-555-0132
                    r"|0\d{1,3}-\d{6,8}"                       # 09-7625400: area code, subscriber
                    r"|1[3-9]\d{9})"                            # 13812345678: a mobile number
                    r"(?!\w)(?![ .\-]\d)")
@@ -65,22 +189,25 @@ def luhn(digits: str) -> bool:
     return total % 10 == 0
 
 
-def _is_card(text: str) -> bool:
+def _is_card(match: re.Match) -> bool:
     """13 to 19 digits passing Luhn, starting as card numbers do (1 to 9; `0000-0000-...` of a
     nil UUID passes Luhn too).
     """
-    digits = re.sub(r"\D", "", text)
+    digits = re.sub(r"\D", "", match[0])
     return 13 <= len(digits) <= 19 and digits[0] != "0" and luhn(digits)
 
 
 _HEX_GROUP = re.compile(r"[0-9A-Fa-f]{3,4}")
 
 
-def _is_ipv6(text: str) -> bool:
+def _is_ipv6(match: re.Match) -> bool:
     """An address, not code: valid, with a digit and a group of three or four hex digits
-    (`fe80::1`, `2001:db8::8a2e:370:7334`); `a::b`, `dead::beef`, `1::2` and `::1` are left alone
-    (the loopback address is nobody's).
+    (`fe80::1`, `2001:db8::8a2e:370:7334`), or the loopback `::1` on its own; `a::b`, `dead::beef`,
+    `1::2` and the unspecified `::` are left alone.
     """
+    text = match[0]
+    if text == "::1":  # the loopback address, written out ("connecting from ::1"), not a slice `a[::1]`
+        return match.string[match.start() - 1:match.start()] != "["
     if not any(c.isdigit() for c in text) or not _HEX_GROUP.search(text):
         return False
     try:
@@ -90,30 +217,150 @@ def _is_ipv6(text: str) -> bool:
     return True
 
 
+_C_LOG2_C = [0.0] + [c * math.log2(c) for c in range(1, 513)]  # c log2 c, looked up
+
+
+def entropy(text: str) -> float:
+    """Shannon entropy of the text's characters (its first 512), in bits per character."""
+    text = text[:512]
+    n = len(text)  # log2(n) - sum(c log2 c) / n, the products from a table
+    return math.log2(n) - sum(map(_C_LOG2_C.__getitem__, Counter(text).values())) / n
+
+
+# what stands in for a secret in examples and templates: `${DB_PASSWORD}`, `%(token)s`, `{{ .Token }}`,
+# `<your-key>`, `xxxxxxxx`, `********`, `####`, `changeme`, `somefakekey`, AWS's `...EXAMPLE...`
+_NOT_A_SECRET = re.compile(r"^\$|%[\d.]*[sdfrx(]|\{\{|x{6}|X{6}|EXAMPLE|#{4}|\*{4}|\.{3}"
+                           r"|fake|FAKE|dummy|DUMMY|changeme|CHANGEME|placeholder|PLACEHOLDER"
+                           r"|(?i:your[_\-]|redacted)")
+# `$USER:$PASSWORD`, `<user:password>`, `neo4j:[PASSWORD]`, `test:test`, `xxx:yyy`, `username:token`
+_CREDENTIALS_PLACEHOLDER = re.compile(
+    r"(?:^|:)[\"']?[$<\[{%]|^(\w+):\1$|^(\w)\2*:(\w)\3*$|^.?:.?$"
+    r"|^(?i:user(?:name)?|admin|api)?:(?i:pass(?:word)?|token|secret)?$")
+# values that begin as a provider's keys do are judged by SECRET alone: `xoxp-1234567890` is no
+# Slack token, and no other key either
+_PROVIDER_PREFIX = re.compile(r"xox|xapp-|sk[-_]|rk_|gh[pousr]_|github_pat_|AKIA|AIza|gl[a-z]{1,5}-|hf_|npm_"
+                              r"|pypi-|dapi|SG\.|eyJ|sm_[aps]at_|pscale_|shp[a-z]{2}_|sntry|rdme_|pnu_|pul-"
+                              r"|PMAK-|pplx-|ntn_|lin_api_|glsa_|glc_|ico-|HRKU-|fio-|dop_|doo_|dor_|dp\.pt\.")
+_ATTRIBUTE = re.compile(r"[A-Za-z_$][\w$]*(?:\.[A-Za-z_$][\w$]*)+|[A-Za-z_][\w\-]*")
+
+
+_ALPHABET, _DIGITS = "abcdefghijklmnopqrstuvwxyz", "0123456789"
+_SEQUENCE = re.compile("|".join(run[i:i + 10] for run in (_ALPHABET, _DIGITS)
+                                for i in range(len(run) - 9)))
+
+
+def _is_sequence(text: str) -> bool:
+    """True if it runs through ten letters or digits in order (`abcdefghij`, `0123456789`): typed
+    by hand, as in examples (`AIzaSyabcdefghijklmnopqrstuvwxyz1234567`), never drawn at random.
+    """
+    return _SEQUENCE.search(text.lower()) is not None
+
+
+# prefixes no placeholder carries: what follows them is a key whatever it looks like
+_PROOF = ("AGE-SECRET-KEY-1", "pypi-AgE", "-----BEGIN")
+
+
+def _is_token(match: re.Match) -> bool:
+    """A provider's key, not its placeholder (`ghp_xxxx...`, `AKIAXXXX...`, `sk-ant-abc123...`):
+    2.5 bits of entropy a character or more (a random key of 20 characters has over 4), no run of
+    one character or of the alphabet.
+    """
+    text = match[0]
+    if text.startswith(_PROOF):
+        return True
+    if match.lastgroup in ("url", "curl"):  # a password in a URL or curl's -u: whatever its entropy
+        return _CREDENTIALS_PLACEHOLDER.search(text.strip(" =\"'")) is None
+    return not _NOT_A_SECRET.search(text) and entropy(text) >= 2.5 and not _is_sequence(text)
+
+
+def _is_secret_value(match: re.Match) -> bool:
+    """A value that looks random enough to be a key, not code: with a digit, and either a quoted
+    password of six characters or more, or ten or more with 3 bits of entropy a character (random
+    16 characters have about 4), or a long number; never a name (`get_password`, `settings.TOKEN`,
+    `request.headers`), a placeholder (`${TOKEN}`, `xxxxxx`) or a format (`"%0.f"`).
+    """
+    value = match["v"]
+    # letters alone are words and names (`getuser`, `HTTPPasswordMgrWithDefaultRealm`), not keys
+    if (not any(c.isdigit() for c in value) or (match["c"] and not match["q"])
+            or _NOT_A_SECRET.search(value) or _is_sequence(value) or _PROVIDER_PREFIX.match(value)):
+        return False
+    if match["k"].lower() in ("pass", "pwd") and match["q"] and entropy(value) >= 2.3:
+        return True  # a quoted string literal assigned to a password: `password = "hunter2!x"`
+    digits = len(DIGIT.findall(value))
+    if len(value) < 10 or (match["c"] and digits < 2):
+        return False  # short; or a list of names, `"tokens", "symbol2label"`
+    if "." in value and digits < 3 and _ATTRIBUTE.fullmatch(value):
+        return False  # `settings.TOKEN`, `self.api_key`; a key's parts have digits (`s.ZC9Ecf4M5g9o`)
+    if digits == len(value):  # a number: long, and not `100000000000`
+        return len(value) >= 12 and entropy(value) >= 2.5
+    return entropy(value) >= 3.0
+
+
 _DECIMAL = re.compile(r"[+\-]?\d+\.\d+")
 
 
-def _is_phone(text: str) -> bool:
+def _is_phone(match: re.Match) -> bool:
     """8 to 15 digits, and not a decimal number (`+35236450.6`)."""
+    text = match[0]
     return 8 <= len(re.sub(r"\D", "", text)) <= 15 and not _DECIMAL.fullmatch(text)
 
 
 # Cheap tests over a whole serialized trace: only text that might hold PII is scrubbed piece by
-# piece. Looser than the patterns above (they only have to see every candidate); three simple
-# searches are several times faster than one alternation of everything.
-_MAYBE_SECRET = re.compile(r"sk[-_]|rk_|AKIA|ASIA|gh[pousr]_|github_pat_|xox|AIza|hf_|eyJ|Bearer")
+# piece. Looser than the patterns above (they only have to see every candidate); simple searches
+# are several times faster than one alternation of everything. Each pattern also has its own
+# test in PATTERNS, so a text is searched only by the patterns that may match in it.
+_LONG_RUN = re.compile(r"[\w\-.~+/=]{20}")  # every provider key is 20 characters or more
+_MAYBE_PREFIX = re.compile(_trie(_SECRET_PREFIXES))
+_MAYBE_NAME = re.compile(r"pass|pwd|secret|token|key|cred|auth|contribsys")  # ASSIGNMENT's, lowercased
+_MAYBE_MARKED = re.compile("|".join(re.escape(mark) for mark in _SECRET_MARKS))
+
+
+def _maybe_prefixed(text: str) -> bool:
+    return _LONG_RUN.search(text) is not None and _MAYBE_PREFIX.search(text) is not None
+
+
+def _maybe_marked(text: str) -> bool:
+    return _MAYBE_MARKED.search(text) is not None
+
+
+def _maybe_named(text: str) -> bool:
+    return _MAYBE_NAME.search(text.lower()) is not None
+
+
+def _maybe_pem(text: str) -> bool:
+    return "-----BEGIN" in text
+
+
 _MAYBE_NUMBER = re.compile(r"\d[\d .\-()]{5,}\d")  # phones, cards, IPv4 (8.8.8.8: 7 characters)
 _MAYBE_IPV6 = re.compile(r"::|[0-9A-Fa-f]:[0-9A-Fa-f]{1,4}:")
 
 
+def maybe_secret(text: str) -> bool:
+    """True if the text may hold a secret: a long run with a provider's prefix, a mark of MARKED
+    (`Bearer `, `://`, `curl -u`), a name ASSIGNMENT looks for (it holds `key`: so does a PEM
+    header).
+    """
+    return _maybe_prefixed(text) or _maybe_named(text) or _maybe_marked(text)
+
+
 def maybe_pii(text: str) -> bool:
     """True if the text may hold PII: a cheap test before the patterns run."""
-    return ("@" in text or _MAYBE_SECRET.search(text) is not None
-            or _MAYBE_NUMBER.search(text) is not None or _MAYBE_IPV6.search(text) is not None)
+    # an IPv6 address has a digit (`_is_ipv6`): C++'s `std::` alone is no reason to look
+    return ("@" in text or _MAYBE_NUMBER.search(text) is not None
+            or (_MAYBE_IPV6.search(text) is not None and DIGIT.search(text) is not None)
+            or maybe_secret(text))
 
 
-PATTERNS = [("secret", SECRET, None), ("email", EMAIL, None), ("card", CARD, _is_card),
-            ("ip", IPV4, None), ("ip", IPV6, _is_ipv6), ("phone", PHONE, _is_phone)]
+def _has_digit(text: str) -> bool:
+    return DIGIT.search(text) is not None
+
+
+# (kind, pattern, the check of each match or None, the cheap test a text must pass to be searched)
+PATTERNS = [("secret", PRIVATE_KEY, None, _maybe_pem), ("secret", SECRET, _is_token, _maybe_prefixed),
+            ("secret", MARKED, _is_token, _maybe_marked), ("secret", ASSIGNMENT, _is_secret_value, _maybe_named),
+            ("email", EMAIL, None, lambda text: "@" in text), ("card", CARD, _is_card, _has_digit),
+            ("ip", IPV4, None, _has_digit), ("ip", IPV6, _is_ipv6, _has_digit),
+            ("phone", PHONE, _is_phone, _has_digit)]
 
 
 class Scrubber:
@@ -136,17 +383,24 @@ class Scrubber:
 
     def text(self, value: str) -> str:
         """The text with PII replaced by placeholders, counted."""
-        has_digit = DIGIT.search(value) is not None
-        for kind, pattern, check in PATTERNS:
-            # cheap pre-checks first: most strings hold no PII at all
-            if kind not in self.kinds or (kind == "email" and "@" not in value) or (
-                    kind in ("card", "phone") and not has_digit) or (
-                    kind == "ip" and ":" not in value and not has_digit):
+        tested: dict = {}  # each cheap test once per text (card, IP and phone share theirs)
+        for kind, pattern, check, maybe in PATTERNS:
+            # cheap tests first: most strings hold no PII at all
+            if kind not in self.kinds:
+                continue
+            if maybe not in tested:
+                tested[maybe] = maybe(value)
+            if not tested[maybe]:
                 continue
 
             def replace(match: re.Match, kind=kind, check=check) -> str:
-                if check is not None and not check(match[0]):
+                if check is not None and not check(match):
                     return match[0]
+                if "v" in match.re.groupindex:  # an assignment: the value goes, its name stays
+                    start, end = match.span("v")
+                    whole = match.start()
+                    return (match[0][:start - whole] + self._placeholder(kind, match["v"])
+                            + match[0][end - whole:])
                 return self._placeholder(kind, match[0])
 
             value = pattern.sub(replace, value)
