@@ -713,6 +713,8 @@ def load(section: str, path: str | Path = "params.yaml", sections: dict | None =
         _fail(str(path), f"missing section '{section}:'; add it (an empty '{section}: {{}}' takes "
                          f"the defaults)")
     values = raw.get(section) or {}
+    if not isinstance(values, dict):
+        _fail(str(path), f"{section}: expected a mapping of keys to values, got {_short(values)}")
     if section in RUNTIME:
         values = dict(values or {})
         moved = [key for key in values if key in RUNTIME[section]]

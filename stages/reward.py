@@ -261,6 +261,7 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
         except Exception as err:  # the reward itself broke on the gold
             set_aside[key] = f"reward() raised on the gold: {type(err).__name__}: {err}"
     from stages.envs.judge import JudgeBudget
+    from stages.remote import RemoteDown
 
     # an environment with reward_group scores all samples of a task at once (a relative judge)
     grouped: dict[tuple, list[int]] = {}
@@ -280,7 +281,7 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
                     f"{len(members)} episodes; return a list with one result per episode")
             for i, result in zip(members, results):
                 group_scores[i] = contract.normalize(env, result)
-        except JudgeBudget:
+        except (JudgeBudget, RemoteDown):  # a spent budget, a judge that is down: stop
             raise
         except Exception as err:  # a broken reward: its cause, never a zero
             for i in members:
@@ -298,7 +299,7 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
             try:
                 scores.append(contract.score(env, json.loads(row["task"]),
                                              json.loads(row["messages"])))
-            except JudgeBudget:  # the judge's budget is spent: the stage stops, naming it
+            except (JudgeBudget, RemoteDown):  # a spent budget, a judge that is down: stop
                 raise
             except Exception as err:  # a broken reward: its cause, never a zero
                 cause = f"{env.where}: reward() raised {type(err).__name__}: {err}"

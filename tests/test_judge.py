@@ -261,3 +261,26 @@ def test_no_judge_configured_says_what_to_set(tmp_path, fresh_judges):
 
     with pytest.raises(cfg.ParamsError, match="judge.model and runtime.judge.url"):
         judge.project(tmp_path / "params.yaml")
+
+
+@pytest.mark.parametrize("fault", ["refused", "black hole"])
+def test_a_judge_that_is_down_stops_the_stage_in_seconds(fault, tmp_path, fresh_judges,
+                                                        monkeypatch):
+    """Probed once before the first judgment: not request_timeout x retries per episode."""
+    import socket
+
+    from stages.remote import RemoteDown
+
+    monkeypatch.setenv("OFFSEASON_PROBE_TIMEOUT", "1")
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        if fault == "black hole":
+            hole.listen(8)
+        url = f"http://127.0.0.1:{hole.getsockname()[1]}/v1"
+        if fault == "refused":
+            hole.close()
+        specs = judged_project(tmp_path, url)
+        started = time.monotonic()
+        with pytest.raises(RemoteDown, match=r"runtime.judge.url='http://127.0.0.1:\d+/v1'"):
+            reward.score_chat(specs, rollouts(["4", "5", "6"]), tmp_path)
+        assert time.monotonic() - started < 5

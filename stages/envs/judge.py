@@ -111,6 +111,7 @@ class Judge:
     _cache: dict | None = field(default=None, repr=False)
     _client: object = field(default=None, repr=False)  # one connection pool for every request
     _files: dict = field(default_factory=dict, repr=False)  # cache shard -> its open file
+    _probed: bool = field(default=False, repr=False)
 
     @classmethod
     def from_params(cls, params: str | Path = "params.yaml", cache_dir: Path | None = None
@@ -180,9 +181,25 @@ class Judge:
 
     # --- asking -----------------------------------------------------------------------------------
 
+    def _probe(self) -> None:
+        """Once per judge: is its server there (`stages.remote.probe`, GET {url}/models)? A
+        judge that is down stops the stage in seconds (RemoteDown), naming runtime.judge.url,
+        instead of costing request_timeout x retries for every episode.
+        """
+        if self._probed:
+            return
+        from stages import remote
+
+        remote.probe(f"{self.url.rstrip('/')}/models", setting="runtime.judge.url",
+                     value=self.url, fix="start the judge's server or correct runtime.judge.url "
+                     "in params.yaml; then rerun (the judgments paid for are kept)")
+        self._probed = True
+
     def _ask(self, user: str, schema: dict, name: str) -> dict:
         """One judgment: the parsed JSON answer, after retries; JudgeError, JudgeBudget."""
         import httpx
+
+        self._probe()
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         body = {"model": self.model, "temperature": 0.0,
