@@ -136,3 +136,10 @@ def test_where_work_runs_lives_in_runtime_and_is_merged_into_its_stage(tmp_path)
             r"runtime.rollout.urls: 'localhost:8000' is not an http\(s\) URL")
     refused(lambda p: p["runtime"]["rollout"].update(api="grpc"),
             r"runtime.rollout.api: 'grpc' is not an endpoint; use 'completions'")
+
+
+def test_a_section_that_is_not_a_mapping_names_itself(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"reward": 5, "runtime": {"reward": {"workers": 1}}}))
+    with pytest.raises(cfg.ParamsError, match=r"reward: expected a mapping of keys to values, got 5"):
+        cfg.load("reward", params)
