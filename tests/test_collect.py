@@ -399,3 +399,23 @@ def test_runtime_collect_is_checked(tmp_path):
         params = yaml.safe_load((path / "params.yaml").read_text())
         params["runtime"]["collect"].pop(next(iter(bad)))
         (path / "params.yaml").write_text(yaml.safe_dump(params))
+
+
+def test_compacting_the_journal_while_receiving_keeps_every_held_span(tmp_path, monkeypatch):
+    monkeypatch.setattr(collect, "SEGMENT_BYTES", 1)  # compact whenever the segment doubled
+    traces = collect.Traces(idle_seconds=10)
+    journal = collect.Journal(tmp_path / "journal", traces)
+    sent = 0
+    for i in range(6):
+        spans = recorded_spans(2, start=10 * i)
+        request = as_request(spans)
+        sent += traces.receive(request, request.SerializeToString())
+        journal.append(collect.SPANS, request.SerializeToString()).result()
+        if i % 2:
+            traces.group(now=float(i))  # some grouped, some still queued when compacted
+    assert sent == 6 * len(recorded_spans(2))
+    journal.close()
+    [segment] = journal.segments()
+    assert int(segment.stem.split("-")[1]) > 2  # compacted while receiving, not only at start
+    again = collect.Traces(idle_seconds=10)
+    assert collect.Journal(tmp_path / "journal", again).recovered == sent
