@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/collect.py --spans 200000     # the goal: >= 0.5x the loop
 
 Builds `--spans` GenAI spans (agent turns of one `invoke_agent` root and three `chat` spans with
-their messages, about 1 KB a span) into OTLP/HTTP protobuf requests of `--batch` spans, as a
+their messages, about 500 bytes a span) into OTLP/HTTP protobuf requests of `--batch` spans, as a
 BatchSpanProcessor sends them. Then times (1) the baseline: `ExportTraceServiceRequest`
 `.ParseFromString` over every request in one loop, and (2) the receiver: `offseason collect` started
 in a temporary workspace (this checkout's code), `--clients` concurrent clients posting the
