@@ -183,6 +183,33 @@ def test_sdk_export_over_protobuf_is_ingested_as_exactly_those_conversations(rec
     assert "8 spans accepted" in shown.stdout and "3 traces written" in shown.stdout
 
 
+def test_the_openai_client_instrumented_by_opentelemetry_exports_to_collect(receiver, tmp_path):
+    pytest.importorskip("opentelemetry.instrumentation.openai_v2")  # the dev extra has it
+    rx = receiver()
+    port = free_port()
+    script = Path(__file__).parent / "openai_agent.py"
+    server = subprocess.Popen([sys.executable, str(script), "server", str(port)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        for question in ("What is 2+3?", "What is 40+2?"):
+            subprocess.run([sys.executable, str(script), "agent", str(port),
+                            f"{rx.url}/v1/traces", question], check=True, timeout=60)
+    finally:
+        server.terminate()
+        server.wait()
+    wait_for_files(rx.root, 2)
+    metrics, rows = ingested(rx.root, tmp_path)
+    assert (metrics["accepted"], metrics["quarantined"]) == (2, 0)
+    first = json.loads(rows[0]["messages"])
+    assert [m["role"] for m in first] == ["user", "assistant", "tool", "assistant"]
+    assert first[1]["tool_calls"][0]["function"]["name"] == "calculator"
+    assert json.loads(first[1]["tool_calls"][0]["function"]["arguments"]) == {"expression": "2+3"}
+    assert (first[2]["content"], first[3]["content"]) == ("5", "2+3 is 5.")
+    assert json.loads(rows[1]["messages"])[-1]["content"] == "40+2 is 42."
+    assert rows[0]["model"] == "tiny"
+
+
 def recorded_spans(n_traces: int, start: int = 0) -> list:
     """Finished SDK spans (ReadableSpan) of `n_traces` agent turns, captured in memory."""
     memory = InMemorySpanExporter()
