@@ -6,10 +6,12 @@ Any OpenTelemetry SDK or Collector exports to it as to any OTLP endpoint
 (`application/json`), plain or `Content-Encoding: gzip`. Spans are grouped by trace id; a trace
 is finished once its root span (no parent) has come and `ROOT_WAIT` seconds passed without another
 of its spans, or after `runtime.collect.idle_seconds` without a new span when no root comes (its
-root lives in a service that does not export here). Each finished trace becomes one file,
-`<inbox>/otlp-<UTC time>-<trace id>.json`: one OTLP JSON `TracesData` document, hex ids, as a
-Collector's file exporter writes it, which `stages/ingest.py` reads unchanged. It is written to a
-hidden temporary name, fsynced and renamed, so a cycle never reads half a trace.
+root lives in a service that does not export here). Finished traces are gathered for
+`runtime.collect.file_seconds` into one JSONL file, `<inbox>/otlp-<UTC time>-<n>.jsonl`: an OTLP
+JSON `TracesData` document a line, one trace each, hex ids, as a Collector's file exporter writes
+them, which `stages/ingest.py` reads unchanged (one file per format, and a trace ingest's reader
+refuses in a file of its own, so that no trace is judged by another's: `files_for`). Each file is
+written to a hidden temporary name, fsynced and renamed, so a cycle never reads half a trace.
 
 Durability: a request is answered 200 only once its spans are in the journal
 (`.offseason/collect/journal-*.log`, append-only, fsynced; concurrent requests share one fsync).
@@ -74,7 +76,6 @@ ROOT_WAIT = 1.0
 TICK = 0.2  # how often finished traces are looked for
 SEGMENT_BYTES = 64 << 20  # the journal is compacted past this size (or twice what it kept)
 RETRY_AFTER = 5  # seconds, in 429/503 answers
-WRITERS = 32  # inbox files written (and fsynced) at once
 RECENT = 1 << 16  # trace ids remembered after writing, to count spans that come too late
 PROTOBUF = "application/x-protobuf"
 
@@ -107,6 +108,9 @@ def decode(body: bytes, content_type: str, encoding: str, limit: int
             raise Refused(413, "too_large", f"the body is over runtime.collect.max_request_bytes="
                           f"{limit} once decompressed; export smaller batches (the SDK's "
                           f"OTEL_BSP_MAX_EXPORT_BATCH_SIZE)")
+        if not inflater.eof:
+            raise Refused(400, "bad_request", "Content-Encoding gzip: the gzip stream is cut "
+                          "short")
     elif encoding not in ("", "identity"):
         raise Refused(415, "unsupported", f"Content-Encoding {encoding!r}: only gzip or none")
     kind = content_type.split(";")[0].strip().lower()
@@ -272,9 +276,11 @@ class Traces:
         counted (and in journal snapshots) until `written` or `put_back`.
         """
         with self.lock:
+            # a trace whose earlier spans are still being written waits for them (late spans)
             done = [(trace_id, trace) for trace_id, trace in self.pending.items()
-                    if everything or now - trace.last >= (ROOT_WAIT if trace.root
-                                                          else self.idle_seconds)]
+                    if trace_id not in self.writing and (
+                        everything or now - trace.last >= (ROOT_WAIT if trace.root
+                                                           else self.idle_seconds))]
             for trace_id, trace in done:
                 del self.pending[trace_id]
                 self.writing[trace_id] = trace
@@ -488,18 +494,44 @@ def _fsync_dir(folder: Path) -> None:
 
 # --- writing finished traces ------------------------------------------------------------------
 
-def write_trace(inbox: Path, trace_id: bytes, trace: Trace) -> Path:
-    """One trace as an OTLP JSON file in the inbox, whole: a hidden temporary file (which ingest
-    and DVC skip), fsynced, renamed. The name sorts by time and never repeats, so a file already
-    ingested is never replaced (ingest knows inbox files by name).
+def files_for(documents: list[tuple[bytes, dict]]) -> list[list[tuple[bytes, dict]]]:
+    """Finished traces (trace id, OTLP JSON document) split into inbox files that ingest reads
+    as if each trace were alone. Ingest takes a file's format from its first record and
+    quarantines all of a file's traces when its reader refuses one (issue 20, part 2, is to read
+    both per trace): so one file per format, and a trace the reader refuses in a file of its own.
+    """
+    from stages import ingest
+
+    files: dict[str, list[tuple[bytes, dict]]] = {}
+    alone: list[list[tuple[bytes, dict]]] = []
+    for trace_id, document in documents:
+        fmt = ingest.detect(document)
+        batch = files.setdefault(fmt or "", [])
+        if fmt not in ingest.TRACE_FORMATS:
+            alone.append([(trace_id, document)])
+            continue
+        try:
+            ingest.TRACE_FORMATS[fmt].parse(ingest._as_input(fmt, [document]))
+        except ingest.READER_ERRORS:
+            alone.append([(trace_id, document)])  # quarantined by ingest, with its reason, alone
+            continue
+        batch.append((trace_id, document))
+    return [batch for batch in files.values() if batch] + alone
+
+
+def write_file(inbox: Path, documents: list[dict], number: int) -> Path:
+    """Traces as one JSONL inbox file (an OTLP JSON document a line, as a Collector's file
+    exporter writes), whole: a hidden temporary file (which ingest and DVC skip), fsynced,
+    renamed. The name sorts by time and never repeats, so a file already ingested is never
+    replaced (ingest knows inbox files by name).
     """
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-    path = inbox / f"otlp-{stamp}-{trace_id.hex()}.json"
+    path = inbox / f"otlp-{stamp}-{number:04d}.jsonl"
     tmp = inbox / f".{path.name}.tmp-{os.getpid()}"
-    data = json.dumps(otlp_json(trace.resources), separators=(",", ":")).encode()
     try:
         with open(tmp, "wb") as handle:
-            handle.write(data)
+            for document in documents:
+                handle.write(json.dumps(document, separators=(",", ":")).encode() + b"\n")
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -529,7 +561,7 @@ class Collector:
         self.token = os.environ.get(settings.token_env, "")
         self.counters = dict.fromkeys(
             ("requests", "bytes", "spans", "duplicate_spans", "invalid_spans", "late_spans",
-             "traces_written", "write_errors"), 0)
+             "traces_written", "files_written", "write_errors"), 0)
         self.rejected = dict.fromkeys(("unauthorized", "queue_full", "disk_full", "too_large",
                                        "bad_request", "unsupported"), 0)
         self.started = time.time()
@@ -538,7 +570,8 @@ class Collector:
         self.counters["recovered_spans"] = self.journal.recovered
         self.free_checked, self.disk_short = 0.0, ""
         self.stopping = threading.Event()
-        self.pool = concurrent.futures.ThreadPoolExecutor(WRITERS, thread_name_prefix="collect-write")
+        self.gathered: list[tuple[bytes, Trace]] = []  # finished, waiting for their file
+        self.gathering_since = 0.0
         self.writer = threading.Thread(target=self._write_loop, name="collect-writer", daemon=True)
         self.writer.start()
 
@@ -547,40 +580,40 @@ class Collector:
         while not self.stopping.wait(TICK):
             self.write_finished()
 
-    def write_finished(self) -> int:
-        """Group what came, write every finished trace into the inbox, then record them in the
-        journal.
+    def write_finished(self, everything: bool = False) -> int:
+        """Group what came; once the oldest finished trace waited `runtime.collect.file_seconds`
+        (or with `everything`), write the finished traces into the inbox and record them in the
+        journal. The number of traces written.
         """
-        counts = self.traces.group(time.monotonic())
+        now = time.monotonic()
+        counts = self.traces.group(now)
         for key, name in (("duplicate", "duplicate_spans"), ("invalid", "invalid_spans"),
                           ("late", "late_spans")):
             self.counters[name] += counts[key]
-        done = self.traces.finished(time.monotonic())
-
-        def write(item: tuple[bytes, Trace]) -> OSError | None:
-            try:
-                write_trace(self.inbox, *item)
-            except OSError as err:
-                return err
-            return None
-
-        paths = []
-        # each file's fsync waits on the disk (~3 ms here); many in flight share the
-        # filesystem's journal commits: 32 at a time write ~15x more traces a second
-        for (trace_id, trace), err in zip(done, self.pool.map(write, done)):
-            if err is None:
-                paths.append((trace_id, trace))
-                continue
+        finished = self.traces.finished(now)
+        if finished and not self.gathered:
+            self.gathering_since = now
+        self.gathered += finished
+        if not self.gathered or (now - self.gathering_since < self.settings.file_seconds
+                                 and not everything):
+            return 0
+        gathered, self.gathered = self.gathered, []
+        try:
+            documents = [(trace_id, otlp_json(trace.resources)) for trace_id, trace in gathered]
+            files = files_for(documents)
+            for number, batch in enumerate(files):
+                write_file(self.inbox, [document for _, document in batch], number)
+            _fsync_dir(self.inbox)
+        except Exception as err:  # a full disk, say: kept (and journaled), tried again shortly
             self.counters["write_errors"] += 1
-            self.traces.put_back(trace_id)
-            print(f"collect: could not write trace {trace_id.hex()} into {self.inbox} "
-                  f"({err}); kept, tried again shortly", file=sys.stderr, flush=True)
-        if not paths:
+            for trace_id, _ in gathered:
+                self.traces.put_back(trace_id)
+            print(f"collect: could not write {len(gathered)} traces into {self.inbox} ({err}); "
+                  f"kept, tried again shortly", file=sys.stderr, flush=True)
             return 0
         try:
-            _fsync_dir(self.inbox)
             futures = [self.journal.append(WRITTEN, trace_id + b"".join(sorted(trace.span_ids)))
-                       for trace_id, trace in paths]
+                       for trace_id, trace in gathered]
             for future in futures:
                 future.result()
         except OSError as err:
@@ -588,16 +621,17 @@ class Collector:
             # ingest counts as duplicates: nothing is lost
             print(f"collect: could not record written traces in the journal ({err})",
                   file=sys.stderr, flush=True)
-        for trace_id, _ in paths:
+        for trace_id, _ in gathered:
             self.traces.written(trace_id)
-        self.counters["traces_written"] += len(paths)
-        return len(paths)
+        self.counters["traces_written"] += len(gathered)
+        self.counters["files_written"] += len(files)
+        return len(gathered)
 
     def close(self) -> None:
         """Stop writing; the traces still held stay in the journal for the next start."""
         self.stopping.set()
         self.writer.join()
-        self.pool.shutdown()
+        self.write_finished(everything=True)  # what is finished goes out now, not after restart
         self.journal.close()
         self.lock_file.close()
 
@@ -759,8 +793,8 @@ def status_text(status: dict) -> str:
     """The counters, for a terminal."""
     rejected = ", ".join(f"{k} {v}" for k, v in status["rejected"].items() if v) or "none"
     return (f"collect: {status['spans']} spans accepted in {status['requests']} requests "
-            f"({status['bytes']} bytes), {status['traces_written']} traces written to "
-            f"{status['inbox']}; held now: {status['pending_traces']} traces, "
+            f"({status['bytes']} bytes), {status['traces_written']} traces written in "
+            f"{status['files_written']} files to {status['inbox']}; held now: {status['pending_traces']} traces, "
             f"{status['pending_spans']} spans; rejected: {rejected}; duplicate spans "
             f"{status['duplicate_spans']}, late {status['late_spans']}, invalid "
             f"{status['invalid_spans']}; recovered at start {status['recovered_spans']}; disk "

@@ -491,6 +491,9 @@ class Collect:
     port: int = 4318  # OTLP/HTTP's standard port
     # a trace whose root span never arrives is written after this long without a new span
     idle_seconds: float = 30.0
+    # finished traces are gathered this long into one inbox file: fewer, larger files for ingest
+    # (and DVC) against a later arrival; 0 writes them every fifth of a second
+    file_seconds: float = 10.0
     # spans held (on disk in the journal, not yet in the inbox) before new requests get 429
     max_pending_spans: int = 200_000
     max_request_bytes: int = 16_000_000  # a request body over this (decompressed) gets 413
@@ -510,6 +513,9 @@ class Collect:
                   max_request_bytes=self.max_request_bytes)
         if self.min_free_mb < 0:
             raise ParamsError(f"runtime.collect.min_free_mb: must be >= 0, got {self.min_free_mb}")
+        if self.file_seconds < 0:
+            raise ParamsError(f"runtime.collect.file_seconds: must be >= 0, got "
+                              f"{self.file_seconds}")
         if not self.host.strip():
             raise ParamsError("runtime.collect.host: empty; write 127.0.0.1 (this machine only) "
                               "or 0.0.0.0 (every interface: set a token, see token_env)")

@@ -76,7 +76,8 @@ def receiver(tmp_path):
     started = []
 
     def start(port: int | None = None, env: dict | None = None, **settings) -> Receiver:
-        root = workspace(tmp_path / "project", **{"idle_seconds": 3.0, **settings})
+        root = workspace(tmp_path / "project",
+                         **{"idle_seconds": 3.0, "file_seconds": 0.0, **settings})
         started.append(Receiver(root, port or free_port(), env))
         return started[-1]
 
@@ -91,14 +92,20 @@ def inbox_files(root: Path) -> list[Path]:
         else []
 
 
-def wait_for_files(root: Path, n: int, timeout: float = 20) -> list[Path]:
+def inbox_documents(root: Path) -> list[dict]:
+    """Every OTLP JSON document in the inbox's files (a trace a line)."""
+    return [json.loads(line) for path in inbox_files(root)
+            for line in path.read_text().splitlines()]
+
+
+def wait_for_traces(root: Path, n: int, timeout: float = 20) -> list[dict]:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        files = inbox_files(root)
-        if len(files) >= n:
-            return files
+        documents = inbox_documents(root)
+        if len(documents) >= n:
+            return documents
         time.sleep(0.1)
-    raise AssertionError(f"{len(inbox_files(root))} files in the inbox, expected {n}")
+    raise AssertionError(f"{len(inbox_documents(root))} traces in the inbox, expected {n}")
 
 
 def ingested(root: Path, tmp_path: Path) -> tuple[dict, list[dict]]:
@@ -157,10 +164,9 @@ def test_sdk_export_over_protobuf_is_ingested_as_exactly_those_conversations(rec
     assert provider.force_flush(10_000)
     provider.shutdown()
 
-    files = wait_for_files(rx.root, 3)
-    assert all(f.name.startswith("otlp-") and f.suffix == ".json" for f in files)
-    document = json.loads(files[0].read_text())
-    span = document["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    documents = wait_for_traces(rx.root, 3)
+    assert all(f.name.startswith("otlp-") and f.suffix == ".jsonl" for f in inbox_files(rx.root))
+    span = documents[0]["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
     assert len(span["traceId"]) == 32 and len(span["spanId"]) == 16  # hex, as OTLP JSON has it
 
     metrics, rows = ingested(rx.root, tmp_path)
@@ -198,7 +204,7 @@ def test_the_openai_client_instrumented_by_opentelemetry_exports_to_collect(rece
     finally:
         server.terminate()
         server.wait()
-    wait_for_files(rx.root, 2)
+    wait_for_traces(rx.root, 2)
     metrics, rows = ingested(rx.root, tmp_path)
     assert (metrics["accepted"], metrics["quarantined"]) == (2, 0)
     first = json.loads(rows[0]["messages"])
@@ -233,7 +239,7 @@ def otlp_json_body(spans: list) -> bytes:
 
 
 def test_json_and_gzip_bodies_are_accepted_and_ingested(receiver, tmp_path):
-    rx = receiver()
+    rx = receiver(file_seconds=3.0)  # the three traces finish within it: gathered in one file
     first, second, third = (recorded_spans(1, start=i) for i in (10, 20, 30))
     answers = [
         httpx.post(f"{rx.url}/v1/traces", content=otlp_json_body(first),
@@ -251,7 +257,8 @@ def test_json_and_gzip_bodies_are_accepted_and_ingested(receiver, tmp_path):
     assert answers[2].headers["content-type"] == "application/x-protobuf"
     ExportTraceServiceResponse().ParseFromString(answers[2].content)
 
-    wait_for_files(rx.root, 3)
+    wait_for_traces(rx.root, 3)
+    assert len(inbox_files(rx.root)) == 1
     metrics, rows = ingested(rx.root, tmp_path)
     assert metrics["accepted"] == 3
     assert [r["user_text"] for r in rows] == ["What is 10+1?", "What is 20+1?", "What is 30+1?"]
@@ -272,8 +279,11 @@ def test_bodies_it_cannot_read_are_refused_by_name(receiver):
     bomb = post(gzip.compress(b" " * 100_000), **{"Content-Type": "application/json",
                                                  "Content-Encoding": "gzip"})
     assert bomb.status_code == 413
+    cut = post(gzip.compress(b'{"resourceSpans": []}')[:-10],
+               **{"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert cut.status_code == 400 and "cut short" in cut.json()["message"]
     rejected = httpx.get(f"{rx.url}/status").json()["rejected"]
-    assert rejected["bad_request"] == 2 and rejected["too_large"] == 2
+    assert rejected["bad_request"] == 3 and rejected["too_large"] == 2
     assert rejected["unsupported"] == 1
 
 
@@ -310,11 +320,9 @@ def test_kill_9_mid_stream_loses_no_acknowledged_span(receiver, tmp_path):
     deadline = time.time() + 20
     wanted = {format(s.context.span_id, "016x") for s in acknowledged}
     while time.time() < deadline:
-        found = set()
-        for path in inbox_files(again.root):
-            for resource in json.loads(path.read_text())["resourceSpans"]:
-                for scope in resource["scopeSpans"]:
-                    found.update(s["spanId"] for s in scope["spans"])
+        found = {s["spanId"] for document in inbox_documents(again.root)
+                 for resource in document["resourceSpans"] for scope in resource["scopeSpans"]
+                 for s in scope["spans"]}
         if wanted <= found:
             break
         time.sleep(0.2)
@@ -365,6 +373,43 @@ def test_a_full_queue_gets_429_and_a_short_disk_503_with_retry_after(receiver, t
     assert "min_free_mb" in refused.json()["message"]
     status = httpx.get(f"{short.url}/status").json()
     assert status["spans"] == 0 and status["rejected"]["disk_full"] == 1
+
+
+def test_traces_are_gathered_into_files_ingest_reads_as_if_each_were_alone(tmp_path):
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("test")
+    for i in (1, 2):
+        agent_turn(tracer, f"What is {i}+{i}?", str(2 * i), False)
+    with tracer.start_as_current_span("chat tiny") as span:  # content capture off: no messages
+        span.set_attribute("gen_ai.operation.name", "chat")
+    with tracer.start_as_current_span("ChatOpenAI") as span:  # another service: OpenInference
+        for key, value in {"openinference.span.kind": "LLM", "llm.model_name": "tiny",
+                           "llm.input_messages.0.message.role": "user",
+                           "llm.input_messages.0.message.content": "What is 3+3?",
+                           "llm.output_messages.0.message.role": "assistant",
+                           "llm.output_messages.0.message.content": "6"}.items():
+            span.set_attribute(key, value)
+    by_trace: dict = {}
+    for span in memory.get_finished_spans():
+        by_trace.setdefault(span.context.trace_id.to_bytes(16, "big"), []).append(span)
+    documents = [(t, collect.otlp_json(list(as_request(spans).resource_spans)))
+                 for t, spans in by_trace.items()]
+    files = collect.files_for(documents)
+    # the two GenAI traces together; the OpenInference one and the refused one alone
+    assert sorted(len(f) for f in files) == [1, 1, 2]
+    inbox = tmp_path / "project" / "data" / "inbox"
+    inbox.mkdir(parents=True)
+    for number, batch in enumerate(files):
+        collect.write_file(inbox, [document for _, document in batch], number)
+    metrics, rows = ingested(tmp_path / "project", tmp_path)
+    assert (metrics["accepted"], metrics["quarantined"]) == (3, 1)
+    assert [r["user_text"] for r in rows] == ["What is 1+1?", "What is 2+2?", "What is 3+3?"]
+    assert metrics["per_format"]["openinference"]["accepted"] == 1
+    [refused] = [json.loads(line) for line in
+                 (tmp_path / "out" / "quarantine.jsonl").read_text().splitlines()]
+    assert "content capture" in refused["reason"]
 
 
 # --- grouping and the journal, in process ---------------------------------------------------------
