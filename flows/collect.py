@@ -557,7 +557,7 @@ class Collector:
         except BlockingIOError:
             self.lock_file.close()
             raise WorkspaceError(f"{spool}: another `offseason collect` uses this journal; "
-                                  f"stop it first (one receiver per workspace)") from None
+                                 f"stop it first (one receiver per workspace)") from None
         self.token = os.environ.get(settings.token_env, "")
         self.counters = dict.fromkeys(
             ("requests", "bytes", "spans", "duplicate_spans", "invalid_spans", "late_spans",
@@ -686,7 +686,7 @@ class Collector:
         """The counters, the held traces and where they go."""
         return {**self.counters, "rejected": dict(self.rejected), **self.traces.counts(),
                 "journal_queued_bytes": self.journal.queued_bytes(),
-                "journal_bytes": sum(p.stat().st_size for p in self.journal.segments()),
+                "journal_bytes": self.journal.size,  # what a restart would replay
                 "disk": self.disk_short or "ok", "inbox": str(self.inbox),
                 "uptime_seconds": round(time.time() - self.started, 1)}
 

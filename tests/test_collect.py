@@ -334,6 +334,16 @@ def test_kill_9_mid_stream_loses_no_acknowledged_span(receiver, tmp_path):
     assert done_traces <= {r["trace_id"] for r in rows}
 
 
+def test_a_second_receiver_on_the_same_workspace_is_refused(receiver):
+    rx = receiver()
+    second = subprocess.run([sys.executable, "-m", "flows.cli", "collect", "--port",
+                             str(free_port())], cwd=rx.root, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert second.returncode == 2
+    assert "another `offseason collect` uses this journal" in second.stderr
+    assert httpx.get(f"{rx.url}/status").status_code == 200  # the first one goes on
+
+
 def test_a_token_is_required_when_set(receiver):
     rx = receiver(env={"OFFSEASON_COLLECT_TOKEN": "s3cret"})
     body = as_request(recorded_spans(1)).SerializeToString()
