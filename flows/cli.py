@@ -746,11 +746,23 @@ def cmd_serve(args) -> int:
                                  "`offseason ui` in another terminal, or set PREFECT_API_URL")
         os.environ["PREFECT_API_URL"] = "http://127.0.0.1:4200/api"
     if args.work_pool:
+        if args.collect:
+            raise WorkspaceError("--collect runs the receiver beside deployments served here; "
+                                 "with --work-pool, run `offseason collect` on its own")
         ids = serve.deploy(root, args.work_pool)
         print(f"serve: {len(ids)} deployments registered to work pool {args.work_pool!r}; start "
               f"a worker for it: prefect worker start --pool {args.work_pool}")
         return 0
-    serve.serve(root)
+    receiver = None
+    if args.collect:
+        from flows import collect
+
+        receiver = collect.beside(root)
+    try:
+        serve.serve(root)
+    finally:
+        if receiver is not None:
+            collect.stop(receiver)
     return 0
 
 
@@ -949,6 +961,9 @@ def service_commands(sub) -> None:
     s.add_argument("--work-pool", metavar="NAME",
                    help="register the deployments to this Prefect work pool instead of serving "
                    "them here; a worker of the pool runs them (see README)")
+    s.add_argument("--collect", action="store_true",
+                   help="also receive traces (`offseason collect`, runtime.collect) beside them, "
+                   "until Ctrl-C stops both")
     s.set_defaults(func=cmd_serve)
     s = sub.add_parser("collect", help="receive traces over OTLP/HTTP into the inbox, until Ctrl-C",
                        description="An OTLP/HTTP receiver (POST /v1/traces: protobuf or JSON, gzip "

@@ -48,8 +48,10 @@ import hmac
 import json
 import os
 import shutil
+import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -765,10 +767,41 @@ def serve(settings: cfg.Collect, inbox: Path, spool: Path) -> int:
               f"journal", flush=True)
         server = uvicorn.Server(uvicorn.Config(app(collector), log_level="warning",
                                                access_log=False, lifespan="off"))
+        # uvicorn stops gracefully on SIGINT/SIGTERM, then raises the signal again for the
+        # handler it found: this one, which ends the process through the `finally` below (the
+        # default handler would end it at once, before the finished traces are written)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _stopped)
         server.run(sockets=[sock])
     finally:
         collector.close()
     return 0
+
+
+def beside(root: Path) -> subprocess.Popen:
+    """`offseason collect` as a child of another long-running command (`offseason serve
+    --collect`), in an interpreter of its own so that receiving shares the GIL with no flow run;
+    returns once it listens (its first line, passed on).
+    """
+    child = subprocess.Popen([sys.executable, "-m", "flows.cli", "collect"], cwd=root,
+                             stdout=subprocess.PIPE, text=True)
+    line = child.stdout.readline()
+    if "listening" not in line:
+        child.wait()
+        raise WorkspaceError(f"offseason collect did not start (exit {child.returncode}; its "
+                             f"error is above); run `offseason collect` alone to see it")
+    print(line, end="", flush=True)
+    return child
+
+
+def stop(child: subprocess.Popen) -> None:
+    """Stop a receiver started by `beside` as Ctrl-C would: what is finished is written first."""
+    child.terminate()
+    child.wait(timeout=60)
+
+
+def _stopped(signum: int, frame) -> None:
+    raise SystemExit(0)
 
 
 def read_status(url: str, token: str) -> dict:

@@ -334,6 +334,30 @@ def test_kill_9_mid_stream_loses_no_acknowledged_span(receiver, tmp_path):
     assert done_traces <= {r["trace_id"] for r in rows}
 
 
+def test_serve_collect_starts_a_receiver_beside_and_stops_it(tmp_path, monkeypatch, capsys):
+    port = free_port()
+    root = workspace(tmp_path / "project", port=port)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the child runs this checkout's code
+    child = collect.beside(root)
+    try:
+        assert f"listening on http://127.0.0.1:{port}/v1/traces" in capsys.readouterr().out
+        assert httpx.get(f"http://127.0.0.1:{port}/status").json()["spans"] == 0
+    finally:
+        collect.stop(child)
+    assert child.returncode == 0  # stopped as by Ctrl-C, not killed
+
+
+def test_sigterm_writes_the_finished_traces_before_it_ends(receiver):
+    rx = receiver(file_seconds=600)  # would gather for ten minutes
+    exporter = OTLPSpanExporter(endpoint=f"{rx.url}/v1/traces")
+    assert exporter.export(recorded_spans(1)) == SpanExportResult.SUCCESS
+    time.sleep(collect.ROOT_WAIT + 3 * collect.TICK)  # finished, not yet written
+    assert inbox_documents(rx.root) == []
+    rx.stop()
+    assert rx.proc.returncode == 0
+    assert len(inbox_documents(rx.root)) == 1
+
+
 def test_a_second_receiver_on_the_same_workspace_is_refused(receiver):
     rx = receiver()
     second = subprocess.run([sys.executable, "-m", "flows.cli", "collect", "--port",
