@@ -644,7 +644,8 @@ class Collector:
                                                   f"Bearer {self.token}".encode()):
             raise Refused(401, "unauthorized", f"missing or wrong bearer token (the one in "
                           f"${self.settings.token_env} where collect runs); send the header "
-                          f"'Authorization: Bearer <token>' (OTEL_EXPORTER_OTLP_HEADERS)")
+                          f"'Authorization: Bearer <token>' (OTEL_EXPORTER_OTLP_HEADERS="
+                          f"Authorization=Bearer%20<token>)")
 
     def check_room(self) -> None:
         """Refused (429/503, with Retry-After) when the held spans or the disk are at their limit."""
