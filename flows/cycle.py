@@ -23,6 +23,7 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Literal
 
 from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
@@ -38,9 +39,14 @@ from flows.workspace import (
     note_cycle,
     workspace_slot,
 )
+from stages.config import ALGORITHMS
 
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
 SECTION = {"champion_scores": "gate"}  # the params section of a stage named otherwise
+
+
+# the Run form offers the algorithms by name (a drop-down), from the one table of them
+Algorithm = Literal[tuple(ALGORITHMS)]
 
 
 @task(task_run_name="{name}", cache_policy=NO_CACHE)
@@ -65,7 +71,7 @@ def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: 
 
 
 @flow(name="offseason-cycle", log_prints=True)
-def cycle(repo: str = ".", algorithm: str | None = None, samples_per_task: int | None = None,
+def cycle(repo: str = ".", algorithm: Algorithm | None = None, samples_per_task: int | None = None,
           epochs: float | None = None, require_approval: bool | None = None) -> dict:
     """One continuous-learning cycle over the stages of dvc.yaml, then promotion.
 

@@ -65,21 +65,13 @@ def yaml_at(root: Path, ref: str, path: str) -> dict:
 
 def stores(root: Path) -> dict[str, Path]:
     """Where DVC keeps objects: the cache and every remote that is a local folder."""
-    import configparser
-    import re
+    from flows.workspace import dvc_remotes
 
     found = {"cache": root / ".dvc" / "cache"}
-    for name in ("config", "config.local"):
-        path = root / ".dvc" / name
-        if not path.exists():
-            continue
-        parser = configparser.ConfigParser(interpolation=None)
-        parser.read_string(path.read_text())
-        for section in parser.sections():
-            match = re.fullmatch(r"""'?remote\s+"([^"]+)"'?""", section.strip())
-            url = parser.get(section, "url", fallback="")
-            if match and url and "://" not in url:  # a local folder, relative to .dvc/
-                found[f"remote {match.group(1)}"] = (root / ".dvc" / url).resolve()
+    for name, settings in dvc_remotes(root)[1].items():
+        url = settings.get("url", "")
+        if url and "://" not in url:  # a local folder, relative to .dvc/
+            found[f"remote {name}"] = (root / ".dvc" / url).resolve()
     return found
 
 

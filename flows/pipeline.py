@@ -340,7 +340,7 @@ def begin(root: Path, session: Session | None = None) -> Start:
                          f"nothing changed since gen-{last[-1] if last else 0} (no new traces, "
                          f"same params, same code): nothing to learn from, no stage reran",
                          recovered=recovered)
-        check_servers()  # before a stage runs: a server that is down fails the cycle in seconds
+        check_servers(root)  # before a stage runs: a server that is down fails the cycle in seconds
         return Start("run", "", (last[-1] + 1) if last else 1, reasons, recovered,
                      Pipeline(session))
     except BaseException:
@@ -348,12 +348,15 @@ def begin(root: Path, session: Session | None = None) -> Start:
         raise
 
 
-def check_servers() -> None:
+def check_servers(root: Path | None = None) -> None:
     """The servers a cycle talks to, when they are servers (`MLFLOW_TRACKING_URI`,
-    `PREFECT_API_URL`, not the temporary one `offseason run` starts), answer a health probe within `stages.remote`'s deadline; else
-    `stages.remote.RemoteDown` names the variable, the address and what to do. Without them the
-    MLflow client retries each request for minutes, and a server that accepts and never answers
-    holds it for its full request timeout, retry after retry.
+    `PREFECT_API_URL`, not the temporary one `offseason run` starts; the default DVC remote of
+    `root`, which promotion pushes to), answer a probe within `stages.remote`'s deadline; else
+    `stages.remote.RemoteDown` names the setting, the address and what to do. Without them the
+    MLflow client retries each request for minutes, a server that accepts and never answers
+    holds it for its full request timeout, retry after retry, and a DVC remote that is down
+    fails promotion's push only after every stage of the cycle has run (an HTTP remote after its
+    `read_timeout`, 60 s a request by default).
     """
     from stages import remote
 
@@ -370,6 +373,39 @@ def check_servers() -> None:
                      fix="start that server (`offseason ui` starts one), or unset "
                          "PREFECT_API_URL for Prefect's temporary local server; then run "
                          "`offseason run` again")
+    if root is not None:
+        check_dvc_remote(root)
+
+
+def check_dvc_remote(root: Path) -> None:
+    """The default DVC remote answers, when it is a server: an HTTP(S) or WebDAV URL (any HTTP
+    status is an answer), an SSH host (its greeting), or an object store with an `endpointurl`
+    (S3-compatible, e.g. MinIO). A local folder (the default, `.dvcstore/`) needs no probe; a
+    cloud store at its provider's endpoint is left to DVC's own retries.
+    """
+    from urllib.parse import urlsplit
+
+    from stages import remote
+
+    default, remotes = workspace.dvc_remotes(root)
+    settings = remotes.get(default or "", {})
+    url = settings.get("url", "")
+    scheme = urlsplit(url).scheme
+    setting = f'.dvc/config remote "{default}" url'
+    fix = ("start that server, or make a reachable remote the default (`dvc remote default "
+           "<name>`; `dvc remote add -d local ../.dvcstore` keeps objects in a local folder); "
+           "then run `offseason run` again (nothing was run or lost: DVC's cache keeps every "
+           "output until it is pushed)")
+    if scheme in ("http", "https", "webdav", "webdavs"):
+        where = url.replace("webdav", "http", 1)
+        remote.probe(where, setting=setting, value=url, fix=fix)
+    elif scheme in ("ssh", "sftp"):
+        parts = urlsplit(url)
+        remote.probe(f"{parts.hostname}:{parts.port or int(settings.get('port', 22))}",
+                     setting=setting, value=url, fix=fix, kind="ssh")
+    elif settings.get("endpointurl", "").startswith(("http://", "https://")):
+        remote.probe(settings["endpointurl"], setting=f'.dvc/config remote "{default}" endpointurl',
+                     value=settings["endpointurl"], fix=fix)
 
 
 _HANDED_OVER: dict[Path, Start] = {}

@@ -60,6 +60,15 @@ def training_summary(train: dict) -> str:
     return text
 
 
+def _words(value) -> str:
+    """A list or a {name: count} as words for people ("email 2, card 1"; "none"), not a repr."""
+    if isinstance(value, dict):
+        value = [f"{k} {v}" for k, v in value.items() if v]
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(v) for v in value) or "none"
+    return "none" if value is None else str(value)
+
+
 def gate_lines(gate: dict) -> list[str]:
     """The gate's verdict and its evidence as Markdown list lines."""
     from flows.lineage import how
@@ -74,11 +83,27 @@ def gate_lines(gate: dict) -> list[str]:
     # per-suite verdicts, when the gate scores several suites
     for name, suite in (gate.get("suites") or {}).items():
         if isinstance(suite, dict):
-            lines.append(f"  - suite `{name}`: candidate {_num(suite.get('candidate_score'))} vs "
-                         f"champion {_num(suite.get('champion_score'))}, difference interval "
-                         f"{_interval(suite.get('interval'))}"
+            lines.append(f"  - suite `{name}`: candidate "
+                         f"{_num(suite.get('candidate', suite.get('candidate_score')))} vs "
+                         f"champion {_num(suite.get('champion', suite.get('champion_score')))}, "
+                         f"difference interval {_interval(suite.get('interval'))}"
                          f"{': ' + str(suite['reason']) if suite.get('reason') else ''}")
+    # the reward-hacking guards (length, format, tool_ok, hacking), failed ones marked
+    for name, guard in (gate.get("guards") or {}).items():
+        if isinstance(guard, dict) and not guard.get("skipped"):
+            lines.append(f"  - guard `{name}`{'' if guard.get('passed') else ' **failed**'}: "
+                         f"candidate {_num(guard.get('candidate'))} vs champion "
+                         f"{_num(guard.get('champion'))}: {guard.get('reason')}")
     return lines
+
+
+def hacks_line(reward: dict) -> str:
+    """The episodes a verifier suspected of a reward hack, by reason, in words."""
+    hacks = reward.get("hack_suspected") or {}
+    if not hacks.get("episodes"):
+        return "none"
+    reasons = ", ".join(f"{reason}: {n}" for reason, n in hacks.get("reasons", {}).items())
+    return f"{hacks['episodes']} episodes ({reasons})"
 
 
 def decision(record: dict) -> str:
@@ -114,14 +139,15 @@ def markdown(root: Path, generation: int, metrics: dict, record: dict, *,
         f"- **Quarantined**: {ingest.get('quarantined', 0)} at ingest, "
         f"{validate.get('quarantined', 0)} by validation (reasons in `data/quarantine/`)",
         f"- **Drift** from the previous cycle: task mix distance "
-        f"{drift.get('task_mix_distance')}, new tools {drift.get('new_tools')}; PII scrubbed "
-        f"{ingest.get('pii_redactions')}",
+        f"{drift.get('task_mix_distance')}, new tools {_words(drift.get('new_tools'))}; PII "
+        f"scrubbed {_words(ingest.get('pii_redactions'))}",
         f"- **Data Docs** (Great Expectations): [{docs}]({docs.as_uri()})",
         "",
         "## Learning",
         f"- **Rewards**: mean {reward.get('mean_reward')}, pass@k {reward.get('pass_at_k')} over "
         f"{reward.get('episodes')} episodes ({reward.get('judged')} judged, "
-        f"{reward.get('unjudgeable', 0)} unjudgeable)",
+        f"{reward.get('unjudgeable', 0)} unjudgeable); suspected reward hacks: "
+        f"{hacks_line(reward)}",
         f"- **Training**: {training_summary(train)}",
         "",
         "## Decision",

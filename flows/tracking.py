@@ -80,9 +80,12 @@ def log_stage(root: Path, parent_id: str, experiment_id: str, stage: str, params
         "offseason.reran": str(ran).lower()})
     run_id = run.info.run_id
     now = int(time.time() * 1000)
+    # a stage's metrics echo some of its settings (train: lora_r, deepspeed): those are params,
+    # not single-bar metric charts
+    settings = {key.rsplit(".", 1)[-1] for key in flat("", params, {})}
     client.log_batch(
         run_id,
-        metrics=[Metric(k, v, now, 0) for k, v in numeric(metrics).items()],
+        metrics=[Metric(k, v, now, 0) for k, v in numeric(metrics).items() if k not in settings],
         params=[Param(k, str(v)) for k, v in flat("", params, {}).items()],
         tags=[RunTag(k, v) for k, v in dvc_hashes(root, stage, lock_text).items()],
     )

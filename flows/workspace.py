@@ -105,6 +105,29 @@ def dvc(root: Path, *args: str, on_line=None) -> str:
     return run([str(Path(sys.executable).parent / "dvc"), *args], root, on_line=on_line).stdout
 
 
+def dvc_remotes(root: Path) -> tuple[str | None, dict[str, dict[str, str]]]:
+    """The project's DVC remotes as DVC reads them (`.dvc/config`, then `.dvc/config.local`
+    over it): the default remote's name (`core.remote`) and each remote's settings (`url`, ...).
+    """
+    import configparser
+    import re
+
+    default, remotes = None, {}
+    for name in ("config", "config.local"):
+        path = root / ".dvc" / name
+        if not path.exists():
+            continue
+        parser = configparser.ConfigParser(interpolation=None)
+        parser.read_string(path.read_text())
+        for section in parser.sections():
+            match = re.fullmatch(r"""'?remote\s+"([^"]+)"'?""", section.strip())
+            if match:
+                remotes.setdefault(match.group(1), {}).update(parser[section])
+            elif section.strip() == "core" and parser.has_option(section, "remote"):
+                default = parser.get(section, "remote")
+    return default, remotes
+
+
 def generations(root: Path) -> list[int]:
     """The generation numbers tagged so far (`gen-<n>`), in order."""
     tags = git(root, "tag", "--list", "gen-*").split()
@@ -229,6 +252,11 @@ def note_environments(root: Path) -> dict:
             digest.update(at.encode() + b"\0" + file.read_bytes() + b"\0")
         note[name] = {"module": env.module, "version": env.version, "source": shown,
                       "files": len(files), "sha256": digest.hexdigest() if files else None}
+    # the judge's rubric, when it is a file of the project: a changed rubric re-scores
+    rubric = str(cfg.load("judge", root / "params.yaml").rubric).strip()
+    if rubric and "\n" not in rubric and len(rubric) < 256 and (root / rubric).is_file():
+        note["judge rubric"] = {"source": rubric, "sha256": hashlib.sha256(
+            (root / rubric).read_bytes()).hexdigest()}
     path = root / ENVIRONMENT_SOURCES
     text = json.dumps(note, indent=2, sort_keys=True) + "\n"
     if not path.exists() or path.read_text() != text:

@@ -419,6 +419,7 @@ class Gate:
     max_length_increase: float = 3.0
     max_format_regression: float = 0.1  # share of completions breaking the protocol
     max_tool_error_regression: float = 0.1  # share of completions with a failed tool call
+    max_hack_increase: float = 0.0  # share of completions a verifier noted hack_suspected
     # a guard suite too small for its margin (the smallest regression it detects at 80% power,
     # given its size and this cycle's disagreement, is above max_regression) is reported
     # "underpowered" and then: decide (it still blocks or passes, flagged) or skip (it does not)
@@ -459,10 +460,40 @@ class Gate:
                    "max_length_increase": self.max_length_increase,
                    "max_format_regression": self.max_format_regression,
                    "max_tool_error_regression": self.max_tool_error_regression,
+                   "max_hack_increase": self.max_hack_increase,
                    "forgetting_min_items": self.forgetting_min_items}
         for key, value in margins.items():
             if value < 0:
                 raise ParamsError(f"gate.{key}: must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class Judge:
+    """`judge:`: the LLM judge an environment's reward may call (`stages/envs/judge.py`), for
+    tasks without ground truth. What it computes: the model and the rubric (a changed one
+    re-scores) and the per-stage budget; where it runs is `runtime.judge`.
+    """
+
+    model: str = ""  # the judge model's name on its server; "" = no judge configured
+    rubric: str = ""  # the grading instructions: the text itself, or a file path from the project
+    max_calls: int = 2000  # judge requests per stage run (cache hits are free); then the stage stops
+    max_cost: int = 2_000_000  # tokens (prompt + completion, as the server reports) per stage run
+    url: str = ""  # runtime: the OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000/v1
+    api_key_env: str = "OPENAI_API_KEY"  # runtime: the environment variable holding its key
+    request_timeout: float = 60.0  # runtime: seconds per request before it is retried
+    retries: int = 3  # runtime: per judgment, on timeouts, 429, 5xx and unparseable answers
+
+    def __post_init__(self):
+        """Refuse budgets and timeouts that cannot work."""
+        for key in ("max_calls", "max_cost", "retries"):
+            if getattr(self, key) < 0:
+                raise ParamsError(f"judge.{key}: must be >= 0, got {getattr(self, key)}")
+        if not self.request_timeout > 0:
+            raise ParamsError(f"runtime.judge.request_timeout: must be > 0, got "
+                              f"{self.request_timeout}")
+        if not self.api_key_env.replace("_", "a").isalnum():
+            raise ParamsError(f"runtime.judge.api_key_env: {self.api_key_env!r} is not an "
+                              f"environment variable's name")
 
 
 @dataclass(frozen=True)
@@ -527,7 +558,7 @@ def collect(path: str | Path = "params.yaml") -> Collect:
                   str(path))
 
 
-OPTIONAL = {"environments", "runtime"}  # sections a params.yaml may leave out
+OPTIONAL = {"environments", "runtime", "judge"}  # sections a params.yaml may leave out
 
 # Settings that say where and how fast work runs, never what it computes. They live in params.yaml's
 # `runtime:` section (runtime.rollout.urls, runtime.reward.workers, ...), which no DVC stage lists
@@ -536,13 +567,14 @@ OPTIONAL = {"environments", "runtime"}  # sections a params.yaml may leave out
 RUNTIME = {"rollout": ("urls", "server_command", "server_timeout", "concurrency",
                        "request_timeout", "retries", "api_key_env", "api"),
            "reward": ("workers", "ray_address"),
+           "judge": ("url", "api_key_env", "request_timeout", "retries"),
            # `offseason collect`'s own section: every key of it (no stage section to merge into)
            "collect": tuple(f.name for f in dataclasses.fields(Collect))}
 
 
 def runtime_of(config) -> dict:
     """The runtime settings a stage's config holds (see RUNTIME), for its metrics."""
-    section = {Rollout: "rollout", Reward: "reward"}[type(config)]
+    section = {Rollout: "rollout", Reward: "reward", Judge: "judge"}[type(config)]
     return {key: getattr(config, key) for key in RUNTIME[section]}
 
 
@@ -608,6 +640,7 @@ SECTIONS: dict[str, type] = {
     "reward": Reward,
     "train": Train,
     "gate": Gate,
+    "judge": Judge,
 }
 
 
@@ -714,10 +747,10 @@ def load(section: str, path: str | Path = "params.yaml", sections: dict | None =
     if section == "environments":
         return environments(path)
     raw = read_params(path)
-    if section not in raw:
+    if section not in raw and section not in OPTIONAL:
         _fail(str(path), f"missing section '{section}:'; add it (an empty '{section}: {{}}' takes "
                          f"the defaults)")
-    values = raw[section]
+    values = raw.get(section) or {}
     if section in RUNTIME:
         values = dict(values or {})
         moved = [key for key in values if key in RUNTIME[section]]

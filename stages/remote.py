@@ -9,10 +9,12 @@ setting, the address, what happened and what to do:
 
 - `http`: GET a health URL; any HTTP status counts as an answer (a 404 or 401 is a server there);
 - `grpc`: Ray's GCS port speaks gRPC over HTTP/2, whose server answers the client's connection
-  preface with a SETTINGS frame at once: that frame within the deadline is the answer.
+  preface with a SETTINGS frame at once: that frame within the deadline is the answer;
+- `ssh`: an SSH server greets first (`SSH-2.0-...`, RFC 4253): that line within the deadline.
 
 Used by the rollout stage (each of `runtime.rollout.urls`), the reward stage
-(`runtime.reward.ray_address`) and `offseason run` (MLflow and Prefect servers, before any stage).
+(`runtime.reward.ray_address`) and `offseason run` (MLflow and Prefect servers and the default DVC
+remote, before any stage).
 
     python -m stages.remote http://127.0.0.1:5000/health     # probe one address by hand
 """
@@ -54,6 +56,8 @@ def probe(address: str, *, setting: str, fix: str, kind: str = "http",
     try:
         if kind == "grpc":
             _grpc(address, timeout)
+        elif kind == "ssh":
+            _ssh(address, timeout)
         else:
             _http(address, timeout)
     except (OSError, ValueError) as err:
@@ -101,14 +105,28 @@ def _grpc(address: str, timeout: float) -> None:
         raise ConnectionError(f"it answered, but not as a gRPC server (frame type {received[3]})")
 
 
+def _ssh(address: str, timeout: float) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"not host:port: {address!r}")
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+        sock.settimeout(timeout)
+        greeting = sock.recv(64)
+    if not greeting:
+        raise ConnectionResetError("the connection was closed without an answer")
+    if not greeting.startswith(b"SSH-"):
+        raise ConnectionError(f"it answered, but not as an SSH server ({greeting[:20]!r})")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Probe one address (the command line)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("address", help="an http(s) URL, or host:port with --grpc")
     parser.add_argument("--grpc", action="store_true", help="a gRPC (HTTP/2) server, e.g. Ray's GCS")
+    parser.add_argument("--ssh", action="store_true", help="an SSH server (host:port)")
     args = parser.parse_args(argv)
     seconds = probe(args.address, setting="address", fix="check the address",
-                    kind="grpc" if args.grpc else "http")
+                    kind="grpc" if args.grpc else "ssh" if args.ssh else "http")
     print(f"{args.address}: answered in {seconds:.3f} s")
 
 

@@ -1,8 +1,9 @@
 """Reward: the environment's verifier scores each rollout, component by component.
 
 Reads `data/rollouts.parquet`; writes `data/rewards.parquet` (every rollout column plus `correct`,
-`reward`, `verifier`, `error` and one `score_<component>` column per reward component) and
-`metrics/reward.json`.
+`reward`, `verifier`, `error`, one `score_<component>` column per reward component and
+`hack_suspected`, the verifier's note of a likely reward hack) and `metrics/reward.json` (with the
+`hack_suspected` episodes counted per reason).
 
 - A verifier's `score()` returns its components, or None ("cannot judge": counted, left out of
   the reward). One that raises is an error: its cause goes to the `error` column and is counted,
@@ -19,10 +20,15 @@ Reads `data/rollouts.parquet`; writes `data/rewards.parquet` (every rollout colu
   as any Ray job's dependencies). Same results, in the same order, either way.
 
 With an `environments:` section the rollouts are chat episodes of the user's modules, scored by
-each one's own `reward` in this process (`score_chat`): the reward is the mean of its components,
-full marks in every one is `correct`, `verifier` is `<environment>/<VERSION>`.
+each one's own `reward` in this process (`score_chat`), or its `reward_group` over all samples of
+a task at once: the reward is the mean of its components, full marks in every one is `correct`,
+`verifier` is `<environment>/<VERSION>`. A reward that calls the LLM judge (`stages/envs/judge.py`)
+adds a `judgment` column (the judge and its reasoning) and `judges` metrics (requests, tokens,
+cache hits, failures by kind); its paid judgments persist in `--judgments` (data/judgments), and a
+spent judge budget stops the stage.
 
-    python -m stages.reward data/rollouts.parquet data/rewards.parquet metrics/reward.json
+    python -m stages.reward data/rollouts.parquet data/rewards.parquet metrics/reward.json \
+        --judgments data/judgments
     offseason rescore [data/rewards.parquet] [--output data/rescored.parquet]
 """
 
@@ -42,9 +48,10 @@ import pyarrow.parquet as pq
 
 from stages import config as cfg
 from stages import io, remote
+from stages.envs import contract
 from stages.envs.registry import COMPONENTS, ENVIRONMENTS, score_chunk
 
-COLUMNS = ("correct", "reward", "verifier", "error")  # plus score_<component>
+COLUMNS = ("correct", "reward", "verifier", "error", "hack_suspected")  # plus score_<component>
 
 
 class VerifierBroken(RuntimeError):
@@ -190,8 +197,10 @@ def score_table(env_name: str, config: cfg.Reward, table: pa.Table, progress: bo
     out = table
     for name in ("correct", "reward"):
         out = out.append_column(name, pa.array(columns[name], pa.float64()))
+    hacks = [contract.suspected(scored.get(i, (None, None))[0]) or None for i in range(len(rows))]
     out = out.append_column("verifier", pa.array([verifier_id(env)] * len(rows), pa.string())) \
-        .append_column("error", pa.array(columns["error"], pa.string()))
+        .append_column("error", pa.array(columns["error"], pa.string())) \
+        .append_column(contract.HACK_SUSPECTED, pa.array(hacks, pa.string()))
     for name in names:
         out = out.append_column(f"score_{name}", pa.array(parts[name], pa.float64()))
     solved = {}
@@ -208,8 +217,19 @@ def score_table(env_name: str, config: cfg.Reward, table: pa.Table, progress: bo
                "correct_episodes": int(sum(columns["correct"][i] for i in judged)),
                "pass_at_k": mean([float(s) for s in solved.values()]),
                "components": {name: mean([parts[name][i] for i in judged
-                                          if parts[name][i] is not None]) for name in names}}
+                                          if parts[name][i] is not None]) for name in names},
+               contract.HACK_SUSPECTED: hack_counts(hacks)}
     return out, metrics
+
+
+def hack_counts(notes: list[str | None]) -> dict:
+    """How many episodes a verifier suspected of a reward hack, and how many per reason (the
+    sandbox's notes name what the code touched: `imported unittest`, `replaced builtins` ...).
+    """
+    reasons: dict[str, int] = {}
+    for note in filter(None, notes):
+        reasons[note] = reasons.get(note, 0) + 1
+    return {"episodes": sum(reasons.values()), "reasons": dict(sorted(reasons.items()))}
 
 
 def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict]:
@@ -221,8 +241,6 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
     tool call broke at rollout, is an error with its cause, never a zero.
     """
     import json
-
-    from stages.envs import contract
 
     envs = {name: contract.load(name, spec.module, root) for name, spec in specs.items()}
     rows = table.select(["task_id", "environment", "task", "messages", "error"]).to_pylist()
@@ -242,14 +260,46 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
             set_aside[key] = f"task set aside: {err}"
         except Exception as err:  # the reward itself broke on the gold
             set_aside[key] = f"reward() raised on the gold: {type(err).__name__}: {err}"
+    from stages.envs.judge import JudgeBudget
+
+    # an environment with reward_group scores all samples of a task at once (a relative judge)
+    grouped: dict[tuple, list[int]] = {}
+    for i, row in enumerate(rows):
+        if envs[row["environment"]].reward_group is not None and not row["error"] and \
+                (row["environment"], row["task_id"]) not in set_aside:
+            grouped.setdefault((row["environment"], row["task_id"]), []).append(i)
+    group_scores: dict[int, object] = {}
+    for (name, _), members in grouped.items():
+        env = envs[name]
+        try:
+            results = env.reward_group(json.loads(rows[members[0]]["task"]),
+                                       [json.loads(rows[i]["messages"]) for i in members])
+            if not isinstance(results, list) or len(results) != len(members):
+                raise contract.VerifierError(
+                    f"{env.where}: reward_group() returned {type(results).__name__} for "
+                    f"{len(members)} episodes; return a list with one result per episode")
+            for i, result in zip(members, results):
+                group_scores[i] = contract.normalize(env, result)
+        except JudgeBudget:
+            raise
+        except Exception as err:  # a broken reward: its cause, never a zero
+            for i in members:
+                group_scores[i] = f"{env.where}: reward_group() raised {type(err).__name__}: {err}"
     scores, causes = [], []
-    for row in rows:
+    for i, row in enumerate(rows):
         env, key = envs[row["environment"]], (row["environment"], row["task_id"])
         cause = row["error"] or set_aside.get(key)
-        if cause is None:
+        if cause is None and i in group_scores:
+            if isinstance(group_scores[i], str):
+                cause = group_scores[i]
+            else:
+                scores.append(group_scores[i])
+        elif cause is None:
             try:
                 scores.append(contract.score(env, json.loads(row["task"]),
                                              json.loads(row["messages"])))
+            except JudgeBudget:  # the judge's budget is spent: the stage stops, naming it
+                raise
             except Exception as err:  # a broken reward: its cause, never a zero
                 cause = f"{env.where}: reward() raised {type(err).__name__}: {err}"
         if cause is not None:
@@ -265,13 +315,19 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
                              f"tasks set aside, e.g. {causes[0]}; fix the environment before "
                              f"training on its scores")
     verifier = {name: f"{name}/{env.version or env.module}" for name, env in envs.items()}
+    hacks = [contract.suspected(c) or None for c in scores]
+    judgments = [json.dumps(c.judgment, ensure_ascii=False) if getattr(c, "judgment", None)
+                 else None for c in scores]
     # the rollout's own error column (a tool call that broke) becomes the reward's
     out = table.drop_columns(["error"]) \
         .append_column("correct", pa.array(correct, pa.float64())) \
         .append_column("reward", pa.array(reward, pa.float64())) \
         .append_column("verifier", pa.array([verifier[r["environment"]] for r in rows],
                                             pa.string())) \
-        .append_column("error", pa.array(causes, pa.string()))
+        .append_column("error", pa.array(causes, pa.string())) \
+        .append_column(contract.HACK_SUSPECTED, pa.array(hacks, pa.string()))
+    if any(judgments):  # the judge's identity and reasoning, beside its score
+        out = out.append_column("judgment", pa.array(judgments, pa.string()))
     for name in names:
         out = out.append_column(f"score_{name}", pa.array(
             [None if c is None else c.get(name) for c in scores], pa.float64()))
@@ -290,10 +346,15 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
                 "tasks": len({(rows[i]["environment"], rows[i]["task_id"]) for i in indices}),
                 "mean_reward": mean([reward[i] for i in judged]),
                 "correct_episodes": int(sum(correct[i] for i in judged)),
-                "pass_at_k": mean([float(v) for v in solved.values()])}
+                "pass_at_k": mean([float(v) for v in solved.values()]),
+                contract.HACK_SUSPECTED: hack_counts([hacks[i] for i in indices])}
 
     every = list(range(len(rows)))
-    return out, {**summary(every), "unjudgeable": unjudged, "tasks_set_aside": len(set_aside),
+    from stages.envs import judge
+
+    judges = {"judges": [j.metrics() for j in judge.used()]} if judge.used() else {}
+    return out, {**summary(every), **judges, "unjudgeable": unjudged,
+                 "tasks_set_aside": len(set_aside),
                  "components": {n: mean([c[n] for c in scores if c and n in c]) for n in names},
                  "environments": {name: {**summary([i for i in every
                                                     if rows[i]["environment"] == name]),
@@ -348,7 +409,7 @@ def rescore(base: cfg.Base, config: cfg.Reward, rewards: Path, out: Path,
             merged[n][i] = new_cols[n][j] if n in new_cols else None
     result = rollouts
     for n in names:
-        kind = pa.string() if n in ("verifier", "error") else pa.float64()
+        kind = pa.string() if n in ("verifier", "error", contract.HACK_SUSPECTED) else pa.float64()
         result = result.append_column(n, pa.array(merged[n], kind))
     io.write_parquet(out, result)
     old_reward = old.get("reward", [None] * len(table))
@@ -381,12 +442,26 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("rollouts", "rewards", "metrics"):
         parser.add_argument(name, type=Path)
     parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--judgments", type=Path, default=None,
+                        help="where the LLM judge keeps its paid judgments (a persistent output)")
     args = parser.parse_args(argv)
+    if args.judgments is not None:
+        from stages.envs import judge
+
+        args.judgments.mkdir(parents=True, exist_ok=True)  # an output, judged or not
+        judge.use_cache(args.judgments)
     try:
         metrics = run(cfg.load("base", args.params), cfg.load("reward", args.params),
                       args.rollouts, args.rewards, cfg.environments(args.params),
                       Path(args.params).resolve().parent)
     except (VerifierBroken, ConnectionError) as err:  # a broken verifier, an absent cluster
+        print(f"reward: error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as err:
+        from stages.envs.judge import JudgeBudget
+
+        if not isinstance(err, JudgeBudget):
+            raise
         print(f"reward: error: {err}", file=sys.stderr)
         sys.exit(1)
     metrics["runtime"] = cfg.runtime_of(cfg.load("reward", args.params))  # what ran where

@@ -89,6 +89,9 @@ def test_init_simulate_and_one_cycle(project):
         o["md5"] for o in lock["ingest"]["outs"] if o["path"] == "data/ingested.parquet")
     train_run = next(c for c in children if c.data.tags["offseason.stage"] == "train")
     train_metrics = json.loads((project / "metrics/train.json").read_text())
+    # the settings a stage's metrics echo are params of its run, not single-bar metric charts
+    assert "lora_r" not in train_run.data.metrics and "deepspeed" not in train_run.data.metrics
+    assert train_run.data.params["train.lora_r"] == "0"
     if train_metrics["trained"]:  # the per-step curve, with its step numbers
         losses = client.get_metric_history(train_run.info.run_id, "step.loss")
         assert sorted(m.step for m in losses) == list(range(1, train_metrics["steps"] + 1))
@@ -112,7 +115,9 @@ def test_init_simulate_and_one_cycle(project):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["runtime"] = {"reward": {"workers": 1}, "rollout": {
         "concurrency": 7, "request_timeout": 30.0, "retries": 2, "server_timeout": 60.0,
-        "api_key_env": "MY_KEY", "urls": "http://127.0.0.1:9/v1"}}
+        "api_key_env": "MY_KEY", "urls": "http://127.0.0.1:9/v1"},
+        "judge": {"url": "http://127.0.0.1:9/v1", "request_timeout": 5.0, "retries": 1,
+                  "api_key_env": "JUDGE_KEY"}}
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     again = offseason(project, "run")
     assert "nothing changed since gen-1" in again.stdout and "no stage reran" in again.stdout

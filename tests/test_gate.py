@@ -493,3 +493,41 @@ def test_check_shows_what_each_suite_detects_and_warns_about_an_underpowered_gua
     assert "gate suite 'arith' (primary): 200 items" in out.stdout
     assert "its items have informed 1.67 decisions on average, at most 2" in out.stdout
     assert "WARNING" not in next(line for line in out.stdout.splitlines() if "'arith'" in line)
+
+
+def test_a_rise_in_suspected_reward_hacks_fails_the_hacking_guard():
+    """Better on the primary suite, but more of its completions were noted hack_suspected by the
+    verifier (the code sandbox): the hacking guard fails the candidate; the same share passes.
+    """
+    better, worse = rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5))
+    hacky = [{**r, "suspect": float(i < 6)} for i, r in enumerate(better)]
+    verdict = gate.decide(CONFIG, 0, pairs(hacky, worse), set(), [], False)
+    hacking = verdict["guards"]["hacking"]
+    assert verdict["passed"] is False and hacking["passed"] is False, hacking
+    assert hacking["candidate"] == 0.03 and hacking["champion"] == 0.0
+    assert "hacking (completions a verifier suspected" in verdict["reason"]
+    same = gate.decide(CONFIG, 0, pairs(hacky, [{**r, "suspect": float(i < 6)}
+                                                for i, r in enumerate(worse)]), set(), [], False)
+    assert same["passed"] is True and same["guards"]["hacking"]["passed"] is True
+    # champion scores written before the guard existed carry no `suspect`: none suspected
+    assert gate.decide(CONFIG, 0, pairs(better, worse), set(), [], False)["passed"] is True
+
+
+def test_the_cycle_report_shows_the_guards_and_the_suspected_hacks(tmp_path):
+    from flows import report
+
+    better, worse = rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5))
+    hacky = [{**r, "suspect": float(i < 6)} for i, r in enumerate(better)]
+    verdict = gate.decide(CONFIG, 0, pairs(hacky, worse), set(), [], False)
+    reward = {"mean_reward": 0.5, "hack_suspected": {"episodes": 3, "reasons": {
+        "imported unittest": 2, "replaced builtins.AssertionError": 1}}}
+    text = report.markdown(tmp_path, 1, {"gate": verdict, "reward": reward}, {})
+    assert "guard `hacking` **failed**: candidate 0.030 vs champion 0.000" in text, text
+    assert "guard `length`: candidate" in text
+    assert "suspected reward hacks: 3 episodes (imported unittest: 2, replaced " in text
+    assert f"suite `arith`: candidate {verdict['suites']['arith']['candidate']:.3f}" in text
+    assert "suspected reward hacks: none" in report.markdown(tmp_path, 1, {"gate": verdict}, {})
+    # the drift line in words, not Python reprs
+    text = report.markdown(tmp_path, 1, {"gate": verdict, "ingest": {"pii_redactions": {
+        "email": 2, "card": 0, "ip": 1}}, "validate": {"drift": {"new_tools": []}}}, {})
+    assert "new tools none; PII scrubbed email 2, ip 1" in text, text

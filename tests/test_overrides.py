@@ -88,3 +88,15 @@ def test_deployments_section_is_checked(tmp_path):
         load({"manual": {"cron": "0 4 * * 6"}})
     with pytest.raises(cfg.ParamsError, match="deployments.nightly: expected a mapping"):
         load({"nightly": "0 2 * * *"})
+
+
+def test_the_run_form_offers_the_algorithms_by_name():
+    """Prefect's Run form is built from the flow's parameter schema: a drop-down of the
+    algorithms (cfg.ALGORITHMS), not a free-text field."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.cycle import cycle
+    from stages.config import ALGORITHMS
+
+    field = parameter_schema(cycle.fn).model_dump()["properties"]["algorithm"]
+    assert {"enum": list(ALGORITHMS), "type": "string"} in field["anyOf"], field

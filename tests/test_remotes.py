@@ -123,6 +123,66 @@ def test_mlflow_and_prefect_servers(variable, fault, black_hole, simulated):
     assert tags.split() == ["gen-0"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", FAULTS)
+def test_an_http_dvc_remote(fault, black_hole, simulated):
+    """Promotion pushes to the default DVC remote at the cycle's end: a server remote that is down
+    fails the cycle before its first stage, naming the remote, not after every stage has run.
+    """
+    where = f"http://{address(fault, black_hole)}/dvc-store"
+    (simulated / ".dvc" / "config.local").write_text(
+        f"[core]\n    remote = web\n['remote \"web\"']\n    url = {where}\n")
+    env = {**cli_env(simulated), "OFFSEASON_PROBE_TIMEOUT": str(BOUND_S)}
+    started = time.monotonic()
+    result = subprocess.run([str(BIN / "offseason"), "run"], cwd=simulated, env=env,
+                            capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - started
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f".dvc/config remote \"web\" url='{where}'" in result.stderr, result.stderr
+    assert says(result.stderr, fault) and "dvc remote default" in result.stderr, result.stderr
+    assert "Running stage" not in result.stdout + result.stderr and took < BOUND_S + SLACK_S, took
+    # the local folder again: nothing to probe
+    (simulated / ".dvc" / "config.local").unlink()
+    from flows import pipeline
+
+    pipeline.check_dvc_remote(simulated)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_an_ssh_dvc_remote(fault, black_hole, tmp_path):
+    """An SSH remote is there when its server greets within the deadline."""
+    from flows import pipeline
+
+    (tmp_path / ".dvc").mkdir()
+    (tmp_path / ".dvc" / "config").write_text(
+        f"[core]\n    remote = box\n['remote \"box\"']\n"
+        f"    url = ssh://{address(fault, black_hole)}/srv/dvc\n")
+    started = time.monotonic()
+    with pytest.raises(remote.RemoteDown) as err:
+        pipeline.check_dvc_remote(tmp_path)
+    assert time.monotonic() - started < BOUND_S + 1
+    assert '.dvc/config remote "box" url=' in str(err.value) and says(str(err.value), fault)
+
+
+def test_an_ssh_server_that_greets_is_there():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+
+        def greet():
+            conn, _ = server.accept()
+            with conn:
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+                time.sleep(0.5)
+
+        import threading
+
+        thread = threading.Thread(target=greet)
+        thread.start()
+        remote.probe(f"127.0.0.1:{server.getsockname()[1]}", setting="x", fix="y", kind="ssh")
+        thread.join()
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 def test_webhook_warns_and_never_fails(fault, black_hole, monkeypatch, caplog):
     monkeypatch.setenv("OFFSEASON_WEBHOOK_URL", f"http://{address(fault, black_hole)}/hook/tok")

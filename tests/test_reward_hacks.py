@@ -163,3 +163,41 @@ def test_every_honest_reference_solution_still_scores_one(suite):
         verdict = coding.check(task["question"], task["answer"],
                                coding.gold_completion(task["question"], task["answer"]))
         assert verdict.correct == 1.0, (task["id"], verdict)
+
+
+def test_suspected_hacks_are_counted_by_the_reward_stage():
+    """The sandbox's note rides with the scores (never a component): a `hack_suspected` column
+    in the rewards and a count per reason in the metrics, on the tag protocol and through a
+    chat environment's reward alike.
+    """
+    import pyarrow as pa
+
+    from stages import config as cfg
+    from stages import reward
+    from stages.envs import contract
+
+    codes = {"honest": "def solve(x):\n    return -x\n", "wrong": WRONG,
+             "patched": HACKS["unittest assertEqual"], "builtins": HACKS["builtins"]}
+    table = pa.Table.from_pylist([
+        {"task_id": "t", "trace_id": "t", "sample": i, "question": "solve", "answer": ANSWER,
+         "prompt": "solve", "completion": completion(code), "token_ids": [], "model_mask": [],
+         "logprobs": [], "finish": "eos", "tool_calls": 0} for i, code in enumerate(codes.values())])
+    out, metrics = reward.score_table("code", cfg.Reward(workers=2), table, progress=False)
+    notes = dict(zip(codes, out.column("hack_suspected").to_pylist()))
+    assert notes["honest"] is None and notes["wrong"] is None
+    assert "unittest" in notes["patched"] and "builtins.AssertionError" in notes["builtins"]
+    assert out.column("correct").to_pylist() == [1.0, 0.0, 0.0, 0.0]
+    assert metrics["hack_suspected"]["episodes"] == 2
+    assert sum(metrics["hack_suspected"]["reasons"].values()) == 2
+    assert "hack_suspected" not in metrics["components"]  # a note, not a component
+
+    # the chat path: coding.reward returns the note beside its reward; contract.score keeps it
+    # apart from the components
+    task = {"task_id": "t", "question": "solve", "answer": json.loads(ANSWER)}
+    env = contract.load("code", "stages.envs.coding", REPO)
+    said = [{"role": "assistant", "content": completion(HACKS["unittest assertEqual"])}]
+    scores = contract.score(env, task, said)
+    assert scores == {"reward": 0.0} and "unittest" in contract.suspected(scores)
+    honest = contract.score(env, task, [{"role": "assistant",
+                                         "content": completion(codes["honest"])}])
+    assert honest == {"reward": 1.0} and contract.suspected(honest) == ""

@@ -263,3 +263,17 @@ def test_run_code_reports_its_outcome(box):
     assert (ok.outcome, ok.stdout) == ("passed", "42\n")
     assert bad.outcome == "failed" and bad.reason == "ValueError: nope"
     assert "Traceback" in bad.stderr
+
+
+def test_installed_packages_import_though_site_is_skipped(box):
+    """The sandboxed processes start with -S (no .pth files run) and put site-packages on
+    sys.path themselves: a candidate may still import what the interpreter has installed.
+    """
+    dirs = sandbox._site_dirs(box.python or sandbox.interpreter())
+    if not any(Path(d, "pip").is_dir() for d in dirs):
+        pytest.skip("this interpreter has no pip in its site-packages to import")
+    ran = sandbox.run_code("import pip, sys\nprint(pip.__file__)\nprint('site' in sys.modules)",
+                           **box.opts)
+    assert ran.outcome == "passed", ran
+    where, site_loaded = ran.stdout.split()
+    assert any(where.startswith(d) for d in dirs) and site_loaded == "False"

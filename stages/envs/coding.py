@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.envs import sandbox
+from stages.envs import contract, sandbox
 
 NAME = "code"
 VERSION = "unittest-sandbox@1"
@@ -109,18 +109,20 @@ def tool_calls(completion: str) -> list[str]:
     return [m[0] for m in _CALL.findall(completion)]
 
 
-def score(question: str, answer: str, completion: str) -> dict[str, float] | None:
-    """correct; format (a final code block, every `<run>` answered); tool_ok (no run errored)."""
-    correct = verify(question, answer, completion)
-    if correct is None:
+def score(question: str, answer: str, completion: str) -> contract.Scores | None:
+    """correct; format (a final code block, every `<run>` answered); tool_ok (no run errored);
+    the sandbox's `hack_suspected` note (`contract.Scores`).
+    """
+    verdict = check(question, answer, completion)
+    if verdict.correct is None:
         return None
     outputs = [m[2] for m in _CALL.finditer(completion)]  # None: a call with no output after it
     answered = all(output is not None for output in outputs)
-    return {
-        "correct": correct,
+    return contract.Scores.of({
+        "correct": verdict.correct,
         "format": 1.0 if code_block(completion) is not None and answered else 0.0,
         "tool_ok": 0.0 if any((o or "").startswith("error:") for o in outputs) else 1.0,
-    }
+    }, verdict.suspect)
 
 
 def gold_completion(question: str, answer: str) -> str:
@@ -220,13 +222,17 @@ def _task_text(task: dict) -> tuple[str, str]:
     return str(task.get("question", "")), answer if isinstance(answer, str) else json.dumps(answer)
 
 
-def reward(task: dict, messages: list[dict]) -> float | None:
+def reward(task: dict, messages: list[dict]) -> float | dict | None:
     """1.0 when every unit test passes on the last assistant message's last ```python block,
-    0.0 when one fails or there is no block, None when the task has no tests.
+    0.0 when one fails or there is no block, None when the task has no tests; with the sandbox's
+    `hack_suspected` reason beside it when the code touched the test framework.
     """
     last = messages[-1] if messages else {}
     final = str(last.get("content") or "") if last.get("role") == "assistant" else ""
-    return check(*_task_text(task), final).correct
+    verdict = check(*_task_text(task), final)
+    if verdict.suspect and verdict.correct is not None:
+        return {"reward": verdict.correct, contract.HACK_SUSPECTED: verdict.suspect}
+    return verdict.correct
 
 
 def gold(task: dict) -> list[dict]:

@@ -22,8 +22,12 @@ value: the module, e.g. `support = my_pkg.support`). The module defines:
   cause, never a zero reward. May be left out when TOOLS is empty.
 - `reward(task, messages) -> float | dict[str, float] | None`: the score of an episode (`messages`:
   the task's messages and the agent's assistant/tool turns); a dict holds named components;
-  None = cannot judge (counted, dropped).
-- optional: `gold(task) -> list[dict]` (assistant/tool messages that must score full marks: 1.0,
+  None = cannot judge (counted, dropped). A dict may also hold `"hack_suspected": "<reason>"`, a
+  note that the episode tried to game the reward (e.g. it patched the test framework): never a
+  component, counted per cycle in the reward metrics and watched by the gate's `hacking` guard.
+- optional: `reward_group(task, episodes) -> list` (the rewards of every sample of one task, each a
+  result as `reward` returns; the reward stage calls it instead of `reward` where defined, e.g.
+  for a relative judge, `stages/envs/judge.py`), `gold(task) -> list[dict]` (assistant/tool messages that must score full marks: 1.0,
   or 1.0 in every component), `MAX_TURNS` (an int >= 1: tool calls per episode), `VERSION` (a
   string recorded with every score), `task_from_trace(messages, tools) -> dict | None` (the task
   behind a production trace, without `task_id`; None when it has none).
@@ -93,6 +97,7 @@ class Environment:
     task_from_trace: Callable[[list, list | None], dict | None] | None = None
     source: str | None = None  # the module's file, for lineage (a DVC dep)
     entry_point: str | None = None  # the entry point's name it was found by; None: a dotted path
+    reward_group: Callable[[dict, list], list] | None = None  # all samples of a task at once
     validators: dict = field(init=False, repr=False, compare=False)  # tool name -> validator
 
     def __post_init__(self):
@@ -292,6 +297,7 @@ def load(name: str, module: str, root: str | Path | None = None) -> Environment:
                           required=bool(tools))
     gold = _function(where, obj, "gold", ("task",), required=False)
     from_trace = _function(where, obj, "task_from_trace", ("messages", "tools"), required=False)
+    reward_group = _function(where, obj, "reward_group", ("task", "episodes"), required=False)
     max_turns = getattr(obj, "MAX_TURNS", None)
     if max_turns is not None and (isinstance(max_turns, bool) or not isinstance(max_turns, int)
                                   or max_turns < 1):
@@ -304,7 +310,8 @@ def load(name: str, module: str, root: str | Path | None = None) -> Environment:
     source = getattr(obj, "__file__", None) or getattr(sys.modules.get(dotted), "__file__", None)
     return Environment(name=name, module=dotted, tools=tools, max_turns=max_turns,
                        version=version, call_tool=call_tool, reward=reward, gold=gold,
-                       task_from_trace=from_trace, source=source, entry_point=entry_point)
+                       task_from_trace=from_trace, source=source, entry_point=entry_point,
+                       reward_group=reward_group)
 
 
 def _env_name(environment: Environment | str) -> str:
@@ -447,20 +454,61 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def score(env: Environment, task: dict, messages: list[dict]) -> dict[str, float] | None:
-    """The reward of an episode: the module's reward(task, messages) as components (a float x is
-    {"reward": x}), or None when it cannot judge. An exception from reward propagates (the
-    verifier broke); a result that is not a finite number, a dict of them or None raises
-    VerifierError naming the module.
+HACK_SUSPECTED = "hack_suspected"
+
+
+class Scores(dict):
+    """Reward components (names to numbers) and the verifier's note of a suspected reward hack:
+    `hack_suspected`, its reason ("" when none). The note is an attribute, not an item, so that
+    nothing sums, averages or weights it; it survives pickling into and out of worker processes.
     """
-    result = env.reward(task, messages)
+
+    hack_suspected: str = ""
+    judgment: dict | None = None  # a judge's identity and reasoning (stages/envs/judge.py)
+
+    @classmethod
+    def of(cls, components: dict, hack_suspected: str = "") -> Scores:
+        """Scores of `components`, noting `hack_suspected` (a reason) when given."""
+        scores = cls(components)
+        if hack_suspected:
+            scores.hack_suspected = hack_suspected
+        return scores
+
+
+def suspected(scores: dict | None) -> str:
+    """The reason a verifier suspected a reward hack in these scores; "" when none."""
+    return getattr(scores, HACK_SUSPECTED, "") or ""
+
+
+def score(env: Environment, task: dict, messages: list[dict]) -> Scores | None:
+    """The reward of an episode: the module's reward(task, messages) as components (a float x is
+    {"reward": x}), or None when it cannot judge; a `hack_suspected` reason in the dict becomes
+    the `Scores` note. An exception from reward propagates (the verifier broke); a result that
+    is not a finite number, a dict of them or None raises VerifierError naming the module.
+    """
+    return normalize(env, env.reward(task, messages))
+
+
+def normalize(env: Environment, result: Any) -> Scores | None:
+    """A result of `reward` (or one of `reward_group`'s) as `score` returns it."""
     if result is None:
         return None
     value = _number(result)
     if value is not None:
-        return {"reward": value}
+        return Scores({"reward": value})
     if isinstance(result, dict) and result:
-        components = {}
+        judgment = getattr(result, "judgment", None)  # a judge's Scores carry its reasoning
+        note = result.get(HACK_SUSPECTED, "") or getattr(result, HACK_SUSPECTED, "")
+        result = {k: v for k, v in result.items() if k != HACK_SUSPECTED}
+        if not isinstance(note, str):
+            raise VerifierError(f"{env.where}: reward() returned {HACK_SUSPECTED}={note!r}; it "
+                                f"is a reason (a string), or leave it out")
+        if not result:
+            raise VerifierError(f"{env.where}: reward() returned only {HACK_SUSPECTED}; return "
+                                f"the components too")
+        components = Scores.of({}, note)
+        if judgment:
+            components.judgment = judgment
         for key, item in result.items():
             value = _number(item)
             if not isinstance(key, str) or not key or value is None:

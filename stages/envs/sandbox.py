@@ -5,7 +5,8 @@
     python -m stages.envs.sandbox               # say which isolation this machine gives, and probe it
 
 Every run is a fresh process tree under the real interpreter (`os.path.realpath(sys.executable)`,
-never a version manager's shim, in isolated mode `-I`: no PYTHON* variables, no user site), in a
+never a version manager's shim, in isolated mode `-I`: no PYTHON* variables, no user site; and
+`-S`: no `.pth` file runs, the harness puts site-packages on sys.path itself), in a
 new session (its own process group), with a clean environment (only HOME, TMPDIR, PATH, LANG: no
 inherited variable, so no secret, reaches it), a private temporary directory as cwd and HOME, and
 limits set by util-linux's `prlimit`: CPU seconds, address space, file size, open files, processes,
@@ -614,6 +615,22 @@ def _checked(python: str) -> str:
     return python
 
 
+@functools.lru_cache(maxsize=None)
+def _site_dirs(python: str) -> list[str]:
+    """The interpreter's site-packages folders. The sandboxed processes start with `-S` and put
+    these on sys.path themselves: `site` would also run every `.pth` file there, which on a
+    machine with a few of them (setuptools' distutils hook, a certificate bundle) cost 36 ms of a
+    50 ms start-up, for every process of every verification.
+    """
+    code = "import json, site; print(json.dumps([p for p in site.getsitepackages()]))"
+    try:
+        out = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True,
+                             timeout=60, env={})
+        return [p for p in json.loads(out.stdout) if os.path.isdir(p)]
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return []  # not an interpreter that runs: the sandbox's own start says so, precisely
+
+
 @dataclass
 class _Box:
     """One sandboxed process: its files, output and where it runs."""
@@ -627,8 +644,9 @@ class _Box:
 
 def _start(files: dict[str, str], harness: str, fds: list[int], limits: Limits, kind: str,
            python: str, folder: Path) -> _Box:
-    """Start `python -I -c harness fd...` in a sandbox of `kind` holding `files` (and nothing
-    else of ours), with `fds` passed in (their numbers are the harness's arguments).
+    """Start `python -I -S -c harness fd...` in a sandbox of `kind` holding `files` (and nothing
+    else of ours), with `fds` passed in (their numbers are the harness's arguments); the
+    candidate's harnesses put the interpreter's site-packages on sys.path (`_site_dirs`).
     """
     root = os.geteuid() == 0
     folder.mkdir()
@@ -637,7 +655,9 @@ def _start(files: dict[str, str], harness: str, fds: list[int], limits: Limits, 
     out, err = (open(folder / n, "w+b") for n in (".stdout", ".stderr"))
     readable = {name: os.open(folder / name, os.O_RDONLY) for name in files}
     try:
-        command = [python, "-I", *(["-S"] if harness is TESTER else []), "-c", harness, *map(str, fds)]
+        if harness is not TESTER:  # the candidate's code may import what is installed
+            harness = f"import sys\nsys.path.extend({_site_dirs(python)!r})\n" + harness
+        command = [python, "-I", "-S", "-c", harness, *map(str, fds)]
         if kind == "bwrap":
             uid = UID_BASE + secrets.randbelow(1 << 20) if root else None
             nproc = limits.processes if root else _own_tasks() + limits.processes

@@ -1,0 +1,147 @@
+"""Replayed tools: every production trace becomes an environment, without writing one.
+
+    environments:
+      replay:
+        module: stages.envs.replay
+        weight: 1.0
+
+`task_from_trace` turns a validated trace into a task: its messages up to the first assistant turn
+(the system prompt and the user's request), the tools it offered (or, when the log kept none,
+a permissive schema per tool it called), the recorded tool calls with their results, and the
+answer production gave. In a rollout, `call_tool` answers a call whose name and arguments equal a
+recorded one (compared as JSON values, key order aside) with the recorded result (the first one,
+when production made the same call several times); any other call gets a `ToolError` naming the
+calls it could have made, which the agent sees and may recover from: no live system is touched.
+
+The reward: with a judge configured (params.yaml `judge:`, `stages/envs/judge.py`), the judge's
+score of the episode, with production's answer shown to it as a reference; without one, 1.0 when
+the final answer equals production's (whitespace and case aside), else 0.0: the trace's own
+outcome as its ground truth, for agents whose production answers are usually right. A trace with
+no user turn or no final answer is no task (None).
+
+    python -m stages.envs.replay data/inbox/traffic-000.jsonl     # the tasks the traces give
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from stages.envs.errors import ToolError
+
+VERSION = "replay@1"
+TOOLS: list[dict] = []  # each task offers the tools its trace offered (the task's `tools`)
+MAX_TURNS = 8
+
+
+def _arguments(raw) -> object:
+    """Tool-call arguments as a JSON value (logs hold them as a JSON string or an object)."""
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError:
+            return raw
+    return raw if raw is not None else {}
+
+
+def _canonical(value) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def _text(content) -> str:
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content or "")
+
+
+def task_from_trace(messages: list[dict], tools: list[dict] | None = None) -> dict | None:
+    """The task a trace gives: its opening messages, tools, recorded calls and final answer."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
+    if first is None or not any(m.get("role") == "user" for m in messages[:first]):
+        return None
+    final = messages[-1] if messages[-1].get("role") == "assistant" else None
+    if final is None or final.get("tool_calls") or not _text(final.get("content")).strip():
+        return None
+    results = {m.get("tool_call_id"): _text(m.get("content")) for m in messages[first:]
+               if m.get("role") == "tool"}
+    recorded, called = [], []
+    for message in messages[first:]:
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") or {}
+            name = function.get("name")
+            if not name or call.get("id") not in results:
+                continue  # a call without its result cannot be replayed
+            recorded.append({"name": name, "arguments": _arguments(function.get("arguments")),
+                             "result": results[call["id"]]})
+            called.append(name)
+    offered = list(tools or [])
+    names = {t.get("function", {}).get("name") for t in offered}
+    for name in dict.fromkeys(called):  # the log kept no schema: any object of arguments
+        if name not in names:
+            offered.append({"type": "function", "function": {
+                "name": name, "description": f"{name} (replayed from production)",
+                "parameters": {"type": "object"}}})
+    return {"messages": [dict(m) for m in messages[:first]], "tools": offered,
+            "recorded": recorded, "reference": _text(final["content"])}
+
+
+def call_tool(task: dict, name: str, arguments: dict) -> str:
+    """The recorded result of the same call (name and arguments); a ToolError otherwise."""
+    wanted = _canonical(arguments)
+    same = [r for r in task.get("recorded", [])
+            if r["name"] == name and _canonical(r["arguments"]) == wanted]
+    if not same:
+        known = "; ".join(f"{r['name']}({_canonical(r['arguments'])})"
+                          for r in task.get("recorded", [])) or "none"
+        raise ToolError(f"no recorded result for {name}({wanted}): this environment replays "
+                        f"production's tool calls, and those were: {known}")
+    # the task is shared by every sample of it and stays as it is: a call repeated in
+    # production gets its first result each time
+    return same[0]["result"]
+
+
+_SPACE = re.compile(r"\s+")
+
+
+def _normal(text: str) -> str:
+    return _SPACE.sub(" ", text).strip().lower()
+
+
+def reward(task: dict, messages: list[dict]) -> float | dict | None:
+    """The judge's score when one is configured, else whether the final answer is production's."""
+    from stages import config as cfg
+
+    last = messages[-1] if messages else {}
+    answer = _text(last.get("content")) if last.get("role") == "assistant" else ""
+    try:
+        judged = bool(cfg.load("judge").model)
+    except (cfg.ParamsError, FileNotFoundError):
+        judged = False
+    if judged:
+        from stages.envs import judge
+
+        shown = messages + [{"role": "user", "content": "(For the grader only: production "
+                                                        "answered this request with: "
+                                                        f"{task.get('reference', '')})"}]
+        return judge.score(task, shown)
+    if not task.get("reference"):
+        return None
+    return float(_normal(answer) == _normal(task["reference"]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the tasks a file of OpenAI chat traces gives (the command line)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("traces", type=Path, help="JSON lines, each {messages, tools?}")
+    args = parser.parse_args(argv)
+    for line in args.traces.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            task = task_from_trace(row.get("messages") or [], row.get("tools"))
+            print(json.dumps(task) if task else "null")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""The LLM judge against a scripted OpenAI-compatible server on loopback (real HTTP).
+
+The server answers each request from a script: a JSON judgment, malformed JSON, a refusal, an HTTP
+500, or nothing in time. Pointwise and relative judgments, the cache (a rerun pays nothing), the
+failures (counted with their cause, never a zero) and the budget (stops the stage).
+
+    pytest -q tests/test_judge.py
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pyarrow as pa
+import pytest
+import yaml
+
+from stages import reward
+from stages.envs import judge
+
+RUBRIC = "1 when the answer is correct and polite, 0 when it is wrong."
+
+
+class Scripted:
+    """An OpenAI-compatible /chat/completions that answers from `script` (one entry a request,
+    the last one repeated): a dict (the JSON answer), "malformed", "refusal", "500", "slow".
+    """
+
+    def __init__(self, script):
+        self.script, self.requests = list(script), []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append({"path": self.path, "body": body,
+                                       "auth": self.headers.get("Authorization")})
+                step = outer.script.pop(0) if len(outer.script) > 1 else outer.script[0]
+                if step == "slow":
+                    time.sleep(1.5)
+                if step == "500":
+                    self.send_response(500)
+                    self.end_headers()
+                    self.wfile.write(b"overloaded")
+                    return
+                message = {"role": "assistant", "content": None, "refusal": None}
+                if step == "refusal":
+                    message["refusal"] = "I can't help with grading that."
+                elif step == "malformed":
+                    message["content"] = '{"reasoning": "fine", "score": '
+                else:
+                    message["content"] = json.dumps(step if isinstance(step, dict) else
+                                                    {"reasoning": "ok", "score": 0.5})
+                data = json.dumps({"id": "x", "object": "chat.completion", "model": body["model"],
+                                   "choices": [{"index": 0, "message": message,
+                                                "finish_reason": "stop"}],
+                                   "usage": {"prompt_tokens": 90, "completion_tokens": 10,
+                                             "total_tokens": 100}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def server():
+    made = []
+
+    def start(*script):
+        made.append(Scripted(script))
+        return made[-1]
+
+    yield start
+    for s in made:
+        s.close()
+
+
+def make(srv, tmp_path=None, **kw) -> judge.Judge:
+    return judge.Judge(url=srv.url, model="judge-7b",
+                       cache_dir=tmp_path / "judgments" if tmp_path else None,
+                       **{"rubric": RUBRIC, "request_timeout": 1.0, "retries": 2, **kw})
+
+
+TASK = {"task_id": "t1", "messages": [{"role": "user", "content": "What is 2+2?"}]}
+SAID = TASK["messages"] + [{"role": "assistant", "content": "4, happy to help."}]
+
+
+def test_pointwise_judgment_with_its_reasoning_and_a_cache(server, tmp_path):
+    srv = server({"reasoning": "correct and polite", "score": 0.9})
+    j = make(srv, tmp_path, api_key="sk-test")
+    scores = j.score(TASK, SAID)
+    assert scores == {"judge": 0.9}
+    assert scores.judgment == {"judge": j.identity, "reasoning": "correct and polite"}
+    sent = srv.requests[0]
+    assert sent["path"] == "/v1/chat/completions" and sent["auth"] == "Bearer sk-test"
+    assert sent["body"]["model"] == "judge-7b" and RUBRIC in sent["body"]["messages"][0]["content"]
+    assert sent["body"]["response_format"]["json_schema"]["schema"] == judge.POINTWISE
+    assert "4, happy to help." in sent["body"]["messages"][1]["content"]
+    # the same judgment again: from the cache, in this process and in a new one (a rerun)
+    assert j.score(TASK, SAID) == {"judge": 0.9} and len(srv.requests) == 1 and j.hits == 1
+    again = make(srv, tmp_path)
+    assert again.score(TASK, SAID).judgment["reasoning"] == "correct and polite"
+    assert len(srv.requests) == 1 and again.calls == 0
+    # a changed rubric or another answer is a new judgment
+    make(srv, tmp_path, rubric=RUBRIC + " Be strict.").score(TASK, SAID)
+    assert len(srv.requests) == 2
+    assert j.metrics() == {"judge": j.identity, "requests": 1, "tokens": 100, "cache_hits": 1,
+                           "failures": {}}
+
+
+@pytest.mark.parametrize("script, kind, requests", [
+    (["malformed"], "unparseable", 3),  # retried, then an error
+    (["refusal"], "refused", 1),  # a refusal is final
+    (["slow"], "timeout", 3),
+    (["500"], "http", 3),
+    ([{"reasoning": "?", "score": 7}], "unparseable", 1),  # out of [0, 1]
+])
+def test_a_judge_that_fails_is_an_error_with_its_cause_never_a_zero(server, script, kind,
+                                                                     requests):
+    srv = server(*script)
+    j = make(srv, retries=2, request_timeout=0.5)
+    with pytest.raises(judge.JudgeError) as err:
+        j.score(TASK, SAID)
+    assert err.value.kind == kind and "judge-7b" in str(err.value), str(err.value)
+    assert len(srv.requests) == requests and j.failures == {kind: 1}
+
+
+def test_retries_get_past_a_bad_answer(server):
+    srv = server("malformed", "500", {"reasoning": "fine", "score": 1})
+    assert make(srv, retries=2).score(TASK, SAID) == {"judge": 1.0}
+    assert len(srv.requests) == 3
+
+
+def test_the_budget_stops_the_work(server, tmp_path):
+    srv = server({"reasoning": "ok", "score": 0.5})
+    j = make(srv, tmp_path, max_calls=2)
+    for n in range(2):
+        j.score(TASK, SAID + [{"role": "user", "content": f"again {n}"}])
+    j.score(TASK, SAID + [{"role": "user", "content": "again 0"}])  # cached: free
+    with pytest.raises(judge.JudgeBudget, match="judge.max_calls=2"):
+        j.score(TASK, SAID + [{"role": "user", "content": "again 9"}])
+    costly = make(server({"reasoning": "ok", "score": 0.5}), max_cost=150)
+    costly.score(TASK, SAID)  # 100 tokens
+    with pytest.raises(judge.JudgeBudget, match="judge.max_cost=150 tokens"):
+        costly.score(TASK, SAID + [{"role": "user", "content": "more"}])
+
+
+def test_relative_judgment_scores_every_sample_of_a_task_together(server):
+    srv = server({"scores": [{"id": 2, "reasoning": "best", "score": 1.0},
+                             {"id": 1, "reasoning": "rude", "score": 0.2},
+                             {"id": 3, "reasoning": "wrong", "score": 0.0}]})
+    episodes = [TASK["messages"] + [{"role": "assistant", "content": a}]
+                for a in ("4. Obviously.", "4, happy to help.", "5")]
+    ranked = make(srv).rank(TASK, episodes)
+    assert [s["judge"] for s in ranked] == [0.2, 1.0, 0.0]
+    assert ranked[1].judgment["reasoning"] == "best" and len(srv.requests) == 1
+    assert all(f"Response {i}" in srv.requests[0]["body"]["messages"][1]["content"]
+               for i in (1, 2, 3))
+    short = server({"scores": [{"id": 1, "reasoning": "x", "score": 1.0}]})
+    with pytest.raises(judge.JudgeError, match=r"no score for responses \[2, 3\]"):
+        make(short).rank(TASK, episodes)
+
+
+ENV = '''
+from stages.envs import judge
+
+TOOLS = []
+
+
+def reward(task, messages):
+    return judge.score(task, messages)
+'''
+
+GROUP_ENV = ENV + '''
+
+def reward_group(task, episodes):
+    return judge.rank(task, episodes)
+'''
+
+
+def judged_project(tmp_path, url, module=ENV, **judge_params):
+    # a module name of its own per test: contract.load imports it by name (sys.modules)
+    name = f"judged_env_{'group' if 'reward_group' in module else 'one'}"
+    (tmp_path / f"{name}.py").write_text(module)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({
+        "judge": {"model": "judge-7b", "rubric": "rubric.md", **judge_params},
+        "runtime": {"judge": {"url": url, "request_timeout": 1.0, "retries": 1}}}))
+    (tmp_path / "rubric.md").write_text(RUBRIC)
+    from stages import config as cfg
+
+    return {"help": cfg.EnvironmentSpec(module=name)}
+
+
+def rollouts(answers) -> pa.Table:
+    return pa.Table.from_pylist([
+        {"task_id": "t1", "environment": "help", "task": json.dumps(TASK), "sample": i,
+         "messages": json.dumps(TASK["messages"] + [{"role": "assistant", "content": a}]),
+         "error": None} for i, a in enumerate(answers)])
+
+
+@pytest.fixture
+def fresh_judges(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    judge.use_cache(tmp_path / "data" / "judgments")
+    yield
+    judge.use_cache(None)
+
+
+def test_the_reward_stage_keeps_the_judgment_and_counts_failures(server, tmp_path,
+                                                                  fresh_judges):
+    srv = server({"reasoning": "good", "score": 0.75}, "refusal",
+                 {"reasoning": "good", "score": 0.75})
+    specs = judged_project(tmp_path, srv.url)
+    out, metrics = reward.score_chat(specs, rollouts(["4", "5", "four"]), tmp_path)
+    rows = out.to_pylist()
+    assert [r["score_judge"] for r in rows] == [0.75, None, 0.75]
+    assert rows[1]["reward"] is None and "refused to judge" in rows[1]["error"]  # not a zero
+    assert json.loads(rows[0]["judgment"])["reasoning"] == "good"
+    assert json.loads(rows[0]["judgment"])["judge"].startswith("judge-7b/rubric-")
+    assert metrics["errors"] == 1 and metrics["judges"][0]["failures"] == {"refused": 1}
+    assert metrics["judges"][0]["requests"] == 3
+    # a rerun (the stage killed and resumed, or reproduced): the paid judgments are not asked again
+    judge.use_cache(tmp_path / "data" / "judgments")
+    out2, metrics2 = reward.score_chat(specs, rollouts(["4", "four"]), tmp_path)
+    assert metrics2["judges"][0]["requests"] == 0 and metrics2["judges"][0]["cache_hits"] == 2
+
+
+def test_a_spent_budget_stops_the_reward_stage(server, tmp_path, fresh_judges):
+    srv = server({"reasoning": "good", "score": 0.75})
+    specs = judged_project(tmp_path, srv.url, max_calls=1)
+    with pytest.raises(judge.JudgeBudget, match="judge.max_calls=1"):
+        reward.score_chat(specs, rollouts(["4", "5"]), tmp_path)
+
+
+def test_reward_group_judges_the_samples_of_a_task_together(server, tmp_path, fresh_judges):
+    srv = server({"scores": [{"id": 1, "reasoning": "a", "score": 0.25},
+                             {"id": 2, "reasoning": "b", "score": 1.0}]})
+    specs = judged_project(tmp_path, srv.url, module=GROUP_ENV)
+    out, _ = reward.score_chat(specs, rollouts(["five", "4"]), tmp_path)
+    assert out.column("reward").to_pylist() == [0.25, 1.0] and len(srv.requests) == 1
+
+
+def test_no_judge_configured_says_what_to_set(tmp_path, fresh_judges):
+    (tmp_path / "params.yaml").write_text("judge: {}\n")
+    from stages import config as cfg
+
+    with pytest.raises(cfg.ParamsError, match="judge.model and runtime.judge.url"):
+        judge.project(tmp_path / "params.yaml")
