@@ -13,6 +13,7 @@
     offseason serve       run the scheduled and manual deployments of params.yaml's `deployments:`
     offseason lineage     a generation's whole chain, back to its traces; --verify, --trace
     offseason report      a static HTML page: scores, rewards, quarantine, a lineage graph
+    offseason collect     receive traces over OTLP/HTTP (port 4318) into data/inbox/; --status
 
 Run from the project folder (where dvc.yaml is). Each command's --help says more.
 """
@@ -63,6 +64,12 @@ def benchmark_path(root: Path) -> Path:
     """The held-out benchmark, as the gate stage in dvc.yaml names it (paths live in dvc.yaml)."""
     cmd = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["gate"]["cmd"]
     return root / next(d for d in cmd.split() if d.startswith("data/benchmarks/"))
+
+
+def inbox_path(root: Path) -> Path:
+    """The inbox, as the ingest stage in dvc.yaml names it (its first path)."""
+    cmd = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["ingest"]["cmd"].split()
+    return root / cmd[cmd.index("stages.ingest") + 1]
 
 
 def read_benchmark(root: Path) -> list[dict]:
@@ -534,6 +541,7 @@ def cmd_check(args) -> int:
     # where work runs is shown where it is written: runtime.<stage>, apart from the stage's params
     shown["runtime"] = {section: {key: shown[section].pop(key) for key in keys}
                         for section, keys in cfg.RUNTIME.items() if section in shown}
+    shown["runtime"]["collect"] = settings.plain(cfg.collect(root / "params.yaml"))
     print(yaml.safe_dump(shown, sort_keys=False))
     for name, spec in configs["environments"].items():  # the user's modules import and comply
         env = contract.load(name, spec.module, root)
@@ -702,6 +710,27 @@ def cmd_ui(args) -> int:
     return serve_ui(root, args.prefect_port, args.mlflow_port)
 
 
+def cmd_collect(args) -> int:
+    """`offseason collect`: the OTLP/HTTP receiver until Ctrl-C, or --status of a running one."""
+    import os
+
+    from flows import collect
+
+    root, _ = workspace(env=False)
+    settings = cfg.collect(root / "params.yaml")
+    settings = dataclasses.replace(settings, **{key: value for key, value in
+                                                (("host", args.host), ("port", args.port))
+                                                if value is not None})
+    if args.status:
+        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+        host = f"[{host}]" if ":" in host else host
+        found = collect.read_status(f"http://{host}:{settings.port}/status",
+                                    os.environ.get(settings.token_env, ""))
+        print(json.dumps(found, indent=2) if args.json else collect.status_text(found))
+        return 0
+    return collect.serve(settings, inbox_path(root), root / ".offseason" / "collect")
+
+
 def cmd_serve(args) -> int:
     """`offseason serve`: the deployments of params.yaml, served here or sent to a work pool."""
     root, _ = workspace()
@@ -717,11 +746,23 @@ def cmd_serve(args) -> int:
                                  "`offseason ui` in another terminal, or set PREFECT_API_URL")
         os.environ["PREFECT_API_URL"] = "http://127.0.0.1:4200/api"
     if args.work_pool:
+        if args.collect:
+            raise WorkspaceError("--collect runs the receiver beside deployments served here; "
+                                 "with --work-pool, run `offseason collect` on its own")
         ids = serve.deploy(root, args.work_pool)
         print(f"serve: {len(ids)} deployments registered to work pool {args.work_pool!r}; start "
               f"a worker for it: prefect worker start --pool {args.work_pool}")
         return 0
-    serve.serve(root)
+    receiver = None
+    if args.collect:
+        from flows import collect
+
+        receiver = collect.beside(root)
+    try:
+        serve.serve(root)
+    finally:
+        if receiver is not None:
+            collect.stop(receiver)
     return 0
 
 
@@ -920,7 +961,31 @@ def service_commands(sub) -> None:
     s.add_argument("--work-pool", metavar="NAME",
                    help="register the deployments to this Prefect work pool instead of serving "
                    "them here; a worker of the pool runs them (see README)")
+    s.add_argument("--collect", action="store_true",
+                   help="also receive traces (`offseason collect`, runtime.collect) beside them, "
+                   "until Ctrl-C stops both")
     s.set_defaults(func=cmd_serve)
+    s = sub.add_parser("collect", help="receive traces over OTLP/HTTP into the inbox, until Ctrl-C",
+                       description="An OTLP/HTTP receiver (POST /v1/traces: protobuf or JSON, gzip "
+                       "or not) that any OpenTelemetry SDK or Collector exports to: "
+                       "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318. Spans are grouped by "
+                       "trace; each finished trace (its root span ended, or "
+                       "runtime.collect.idle_seconds without a new span) is written whole into "
+                       "data/inbox/ as an OTLP JSON file, which the next cycle ingests. A request "
+                       "is answered 200 only once its spans are in the fsynced journal "
+                       "(.offseason/collect/), so a crash loses no acknowledged span; when too "
+                       "many spans wait or the disk is short, requests get 429/503 with "
+                       "Retry-After. With the environment variable named by "
+                       "runtime.collect.token_env set, requests need 'Authorization: Bearer "
+                       "<token>'. Settings: params.yaml's runtime.collect.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--host", help="the address to listen on (default runtime.collect.host, "
+                   "127.0.0.1; 0.0.0.0 takes traces from other machines: set a token then)")
+    s.add_argument("--port", type=int, help="default runtime.collect.port, 4318; 0: a free one")
+    s.add_argument("--status", action="store_true",
+                   help="print the counters of the receiver running on --host/--port and exit")
+    s.add_argument("--json", action="store_true", help="with --status: JSON instead of text")
+    s.set_defaults(func=cmd_collect)
 
 
 def console() -> int:

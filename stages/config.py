@@ -515,6 +515,53 @@ class EnvironmentSpec:
     mcp: dict[str, dict] = dataclasses.field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Collect:
+    """`runtime.collect`: `offseason collect`, the OTLP/HTTP receiver that writes finished traces
+    into the inbox (flows/collect.py). No stage reads it and nothing in it changes what a cycle
+    computes, so all of it lives in `runtime:`.
+    """
+
+    host: str = "127.0.0.1"  # traces hold PII: loopback unless a deployment says otherwise
+    port: int = 4318  # OTLP/HTTP's standard port
+    # a trace whose root span never arrives is written after this long without a new span
+    idle_seconds: float = 30.0
+    # finished traces are gathered this long into one inbox file: fewer, larger files for ingest
+    # (and DVC) against a later arrival; 0 writes them every fifth of a second
+    file_seconds: float = 10.0
+    # spans held (on disk in the journal, not yet in the inbox) before new requests get 429
+    max_pending_spans: int = 200_000
+    max_request_bytes: int = 16_000_000  # a request body over this (decompressed) gets 413
+    # free space the journal's and the inbox's disks keep; below it requests get 503
+    min_free_mb: int = 256
+    # the environment variable holding the bearer token clients must send; unset or empty there:
+    # no token asked (bind to loopback then)
+    token_env: str = "OFFSEASON_COLLECT_TOKEN"
+
+    def __post_init__(self):
+        """Refuse a port outside 0..65535 and limits that are not positive."""
+        if not 0 <= self.port <= 65535:
+            raise ParamsError(f"runtime.collect.port: must be 0..65535 (0: a free one), got "
+                              f"{self.port}")
+        _positive("runtime.collect", idle_seconds=self.idle_seconds,
+                  max_pending_spans=self.max_pending_spans,
+                  max_request_bytes=self.max_request_bytes)
+        if self.min_free_mb < 0:
+            raise ParamsError(f"runtime.collect.min_free_mb: must be >= 0, got {self.min_free_mb}")
+        if self.file_seconds < 0:
+            raise ParamsError(f"runtime.collect.file_seconds: must be >= 0, got "
+                              f"{self.file_seconds}")
+        if not self.host.strip():
+            raise ParamsError("runtime.collect.host: empty; write 127.0.0.1 (this machine only) "
+                              "or 0.0.0.0 (every interface: set a token, see token_env)")
+
+
+def collect(path: str | Path = "params.yaml") -> Collect:
+    """`runtime.collect` of params.yaml, checked (defaults when absent)."""
+    return _build(Collect, "runtime.collect", _runtime(read_params(path), "collect", str(path)),
+                  str(path))
+
+
 OPTIONAL = {"environments", "runtime", "judge"}  # sections a params.yaml may leave out
 
 # Settings that say where and how fast work runs, never what it computes. They live in params.yaml's
@@ -524,7 +571,9 @@ OPTIONAL = {"environments", "runtime", "judge"}  # sections a params.yaml may le
 RUNTIME = {"rollout": ("urls", "server_command", "server_timeout", "concurrency",
                        "request_timeout", "retries", "api_key_env", "api"),
            "reward": ("workers", "ray_address"),
-           "judge": ("url", "api_key_env", "request_timeout", "retries")}
+           "judge": ("url", "api_key_env", "request_timeout", "retries"),
+           # `offseason collect`'s own section: every key of it (no stage section to merge into)
+           "collect": tuple(f.name for f in dataclasses.fields(Collect))}
 
 
 def runtime_of(config) -> dict:
@@ -549,8 +598,8 @@ def _runtime(raw: dict, section: str, where: str) -> dict:
     for key in values:
         if key not in RUNTIME[section]:
             hint = (f" ('{section}.{key}' says what is computed: it stays in the '{section}:' "
-                    f"section)" if key in {f.name for f in dataclasses.fields(SECTIONS[section])}
-                    else "")
+                    f"section)" if section in SECTIONS and
+                    key in {f.name for f in dataclasses.fields(SECTIONS[section])} else "")
             _fail(where, f"unknown key 'runtime.{section}.{key}'{hint}; valid keys: "
                          f"{', '.join(RUNTIME[section])}")
     return values
@@ -744,6 +793,7 @@ def load_all(path: str | Path = "params.yaml", sections: dict | None = None) -> 
             hint = f" (did you mean '{near[0]}'?)" if near else ""
             _fail(str(path), f"unknown section '{name}'{hint}; valid sections: "
                              f"{', '.join(sections)}")
+    collect(path)  # runtime.collect: no stage reads it, but a typo fails here as well
     return {**{name: load(name, path, sections) for name in sections},
             "environments": environments(path)}
 

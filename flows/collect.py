@@ -1,0 +1,836 @@
+"""`offseason collect`: a live OTLP/HTTP receiver that writes each finished trace into the inbox.
+
+Any OpenTelemetry SDK or Collector exports to it as to any OTLP endpoint
+(`OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318`): `POST /v1/traces` with an
+`ExportTraceServiceRequest` as protobuf (`application/x-protobuf`) or OTLP JSON
+(`application/json`), plain or `Content-Encoding: gzip`. Spans are grouped by trace id; a trace
+is finished once its root span (no parent) has come and `ROOT_WAIT` seconds passed without another
+of its spans, or after `runtime.collect.idle_seconds` without a new span when no root comes (its
+root lives in a service that does not export here). Finished traces are gathered for
+`runtime.collect.file_seconds` into one JSONL file, `<inbox>/otlp-<UTC time>-<n>.jsonl`: an OTLP
+JSON `TracesData` document a line, one trace each, hex ids, as a Collector's file exporter writes
+them, which `stages/ingest.py` reads unchanged (one file per format, and a trace ingest's reader
+refuses in a file of its own, so that no trace is judged by another's: `files_for`). Each file is
+written to a hidden temporary name, fsynced and renamed, so a cycle never reads half a trace.
+
+Durability: a request is answered 200 only once its spans are in the journal
+(`.offseason/collect/journal-*.log`, append-only, fsynced; concurrent requests share one fsync).
+After a trace's file is in the inbox, a "written" record with its span ids goes to the journal too.
+At start-up the journal is replayed: spans acknowledged but not yet written come back, so a kill -9
+loses no acknowledged span (at worst a trace is written twice, which ingest counts as a duplicate).
+The journal is compacted then to the spans still held, and again whenever it grows past
+`SEGMENT_BYTES` (or twice what the last compaction kept).
+
+Shedding load, as the OTLP spec asks of a server (clients retry these, after `Retry-After`):
+429 while `runtime.collect.max_pending_spans` spans wait for their trace to finish; 503 while the
+journal's or the inbox's disk has less than `runtime.collect.min_free_mb` free, or a write fails;
+413 for a body over `runtime.collect.max_request_bytes`. Traces hold PII: with the environment
+variable `runtime.collect.token_env` names set, requests without `Authorization: Bearer <it>` get
+401. `GET /status` (same token) returns the counters as JSON; `offseason collect --status` prints
+them.
+
+    offseason collect                    # until Ctrl-C or SIGTERM; runtime.collect in params.yaml
+    offseason collect --port 0           # a free port (printed)
+    offseason collect --status           # the running receiver's counters
+
+For more traffic than one process takes, run an OpenTelemetry Collector in front (README,
+"Live: offseason collect").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import contextlib
+import fcntl
+import hmac
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, TracesData
+
+from flows.workspace import WorkspaceError
+from stages import config as cfg
+
+# After the root span came, wait this long for spans of the trace still on their way (a child
+# exported by another service, or in the SDK's next batch) before writing it.
+ROOT_WAIT = 1.0
+TICK = 0.2  # how often finished traces are looked for
+SEGMENT_BYTES = 64 << 20  # the journal is compacted past this size (or twice what it kept)
+RETRY_AFTER = 5  # seconds, in 429/503 answers
+RECENT = 1 << 16  # trace ids remembered after writing, to count spans that come too late
+PROTOBUF = "application/x-protobuf"
+
+
+class Refused(Exception):
+    """A request answered with an error status; `message` says why and what to do."""
+
+    def __init__(self, status: int, counter: str, message: str, retry: bool = False):
+        """`counter`: the status counter it adds to; `retry`: a Retry-After header is sent."""
+        super().__init__(message)
+        self.status, self.counter, self.message, self.retry = status, counter, message, retry
+
+
+# --- decoding ---------------------------------------------------------------------------------
+
+def decode(body: bytes, content_type: str, encoding: str, limit: int
+           ) -> tuple[ExportTraceServiceRequest, bytes]:
+    """The request a body holds, and its protobuf bytes (for the journal); Refused for a body
+    that cannot be read, naming what is wrong.
+    """
+    encoding = encoding.strip().lower()
+    if encoding == "gzip":
+        inflater = zlib.decompressobj(wbits=31)
+        try:
+            body = inflater.decompress(body, limit + 1)  # a gzip bomb stops at the limit
+        except zlib.error as err:
+            raise Refused(400, "bad_request", f"Content-Encoding gzip: not gzip data ({err})"
+                          ) from None
+        if len(body) > limit or inflater.unconsumed_tail:
+            raise Refused(413, "too_large", f"the body is over runtime.collect.max_request_bytes="
+                          f"{limit} once decompressed; export smaller batches (the SDK's "
+                          f"OTEL_BSP_MAX_EXPORT_BATCH_SIZE)")
+        if not inflater.eof:
+            raise Refused(400, "bad_request", "Content-Encoding gzip: the gzip stream is cut "
+                          "short")
+    elif encoding not in ("", "identity"):
+        raise Refused(415, "unsupported", f"Content-Encoding {encoding!r}: only gzip or none")
+    kind = content_type.split(";")[0].strip().lower()
+    request = ExportTraceServiceRequest()
+    if kind in (PROTOBUF, "application/protobuf"):
+        try:
+            request.ParseFromString(body)
+        except DecodeError as err:
+            raise Refused(400, "bad_request", f"not an ExportTraceServiceRequest protobuf ({err})"
+                          ) from None
+        return request, body
+    if kind == "application/json":
+        try:
+            json_format.ParseDict(_ids_to_base64(json.loads(body)), request,
+                                  ignore_unknown_fields=True)
+        except (ValueError, TypeError, AttributeError, json_format.ParseError) as err:
+            raise Refused(400, "bad_request", f"not an OTLP JSON ExportTraceServiceRequest "
+                          f"({str(err)[:300]})") from None
+        return request, request.SerializeToString()
+    raise Refused(415, "unsupported", f"Content-Type {content_type!r}: send {PROTOBUF} or "
+                  f"application/json")
+
+
+_ID_KEYS = ("traceId", "spanId", "parentSpanId")
+
+
+def _ids_to_base64(document: dict) -> dict:
+    """OTLP JSON writes trace and span ids in hex, where protobuf's JSON mapping expects base64
+    for bytes fields: converted in place, spans and their links.
+    """
+    def fix(item: dict) -> None:
+        for key in _ID_KEYS:
+            if item.get(key):
+                item[key] = base64.b64encode(bytes.fromhex(item[key])).decode()
+
+    for resource in document.get("resourceSpans") or []:
+        for scope in resource.get("scopeSpans") or []:
+            for span in scope.get("spans") or []:
+                fix(span)
+                for link in span.get("links") or []:
+                    fix(link)
+    return document
+
+
+def otlp_json(resources: list[ResourceSpans]) -> dict:
+    """Resource spans as an OTLP JSON `TracesData` document: hex ids, integer enums."""
+    document = json_format.MessageToDict(TracesData(resource_spans=resources),
+                                         use_integers_for_enums=True)
+
+    def fix(item: dict) -> None:
+        for key in _ID_KEYS:
+            if item.get(key):
+                item[key] = base64.b64decode(item[key]).hex()
+
+    for resource in document.get("resourceSpans", []):
+        for scope in resource.get("scopeSpans", []):
+            for span in scope.get("spans", []):
+                fix(span)
+                for link in span.get("links", []):
+                    fix(link)
+    return document
+
+
+# --- grouping spans into traces (no I/O) -------------------------------------------------------
+
+@dataclass
+class Trace:
+    """The spans of one trace held so far, as resource spans (one per request that carried some)."""
+
+    resources: list[ResourceSpans] = field(default_factory=list)
+    span_ids: set[bytes] = field(default_factory=set)
+    root: bool = False  # its root span came
+    last: float = 0.0  # when its last new span came (time.monotonic)
+
+
+class Traces:
+    """Spans grouped by trace id until their trace is finished. Thread-safe: requests are queued
+    on the event loop (`receive`), grouped and taken when finished by the writer's thread, and
+    snapshotted by the journal's.
+    """
+
+    def __init__(self, idle_seconds: float):
+        """Empty; a trace without a root span is finished after `idle_seconds` without a span."""
+        self.idle_seconds = idle_seconds
+        self.pending: dict[bytes, Trace] = {}
+        self.writing: dict[bytes, Trace] = {}  # taken to be written, not yet recorded as written
+        self.spans = 0  # in pending and writing
+        # requests received, not yet grouped: grouping costs ~10 us a span in Python, so it is
+        # done off the request's path (a request is answered once its bytes are journaled)
+        self.inbound: deque[tuple[ExportTraceServiceRequest, bytes, int]] = deque()
+        self.queued = 0  # spans in inbound
+        self.recent: OrderedDict[bytes, None] = OrderedDict()  # written lately
+        self.lock = threading.Lock()
+
+    def receive(self, request: ExportTraceServiceRequest, raw: bytes) -> int:
+        """Queue a request (and its protobuf bytes) for `group`; the number of spans in it."""
+        n = sum(len(scope.spans) for resource in request.resource_spans
+                for scope in resource.scope_spans)
+        with self.lock:
+            self.inbound.append((request, raw, n))
+            self.queued += n
+        return n
+
+    def group(self, now: float) -> dict:
+        """Group the queued requests' spans (`add`); the counts summed."""
+        totals = dict.fromkeys(("new", "duplicate", "invalid", "late"), 0)
+        while True:
+            with self.lock:  # one request at a time: a snapshot sees each either queued or held
+                if not self.inbound:
+                    return totals
+                request, _, n = self.inbound.popleft()
+                self.queued -= n
+                for key, value in self._add(request, now).items():
+                    totals[key] += value
+
+    def add(self, request: ExportTraceServiceRequest, now: float) -> dict:
+        """Hold the request's spans; counts of those new, seen before (an exporter's retry),
+        invalid (a trace id not 16 bytes or a span id not 8: dropped) and late (of a trace
+        already written: held again, and written as a trace of its own).
+        """
+        with self.lock:
+            return self._add(request, now)
+
+    def _add(self, request: ExportTraceServiceRequest, now: float) -> dict:
+        counts = {"new": 0, "duplicate": 0, "invalid": 0, "late": 0}
+        for resource in request.resource_spans:
+            # this resource's spans by trace, each trace getting its own copy of the resource
+            parts: dict[bytes, ResourceSpans] = {}
+            for scope in resource.scope_spans:
+                scoped: dict[bytes, ScopeSpans] = {}
+                for span in scope.spans:
+                    if len(span.trace_id) != 16 or len(span.span_id) != 8:
+                        counts["invalid"] += 1
+                        continue
+                    trace = self.pending.get(span.trace_id)
+                    if trace is None:
+                        trace = self.pending[span.trace_id] = Trace()
+                        if span.trace_id in self.recent:
+                            counts["late"] += 1
+                    if span.span_id in trace.span_ids:
+                        counts["duplicate"] += 1
+                        continue
+                    trace.span_ids.add(span.span_id)
+                    trace.root = trace.root or not span.parent_span_id
+                    trace.last = now
+                    counts["new"] += 1
+                    into = scoped.get(span.trace_id)
+                    if into is None:
+                        part = parts.get(span.trace_id)
+                        if part is None:
+                            part = parts[span.trace_id] = ResourceSpans(
+                                resource=resource.resource, schema_url=resource.schema_url)
+                        into = scoped[span.trace_id] = part.scope_spans.add(
+                            scope=scope.scope, schema_url=scope.schema_url)
+                    into.spans.append(span)
+            for trace_id, part in parts.items():
+                self.pending[trace_id].resources.append(part)
+        self.spans += counts["new"]
+        return counts
+
+    def finished(self, now: float, everything: bool = False) -> list[tuple[bytes, Trace]]:
+        """Take the finished traces (all of them with `everything`) to be written; each stays
+        counted (and in journal snapshots) until `written` or `put_back`.
+        """
+        with self.lock:
+            # a trace whose earlier spans are still being written waits for them (late spans)
+            done = [(trace_id, trace) for trace_id, trace in self.pending.items()
+                    if trace_id not in self.writing and (
+                        everything or now - trace.last >= (ROOT_WAIT if trace.root
+                                                           else self.idle_seconds))]
+            for trace_id, trace in done:
+                del self.pending[trace_id]
+                self.writing[trace_id] = trace
+        return done
+
+    def written(self, trace_id: bytes) -> None:
+        """The trace is in the inbox and recorded so in the journal: forget its spans."""
+        with self.lock:
+            trace = self.writing.pop(trace_id)
+            self.spans -= len(trace.span_ids)
+            self.recent[trace_id] = None
+            if len(self.recent) > RECENT:
+                self.recent.popitem(last=False)
+
+    def put_back(self, trace_id: bytes) -> None:
+        """Writing the trace failed (a full disk): hold it again, to be tried later."""
+        with self.lock:
+            trace = self.writing.pop(trace_id)
+            held = self.pending.get(trace_id)
+            if held is None:
+                self.pending[trace_id] = trace
+            else:  # spans that came meanwhile: merged, each span once
+                held.resources = trace.resources + held.resources
+                held.span_ids |= trace.span_ids
+                held.root = held.root or trace.root
+
+    def drop(self, trace_id: bytes, span_ids: set[bytes]) -> None:
+        """Journal replay: these spans of the trace were written before; no longer held."""
+        with self.lock:
+            trace = self.pending.get(trace_id)
+            if trace is None:
+                return
+            gone = trace.span_ids & span_ids
+            if not gone:
+                return
+            trace.span_ids -= gone
+            self.spans -= len(gone)
+            if not trace.span_ids:
+                del self.pending[trace_id]
+                return
+            kept = []
+            for resource in trace.resources:
+                for scope in resource.scope_spans:
+                    keep = [s for s in scope.spans if s.span_id not in gone]
+                    del scope.spans[:]
+                    scope.spans.extend(keep)
+                if any(scope.spans for scope in resource.scope_spans):
+                    kept.append(resource)
+            trace.resources = kept
+            trace.root = any(not s.parent_span_id for r in kept for sc in r.scope_spans
+                             for s in sc.spans)
+
+    def snapshot(self) -> list[bytes]:
+        """Every span held (queued, pending or being written), as serialized requests."""
+        with self.lock:
+            return [raw for _, raw, _ in self.inbound] + [
+                ExportTraceServiceRequest(resource_spans=trace.resources).SerializeToString()
+                for trace in (*self.pending.values(), *self.writing.values())]
+
+    def counts(self) -> dict:
+        """Traces and spans held now (spans not yet grouped included)."""
+        with self.lock:
+            return {"pending_traces": len(self.pending) + len(self.writing),
+                    "pending_spans": self.spans + self.queued}
+
+
+# --- the journal ------------------------------------------------------------------------------
+
+SPANS, WRITTEN = b"S", b"W"  # record kinds: a request's spans; a trace's spans now in the inbox
+_HEAD = struct.Struct(">cII")  # kind, payload length, CRC-32 of the payload
+
+
+class Journal:
+    """Append-only, fsynced record files. One thread writes: whatever was appended while it
+    fsynced goes out with the next fsync (group commit), so concurrent requests share the cost.
+    """
+
+    def __init__(self, folder: Path, traces: Traces):
+        """Replay `folder`'s segments into `traces`, then start a fresh, compacted segment."""
+        self.folder, self.traces = folder, traces
+        folder.mkdir(parents=True, exist_ok=True)
+        self.queue: list[tuple[bytes, concurrent.futures.Future]] = []
+        self.cond = threading.Condition()
+        self.closed = False
+        self.recovered = self._replay()
+        self.fd, self.size = -1, 0
+        self._compact()
+        self.thread = threading.Thread(target=self._run, name="collect-journal", daemon=True)
+        self.thread.start()
+
+    def segments(self) -> list[Path]:
+        """The journal's files, oldest first."""
+        return sorted(self.folder.glob("journal-*.log"))
+
+    def _replay(self) -> int:
+        """Spans of every segment back into `traces` (minus those recorded written); a record cut
+        short or corrupt ends its segment's reading: it was never acknowledged.
+        """
+        for path in self.segments():
+            data = path.read_bytes()
+            at = 0
+            while at + _HEAD.size <= len(data):
+                kind, size, crc = _HEAD.unpack_from(data, at)
+                payload = data[at + _HEAD.size: at + _HEAD.size + size]
+                if len(payload) != size or zlib.crc32(payload) != crc:
+                    break
+                at += _HEAD.size + size
+                if kind == SPANS:
+                    request = ExportTraceServiceRequest()
+                    request.ParseFromString(payload)
+                    self.traces.add(request, time.monotonic())
+                elif kind == WRITTEN:
+                    trace_id = payload[:16]
+                    self.traces.drop(trace_id, {payload[i:i + 8]
+                                                for i in range(16, len(payload), 8)})
+        return self.traces.counts()["pending_spans"]
+
+    def _compact(self) -> None:
+        """A new segment holding only the spans still held; the older segments removed."""
+        old = self.segments()
+        number = int(old[-1].stem.split("-")[1]) + 1 if old else 1
+        path = self.folder / f"journal-{number:08d}.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # traces hold PII
+        data = b"".join(_record(SPANS, p) for p in self.traces.snapshot())
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+            _fsync_dir(self.folder)
+        except OSError:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd, self.size = fd, len(data)
+        # the next compaction once the segment doubled: when most of it is still held (a burst),
+        # compacting at a fixed size would rewrite it after every batch
+        self.compact_at = max(SEGMENT_BYTES, 2 * self.size)
+        for stale in old:  # only now: until the new segment is durable they hold the spans
+            stale.unlink()
+        _fsync_dir(self.folder)
+
+    def append(self, kind: bytes, payload: bytes) -> concurrent.futures.Future:
+        """Queue a record; the future is done once it is on disk (or failed with the OSError)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self.cond:
+            if self.closed:
+                raise OSError("the journal is closed (collect is stopping)")
+            self.queue.append((_record(kind, payload), done))
+            self.cond.notify()
+        return done
+
+    def queued_bytes(self) -> int:
+        """Bytes appended but not on disk yet."""
+        with self.cond:
+            return sum(len(r) for r, _ in self.queue)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue and not self.closed:
+                    self.cond.wait()
+                batch, self.queue = self.queue, []
+                if not batch and self.closed:
+                    return
+            data = b"".join(record for record, _ in batch)
+            written = 0
+            try:
+                while written < len(data):
+                    written += os.write(self.fd, data[written:])
+                os.fsync(self.fd)
+            except OSError as err:
+                # a full disk: cut the segment back to its last whole record, so that the records
+                # after this failed batch stay readable at replay
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.fd, self.size)
+                for _, done in batch:
+                    done.set_exception(err)
+                continue
+            self.size += len(data)
+            for _, done in batch:
+                done.set_result(None)
+            if self.size > self.compact_at:
+                try:
+                    self._compact()
+                except OSError as err:  # the old segments still hold everything: go on with them
+                    print(f"collect: compacting the journal in {self.folder} failed ({err}); "
+                          f"it keeps growing until that works", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Write what is queued, then stop."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join()
+        os.close(self.fd)
+
+
+def _record(kind: bytes, payload: bytes) -> bytes:
+    return _HEAD.pack(kind, len(payload), zlib.crc32(payload)) + payload
+
+
+def _fsync_dir(folder: Path) -> None:
+    """A rename or a new file is durable once its folder is fsynced."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- writing finished traces ------------------------------------------------------------------
+
+def files_for(documents: list[tuple[bytes, dict]]) -> list[list[tuple[bytes, dict]]]:
+    """Finished traces (trace id, OTLP JSON document) split into inbox files that ingest reads
+    as if each trace were alone. Ingest takes a file's format from its first record and
+    quarantines all of a file's traces when its reader refuses one (issue 20, part 2, is to read
+    both per trace): so one file per format, and a trace the reader refuses in a file of its own.
+    """
+    from stages import ingest
+
+    files: dict[str, list[tuple[bytes, dict]]] = {}
+    alone: list[list[tuple[bytes, dict]]] = []
+    for trace_id, document in documents:
+        fmt = ingest.detect(document)
+        batch = files.setdefault(fmt or "", [])
+        if fmt not in ingest.TRACE_FORMATS:
+            alone.append([(trace_id, document)])
+            continue
+        try:
+            ingest.TRACE_FORMATS[fmt].parse(ingest._as_input(fmt, [document]))
+        except ingest.READER_ERRORS:
+            alone.append([(trace_id, document)])  # quarantined by ingest, with its reason, alone
+            continue
+        batch.append((trace_id, document))
+    return [batch for batch in files.values() if batch] + alone
+
+
+def write_file(inbox: Path, documents: list[dict], number: int) -> Path:
+    """Traces as one JSONL inbox file (an OTLP JSON document a line, as a Collector's file
+    exporter writes), whole: a hidden temporary file (which ingest and DVC skip), fsynced,
+    renamed. The name sorts by time and never repeats, so a file already ingested is never
+    replaced (ingest knows inbox files by name).
+    """
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    path = inbox / f"otlp-{stamp}-{number:04d}.jsonl"
+    tmp = inbox / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as handle:
+            for document in documents:
+                handle.write(json.dumps(document, separators=(",", ":")).encode() + b"\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+# --- the receiver -----------------------------------------------------------------------------
+
+class Collector:
+    """The receiver's state: held traces, the journal, the counters; `app` serves it."""
+
+    def __init__(self, settings: cfg.Collect, inbox: Path, spool: Path):
+        """Lock `spool` (one receiver per journal), replay its journal, start the writer."""
+        self.settings, self.inbox, self.spool = settings, inbox, spool
+        inbox.mkdir(parents=True, exist_ok=True)
+        spool.mkdir(parents=True, exist_ok=True)
+        self.lock_file = open(spool / "lock", "w")
+        try:
+            fcntl.flock(self.lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.lock_file.close()
+            raise WorkspaceError(f"{spool}: another `offseason collect` uses this journal; "
+                                 f"stop it first (one receiver per workspace)") from None
+        self.token = os.environ.get(settings.token_env, "")
+        self.counters = dict.fromkeys(
+            ("requests", "bytes", "spans", "duplicate_spans", "invalid_spans", "late_spans",
+             "traces_written", "files_written", "write_errors"), 0)
+        self.rejected = dict.fromkeys(("unauthorized", "queue_full", "disk_full", "too_large",
+                                       "bad_request", "unsupported"), 0)
+        self.started = time.time()
+        self.traces = Traces(settings.idle_seconds)
+        self.journal = Journal(spool / "journal", self.traces)
+        self.counters["recovered_spans"] = self.journal.recovered
+        self.free_checked, self.disk_short = 0.0, ""
+        self.stopping = threading.Event()
+        self.gathered: list[tuple[bytes, Trace]] = []  # finished, waiting for their file
+        self.gathering_since = 0.0
+        self.writer = threading.Thread(target=self._write_loop, name="collect-writer", daemon=True)
+        self.writer.start()
+
+    # the writer thread
+    def _write_loop(self) -> None:
+        while not self.stopping.wait(TICK):
+            self.write_finished()
+
+    def write_finished(self, everything: bool = False) -> int:
+        """Group what came; once the oldest finished trace waited `runtime.collect.file_seconds`
+        (or with `everything`), write the finished traces into the inbox and record them in the
+        journal. The number of traces written.
+        """
+        now = time.monotonic()
+        counts = self.traces.group(now)
+        for key, name in (("duplicate", "duplicate_spans"), ("invalid", "invalid_spans"),
+                          ("late", "late_spans")):
+            self.counters[name] += counts[key]
+        finished = self.traces.finished(now)
+        if finished and not self.gathered:
+            self.gathering_since = now
+        self.gathered += finished
+        if not self.gathered or (now - self.gathering_since < self.settings.file_seconds
+                                 and not everything):
+            return 0
+        gathered, self.gathered = self.gathered, []
+        try:
+            documents = [(trace_id, otlp_json(trace.resources)) for trace_id, trace in gathered]
+            files = files_for(documents)
+            for number, batch in enumerate(files):
+                write_file(self.inbox, [document for _, document in batch], number)
+            _fsync_dir(self.inbox)
+        except Exception as err:  # a full disk, say: kept (and journaled), tried again shortly
+            self.counters["write_errors"] += 1
+            for trace_id, _ in gathered:
+                self.traces.put_back(trace_id)
+            print(f"collect: could not write {len(gathered)} traces into {self.inbox} ({err}); "
+                  f"kept, tried again shortly", file=sys.stderr, flush=True)
+            return 0
+        try:
+            futures = [self.journal.append(WRITTEN, trace_id + b"".join(sorted(trace.span_ids)))
+                       for trace_id, trace in gathered]
+            for future in futures:
+                future.result()
+        except OSError as err:
+            # the files are in the inbox; without the record a restart writes them again, which
+            # ingest counts as duplicates: nothing is lost
+            print(f"collect: could not record written traces in the journal ({err})",
+                  file=sys.stderr, flush=True)
+        for trace_id, _ in gathered:
+            self.traces.written(trace_id)
+        self.counters["traces_written"] += len(gathered)
+        self.counters["files_written"] += len(files)
+        return len(gathered)
+
+    def close(self) -> None:
+        """Stop writing; the traces still held stay in the journal for the next start."""
+        self.stopping.set()
+        self.writer.join()
+        self.write_finished(everything=True)  # what is finished goes out now, not after restart
+        self.journal.close()
+        self.lock_file.close()
+
+    # requests
+    def check_token(self, authorization: str) -> None:
+        """Refused (401) unless the bearer token matches, when one is set."""
+        if self.token and not hmac.compare_digest(authorization.encode(),
+                                                  f"Bearer {self.token}".encode()):
+            raise Refused(401, "unauthorized", f"missing or wrong bearer token (the one in "
+                          f"${self.settings.token_env} where collect runs); send the header "
+                          f"'Authorization: Bearer <token>' (OTEL_EXPORTER_OTLP_HEADERS="
+                          f"Authorization=Bearer%20<token>)")
+
+    def check_room(self) -> None:
+        """Refused (429/503, with Retry-After) when the held spans or the disk are at their limit."""
+        if self.traces.counts()["pending_spans"] >= self.settings.max_pending_spans:
+            raise Refused(429, "queue_full", f"{self.settings.max_pending_spans} spans wait for "
+                          f"their traces to finish (runtime.collect.max_pending_spans); retry "
+                          f"later", retry=True)
+        now = time.monotonic()
+        if now - self.free_checked > 1.0:  # statvfs per request would cost more than it tells
+            self.free_checked, self.disk_short = now, ""
+            for where in (self.spool, self.inbox):
+                free = shutil.disk_usage(where).free
+                if free < self.settings.min_free_mb << 20:
+                    self.disk_short = (f"{where}: {free >> 20} MB free, under "
+                                       f"runtime.collect.min_free_mb={self.settings.min_free_mb}; "
+                                       f"free space there (run a cycle: ingest reads the inbox)")
+        if self.disk_short:
+            raise Refused(503, "disk_full", self.disk_short, retry=True)
+
+    async def export(self, body: bytes, content_type: str, encoding: str) -> tuple[bytes, str]:
+        """Accept one request's spans: held, journaled and fsynced; the response body and type."""
+        request, raw = decode(body, content_type, encoding, self.settings.max_request_bytes)
+        # queued before it is journaled, so that a journal compaction in between (a snapshot of
+        # what is held) cannot miss it; if journaling fails it may still be written (the client
+        # retries: its spans are then duplicates, dropped by span id or by ingest)
+        spans = self.traces.receive(request, raw)
+        if spans:
+            try:
+                await asyncio.wrap_future(self.journal.append(SPANS, raw))
+            except OSError as err:
+                self.disk_short = f"{self.spool}: writing the journal failed ({err})"
+                self.free_checked = time.monotonic()
+                raise Refused(503, "disk_full", self.disk_short, retry=True) from None
+        self.counters["spans"] += spans
+        response = ExportTraceServiceResponse()
+        if content_type.split(";")[0].strip().lower() == "application/json":
+            return json.dumps(json_format.MessageToDict(response)).encode(), "application/json"
+        return response.SerializeToString(), PROTOBUF
+
+    def status(self) -> dict:
+        """The counters, the held traces and where they go."""
+        return {**self.counters, "rejected": dict(self.rejected), **self.traces.counts(),
+                "journal_queued_bytes": self.journal.queued_bytes(),
+                "journal_bytes": self.journal.size,  # what a restart would replay
+                "disk": self.disk_short or "ok", "inbox": str(self.inbox),
+                "uptime_seconds": round(time.time() - self.started, 1)}
+
+
+def app(collector: Collector):
+    """The ASGI application: POST /v1/traces, GET /status."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    def refused(err: Refused) -> Response:
+        collector.rejected[err.counter] += 1
+        headers = {"Retry-After": str(RETRY_AFTER)} if err.retry else {}
+        if err.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse({"code": err.status, "message": err.message}, err.status, headers)
+
+    async def traces(request: Request) -> Response:
+        collector.counters["requests"] += 1
+        try:
+            collector.check_token(request.headers.get("authorization", ""))
+            collector.check_room()
+            limit = collector.settings.max_request_bytes
+            if int(request.headers.get("content-length") or 0) > limit:
+                raise Refused(413, "too_large", f"the body is over runtime.collect."
+                              f"max_request_bytes={limit}; export smaller batches")
+            body = bytearray()
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise Refused(413, "too_large", f"the body is over runtime.collect."
+                                  f"max_request_bytes={limit}; export smaller batches")
+            collector.counters["bytes"] += len(body)
+            content, media = await collector.export(
+                bytes(body), request.headers.get("content-type", ""),
+                request.headers.get("content-encoding", ""))
+        except Refused as err:
+            return refused(err)
+        return Response(content, 200, media_type=media)
+
+    async def status(request: Request) -> Response:
+        try:
+            collector.check_token(request.headers.get("authorization", ""))
+        except Refused as err:
+            return refused(err)
+        return JSONResponse(collector.status())
+
+    return Starlette(routes=[Route("/v1/traces", traces, methods=["POST"]),
+                             Route("/status", status, methods=["GET"])])
+
+
+def serve(settings: cfg.Collect, inbox: Path, spool: Path) -> int:
+    """Receive until Ctrl-C or SIGTERM; the traces still held wait in the journal."""
+    import uvicorn
+
+    collector = Collector(settings, inbox, spool)
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((settings.host, settings.port))
+        except OSError as err:
+            sock.close()
+            raise WorkspaceError(f"runtime.collect: cannot listen on {settings.host}:"
+                                  f"{settings.port} ({err.strerror}); is another receiver on it? "
+                                  f"Choose another with --port") from None
+        sock.listen(2048)  # before the banner: a client that read it can connect at once
+        host, port = sock.getsockname()[:2]
+        if collector.token:
+            guard = f"bearer token from ${settings.token_env}"
+        else:
+            guard = f"no token (${settings.token_env} is not set)"
+        print(f"collect: listening on http://{host}:{port}/v1/traces ({guard}); finished traces "
+              f"go to {inbox}/; {collector.counters['recovered_spans']} spans recovered from the "
+              f"journal", flush=True)
+        server = uvicorn.Server(uvicorn.Config(app(collector), log_level="warning",
+                                               access_log=False, lifespan="off"))
+        # uvicorn stops gracefully on SIGINT/SIGTERM, then raises the signal again for the
+        # handler it found: this one, which ends the process through the `finally` below (the
+        # default handler would end it at once, before the finished traces are written)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _stopped)
+        server.run(sockets=[sock])
+    finally:
+        collector.close()
+    return 0
+
+
+def beside(root: Path) -> subprocess.Popen:
+    """`offseason collect` as a child of another long-running command (`offseason serve
+    --collect`), in an interpreter of its own so that receiving shares the GIL with no flow run;
+    returns once it listens (its first line, passed on).
+    """
+    child = subprocess.Popen([sys.executable, "-m", "flows.cli", "collect"], cwd=root,
+                             stdout=subprocess.PIPE, text=True)
+    line = child.stdout.readline()
+    if "listening" not in line:
+        child.wait()
+        raise WorkspaceError(f"offseason collect did not start (exit {child.returncode}; its "
+                             f"error is above); run `offseason collect` alone to see it")
+    print(line, end="", flush=True)
+    return child
+
+
+def stop(child: subprocess.Popen) -> None:
+    """Stop a receiver started by `beside` as Ctrl-C would: what is finished is written first."""
+    child.terminate()
+    child.wait(timeout=60)
+
+
+def _stopped(signum: int, frame) -> None:
+    raise SystemExit(0)
+
+
+def read_status(url: str, token: str) -> dict:
+    """A running receiver's counters (GET /status)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        response = httpx.get(url, headers=headers, timeout=5)
+    except httpx.HTTPError as err:
+        raise WorkspaceError(f"{url}: no `offseason collect` answers there ({err}); start one, or "
+                             f"give --host/--port of the running one") from None
+    if response.status_code == 401:
+        raise WorkspaceError(f"{url}: 401: set the receiver's token in the environment variable "
+                             f"that runtime.collect.token_env names")
+    if response.status_code != 200:
+        raise WorkspaceError(f"{url}: HTTP {response.status_code}: is that `offseason collect`?")
+    return response.json()
+
+
+def status_text(status: dict) -> str:
+    """The counters, for a terminal."""
+    rejected = ", ".join(f"{k} {v}" for k, v in status["rejected"].items() if v) or "none"
+    return (f"collect: {status['spans']} spans accepted in {status['requests']} requests "
+            f"({status['bytes']} bytes), {status['traces_written']} traces written in "
+            f"{status['files_written']} files to {status['inbox']}; held now: {status['pending_traces']} traces, "
+            f"{status['pending_spans']} spans; rejected: {rejected}; duplicate spans "
+            f"{status['duplicate_spans']}, late {status['late_spans']}, invalid "
+            f"{status['invalid_spans']}; recovered at start {status['recovered_spans']}; disk "
+            f"{status['disk']}; up {status['uptime_seconds']} s")
+

@@ -1,0 +1,86 @@
+"""A scripted OpenAI-compatible server and an agent on the real `openai` client, instrumented by
+`opentelemetry-instrumentation-openai-v2` and exporting over OTLP/HTTP: tests/test_collect.py
+runs each as a process of its own (the instrumentation patches `openai` for the whole process).
+
+    python tests/openai_agent.py server PORT
+    python tests/openai_agent.py agent SERVER_PORT OTLP_TRACES_URL "What is 2+3?"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+
+
+def server(port: int) -> None:
+    """/v1/chat/completions: a calculator call for a user's "What is A+B?", then the answer."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    def completion(message: dict, finish: str) -> dict:
+        return {"id": "chatcmpl-1", "object": "chat.completion", "created": int(time.time()),
+                "model": "tiny", "choices": [{"index": 0, "message": message,
+                                              "finish_reason": finish}],
+                "usage": {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}}
+
+    async def chat(request) -> JSONResponse:
+        messages = (await request.json())["messages"]
+        a, b = map(int, re.findall(r"\d+", messages[0]["content"])[:2])
+        if messages[-1]["role"] == "user":
+            call = {"id": "call_1", "type": "function", "function": {
+                "name": "calculator", "arguments": json.dumps({"expression": f"{a}+{b}"})}}
+            return JSONResponse(completion({"role": "assistant", "content": None,
+                                            "tool_calls": [call]}, "tool_calls"))
+        return JSONResponse(completion({"role": "assistant", "content": f"{a}+{b} is {a + b}."},
+                                       "stop"))
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", port))
+    sock.listen(16)
+    print("listening", flush=True)
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+def agent(port: int, otlp_url: str, question: str) -> None:
+    """One agent turn (a tool call, its result, the answer) under an `invoke_agent` root span."""
+    # the GenAI conventions' current shape: messages as span attributes, content captured
+    os.environ["OTEL_SEMCONV_STABILITY_OPT_IN"] = "gen_ai_latest_experimental"
+    os.environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "SPAN_ONLY"
+    import openai
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "calc-agent"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_url)))
+    OpenAIInstrumentor().instrument(tracer_provider=provider)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    tools = [{"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+    with provider.get_tracer("calc-agent").start_as_current_span("invoke_agent calc") as root:
+        root.set_attribute("gen_ai.operation.name", "invoke_agent")
+        messages = [{"role": "user", "content": question}]
+        first = client.chat.completions.create(model="tiny", messages=messages, tools=tools)
+        call = first.choices[0].message.tool_calls[0]
+        a, b = map(int, json.loads(call.function.arguments)["expression"].split("+"))
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": str(a + b)}]
+        client.chat.completions.create(model="tiny", messages=messages, tools=tools)
+    provider.shutdown()  # exports what is left
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "server":
+        server(int(sys.argv[2]))
+    else:
+        agent(int(sys.argv[2]), sys.argv[3], sys.argv[4])
