@@ -111,11 +111,13 @@ def test_a_reward_hack_scores_zero_with_a_reason(name):
 
 
 def test_the_json_patch_can_only_claim_values_for_its_own_calls():
-    """A candidate owns its process: patching json makes every answer -1, which is what a
-    function returning -1 does. The tests' expected values never reach it, so solve(2) fails.
+    """A candidate owns its process, but its answers are written without the json module, so
+    patching json changes nothing: its function's real value (0) fails test_one. Had it found
+    the encoder, it could only claim values for its own calls, as a function returning them
+    does: the tests' expected values never reach its process.
     """
     verdict = coding.check("solve", ANSWER, completion(HACKS["json patched"]))
-    assert verdict.correct == 0.0 and "test_two" in verdict.reason, verdict
+    assert verdict.correct == 0.0 and "0 != -1" in verdict.reason, verdict
 
 
 def test_an_unencodable_return_names_its_type():

@@ -232,13 +232,34 @@ def decode(data):
 # honest solution has no reason to do (import the test framework, reach for frames or the
 # garbage collector, change builtins) as `suspect`.
 CANDIDATE = CODEC + r"""
-import builtins, json, os, sys
+import builtins, marshal, os, sys
+from _json import encode_basestring_ascii as _string
+
+def dumps(value):
+    # JSON of what encode() returns, without importing json (its import was a fifth of this
+    # process's start-up); the tests' side parses it with json, which checks it
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    kind = type(value)
+    if kind is str:
+        return _string(value)
+    if kind is int:
+        return int.__repr__(value)
+    if kind is float:
+        return float.__repr__(value)
+    if kind is list:
+        return "[" + ",".join([dumps(item) for item in value]) + "]"
+    return "{" + ",".join([_string(k) + ":" + dumps(v) for k, v in value.items()]) + "}"
 
 def main(requests=os.fdopen(int(sys.argv[1]), "rb"), answers=int(sys.argv[2])):
     sys.stdin = open(os.devnull)
 
     def send(**fields):
-        os.write(answers, (json.dumps(fields) + "\n").encode())
+        os.write(answers, (dumps(fields) + "\n").encode())
 
     def last_line(e):
         try:
@@ -268,10 +289,10 @@ def main(requests=os.fdopen(int(sys.argv[1]), "rb"), answers=int(sys.argv[2])):
         return 1
     send(imported=True, suspect=suspect())
     for line in requests:
-        try:
-            request = json.loads(line)
+        try:  # from the tests' process (trusted): marshal, hex-encoded, one a line
+            request = marshal.loads(bytes.fromhex(line.decode().strip()))
             number, op, name = request["id"], request["op"], request["name"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, EOFError):
             return 2
         try:
             value = getattr(solution, name)
@@ -313,7 +334,7 @@ sys.exit(main())
 # report fd (argv[1]) with the nonce from stdin, which lives only in main()'s frame; the candidate's
 # process never sees either.
 TESTER = CODEC + r"""
-import builtins, io, json, os, sys, types
+import builtins, io, json, marshal, os, sys, types
 
 class CandidateError(Exception):
     pass
@@ -355,7 +376,7 @@ def main(nonce=sys.stdin.readline().strip(), fd=int(sys.argv[1])):
         if op == "call":
             request.update(args=encode(list(args)), kwargs=encode(dict(kwargs or {})))
         try:
-            os.write(requests, (json.dumps(request) + "\n").encode())
+            os.write(requests, (marshal.dumps(request).hex() + "\n").encode())
         except OSError:
             state["dead"] = "the candidate's process ended"
             raise CandidateError(state["dead"]) from None
@@ -697,13 +718,35 @@ def _start(files: dict[str, str], harness: str, fds: list[int], limits: Limits, 
         err.close()
 
 
+def _wait(proc: subprocess.Popen, timeout: float) -> None:
+    """`proc.wait(timeout)`, woken the moment the process ends: Popen.wait with a timeout polls
+    with sleeps that grow to 50 ms, which added tens of milliseconds to every verification (and
+    left the core idle meanwhile). A pidfd (Linux 5.3) becomes readable when the process exits.
+    """
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # no pidfds here (or the process is already reaped)
+        proc.wait(timeout=timeout)
+        return
+    try:
+        import select
+
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(max(0, int(timeout * 1000))) and proc.poll() is None:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+    finally:
+        os.close(fd)
+    proc.wait()
+
+
 def _stop(box: _Box, kind: str, deadline: float) -> bool:
     """Wait for the process until `deadline` (monotonic); past it, kill its group. True if it
     had to be killed.
     """
     timed_out = False
     try:
-        box.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        _wait(box.proc, max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         timed_out = True
         os.killpg(box.proc.pid, signal.SIGKILL)
