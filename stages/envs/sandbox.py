@@ -51,8 +51,8 @@ an error with its cause, never a score of zero.
 `run_tests` runs two sandboxed processes, each with the limits, each in a sandbox of its own: the
 candidate's (CANDIDATE: imports `solution`, answers calls) and the tests' (TESTER: never imports
 the candidate's code, which is not even in its sandbox; its `solution` module is proxies). A call
-crosses two pipes as data only (JSON with tags for tuples, sets, bytes, big ints; exact built-in
-types only, so an object that overrides `__eq__`, an `int` subclass or a `__class__` trick is
+crosses two pipes as data only (the answers JSON, parsed by the tests' side, with tags for tuples,
+sets, bytes, big ints; the requests `marshal` data from the tests' side; exact built-in types only, so an object that overrides `__eq__`, an `int` subclass or a `__class__` trick is
 "returned an object of type X", a failed test), and an exception comes back as its nearest
 built-in class. The verdict is the tests' process's report, written with a random nonce it reads
 from stdin into main()'s frame: the candidate's process never holds the nonce or the report fd,
@@ -226,7 +226,7 @@ def decode(data):
     raise ValueError("unknown tag " + repr(tag))
 """
 
-# The candidate's side: imports `solution` and answers calls, one JSON line per request on the fd
+# The candidate's side: imports `solution` and answers calls, one request a line (hex marshal) on the fd
 # in argv[1], each answer one line on the fd in argv[2]. It holds no report channel and no secret:
 # whatever it writes is only a claim about what its own functions returned. It notes what an
 # honest solution has no reason to do (import the test framework, reach for frames or the
