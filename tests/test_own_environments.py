@@ -328,11 +328,17 @@ def support_trace(order_id: str, status: str, thumbs_up: bool) -> dict:
 
 def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion):
     """init with the chat model, production traces with tool calls in the inbox, one cycle:
-    the traces become tasks of the support environment, every environment's benchmark is gated.
+    the traces become tasks of the support environment, every environment's benchmark is gated;
+    a trace no environment of the user's claims becomes a replayed task, scored by the LLM judge
+    (a scripted OpenAI-compatible server on loopback), its judgments kept under DVC.
     """
     from conftest import TINY, make_project, offseason
+    from test_judge import Scripted
 
+    judge_server = Scripted([{"reasoning": "a fair answer", "score": 0.5}])
     overrides = {**TINY, "base": {"model": str(champion)},
+                 "judge": {"model": "judge-7b", "rubric": "Is the answer right and helpful?"},
+                 "runtime": {"judge": {"url": judge_server.url, "request_timeout": 10.0}},
                  # cooler than the default 1.0: the tiny champion then gets some tasks right
                  "rollout": {**TINY["rollout"], "max_new_tokens": 64, "temperature": 0.5},
                  "gate": {**TINY["gate"], "primary": "support"},
@@ -345,7 +351,9 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
                      # a built-in environment on the same contract, beside the user's own
                      "code": {"module": "stages.envs.coding", "tasks": "data/tasks/code.jsonl",
                               "benchmark": "data/benchmarks/code.jsonl", "weight": 0.5,
-                              "max_regression": 0.5}}}
+                              "max_regression": 0.5},
+                     # last: it claims any trace with a request and an answer
+                     "replay": {"module": "stages.envs.replay", "weight": 0.5}}}
     root = make_project(tmp_path / "project", overrides)
     shutil.copytree(REPO / "examples", root / "examples",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -369,21 +377,36 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
               [("A1001", "delivered", True), ("A1004", "out for delivery", True),
                ("A1007", "returned", False), ("A1010", "out for delivery", True)]]
     traces.append({"messages": [{"role": "user", "content": "What is 2+2?"},
-                                {"role": "assistant", "content": "4"}]})  # nobody's task
+                                {"role": "assistant", "content": "4"}]})  # replay's task
     (inbox / "support-day-1.jsonl").write_text("".join(json.dumps(t) + "\n" for t in traces))
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["validate"]["min_valid_fraction"] = 0.5
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    offseason(root, "run")
+    try:
+        offseason(root, "run")
+    finally:
+        judge_server.close()
     validate = json.loads((root / "metrics/validate.json").read_text())
-    assert validate["accepted"] == 4 and validate["quarantined"] == 1
-    assert validate["profile"]["task_mix"] == {"support": 1.0}
+    assert validate["accepted"] == 5 and validate["quarantined"] == 0
+    assert validate["profile"]["task_mix"] == {"support": 0.8, "replay": 0.2}
     rolled = json.loads((root / "metrics/rollout.json").read_text())
     assert rolled["environments"]["support"]["trace_tasks"] == 4
+    assert rolled["environments"]["replay"]["trace_tasks"] == 1
     assert rolled["environments"]["support"]["tasks"] == 16  # 4 from traces + 12 from its file
     assert rolled["environments"]["code"]["tasks"] == 20  # its task file; no trace is a code task
     rewarded = json.loads((root / "metrics/reward.json").read_text())
     assert rewarded["errors"] == 0  # every code episode verified in the sandbox
+    # the replayed task's episodes were judged, once each, and the judgments are kept
+    replayed = rewarded["environments"]["replay"]["episodes"]
+    assert replayed == TINY["rollout"]["samples_per_task"]
+    assert rewarded["judges"][0]["requests"] == len(judge_server.requests) > 0
+    assert rewarded["judges"][0]["judge"].startswith("judge-7b/rubric-")
+    rows = [r for r in pq.read_table(root / "data/rewards.parquet").to_pylist()
+            if r["environment"] == "replay"]
+    assert [json.loads(r["judgment"])["reasoning"] for r in rows] == ["a fair answer"] * replayed
+    assert [r["score_judge"] for r in rows] == [0.5] * replayed
+    kept = sum(len(f.read_text().splitlines()) for f in (root / "data/judgments").glob("*.jsonl"))
+    assert kept == len({r["messages"] for r in rows})
     trained = json.loads((root / "metrics/train.json").read_text())
     assert trained["trained"] and trained["examples"] > 0, trained
     # the three thumbs-up traces, whose answers the reward agrees with, are trained on as they are
