@@ -345,7 +345,9 @@ def history_rows(root: Path) -> list[dict]:
             interval, traces = gate.get("interval"), ingest.get("accepted")
             verdict = "promoted" if promotion.get("promoted") else "rejected"
         date = git(root, "log", "-1", "--format=%cs", tag)
+        spent = (read_at(root, tag, "metrics/cost.json") or {}).get("total") or {}
         rows.append({"tag": tag, "date": date, "new_traces": traces, "score": score,
+                     "cost_usd": spent.get("usd"), "cpu_seconds": spent.get("cpu_seconds"),
                      "champion_score": champ, "difference_interval": interval,
                      "verdict": verdict, "model_version": promotion.get("model_version"),
                      "promoted": promotion.get("promoted", False),
@@ -358,14 +360,17 @@ def history_rows(root: Path) -> list[dict]:
         current = next((i for i, r in enumerate(rows) if r["tag"] == tag), current)
     for i, row in enumerate(rows):
         row["champion"] = i == current
+    from flows.cost import per_dollar
+
+    per_dollar(rows)
     return rows
 
 
 def print_history(rows: list[dict]) -> None:
     """The generations as a table on stdout, with the champion's gain over generation 0."""
     header = f"{'generation':<11}{'date':<12}{'traces':>7}{'pass@1':>8}{'vs champ':>10}" \
-             f"{'interval of difference':>26}  {'verdict':<10}{'version':>8}  {'approver':<12}" \
-             f"champion"
+             f"{'interval of difference':>26}  {'verdict':<10}{'version':>8}{'cost $':>10}" \
+             f"{'pts/$':>9}  {'approver':<12}champion"
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -374,7 +379,10 @@ def print_history(rows: list[dict]) -> None:
             f"[{r['difference_interval'][0]:+.3f}, {r['difference_interval'][1]:+.3f}]"
         print(f"{r['tag']:<11}{r['date']:<12}{r['new_traces'] if r['new_traces'] is not None else '-':>7}"
               f"{fmt(r['score']):>8}{fmt(r['champion_score']):>10}{interval:>26}  "
-              f"{r['verdict']:<10}{str(r['model_version']):>8}  {r.get('approver') or '':<12}"
+              f"{r['verdict']:<10}{str(r['model_version']):>8}"
+              f"{'-' if r.get('cost_usd') is None else format(r['cost_usd'], '.4f'):>10}"
+              f"{'-' if r.get('points_per_usd') is None else format(r['points_per_usd'], '.0f'):>9}"
+              f"  {r.get('approver') or '':<12}"
               f"{'*' if r['champion'] else ''}")
 
 

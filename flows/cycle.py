@@ -28,7 +28,7 @@ from typing import Literal
 from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
 
-from flows import notify, overrides, pipeline, promotion, tracking
+from flows import cost, notify, overrides, pipeline, promotion, tracking
 from flows import params as settings
 from flows import report as cycle_report
 from flows.workspace import (
@@ -40,6 +40,7 @@ from flows.workspace import (
     workspace_slot,
 )
 from stages.config import ALGORITHMS
+from stages.io import write_json
 
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
 SECTION = {"champion_scores": "gate"}  # the params section of a stage named otherwise
@@ -163,6 +164,10 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict) -> d
             raise WorkspaceError(f"DVC ended without running {', '.join(missing)}; check "
                                  f"dvc.yaml (`dvc dag` shows the stages)")
         verdict = metrics["gate"]
+        # what this cycle's stages used, priced (committed with the cycle's metrics)
+        gpus = 0 if str(metrics.get("train", {}).get("device", "cpu")).startswith("cpu") else 1
+        spent = cost.ledger(metrics, reran, configs["cost"], gpus)
+        write_json(root / "metrics" / "cost.json", spent)
         decision = promotion.await_approval(root, generation, verdict, configs["promotion"])
         record = promote(root, generation, verdict, decision, run_id,
                          configs["base"].registered_model, changes)
@@ -170,7 +175,8 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict) -> d
         tracking.log_outcome(run_id, {
             "offseason.git_commit": commit, "offseason.git_tag": f"gen-{generation}",
             "offseason.outcome": "promoted" if record["promoted"] else "rejected",
-            "offseason.model_version": record["model_version"]}, {"gate": verdict})
+            "offseason.model_version": record["model_version"]},
+            {"gate": verdict, "cost": spent["total"]})
         client.set_terminated(run_id)
     except BaseException as err:
         from prefect.exceptions import Pause

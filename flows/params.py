@@ -1,8 +1,9 @@
 """The whole params.yaml as a cycle reads it: the stages' sections and the flow's own.
 
 The stages' sections (`base:`, `init:` ... `gate:`) are `stages/config.py`'s; the flow adds
-`promotion:` (a person's approval after the gate) and `deployments:` (`offseason serve`'s
-schedules), which no stage reads, and the run parameters of a cycle (the Prefect UI's Run form)
+`promotion:` (a person's approval after the gate), `deployments:` (`offseason serve`'s
+schedules) and `cost:` (the prices of the cost ledger, flows/cost.py), which no stage reads, and
+the run parameters of a cycle (the Prefect UI's Run form)
 with the params.yaml key each overrides. `load_all` checks every section before a cycle starts.
 
     offseason check         # check params.yaml and print it with every default filled in
@@ -14,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from flows.cost import Cost
 from stages import config as cfg
 
 
@@ -82,7 +84,8 @@ class Deployments:
                                       f"parameter; valid: {', '.join(RUN_OVERRIDES)}")
 
 
-SECTIONS: dict[str, type] = {**cfg.SECTIONS, "promotion": Promotion, "deployments": Deployments}
+SECTIONS: dict[str, type] = {**cfg.SECTIONS, "promotion": Promotion, "deployments": Deployments,
+                             "cost": Cost}
 
 
 def load_all(path: str | Path = "params.yaml") -> dict:

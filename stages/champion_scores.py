@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics = run(cfg.load("base", args.params), cfg.load("gate", args.params), args.champion,
                   args.suites, args.scores, args.forgetting, cfg.environments(args.params),
                   cfg.load("rollout", args.params), Path(args.params).resolve().parent)
-    io.write_json(args.metrics, metrics)
+    io.write_metrics(args.metrics, metrics)
     print(f"champion_scores: {metrics['suites']}; forgetting set {metrics['forgetting_items']} "
           f"items (+{metrics['forgetting_added']})", file=sys.stderr)
 

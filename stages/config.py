@@ -562,7 +562,8 @@ def collect(path: str | Path = "params.yaml") -> Collect:
                   str(path))
 
 
-OPTIONAL = {"environments", "runtime", "judge"}  # sections a params.yaml may leave out
+# sections a params.yaml may leave out (`cost:` is the flow's: flows/cost.py)
+OPTIONAL = {"environments", "runtime", "judge", "cost"}
 
 # Settings that say where and how fast work runs, never what it computes. They live in params.yaml's
 # `runtime:` section (runtime.rollout.urls, runtime.reward.workers, ...), which no DVC stage lists

@@ -650,7 +650,7 @@ def main(argv: list[str] | None = None) -> None:
                   args.champion_scores, args.forgetting, args.rewards, args.replay, args.suites,
                   args.items, cfg.environments(args.params), cfg.load("rollout", args.params),
                   Path(args.params).resolve().parent, args.history)
-    io.write_json(args.metrics, verdict)
+    io.write_metrics(args.metrics, verdict)
     print(f"gate: candidate {verdict['candidate_score']:.3f} vs champion "
           f"{verdict['champion_score']:.3f} -> {'PASS' if verdict['passed'] else 'FAIL'} "
           f"({verdict['reason']})", file=sys.stderr)

@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     metrics = run(cfg.load("ingest", args.params), args.inbox, args.traces, args.ingested,
                   args.quarantine)
-    io.write_json(args.metrics, metrics)
+    io.write_metrics(args.metrics, metrics)
     print(f"ingest: {metrics['rows_read']} rows read from {metrics['new_files']} new file(s): "
           f"{metrics['accepted']} accepted, {metrics['quarantined']} quarantined, "
           f"{metrics['duplicates']} duplicates; PII scrubbed: "

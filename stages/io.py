@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -64,6 +66,25 @@ def write_json(path: str | Path, data) -> None:
 # Characters that str.splitlines() (and many JSONL readers) take for line breaks: inside a JSON
 # string they are legal, so they are written escaped to keep one record a line for every reader.
 _BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+STARTED = time.monotonic()  # when this stage's process began (the module loads first thing)
+
+
+def resources() -> dict:
+    """What this process and its children used so far: wall and CPU seconds, peak memory. The
+    cycle's cost ledger (flows/cost.py) reads them from each stage's metrics.
+    """
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return {"wall_seconds": round(time.monotonic() - STARTED, 3),
+            "cpu_seconds": round(own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime, 3),
+            "max_rss_mb": round(max(own.ru_maxrss, kids.ru_maxrss) / 1024, 1)}
+
+
+def write_metrics(path: str | Path, metrics: dict) -> None:
+    """A stage's metrics file, with its `resources` (measured: they vary run to run)."""
+    write_json(path, {**metrics, "resources": resources()})
 
 
 def jsonl_line(row: dict) -> str:

@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"reward: error: {err}", file=sys.stderr)
         sys.exit(1)
     metrics["runtime"] = cfg.runtime_of(cfg.load("reward", args.params))  # what ran where
-    io.write_json(args.metrics, metrics)
+    io.write_metrics(args.metrics, metrics)
     print(f"reward: mean {metrics['mean_reward']} over {metrics['judged']} judged episodes, "
           f"pass@k {metrics['pass_at_k']}, {metrics['errors']} errors, "
           f"{metrics['tasks_set_aside']} tasks set aside", file=sys.stderr)

@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         metrics = run(base, config, args.validated, args.champion, args.rollouts, args.tasks)
     metrics["runtime"] = cfg.runtime_of(config)  # what ran where (runtime.rollout)
-    io.write_json(args.metrics, metrics)
+    io.write_metrics(args.metrics, metrics)
     print(f"rollout: {metrics['episodes']} episodes for {metrics['tasks']} tasks in "
           f"{metrics['seconds']} s", file=sys.stderr)
 

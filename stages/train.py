@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
                   Path(args.params).resolve().parent,
                   cfg.load("rollout", args.params).temperature)
     if int(os.environ.get("RANK", "0")) == 0:
-        io.write_json(args.metrics, metrics)
+        io.write_metrics(args.metrics, metrics)
 
 
 if __name__ == "__main__":

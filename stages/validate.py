@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValidationFailed as err:
         print(f"validate: error: {err}", file=sys.stderr)
         sys.exit(1)
-    io.write_json(args.metrics, metrics)
+    io.write_metrics(args.metrics, metrics)
     print(f"validate: {metrics['accepted']} of {metrics['rows_read']} traces valid, "
           f"{metrics['quarantined']} quarantined"
           + (f", {metrics['held_out']} held out for the benchmarks" if metrics["held_out"] else ""),

@@ -143,3 +143,30 @@ def test_a_section_that_is_not_a_mapping_names_itself(tmp_path):
     params.write_text(yaml.safe_dump({"reward": 5, "runtime": {"reward": {"workers": 1}}}))
     with pytest.raises(cfg.ParamsError, match=r"reward: expected a mapping of keys to values, got 5"):
         cfg.load("reward", params)
+
+
+def test_the_cost_ledger_prices_the_stages_that_ran_and_history_divides_gain_by_it():
+    from flows import cost
+
+    metrics = {"ingest": {"resources": {"wall_seconds": 2.0, "cpu_seconds": 1.8}},
+               "rollout": {"generated_tokens": 1200,
+                           "resources": {"wall_seconds": 10.0, "cpu_seconds": 18.0}},
+               "reward": {"judges": [{"requests": 3, "tokens": 300}],
+                          "resources": {"wall_seconds": 1.0, "cpu_seconds": 0.9}},
+               "champion_scores": {"resources": {"wall_seconds": 9.0, "cpu_seconds": 9.0}}}
+    ran = {"ingest": True, "rollout": True, "reward": True, "champion_scores": False}
+    prices = cost.Cost(cpu_hour_usd=3.6, gpu_hour_usd=0.0, judge_usd_per_million_tokens=1000.0)
+    spent = cost.ledger(metrics, ran, prices)
+    assert spent["stages"]["champion_scores"] == {"reused": True}  # paid for in an earlier cycle
+    assert spent["total"]["cpu_seconds"] == 20.7 and spent["total"]["generated_tokens"] == 1200
+    assert spent["total"]["judge_tokens"] == 300
+    assert spent["total"]["usd"] == pytest.approx(20.7 / 3600 * 3.6 + 300 / 1e6 * 1000)
+    with pytest.raises(cfg.ParamsError, match="cost.cpu_hour_usd: must be >= 0"):
+        cost.Cost(cpu_hour_usd=-1)
+    rows = [{"score": 0.05, "champion_score": None, "cost_usd": None},
+            {"score": 0.50, "champion_score": 0.05, "cost_usd": 0.02},
+            {"score": 0.52, "champion_score": 0.50, "cost_usd": 0.03}]
+    cost.per_dollar(rows)
+    assert rows[1]["points_per_usd"] == pytest.approx(45 / 0.02)
+    assert rows[2]["cumulative_usd"] == 0.05 and rows[2]["points_per_usd"] == round(2 / 0.03, 2)
+    assert rows[0]["points_per_usd"] is None

@@ -109,6 +109,17 @@ def test_init_simulate_and_one_cycle(project):
     assert (project / "h.png").read_bytes()[:4] == b"\x89PNG"
     assert [r["tag"] for r in rows] == ["gen-0", "gen-1"]
     assert [r["champion"] for r in rows] == ([False, True] if verdict["passed"] else [True, False])
+    # what the cycle cost: every stage ran and used CPU; its rollout's tokens counted exactly
+    spent = json.loads((project / "metrics/cost.json").read_text())
+    assert set(spent["stages"]) == set(STAGES)
+    assert all(spent["stages"][s]["cpu_seconds"] > 0 for s in STAGES)
+    rollout_metrics = json.loads((project / "metrics/rollout.json").read_text())
+    assert spent["total"]["generated_tokens"] == rollout_metrics["generated_tokens"] > 0
+    assert spent["total"]["usd"] == pytest.approx(
+        spent["total"]["cpu_seconds"] / 3600 * spent["prices"]["cpu_hour_usd"], abs=1e-5)
+    assert rows[1]["cost_usd"] == spent["total"]["usd"] and rows[0]["cost_usd"] is None
+    assert "points_per_usd" in rows[1]
+    assert "cost $" in offseason(project, "history").stdout
 
     # nothing changed: nothing reruns, and it says so; nor does a change of where work runs
     # (runtime:, which no stage lists as a DVC param)

@@ -52,7 +52,8 @@ an error with its cause, never a score of zero.
 candidate's (CANDIDATE: imports `solution`, answers calls) and the tests' (TESTER: never imports
 the candidate's code, which is not even in its sandbox; its `solution` module is proxies). A call
 crosses two pipes as data only (the answers JSON, parsed by the tests' side, with tags for tuples,
-sets, bytes, big ints; the requests `marshal` data from the tests' side; exact built-in types only, so an object that overrides `__eq__`, an `int` subclass or a `__class__` trick is
+sets, bytes, big ints; the requests `marshal` data from the tests' side; exact built-in types
+only, so an object that overrides `__eq__`, an `int` subclass or a `__class__` trick is
 "returned an object of type X", a failed test), and an exception comes back as its nearest
 built-in class. The verdict is the tests' process's report, written with a random nonce it reads
 from stdin into main()'s frame: the candidate's process never holds the nonce or the report fd,
