@@ -208,6 +208,7 @@ def test_process_pool_and_ray_give_identical_rewards(tmp_path):
     assert pq.read_table(tmp_path / "ray.parquet").equals(pooled)
     on_ray = json.loads((tmp_path / "ray.json").read_text())
     assert on_ray.pop("runtime") == {"workers": 0, "ray_address": seen["address"]}
+    assert on_ray.pop("resources")["cpu_seconds"] > 0  # what the stage used (measured)
     assert on_ray == m_pool
     assert m_pool["errors"] == 1 and m_pool["episodes"] == len(rows)
 
