@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("suites", type=Path, nargs="+", help="data/benchmarks/<suite>.jsonl")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
+    from stages.envs import judge
+
+    judge.for_benchmarks()  # an environment's reward calls the held-out judge here
     metrics = run(cfg.load("base", args.params), cfg.load("gate", args.params), args.champion,
                   args.suites, args.scores, args.forgetting, cfg.environments(args.params),
                   cfg.load("rollout", args.params), Path(args.params).resolve().parent)

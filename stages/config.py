@@ -477,6 +477,11 @@ class Judge:
 
     model: str = ""  # the judge model's name on its server; "" = no judge configured
     rubric: str = ""  # the grading instructions: the text itself, or a file path from the project
+    # held out for the benchmarks (champion_scores, gate): a model and/or rubric the training
+    # reward never saw, so a policy that games the training judge cannot promote on it alone;
+    # "" = the same as model / rubric
+    benchmark_model: str = ""
+    benchmark_rubric: str = ""
     max_calls: int = 2000  # judge requests per stage run (cache hits are free); then the stage stops
     max_cost: int = 2_000_000  # tokens (prompt + completion, as the server reports) per stage run
     url: str = ""  # runtime: the OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000/v1

@@ -646,6 +646,9 @@ def main(argv: list[str] | None = None) -> None:
                         "decision, for error control across cycles (gate.sequential)")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
+    from stages.envs import judge
+
+    judge.for_benchmarks()  # an environment's reward calls the held-out judge here
     verdict = run(cfg.load("base", args.params), cfg.load("gate", args.params), args.candidate,
                   args.champion_scores, args.forgetting, args.rewards, args.replay, args.suites,
                   args.items, cfg.environments(args.params), cfg.load("rollout", args.params),

@@ -284,3 +284,21 @@ def test_a_judge_that_is_down_stops_the_stage_in_seconds(fault, tmp_path, fresh_
         with pytest.raises(RemoteDown, match=r"runtime.judge.url='http://127.0.0.1:\d+/v1'"):
             reward.score_chat(specs, rollouts(["4", "5", "6"]), tmp_path)
         assert time.monotonic() - started < 5
+
+
+def test_the_benchmark_stages_use_the_held_out_judge(server, tmp_path, fresh_judges):
+    srv = server({"reasoning": "ok", "score": 1.0})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({
+        "judge": {"model": "judge-7b", "rubric": "train rubric",
+                  "benchmark_model": "judge-70b", "benchmark_rubric": "held-out rubric"},
+        "runtime": {"judge": {"url": srv.url}}}))
+    assert judge.project().model == "judge-7b" and judge.project().rubric == "train rubric"
+    judge.for_benchmarks()
+    try:
+        held = judge.project()
+        held.score(TASK, SAID)
+        assert held.model == "judge-70b" and held.rubric == "held-out rubric"
+        assert srv.requests[0]["body"]["model"] == "judge-70b"
+        assert "held-out rubric" in srv.requests[0]["body"]["messages"][0]["content"]
+    finally:
+        judge._HELD_OUT[0] = False

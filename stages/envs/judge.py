@@ -17,6 +17,10 @@ An environment's `reward` calls the project's judge (params.yaml `judge:` for wh
 - relative (`rank`): every sample of one task in one request, each scored against the others
   (`{"scores": [{"id", "reasoning", "score"}, ...]}`), which suits GRPO's group advantages.
 
+The benchmark stages (champion_scores, gate) call `for_benchmarks()`: there the judge is the
+held-out one, `judge.benchmark_model` and `judge.benchmark_rubric` where params name them, which
+the training reward never saw, so a policy that games the training judge cannot promote on it.
+
 Each judgment is cached by the hash of (judge model, rubric, mode, conversation(s)) in
 `data/judgments/` (the reward stage's persistent DVC output; `use_cache`), appended as it is paid for, so a
 rerun or a resumed cycle asks again for nothing; the model and the rubric's hash are recorded with
@@ -32,6 +36,7 @@ which stops the stage with what was spent instead of a surprise bill.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -121,6 +126,9 @@ class Judge:
 
         config = cfg.load("judge", params)
         root = Path(params).resolve().parent
+        if _HELD_OUT[0]:  # a benchmark stage: the held-out judge where one is named
+            config = dataclasses.replace(config, model=config.benchmark_model or config.model,
+                                         rubric=config.benchmark_rubric or config.rubric)
         if not config.model or not config.url:
             raise cfg.ParamsError(f"{params}: judge.model and runtime.judge.url name the judge "
                                   f"(its model and its OpenAI-compatible server, e.g. "
@@ -355,6 +363,15 @@ def read_rubric(rubric: str, root: Path) -> str:
 
 _PROJECT: dict[str, Judge] = {}
 _CACHE_DIR: list[Path | None] = [None]
+_HELD_OUT: list[bool] = [False]
+
+
+def for_benchmarks() -> None:
+    """This process scores benchmarks (champion_scores, gate): the project's judge is the
+    held-out one (`judge.benchmark_model`, `judge.benchmark_rubric`) where params name it.
+    """
+    _HELD_OUT[0] = True
+    _PROJECT.clear()
 
 
 def use_cache(folder: Path | None) -> None:
