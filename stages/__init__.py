@@ -5,7 +5,9 @@
       init simulate                  generation 0 and the demo's traffic (`offseason init/simulate`)
       config io tinylm               typed params, atomic writes, loading and saving model folders
       envs/        the environments: registry, errors, arith, coding (+ its sandbox), toolcall,
-                   contract (a user's own environment module, checked)
+                   contract (a user's own environment module, checked), replay (any trace as a
+                   task, its tool calls answered from the record), judge (the LLM judge a reward
+                   calls), mcp_tools (the tools of MCP servers)
       generation/  the episode loop: episode (shared types), transformers_backend, openai_backend,
                    serve_tiny (the demo model behind an OpenAI-compatible server), chat (a chat
                    model in a user's environment, token in and token out), tool_parsers
@@ -17,7 +19,8 @@ The one rule of each folder, which is what it may import (imports point down, ne
 nothing in stages/ imports Prefect or flows/):
 - a stage module may import anything below it in stages/; no stage imports another stage, except
   champion_scores, which scores with the gate's own code;
-- `envs/` imports only itself (`errors` is its leaf; `registry` imports the environments);
+- `envs/` imports only itself (`errors` is its leaf; `registry` imports the environments), but
+  `judge` and `replay` read `config` (the judge's params) and `remote` (the judge's probe);
 - `generation/` imports nothing of stages/ but `tinylm` and `envs/contract` (how a user's tool
   call is answered); an environment comes in as an argument;
 - `training/` imports `tinylm` and itself (`trainers` and `sft` are its leaves);
