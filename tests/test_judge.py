@@ -154,9 +154,13 @@ def test_the_budget_stops_the_work(server, tmp_path):
     j.score(TASK, SAID + [{"role": "user", "content": "again 0"}])  # cached: free
     with pytest.raises(judge.JudgeBudget, match="judge.max_calls=2"):
         j.score(TASK, SAID + [{"role": "user", "content": "again 9"}])
-    costly = make(server({"reasoning": "ok", "score": 0.5}), max_cost=150)
-    costly.score(TASK, SAID)  # 100 tokens
-    with pytest.raises(judge.JudgeBudget, match="judge.max_cost=150 tokens"):
+    costly = make(server({"reasoning": "ok", "score": 0.5}), tmp_path, max_cost=100)
+    costly.score(TASK, SAID + [{"role": "user", "content": "new"}])  # 100 tokens, kept
+    assert costly.tokens == 100
+    rerun = make(srv, tmp_path)  # the judgment paid before the budget ran out is cached: free
+    rerun.score(TASK, SAID + [{"role": "user", "content": "new"}])
+    assert rerun.calls == 0 and rerun.hits == 1
+    with pytest.raises(judge.JudgeBudget, match="judge.max_cost=100 tokens"):
         costly.score(TASK, SAID + [{"role": "user", "content": "more"}])
 
 

@@ -224,6 +224,11 @@ class Judge:
                                   f"this stage run ({self.tokens} tokens, {self.hits} cache "
                                   f"hits); raise it in params.yaml, or judge fewer rollouts; "
                                   f"the judgments paid for are kept in {CACHE}/")
+            if self.tokens >= self.max_cost:  # checked before asking: what was paid is kept
+                raise JudgeBudget(f"{where}: judge.max_cost={self.max_cost} tokens spent this "
+                                  f"stage run ({self.calls} requests); raise it in params.yaml, "
+                                  f"or judge fewer rollouts; the judgments paid for are kept "
+                                  f"in {CACHE}/")
             if attempt:
                 time.sleep(min(8.0, 0.5 * 2 ** (attempt - 1)))
             self.calls += 1
@@ -254,11 +259,6 @@ class Judge:
                 last = f"not an OpenAI chat completion ({type(err).__name__}: {err})"
                 kind = "unparseable"
                 continue
-            if self.tokens > self.max_cost:
-                raise JudgeBudget(f"{where}: judge.max_cost={self.max_cost} tokens spent this "
-                                  f"stage run ({self.calls} requests); raise it in params.yaml, "
-                                  f"or judge fewer rollouts; the judgments paid for are kept "
-                                  f"in {CACHE}/")
             if message.get("refusal") or choice.get("finish_reason") == "content_filter":
                 raise JudgeError(f"{where}: refused to judge: "
                                  f"{str(message.get('refusal') or 'content_filter')[:200]}",
