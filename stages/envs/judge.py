@@ -279,55 +279,56 @@ class Judge:
         """Pointwise: the episode against the rubric, `{"judge": score}` with its reasoning
         (`Scores.judgment`). Raises JudgeError (counted) or JudgeBudget.
         """
-        key = self._key("pointwise", task, [messages])
-        cached = self._load_cache().get(key)
-        if cached is None:
+        def ask() -> dict:
             prompt = ("Grade this conversation. The assistant's turns after the user's request "
                       "are the work to grade.\n\n" + _conversation(messages) +
                       '\n\nAnswer with JSON: {"reasoning": "...", "score": <0 to 1>}')
-            try:
-                answer = self._ask(prompt, POINTWISE, "judgment")
-                cached = _checked_score(answer, f"judge {self.model!r}")
-            except JudgeError as err:
-                self._fail(err)
-                raise
-            self._store(key, cached)
-        else:
-            self.hits += 1
-        return self._scores(cached)
+            return _checked_score(self._ask(prompt, POINTWISE, "judgment"),
+                                  f"judge {self.model!r}")
+
+        return self._scores(self._judged(self._key("pointwise", task, [messages]), ask))
 
     def rank(self, task: dict, episodes: list[list[dict]]) -> list[Scores]:
         """Relative: every sample of one task judged together, each scored against the others
         (RULER's idea: a judge compares more reliably than it grades alone). One request per
         task; the same cache and failures as `score`.
         """
-        key = self._key("relative", task, episodes)
-        cached = self._load_cache().get(key)
-        if cached is None:
+        def ask() -> list[dict]:
             blocks = "\n\n".join(f"## Response {i}\n{_conversation(m)}"
-                                 for i, m in enumerate(episodes, 1))
+                                  for i, m in enumerate(episodes, 1))
             prompt = (f"{len(episodes)} responses to the same request follow. Score each one "
                       f"against the rubric and against the others (better responses higher).\n\n"
                       f"{blocks}\n\nAnswer with JSON: {{\"scores\": [{{\"id\": <1 to "
                       f"{len(episodes)}>, \"reasoning\": \"...\", \"score\": <0 to 1>}}, ...]}}")
-            try:
-                answer = self._ask(prompt, RELATIVE, "judgments")
-                where = f"judge {self.model!r}"
-                rows = answer.get("scores") if isinstance(answer, dict) else None
-                if not isinstance(rows, list):
-                    raise JudgeError(f"{where}: the answer has no 'scores' list: {answer!r:.200}")
-                by_id = {row.get("id"): row for row in rows if isinstance(row, dict)}
-                missing = [i for i in range(1, len(episodes) + 1) if i not in by_id]
-                if missing:
-                    raise JudgeError(f"{where}: no score for responses {missing}")
-                cached = [_checked_score(by_id[i], where) for i in range(1, len(episodes) + 1)]
-            except JudgeError as err:
-                self._fail(err)
-                raise
-            self._store(key, cached)
-        else:
+            answer = self._ask(prompt, RELATIVE, "judgments")
+            where = f"judge {self.model!r}"
+            rows = answer.get("scores") if isinstance(answer, dict) else None
+            if not isinstance(rows, list):
+                raise JudgeError(f"{where}: the answer has no 'scores' list: {answer!r:.200}")
+            by_id = {row.get("id"): row for row in rows if isinstance(row, dict)}
+            missing = [i for i in range(1, len(episodes) + 1) if i not in by_id]
+            if missing:
+                raise JudgeError(f"{where}: no score for responses {missing}")
+            return [_checked_score(by_id[i], where) for i in range(1, len(episodes) + 1)]
+
+        return [self._scores(one) for one in
+                self._judged(self._key("relative", task, episodes), ask)]
+
+    def _judged(self, key: str, ask):
+        """The cached judgment under `key`, or `ask()`'s, stored as paid for; a JudgeError is
+        counted by kind and raised.
+        """
+        cached = self._load_cache().get(key)
+        if cached is not None:
             self.hits += 1
-        return [self._scores(one) for one in cached]
+            return cached
+        try:
+            judgment = ask()
+        except JudgeError as err:
+            self._fail(err)
+            raise
+        self._store(key, judgment)
+        return judgment
 
     def _scores(self, judgment: dict) -> Scores:
         scores = Scores({COMPONENT: judgment["score"]})
