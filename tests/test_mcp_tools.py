@@ -109,3 +109,26 @@ def test_bad_mcp_settings_name_the_key(tmp_path):
 def test_an_allow_list_naming_a_missing_tool_fails_at_load(project):
     with pytest.raises(mcp_tools.McpError, match=r"allow names \['delete_everything'\]"):
         contract.load_spec("bad", spec(project, allow=["delete_everything"]), project)
+
+
+@pytest.mark.parametrize("fault", ["refused", "black hole"])
+def test_an_mcp_url_that_is_down_fails_by_name_within_its_bound(fault):
+    """Nothing listening, or a listener that never answers: the environment does not load, and
+    the error names the server, in seconds (its `timeout` per request of the SDK's handshake).
+    """
+    import socket
+
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{hole.getsockname()[1]}/mcp"
+        if fault == "black hole":
+            hole.listen(8)
+        else:
+            hole.close()
+        servers = mcp_tools.Servers("docs_env", mcp_tools.check("m", {"docs": {
+            "url": url, "timeout": 1}}), REPO)
+        started = time.monotonic()
+        with pytest.raises(mcp_tools.McpError, match=f"MCP server 'docs' of environment "
+                                                     f"'docs_env' \\({url}\\)"):
+            servers.start()
+        assert time.monotonic() - started < 30
