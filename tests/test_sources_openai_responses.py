@@ -172,3 +172,23 @@ def test_bad_records_say_what_is_wrong(record, reason):
     with pytest.raises(BadRecord) as err:
         responses.parse(record)
     assert reason in str(err.value)
+
+
+def test_a_response_logged_without_its_input_is_quarantined_saying_what_to_log(tmp_path):
+    """The SDK's Response object does not echo the request's input: a system prompt and an
+    answer are no task. Ingest quarantines it with the reason and what to change.
+    """
+    from stages import config as cfg
+    from stages import ingest
+
+    bare = {k: v for k, v in records()[0].items() if k != "input"}
+    (tmp_path / "inbox").mkdir()
+    (tmp_path / "inbox" / "responses.jsonl").write_text(
+        json.dumps(bare) + "\n" + json.dumps(records()[0]) + "\n")
+    m = ingest.run(cfg.Ingest(), tmp_path / "inbox", tmp_path / "traces",
+                   tmp_path / "ingested.parquet", tmp_path / "q.jsonl")
+    assert m["accepted"] == 1 and m["quarantined"] == 1
+    bad = json.loads((tmp_path / "q.jsonl").read_text().splitlines()[0])
+    assert bad["source_file"] == "responses.jsonl" and bad["source_line"] == 1
+    assert "no user turn in the trace" in bad["reason"]
+    assert "log the request's `input` beside it" in bad["reason"], bad["reason"]

@@ -83,6 +83,12 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
     thumbs = feedback.get("thumbs_up")
     user_text = next((str(m.get("content") or "") for m in messages if m.get("role") == "user"),
                      None)
+    if user_text is None:  # a conversation with no request is no task to learn from
+        hint = ("a Responses object as the SDK returns it carries no `input`: log the request's "
+                "`input` beside it" if fmt == "openai-responses" else
+                "check that the instrumentation records the prompt (its content-capture switch)")
+        raise BadRecord(f"no user turn in the trace ({len(messages)} messages, roles "
+                        f"{sorted({str(m.get('role')) for m in messages})}); {hint}")
     trace_id = trace.get("trace_id")
     return {
         "trace_id": str(trace_id) if trace_id is not None else f"{source_file}:{source_line}",
