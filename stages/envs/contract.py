@@ -486,6 +486,13 @@ def _number(value: Any) -> float | None:
     return None
 
 
+def text_of(content) -> str:
+    """A message's content as text: a string as it is, content parts joined by their text."""
+    if isinstance(content, list):  # content parts
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content or "")
+
+
 HACK_SUSPECTED = "hack_suspected"
 
 

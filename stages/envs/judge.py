@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.envs.contract import Scores
+from stages.envs.contract import Scores, text_of
 from stages.envs.errors import VerifierError
 
 COMPONENT = "judge"  # the reward component a judged episode gets
@@ -83,10 +83,7 @@ def _conversation(messages: list[dict]) -> str:
     out = []
     for message in messages:
         role = message.get("role", "?")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts
-            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-        text = str(content or "")
+        text = text_of(message.get("content"))
         for call in message.get("tool_calls") or []:
             function = call.get("function", {})
             text += f"\n[tool call] {function.get('name')}({function.get('arguments')})"

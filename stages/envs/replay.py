@@ -25,10 +25,12 @@ no user turn or no final answer is no task (None).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 from pathlib import Path
 
+from stages.envs.contract import text_of
 from stages.envs.errors import ToolError
 
 VERSION = "replay@1"
@@ -50,21 +52,15 @@ def _canonical(value) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
-def _text(content) -> str:
-    if isinstance(content, list):
-        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return str(content or "")
-
-
 def task_from_trace(messages: list[dict], tools: list[dict] | None = None) -> dict | None:
     """The task a trace gives: its opening messages, tools, recorded calls and final answer."""
     first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
     if first is None or not any(m.get("role") == "user" for m in messages[:first]):
         return None
     final = messages[-1] if messages[-1].get("role") == "assistant" else None
-    if final is None or final.get("tool_calls") or not _text(final.get("content")).strip():
+    if final is None or final.get("tool_calls") or not text_of(final.get("content")).strip():
         return None
-    results = {m.get("tool_call_id"): _text(m.get("content")) for m in messages[first:]
+    results = {m.get("tool_call_id"): text_of(m.get("content")) for m in messages[first:]
                if m.get("role") == "tool"}
     recorded, called = [], []
     for message in messages[first:]:
@@ -84,7 +80,7 @@ def task_from_trace(messages: list[dict], tools: list[dict] | None = None) -> di
                 "name": name, "description": f"{name} (replayed from production)",
                 "parameters": {"type": "object"}}})
     return {"messages": [dict(m) for m in messages[:first]], "tools": offered,
-            "recorded": recorded, "reference": _text(final["content"])}
+            "recorded": recorded, "reference": text_of(final["content"])}
 
 
 def call_tool(task: dict, name: str, arguments: dict) -> str:
@@ -109,17 +105,30 @@ def _normal(text: str) -> str:
     return _SPACE.sub(" ", text).strip().lower()
 
 
-def reward(task: dict, messages: list[dict]) -> float | dict | None:
-    """The judge's score when one is configured, else whether the final answer is production's."""
+def _judged(params: Path) -> bool:
+    """Whether params.yaml names a judge (`judge.model`), read once per file and version."""
+    try:
+        stamp = params.stat().st_mtime_ns
+    except OSError:
+        return False
+    return _judge_named(params, stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _judge_named(params: Path, stamp: int) -> bool:
     from stages import config as cfg
 
-    last = messages[-1] if messages else {}
-    answer = _text(last.get("content")) if last.get("role") == "assistant" else ""
     try:
-        judged = bool(cfg.load("judge").model)
-    except (cfg.ParamsError, FileNotFoundError):
-        judged = False
-    if judged:
+        return bool(cfg.load("judge", params).model)
+    except cfg.ParamsError:
+        return False
+
+
+def reward(task: dict, messages: list[dict]) -> float | dict | None:
+    """The judge's score when one is configured, else whether the final answer is production's."""
+    last = messages[-1] if messages else {}
+    answer = text_of(last.get("content")) if last.get("role") == "assistant" else ""
+    if _judged(Path("params.yaml").resolve()):
         from stages.envs import judge
 
         shown = messages + [{"role": "user", "content": "(For the grader only: production "
@@ -136,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("traces", type=Path, help="JSON lines, each {messages, tools?}")
     args = parser.parse_args(argv)
-    for line in args.traces.read_text().splitlines():
+    for line in args.traces.readtext_of().splitlines():
         if line.strip():
             row = json.loads(line)
             task = task_from_trace(row.get("messages") or [], row.get("tools"))
