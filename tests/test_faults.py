@@ -1,4 +1,5 @@
-"""Faults: a cycle SIGKILLed in every stage, two cycles at once, a full disk during a stage write.
+"""Faults: a cycle SIGKILLed in every stage (each rerun redoing only the unfinished stage), two
+cycles at once, a full disk during a stage write.
 
     pytest -q tests/test_faults.py
 """
@@ -38,6 +39,20 @@ def outs(root) -> dict[str, str]:
             if not o["path"].startswith("metrics/")}
 
 
+def newest(root: Path, stage: str) -> int:
+    """The newest modification time (ns) among a stage's outputs in dvc.yaml, or -1 when none
+    exists yet: a stage DVC skips leaves them alone, a stage that runs rewrites them.
+    """
+    outs = yaml.safe_load((root / "dvc.yaml").read_text())["stages"][stage].get("outs", [])
+    times = [-1]
+    for out in outs:
+        path = root / (out if isinstance(out, str) else next(iter(out)))
+        if path.exists():
+            times += [p.stat().st_mtime_ns for p in [path, *(path.rglob("*") if path.is_dir()
+                                                            else [])]]
+    return max(times)
+
+
 @pytest.mark.slow
 def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_path, simulated):
     reference = simulated
@@ -48,7 +63,8 @@ def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_pat
             (killed / name).unlink(missing_ok=True)
     offseason(reference, "run")
 
-    for stage in STAGES:
+    for i, stage in enumerate(STAGES):
+        stamps = {s: newest(killed, s) for s in STAGES}
         with open(tmp_path / f"run-{stage}.log", "w") as out:
             proc = subprocess.Popen([str(BIN / "offseason"), "run"], cwd=killed,
                                     env=cli_env(killed), stdout=out, stderr=subprocess.STDOUT,
@@ -73,9 +89,17 @@ def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_pat
         kill_and_reap(proc)
         assert "gen-1" not in subprocess.run(["git", "tag"], cwd=killed, capture_output=True,
                                              text=True).stdout
+        if i:  # this run redid only what the last one left unfinished: the stage killed then
+            for done in STAGES[:i - 1]:
+                assert newest(killed, done) == stamps[done], f"{done} reran before {stage}"
+            assert newest(killed, STAGES[i - 1]) > stamps[STAGES[i - 1]], STAGES[i - 1]
     final = offseason(killed, "run")
     assert "cleared a stale cycle lock: offseason run (pid" in final.stderr
     assert "gen-1: candidate" in final.stdout
+    log = final.stdout + final.stderr  # and says so, stage by stage
+    for stage in STAGES[:-1]:
+        assert f"Running stage '{stage}'" not in log and f"{stage}: up to date, skipped" in log
+    assert "Running stage 'gate'" in log
 
     # the same outputs, hash for hash, as the cycle that was never interrupted
     assert outs(killed) == outs(reference)

@@ -1,4 +1,5 @@
-"""Nothing leaves the machine, no secret is recorded, every server listens on loopback only.
+"""Nothing leaves the machine, no secret is recorded, every server listens on loopback only;
+and what a fresh clone's first cycle leaves behind.
 
 One whole cycle (init, simulate, run; the TINY config) runs in a network namespace of its own
 (`unshare -n`: only a loopback interface, no route anywhere), with an API key in the environment
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from conftest import BIN, cli_env, make_project
 
 # one xdist worker runs this module: its module-scoped fixture is built once
@@ -30,6 +32,7 @@ ENV_SECRET = "sk-test-" + "Zq8Wm2Rt" * 4  # what a user has exported for another
 TRACE_SECRETS = ["sk-proj-" + "Hf3kLp9QxT" * 3, "ghp_" + "Yb7Nc2Vd4Fg6Hj8Kl0Mn" * 2,
                  "AKIA" + "QWERTYUIOP123456", "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ0ZXN0dXNlciJ9."
                  "c2lnbmF0dXJlc2lnbmF0dXJl"]
+STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
 BEARER = "Tk9TZWNyZXRGb3JZb3U5ODc2NTQzMjE"
 
 
@@ -110,7 +113,7 @@ def cycle(tmp_path_factory):
             seen |= listeners(proc.pid)
         time.sleep(0.1)
     reader.join(timeout=10)
-    return {"root": root, "prefect": tmp / "prefect", "rc": proc.returncode,
+    return {"root": root, "prefect": tmp / "prefect", "rc": proc.returncode, "env": env,
             "output": "".join(output), "listeners": seen}
 
 
@@ -185,3 +188,135 @@ def test_no_secret_reaches_mlflow_prefect_or_dvc_outputs(cycle):
     assert any("ingest |" in message for message in logs)
     assert any("<SECRET_" in text for text in texts_of(root / "data/ingested.parquet"))
     assert searched > 50
+
+
+def git(root, *args):
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def mlflow_client(root):
+    import mlflow
+    mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
+    return mlflow.MlflowClient()
+
+
+def test_a_fresh_clones_first_cycle_is_committed_tracked_and_counted(cycle):
+    """What a fresh clone's first cycle leaves (this module's cycle is one: `offseason init`,
+    `simulate` and `run` in Prefect's embedded mode, no server started by hand), checked here
+    rather than in a whole cycle of its own. Last in the module: it runs the CLI again.
+    """
+    assert cycle["rc"] == 0, cycle["output"][-4000:]
+    project = cycle["root"]
+
+    def offseason(root, *args):
+        result = subprocess.run([str(BIN / "offseason"), *args], cwd=root, env=cycle["env"],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
+        return result
+
+    assert "generation 0 is the champion" in cycle["output"]
+    assert (project / "models/champion.dvc").exists()
+    assert (project / "models/champion/model.safetensors").exists()
+    assert git(project, "tag", "--list", "gen-0") == "gen-0"
+    # the simulated day: its traces plus a duplicate, a cut line and small talk; and the leaky
+    # trace this module adds
+    lines = (project / "data/inbox/traffic-000.jsonl").read_text().splitlines()
+    assert len(lines) == 48 + 3 + 1
+    assert any("jane.doe@example.com" in line for line in lines)
+    assert "gen-1: candidate" in cycle["output"]
+
+    # the gate verdict, committed and tagged
+    assert "gen-1" in git(project, "tag", "--list").split()
+    verdict = json.loads(git(project, "show", "gen-1:metrics/gate.json"))
+    assert isinstance(verdict["passed"], bool)
+    assert 0 <= verdict["candidate_score"] <= 1 and 0 <= verdict["champion_score"] <= 1
+    assert verdict["interval"][0] <= verdict["difference"] <= verdict["interval"][1]
+    assert git(project, "status", "--porcelain", "--", "dvc.lock", "metrics") == ""
+
+    # ingest and validate counted every line
+    ingest = json.loads((project / "metrics/ingest.json").read_text())
+    assert (ingest["rows_read"], ingest["duplicates"], ingest["quarantined"]) == (52, 1, 1)
+    assert ingest["accepted"] == 50 and ingest["pii_redactions"]["email"] == 1
+    validate = json.loads((project / "metrics/validate.json").read_text())
+    assert validate["rows_read"] == 50 and validate["quarantined"] == 1  # the small talk
+    traces = (project / "data/ingested.parquet").read_bytes()
+    assert b"jane.doe@example.com" not in traces
+
+    # dvc.lock has every stage with hashed deps and outs
+    lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+    assert set(STAGES) <= set(lock)
+    assert all(out["md5"] for stage in STAGES for out in lock[stage]["outs"])
+    champion_dep = next(d for d in lock["rollout"]["deps"] if d["path"] == "models/champion")
+    assert champion_dep["md5"]
+
+    # MLflow: one run per cycle, a child per stage with DVC hashes, a new model version, the alias
+    client = mlflow_client(project)
+    experiment = client.get_experiment_by_name("offseason")
+    runs = client.search_runs([experiment.experiment_id], "tags.`offseason.generation` = '1'")
+    assert len(runs) == 1
+    parent = runs[0]
+    assert parent.data.tags["offseason.git_tag"] == "gen-1"
+    assert parent.data.tags["offseason.git_commit"] == git(project, "rev-parse", "gen-1")
+    assert parent.data.params["train.sft.lr"] == "0.001"
+    children = client.search_runs([experiment.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(c.data.tags["offseason.stage"] for c in children) == sorted(STAGES)
+    ingest_run = next(c for c in children if c.data.tags["offseason.stage"] == "ingest")
+    assert ingest_run.data.metrics["accepted"] == 50
+    assert ingest_run.data.tags["dvc.out.data/ingested.parquet"] == next(
+        o["md5"] for o in lock["ingest"]["outs"] if o["path"] == "data/ingested.parquet")
+    train_run = next(c for c in children if c.data.tags["offseason.stage"] == "train")
+    train_metrics = json.loads((project / "metrics/train.json").read_text())
+    # the settings a stage's metrics echo are params of its run, not single-bar metric charts
+    assert "lora_r" not in train_run.data.metrics and "deepspeed" not in train_run.data.metrics
+    assert train_run.data.params["train.lora_r"] == "0"
+    if train_metrics["trained"]:  # the per-step curve, with its step numbers
+        losses = client.get_metric_history(train_run.info.run_id, "step.loss")
+        assert sorted(m.step for m in losses) == list(range(1, train_metrics["steps"] + 1))
+    versions = client.search_model_versions("name = 'offseason-agent'")
+    assert sorted(int(v.version) for v in versions) == [1, 2]
+    new = next(v for v in versions if str(v.version) == "2")
+    assert new.run_id == parent.info.run_id and new.tags["generation"] == "1"
+    champion = client.get_model_version_by_alias("offseason-agent", "champion")
+    assert str(champion.version) == ("2" if verdict["passed"] else "1")
+    promotion = json.loads((project / "metrics/promotion.json").read_text())
+    assert promotion["promoted"] == verdict["passed"]
+
+    # history shows both generations and marks the champion
+    rows = json.loads(offseason(project, "history", "--json", "--plot", "h.png").stdout)
+    assert (project / "h.png").read_bytes()[:4] == b"\x89PNG"
+    assert [r["tag"] for r in rows] == ["gen-0", "gen-1"]
+    assert [r["champion"] for r in rows] == ([False, True] if verdict["passed"] else [True, False])
+    # what the cycle cost: every stage ran and used CPU; its rollout's tokens counted exactly
+    spent = json.loads((project / "metrics/cost.json").read_text())
+    assert set(spent["stages"]) == set(STAGES)
+    assert all(spent["stages"][s]["cpu_seconds"] > 0 for s in STAGES)
+    rollout_metrics = json.loads((project / "metrics/rollout.json").read_text())
+    assert spent["total"]["generated_tokens"] == rollout_metrics["generated_tokens"] > 0
+    assert spent["total"]["usd"] == pytest.approx(
+        spent["total"]["cpu_seconds"] / 3600 * spent["prices"]["cpu_hour_usd"], abs=1e-5)
+    assert rows[1]["cost_usd"] == spent["total"]["usd"] and rows[0]["cost_usd"] is None
+    assert "points_per_usd" in rows[1]
+    assert "cost $" in offseason(project, "history").stdout
+
+    # nothing changed: nothing reruns, and it says so; nor does a change of where work runs
+    # (runtime:, which no stage lists as a DVC param)
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["runtime"] = {"reward": {"workers": 1}, "rollout": {
+        "concurrency": 7, "request_timeout": 30.0, "retries": 2, "server_timeout": 60.0,
+        "api_key_env": "MY_KEY", "urls": "http://127.0.0.1:9/v1"},
+        "judge": {"url": "http://127.0.0.1:9/v1", "request_timeout": 5.0, "retries": 1,
+                  "api_key_env": "JUDGE_KEY"}}
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    again = offseason(project, "run")
+    assert "nothing changed since gen-1" in again.stdout and "no stage reran" in again.stdout
+    assert git(project, "tag", "--list").split() == ["gen-0", "gen-1"]
+    dvc_status = subprocess.run([str(BIN / "dvc"), "status", "--json"], cwd=project,
+                                capture_output=True, text=True, check=True).stdout
+    assert json.loads(dvc_status) == {}, dvc_status  # every stage up to date
+
+    # `dvc repro` alone agrees that the cycle is complete
+    status = subprocess.run([str(BIN / "dvc"), "status", "rollout", "reward", "ingest",
+                             "validate"], cwd=project, capture_output=True, text=True)
+    assert status.returncode == 0
