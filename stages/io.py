@@ -26,12 +26,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# per folder, the temporary files found in it by this process's first write there, by the name
+# of the file they were writing
+_STALE: dict[Path, dict[str, list[Path]]] = {}
+
+
 def tmp_name(path: Path) -> Path:
     """The temporary name this process writes `path` under. The remains of a writer that was
     killed (SIGKILL leaves no chance to clean up) are removed here, by the next writer of `path`.
+    The folder is listed once per process (a listing per write made a stage that writes n files
+    into one folder, as ingest does, O(n^2)): remains left meanwhile by a writer killed while this
+    process runs are the next process's to remove.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+    folder = path.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    if folder not in _STALE:
+        found: dict[str, list[Path]] = {}
+        for temp in folder.glob(".*.tmp-*"):
+            found.setdefault(temp.name[1:].rsplit(".tmp-", 1)[0], []).append(temp)
+        _STALE[folder] = found
+    for stale in _STALE[folder].pop(path.name, []):
         pid = stale.name.rsplit("-", 1)[1]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             stale.unlink(missing_ok=True)
