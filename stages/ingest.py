@@ -387,7 +387,9 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
             if path.name in earlier:
                 continue
             new_files += 1
-            part = f"part-{path.name.split('.')[0]}.parquet"
+            # the whole name: a Collector's rotated backups (traces.2026-12-05T01.jsonl, ...)
+            # share the text before their first dot
+            part = f"part-{path.name}.parquet"
             writer, counts = Writer(traces / part), _counts()
             writers.append(writer)
             for number, fmt, item in traces_of_file(path, config):

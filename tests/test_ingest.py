@@ -93,3 +93,22 @@ def test_normalized_duplicates_share_a_hash():
         content_hash('[{"id": "call_9", "role": "tool", "tool_call_id": "c9"}]')
     assert content_hash('[{"content": "a b", "role": "user"}]') != \
         content_hash('[{"content": "a c", "role": "user"}]')
+
+
+def test_files_sharing_a_name_up_to_the_first_dot_keep_their_own_parts(tmp_path):
+    # a Collector's file exporter rotates into names like these
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "traces.2026-12-05.jsonl").write_text(chat("a", "1+2") + "\n")
+    (inbox / "traces.2026-12-06.jsonl").write_text(chat("b", "3+4") + "\n")
+    assert run(tmp_path)["accepted"] == 2
+    manifest = json.loads((tmp_path / "traces" / ingest.MANIFEST).read_text())
+    parts = {name: entry["part"] for name, entry in manifest.items()}
+    assert len(set(parts.values())) == 2, parts
+    for name, part in parts.items():
+        rows = pq.read_table(tmp_path / "traces" / part).to_pylist()
+        assert [r["source_file"] for r in rows] == [name]
+    # the next cycle knows both as seen: the same traces again are duplicates
+    (inbox / "traces.2026-12-07.jsonl").write_text(chat("a", "1+2") + "\n" + chat("b", "3+4") + "\n")
+    m = run(tmp_path)
+    assert (m["accepted"], m["duplicates"]) == (0, 2)
