@@ -411,11 +411,9 @@ def before_cycle(root: Path, inbox: Path, params: Path) -> str | None:
     """The pull a cycle runs first when params.yaml has a `pull:` section naming a service;
     returns its message, or None when none is configured.
     """
-    from flows import params as settings
-
     if "pull" not in cfg.read_params(params):
         return None
-    config = cfg.load("pull", params, settings.SECTIONS)
+    config = cfg.load("pull", params, {"pull": Pull})
     if not config.service:
         return None
     return pull(root, inbox, config.service, "last-cycle", config.limit, config.project)["message"]
