@@ -14,6 +14,7 @@
     offseason lineage     a generation's whole chain, back to its traces; --verify, --trace
     offseason report      a static HTML page: scores, rewards, quarantine, a lineage graph
     offseason collect     receive traces over OTLP/HTTP (port 4318) into data/inbox/; --status
+    offseason pull        pull traces from Langfuse or LangSmith into data/inbox/ (--since last-cycle)
 
 Run from the project folder (where dvc.yaml is). Each command's --help says more.
 """
@@ -739,6 +740,21 @@ def cmd_collect(args) -> int:
     return collect.serve(settings, inbox_path(root), root / ".offseason" / "collect")
 
 
+def cmd_pull(args) -> int:
+    """`offseason pull langfuse|langsmith`: new traces from a tracing service into the inbox."""
+    root, configs = workspace(env=False)
+    from flows import pull
+
+    config = configs["pull"]
+    limit = config.limit if args.limit is None else args.limit
+    if limit < 0:
+        raise pull.PullError(f"--limit: must be >= 0 (0: no limit), got {limit}")
+    result = pull.pull(root, inbox_path(root), args.service, args.since, limit,
+                       args.project or config.project)
+    print(json.dumps(result, indent=2) if args.json else result["message"])
+    return 0
+
+
 def cmd_serve(args) -> int:
     """`offseason serve`: the deployments of params.yaml, served here or sent to a work pool."""
     root, _ = workspace()
@@ -994,6 +1010,31 @@ def service_commands(sub) -> None:
                    help="print the counters of the receiver running on --host/--port and exit")
     s.add_argument("--json", action="store_true", help="with --status: JSON instead of text")
     s.set_defaults(func=cmd_collect)
+    s = sub.add_parser("pull", help="pull traces from Langfuse or LangSmith into the inbox",
+                       description="Fetch the traces that started since the last cycle (or "
+                       "--since) from Langfuse or LangSmith with the vendor's own SDK (`pip "
+                       "install 'offseason[langfuse]'` or `'offseason[langsmith]'`): their "
+                       "observations or runs (messages, tool calls) and the users' scores or "
+                       "feedback, written as one new file into data/inbox/ "
+                       "(<service>-<UTC time>.jsonl, whole: temporary name, fsync, rename) that "
+                       "the next cycle ingests. Credentials from the environment: "
+                       "LANGFUSE_PUBLIC_KEY, LANGFUSE_SECRET_KEY, LANGFUSE_HOST; or "
+                       "LANGSMITH_API_KEY, LANGSMITH_ENDPOINT. The trace ids pulled are "
+                       "remembered (.offseason/pull/), so pulling twice writes no trace twice. "
+                       "Defaults: params.yaml's pull: section; with its service set, every cycle "
+                       "pulls first. Exit 2 when the SDK, the credentials or the service fail.")
+    s.add_argument("service", choices=["langfuse", "langsmith"], help="where the traces are")
+    s.add_argument("--since", default="last-cycle", metavar="last-cycle|ISO-TIME",
+                   help="traces started after this: 'last-cycle' (default: the last gen-N "
+                   "tag's commit time, or everything before the first cycle) or an ISO time "
+                   "like 2026-03-01T00:00:00Z")
+    s.add_argument("--limit", type=int, metavar="N",
+                   help="at most N new traces, newest first (default pull.limit; 0: all); the "
+                   "next pull takes the next ones")
+    s.add_argument("--project", metavar="NAME", help="LangSmith: the project (default "
+                   "pull.project, else LANGSMITH_PROJECT, else 'default')")
+    s.add_argument("--json", action="store_true", help="print what was pulled as JSON")
+    s.set_defaults(func=cmd_pull)
 
 
 def console() -> int:

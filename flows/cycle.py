@@ -120,6 +120,8 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict) -> d
     logger = get_run_logger()
     for line in start.recovered:
         logger.warning("an unfinished promotion was undone: %s", line)
+    if start.pulled:
+        logger.info(start.pulled)
     if start.status != "run":
         (logger.warning if start.status == "empty-inbox" else logger.info)(start.message)
         return {"status": start.status, "message": start.message}

@@ -13,7 +13,8 @@
   didn't change, skipping` lines), one Prefect task per stage, and logs a stage to MLflow while DVC
   runs the next one.
 - **begin()**, before any stage: undo what an unfinished promotion left in the files, check the
-  champion's bytes, and decide whether anything changed since the last cycle; only then start the
+  champion's bytes, pull new traces when params.yaml's `pull:` names a tracing service
+  (flows/pull.py), and decide whether anything changed since the last cycle; only then start the
   pipeline. `offseason run` calls it before Prefect's temporary server is up, so the first stages
   run while that server starts, and the flow adopts the running pipeline (`adopt()`); a flow run
   of a deployment calls it itself.
@@ -288,6 +289,7 @@ class Start:
     reasons: list[str] = field(default_factory=list)
     recovered: list[str] = field(default_factory=list)  # what an unfinished promotion left
     pipeline: Pipeline | None = None
+    pulled: str = ""  # what the pull before the cycle did (params.yaml's `pull:`), if any
 
     def close(self) -> None:
         """End the session; stages still running (the flow failed) are stopped."""
@@ -319,10 +321,16 @@ def begin(root: Path, session: Session | None = None) -> Start:
         recovered = promotion.recover_files(root)
         # before any stage reads it: `dvc checkout` restores altered cache bytes without a word
         lineage.check_champion(root)
+        # params.yaml's `pull:` names a tracing service: its new traces join the inbox first
+        from flows import pull
+
+        pulled = pull.before_cycle(root, root / "data" / "inbox", root / "params.yaml") or ""
+        if pulled:
+            print(pulled, file=sys.stderr, flush=True)
         last = generations(root)
         if not list((root / "data" / "inbox").glob("*.jsonl")):
             session.close()
-            return Start("empty-inbox", EMPTY_INBOX, recovered=recovered)
+            return Start("empty-inbox", EMPTY_INBOX, recovered=recovered, pulled=pulled)
         if (root / "data" / "inbox.dvc").exists():
             # exit 1: the inbox differs from its snapshot (`dvc repro` takes a new one)
             new_traces = session.run(["status", "--quiet", "data/inbox.dvc"], check=False)[0] != 0
@@ -339,10 +347,10 @@ def begin(root: Path, session: Session | None = None) -> Start:
             return Start("nothing-changed",
                          f"nothing changed since gen-{last[-1] if last else 0} (no new traces, "
                          f"same params, same code): nothing to learn from, no stage reran",
-                         recovered=recovered)
+                         recovered=recovered, pulled=pulled)
         check_servers(root)  # before a stage runs: a server that is down fails the cycle in seconds
         return Start("run", "", (last[-1] + 1) if last else 1, reasons, recovered,
-                     Pipeline(session))
+                     Pipeline(session), pulled)
     except BaseException:
         session.close(kill=True)
         raise

@@ -567,8 +567,9 @@ def collect(path: str | Path = "params.yaml") -> Collect:
                   str(path))
 
 
-# sections a params.yaml may leave out (`cost:` is the flow's: flows/cost.py)
-OPTIONAL = {"environments", "runtime", "judge", "cost"}
+# sections a params.yaml may leave out (`cost:` and `pull:` are the flow's: flows/cost.py,
+# flows/pull.py)
+OPTIONAL = {"environments", "runtime", "judge", "cost", "pull"}
 
 # Settings that say where and how fast work runs, never what it computes. They live in params.yaml's
 # `runtime:` section (runtime.rollout.urls, runtime.reward.workers, ...), which no DVC stage lists

@@ -1,0 +1,419 @@
+"""`offseason pull langfuse|langsmith`: traces from a tracing service into the inbox, as an export.
+
+For a team that keeps its traces in Langfuse or LangSmith rather than exporting OpenTelemetry
+here. The vendor's own Python SDK is the client (optional extras: `pip install
+'offseason[langfuse]'` or `'offseason[langsmith]'`), credentials come from the vendor's usual
+environment variables, and each pull writes one new JSONL file into the inbox, named by service
+and time (`langfuse-<UTC time>.jsonl`), in the shape the readers of `stages/traces/sources/` read:
+
+- **Langfuse** (`LANGFUSE_PUBLIC_KEY`, `LANGFUSE_SECRET_KEY`, `LANGFUSE_HOST` or
+  `LANGFUSE_BASE_URL`; default https://cloud.langfuse.com): the traces whose root observation
+  started in the window (`GET /api/public/v2/observations?isRootObservation=true`), then each
+  trace's observations (the same endpoint by `traceId`: input, output, model, usage) and scores
+  (`GET /api/public/v3/scores?traceId=`). Written as records of their own, as the API's v1 objects
+  read: an observation with its `input`/`output` decoded from the JSON text the v2 endpoint
+  returns; a score as a v1 `Score` (`traceId`, `observationId`, `value`, `stringValue`,
+  `dataType`) from v3's polymorphic `value` and `subject`; and one trace record in the shape of a
+  `/api/public/traces` list item (`id`, `timestamp`, `name`, `sessionId`, `userId`, `tags`,
+  observation and score ids), built from the observations, since SDK v5 reads no trace endpoint.
+- **LangSmith** (`LANGSMITH_API_KEY`, `LANGSMITH_ENDPOINT`, default
+  https://api.smith.langchain.com; the project from `--project`, params' `pull.project`,
+  `LANGSMITH_PROJECT`, else "default"): the root runs started in the window, then each trace's
+  runs (`Client.list_runs`, `POST /runs/query`), written one run a line as the runs API returns
+  them, with the `feedback_stats` the users' feedback adds up to.
+
+The window: `--since last-cycle` (the default) starts at the commit time of the last cycle's tag
+(`gen-N`, N >= 1; everything when no cycle ran yet), or earlier, where the last complete pull
+began: traces that arrived while that cycle ran are not skipped. `--since 2026-03-01T00:00:00Z`
+starts there. The window opens `OVERLAP` earlier still, for traces the service shows late.
+
+Pulling twice writes no trace twice: the trace ids pulled are remembered per service and project
+(`.offseason/pull/<service>[-<project>].json`, written after the inbox file), and a trace already
+pulled is not written again, even when it gained a score since (feedback that comes after the
+pull is not brought in). Should the process die between the two writes, the next pull writes
+those traces again, and ingest counts them as duplicates (same content, same hash). `--limit N`
+takes at most N new traces, newest first; a pull the limit cut short does not move the window's
+start, so the next one takes the next N.
+
+A missing SDK names the extra to install; missing credentials name the variables; a service that
+is down, refuses the key or does not know the project fails with `PullError` (exit 2), saying so.
+With a `pull:` section in params.yaml (`service`, `project`, `limit`) every cycle pulls first
+(`flows/pipeline.py`'s `begin`), and a failed pull fails the cycle before any stage runs.
+
+    offseason pull langfuse                          # new traces since the last cycle
+    offseason pull langsmith --project support-bot --since 2026-03-01T00:00:00Z --limit 500
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from flows.workspace import WorkspaceError, generations, git
+from stages import config as cfg
+from stages import io
+
+SERVICES = ("langfuse", "langsmith")
+OVERLAP = timedelta(minutes=15)  # Langfuse's v1 read endpoints may lag ingestion by ~10 minutes
+TIMEOUT = 30  # seconds a request may take before the service counts as down
+PAGE = 100  # items a page: the v3 scores endpoint's maximum
+
+
+class PullError(WorkspaceError):
+    """A pull that cannot go on (SDK, credentials, the service): the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Pull:
+    """`pull:`: the tracing service a cycle pulls from first (`offseason pull`). Optional."""
+
+    service: str = ""  # langfuse | langsmith; "" = no pull before a cycle
+    project: str = ""  # LangSmith's project name ("" = LANGSMITH_PROJECT, else "default")
+    limit: int = 0  # at most this many new traces a pull; 0 = every one in the window
+
+    def __post_init__(self):
+        """Refuse an unknown service and a negative limit."""
+        if self.service not in ("", *SERVICES):
+            raise cfg.ParamsError(f"pull.service: {self.service!r} is not a service offseason "
+                                  f"pulls from; one of {', '.join(SERVICES)} (or '' for none)")
+        if self.limit < 0:
+            raise cfg.ParamsError(f"pull.limit: must be >= 0 (0: no limit), got {self.limit}")
+
+
+# --- the window ---------------------------------------------------------------------------------
+
+def last_cycle_time(root: Path) -> datetime | None:
+    """The commit time of the last cycle's tag (gen-N, N >= 1), or None before the first cycle."""
+    cycles = [n for n in generations(root) if n >= 1]
+    if not cycles:
+        return None
+    return datetime.fromisoformat(git(root, "log", "-1", "--format=%cI", f"gen-{cycles[-1]}"))
+
+
+def parse_since(value: str) -> datetime:
+    """An ISO time (a `Z` or offset; none means UTC); raises PullError naming the option."""
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise PullError(f"--since: {value!r} is neither 'last-cycle' nor an ISO time like "
+                        f"2026-03-01T00:00:00Z") from None
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+
+
+def window_start(root: Path, since: str, state: dict) -> datetime | None:
+    """Where this pull's window opens (None: everything), `OVERLAP` before the time asked."""
+    if since != "last-cycle":
+        start = parse_since(since)
+    else:
+        start = last_cycle_time(root)
+        complete = state.get("complete_from")
+        if start is not None and complete:
+            start = min(start, datetime.fromisoformat(complete))
+    return None if start is None else start - OVERLAP
+
+
+# --- what was pulled ----------------------------------------------------------------------------
+
+def state_path(root: Path, service: str, project: str) -> Path:
+    """Where the ids pulled from a service (and project) are remembered."""
+    name = f"{service}-{project}" if project else service
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    return root / ".offseason" / "pull" / f"{safe}.json"
+
+
+def read_state(path: Path) -> dict:
+    """The remembered pulls ({} before the first); an unreadable file fails naming it."""
+    if not path.exists():
+        return {}
+    try:
+        state = json.loads(path.read_text())
+    except ValueError as err:
+        raise PullError(f"{path}: not readable JSON ({err}); delete it to pull from scratch "
+                        f"(ingest counts traces pulled again as duplicates)") from None
+    return state if isinstance(state, dict) else {}
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+def write_inbox(inbox: Path, service: str, records: list[dict], now: datetime) -> Path:
+    """Records as one new JSONL inbox file, whole: a hidden temporary name (ingest skips it),
+    fsynced, renamed, the folder fsynced. The name sorts by time and never repeats.
+    """
+    inbox.mkdir(parents=True, exist_ok=True)
+    stamp = now.strftime("%Y%m%dT%H%M%S%fZ")
+    path = inbox / f"{service}-{stamp}.jsonl"
+    n = 1
+    while path.exists():  # two pulls within a microsecond
+        n += 1
+        path = inbox / f"{service}-{stamp}-{n}.jsonl"
+    tmp = io.tmp_name(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.writelines(io.jsonl_line(record) for record in records)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(inbox, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename is durable once its folder is
+    finally:
+        os.close(fd)
+    return path
+
+
+def _json(value: Any) -> Any:
+    """A value as JSON gives it back: datetimes as ISO text, UUIDs as text."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def _decoded(text: Any) -> Any:
+    """The v2 observations endpoint returns input and output as JSON text: decoded when it is a
+    JSON object, array or string; a plain prompt stays text.
+    """
+    if isinstance(text, str) and text[:1] in ("{", "[", '"'):
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+    return text
+
+
+def _need(names: list[str], extra: str) -> dict[str, str]:
+    missing = [name for name in names if not os.environ.get(name)]
+    if missing:
+        raise PullError(f"{', '.join(missing)} not set: put the {extra} credentials in the "
+                        f"environment (never in params.yaml)")
+    return {name: os.environ[name] for name in names}
+
+
+# --- Langfuse -----------------------------------------------------------------------------------
+
+OBSERVATION_FIELDS = "core,basic,time,io,model,usage,trace_context"
+
+
+def langfuse_traces(since: datetime | None, limit: int, seen: set[str],
+                    project: str = "") -> tuple[list[dict], list[str], bool]:
+    """New traces from Langfuse: (records, trace ids, whether the limit cut the listing)."""
+    try:
+        import httpx
+        from langfuse._version import __version__
+        from langfuse.api import LangfuseAPI
+        from langfuse.api.core.api_error import ApiError
+    except ImportError:
+        raise PullError("the Langfuse SDK is not installed: pip install 'offseason[langfuse]'"
+                        ) from None
+    keys = _need(["LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY"], "Langfuse")
+    host = (os.environ.get("LANGFUSE_BASE_URL") or os.environ.get("LANGFUSE_HOST")
+            or "https://cloud.langfuse.com")
+    # the SDK's API client, as `Langfuse().api` builds it; `Langfuse()` itself also starts the
+    # tracing machinery and is one shared instance per public key, whatever the host
+    api = LangfuseAPI(base_url=host, username=keys["LANGFUSE_PUBLIC_KEY"],
+                      password=keys["LANGFUSE_SECRET_KEY"], x_langfuse_sdk_name="python",
+                      x_langfuse_sdk_version=__version__,
+                      x_langfuse_public_key=keys["LANGFUSE_PUBLIC_KEY"], timeout=TIMEOUT)
+    try:
+        return _langfuse_pull(api, since, limit, seen)
+    except ApiError as err:
+        if err.status_code in (401, 403):
+            raise PullError(f"Langfuse at {host} refused the key (HTTP {err.status_code}): check "
+                            f"LANGFUSE_PUBLIC_KEY and LANGFUSE_SECRET_KEY (a project's API "
+                            f"keys)") from None
+        raise PullError(f"Langfuse at {host} answered HTTP {err.status_code} ({err.body!r:.200}); "
+                        f"try again later") from None
+    except httpx.HTTPError as err:
+        raise PullError(f"Langfuse at {host} did not answer ({type(err).__name__}: {err}); is "
+                        f"LANGFUSE_HOST right and the service up?") from None
+
+
+def _pages(call, **query):
+    """Every item of a cursor-paginated Langfuse list."""
+    cursor = None
+    while True:
+        page = call(limit=PAGE, cursor=cursor, **query)
+        yield from page.data
+        cursor = page.meta.cursor
+        if not cursor or not page.data:
+            return
+
+
+def _langfuse_pull(api, since, limit, seen) -> tuple[list[dict], list[str], bool]:
+    ids, cut = [], False
+    for root in _pages(api.observations.get_many, is_root_observation=True,
+                       from_start_time=since, fields="core"):
+        trace_id = root.trace_id
+        if not trace_id or trace_id in seen or trace_id in ids:
+            continue
+        if limit and len(ids) >= limit:
+            cut = True
+            break
+        ids.append(trace_id)
+    records = []
+    for trace_id in ids:
+        observations = [_observation(o) for o in
+                        _pages(api.observations.get_many, trace_id=trace_id,
+                               fields=OBSERVATION_FIELDS)]
+        scores = [_score(s) for s in _pages(api.scores.get_many, trace_id=trace_id,
+                                            fields="details,subject")]
+        records.append(_trace_record(trace_id, observations, scores))
+        records.extend(observations)
+        records.extend(s for s in scores if s["traceId"] == trace_id)
+    return records, ids, cut
+
+
+def _observation(item) -> dict:
+    record = json.loads(item.json())  # the API's own field names (camelCase), ISO times
+    for key in ("input", "output"):
+        if key in record:
+            record[key] = _decoded(record[key])
+    return record
+
+
+def _score(item) -> dict:
+    """A v3 score as the v1 `Score` object (`GET /api/public/scores`) reads."""
+    score = json.loads(item.json())
+    subject = score.pop("subject", None) or {}
+    kind, value = subject.get("kind"), score.pop("value", None)
+    score["traceId"] = subject.get("id") if kind == "trace" else subject.get("traceId")
+    score["observationId"] = subject.get("id") if kind == "observation" else None
+    if kind == "session":
+        score["sessionId"] = subject.get("id")
+    if score.get("dataType") == "NUMERIC":
+        score["value"], score["stringValue"] = value, None
+    elif score.get("dataType") == "BOOLEAN":
+        score["value"], score["stringValue"] = float(bool(value)), str(bool(value))
+    else:  # CATEGORICAL, TEXT, CORRECTION: a label
+        score["value"], score["stringValue"] = None, value
+    return score
+
+
+def _trace_record(trace_id: str, observations: list[dict], scores: list[dict]) -> dict:
+    """A `/api/public/traces` list item for the trace, from its observations."""
+    ordered = sorted(observations, key=lambda o: str(o.get("startTime") or ""))
+    ids = {o.get("id") for o in observations}
+    root = next((o for o in ordered if o.get("parentObservationId") not in ids),
+                ordered[0] if ordered else {})
+    first = {key: next((o[key] for o in ordered if o.get(key)), None)
+             for key in ("sessionId", "userId", "traceName", "tags", "environment")}
+    return {"id": trace_id, "timestamp": root.get("startTime"),
+            "name": first["traceName"] or root.get("name"), "sessionId": first["sessionId"],
+            "userId": first["userId"], "tags": first["tags"] or [],
+            "environment": first["environment"],
+            "observations": [o.get("id") for o in observations],
+            "scores": [s.get("id") for s in scores]}
+
+
+# --- LangSmith ----------------------------------------------------------------------------------
+
+def langsmith_traces(since: datetime | None, limit: int, seen: set[str],
+                     project: str = "") -> tuple[list[dict], list[str], bool]:
+    """New traces from LangSmith: (run records, trace ids, whether the limit cut the listing)."""
+    try:
+        import langsmith
+        from langsmith import utils as ls_utils
+    except ImportError:
+        raise PullError("the LangSmith SDK is not installed: pip install "
+                        "'offseason[langsmith]'") from None
+    key = _need(["LANGSMITH_API_KEY"], "LangSmith")["LANGSMITH_API_KEY"]
+    endpoint = os.environ.get("LANGSMITH_ENDPOINT") or "https://api.smith.langchain.com"
+    project = project or os.environ.get("LANGSMITH_PROJECT") or "default"
+    client = langsmith.Client(api_url=endpoint, api_key=key, timeout_ms=TIMEOUT * 1000,
+                              auto_batch_tracing=False)
+    try:
+        return _langsmith_pull(client, project, since, limit, seen)
+    except ls_utils.LangSmithAuthError:
+        raise PullError(f"LangSmith at {endpoint} refused the key: check LANGSMITH_API_KEY "
+                        f"(and, for a self-hosted one, LANGSMITH_ENDPOINT)") from None
+    except ls_utils.LangSmithNotFoundError:
+        raise PullError(f"LangSmith at {endpoint} has no project {project!r}: name yours with "
+                        f"--project, pull.project or LANGSMITH_PROJECT") from None
+    except ls_utils.LangSmithConnectionError as err:
+        raise PullError(f"LangSmith at {endpoint} did not answer ({str(err)[:200]}); is "
+                        f"LANGSMITH_ENDPOINT right and the service up?") from None
+    except ls_utils.LangSmithError as err:
+        raise PullError(f"LangSmith at {endpoint} failed the request ({str(err)[:200]}); try "
+                        f"again later") from None
+
+
+def _langsmith_pull(client, project, since, limit, seen) -> tuple[list[dict], list[str], bool]:
+    project_id = client.read_project(project_name=project).id
+    ids, cut = [], False
+    with warnings.catch_warnings():
+        # list_runs (POST /runs/query) is deprecated in 0.15 for client.runs.query, which needs
+        # a LangSmith backend >= 0.16 and returns another shape; it stays until 2027
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for run in client.list_runs(project_id=project_id, is_root=True, start_time=since,
+                                    select=["id", "trace_id", "start_time", "name", "run_type"]):
+            trace_id = str(run.trace_id or run.id)
+            if trace_id in seen or trace_id in ids:
+                continue
+            if limit and len(ids) >= limit:
+                cut = True
+                break
+            ids.append(trace_id)
+        records = []
+        for trace_id in ids:
+            runs = [_json(run.model_dump(exclude={"attachments"}))
+                    for run in client.list_runs(project_id=project_id, trace_id=trace_id)]
+            records.extend(sorted(runs, key=lambda r: str(r.get("dotted_order") or "")))
+    return records, ids, cut
+
+
+FETCH = {"langfuse": langfuse_traces, "langsmith": langsmith_traces}
+
+
+# --- the command --------------------------------------------------------------------------------
+
+def pull(root: Path, inbox: Path, service: str, since: str = "last-cycle", limit: int = 0,
+         project: str = "") -> dict:
+    """Pull the new traces of `service` into `inbox`; returns what was done (`message` says it)."""
+    if service not in FETCH:
+        raise PullError(f"unknown service {service!r}; one of {', '.join(SERVICES)}")
+    if service == "langsmith":
+        project = project or os.environ.get("LANGSMITH_PROJECT") or "default"
+    path = state_path(root, service, project if service == "langsmith" else "")
+    state = read_state(path)
+    began = datetime.now(timezone.utc)
+    start = window_start(root, since, state)
+    pulled: dict[str, str] = dict(state.get("ids") or {})
+    records, ids, cut = FETCH[service](start, limit, set(pulled), project)
+    written = write_inbox(inbox, service, records, began) if records else None
+    for trace_id in ids:
+        pulled[trace_id] = began.isoformat()
+    # ids older than a week before the window stay out of the file: it does not grow forever
+    keep = (start or began) - timedelta(days=7)
+    pulled = {i: t for i, t in pulled.items() if datetime.fromisoformat(t) >= keep}
+    complete_from = state.get("complete_from") if cut else began.isoformat()
+    io.write_json(path, {"service": service, "project": project, "complete_from": complete_from,
+                         "ids": pulled})
+    window = f"since {start.isoformat()}" if start else "everything"
+    where = f" project {project!r}" if service == "langsmith" else ""
+    if written is None:
+        message = f"pull: no new traces in {service}{where} ({window})"
+    else:
+        message = (f"pull: {len(ids)} new trace(s) from {service}{where} ({window}) -> "
+                   f"{written.relative_to(root) if written.is_relative_to(root) else written}"
+                   + (f"; --limit {limit} reached, the next pull takes the next ones"
+                      if cut else ""))
+    return {"service": service, "traces": len(ids), "records": len(records),
+            "file": str(written) if written else None, "since": start.isoformat() if start else None,
+            "limit_reached": cut, "message": message}
+
+
+def before_cycle(root: Path, inbox: Path, params: Path) -> str | None:
+    """The pull a cycle runs first when params.yaml has a `pull:` section naming a service;
+    returns its message, or None when none is configured.
+    """
+    if "pull" not in cfg.read_params(params):
+        return None
+    config = cfg.load("pull", params, {"pull": Pull})
+    if not config.service:
+        return None
+    return pull(root, inbox, config.service, "last-cycle", config.limit, config.project)["message"]
