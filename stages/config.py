@@ -19,6 +19,8 @@ from pathlib import Path
 
 import yaml
 
+FEEDBACK = "feedback"  # the reward component of users' ratings (stages/reward.py)
+
 
 class ParamsError(ValueError):
     """A params.yaml problem; the message names the file, the key and the fix."""
@@ -241,9 +243,14 @@ class Rollout:
 class Reward:
     """Verification of each rollout."""
 
-    # weight of each reward component (see stages/envs/registry.py); a component not named weighs 0
+    # weight of each reward component (see stages/envs/registry.py); a component not named weighs 0.
+    # `feedback` (the user's rating of production's answer, stages/reward.py `trace_feedback`)
+    # weighs this much against each of an environment's own components (environments: path)
     weights: dict[str, float] = dataclasses.field(
-        default_factory=lambda: {"correct": 1.0, "format": 0.0, "tool_ok": 0.0})
+        default_factory=lambda: {"correct": 1.0, "format": 0.0, "tool_ok": 0.0, "feedback": 0.0})
+    # the name of a trace's `feedback.scores` entry (a Langfuse / LangSmith / OTel evaluation score,
+    # a number in [0, 1]) used as the user's rating where the trace has no thumbs; "" = thumbs only
+    feedback_score: str = ""
     workers: int = 0  # verifier processes; 0 = one per core, 1 = in the stage's own process
     ray_address: str = ""  # "" = a local process pool; "auto" or "host:port" = that Ray cluster
 
@@ -251,16 +258,17 @@ class Reward:
         """Refuse unknown reward components and bad weights."""
         from stages.envs.registry import COMPONENTS
 
+        valid = (*COMPONENTS, FEEDBACK)
         for name, weight in self.weights.items():
-            if name not in COMPONENTS:
-                near = difflib.get_close_matches(str(name), COMPONENTS, n=1)
+            if name not in valid:
+                near = difflib.get_close_matches(str(name), valid, n=1)
                 hint = f" (did you mean 'reward.weights.{near[0]}'?)" if near else ""
                 raise ParamsError(f"reward.weights.{name}: unknown reward component{hint}; "
-                                  f"valid components: {', '.join(COMPONENTS)}")
+                                  f"valid components: {', '.join(valid)}")
             if weight < 0:
                 raise ParamsError(f"reward.weights.{name}: must be >= 0, got {weight}")
         # every component, in a fixed order, so the params print and log complete
-        object.__setattr__(self, "weights", {c: self.weights.get(c, 0.0) for c in COMPONENTS})
+        object.__setattr__(self, "weights", {c: self.weights.get(c, 0.0) for c in valid})
         if self.workers < 0:
             raise ParamsError(f"runtime.reward.workers: must be >= 0 (0 uses every core), got {self.workers}")
 
