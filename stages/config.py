@@ -526,6 +526,10 @@ class EnvironmentSpec:
     # MCP servers whose tools the environment offers: {server: {command | url, allow, timeout}}
     # (stages/envs/mcp_tools.py)
     mcp: dict[str, dict] = dataclasses.field(default_factory=dict)
+    # whether its tools may reach the network: an MCP `url` server (loopback included: offseason
+    # cannot see where that server reaches) is refused without it, and its stdio servers run in
+    # the sandbox with no network unless it is true. Off by default
+    network: bool = False
 
 
 @dataclass(frozen=True)
@@ -649,9 +653,17 @@ def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]
             from stages.envs import mcp_tools
 
             try:
-                mcp_tools.check(f"environments.{name}.mcp", spec.mcp)
+                servers = mcp_tools.check(f"environments.{name}.mcp", spec.mcp)
             except ValueError as err:
                 _fail(str(path), str(err))
+            remote = [server for server, entry in servers.items() if entry["url"]]
+            if remote and not spec.network:
+                _fail(str(path), f"environments.{name}.mcp.{remote[0]}: url "
+                                 f"{servers[remote[0]]['url']} reaches a server over the network, "
+                                 f"which tools may not by default (a loopback url too: offseason "
+                                 f"cannot see where that server reaches); add `network: true` to "
+                                 f"environments.{name} in params.yaml to allow this environment's "
+                                 f"tools the network, or run the server as a stdio command")
     return out
 
 
