@@ -493,6 +493,11 @@ class Judge:
     max_calls: int = 2000  # judge requests per stage run (cache hits are free); then the stage stops
     max_cost: int = 2_000_000  # tokens (prompt + completion, as the server reports) per stage run
     url: str = ""  # runtime: the OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000/v1
+    # runtime: or a command the stage starts (on loopback; {port} and {model} filled in), waits
+    # healthy for (GET /health), uses and stops, e.g. a local judge folder under vLLM:
+    # .venv-vllm/bin/vllm serve models/judge --served-model-name {model} --port {port} --host 127.0.0.1
+    server_command: str = ""
+    server_timeout: float = 600.0  # runtime: seconds the started server may take to be healthy
     api_key_env: str = "OPENAI_API_KEY"  # runtime: the environment variable holding its key
     request_timeout: float = 60.0  # runtime: seconds per request before it is retried
     retries: int = 3  # runtime: per judgment, on timeouts, 429, 5xx and unparseable answers
@@ -508,6 +513,16 @@ class Judge:
         if not self.api_key_env.replace("_", "a").isalnum():
             raise ParamsError(f"runtime.judge.api_key_env: {self.api_key_env!r} is not an "
                               f"environment variable's name")
+        if self.server_command and self.url:
+            raise ParamsError("runtime.judge.server_command and runtime.judge.url are both set; "
+                              "set server_command to have the stage start the judge's server, "
+                              "or url to use one already up")
+        if self.server_command and "{port}" not in self.server_command:
+            raise ParamsError("runtime.judge.server_command: must contain {port} (the stage picks "
+                              "a free port on 127.0.0.1), e.g. '... --port {port}'")
+        if not self.server_timeout > 0:
+            raise ParamsError(f"runtime.judge.server_timeout: must be > 0, got "
+                              f"{self.server_timeout}")
 
 
 @dataclass(frozen=True)
@@ -589,7 +604,8 @@ OPTIONAL = {"environments", "runtime", "judge", "cost"}
 RUNTIME = {"rollout": ("urls", "server_command", "server_timeout", "concurrency",
                        "request_timeout", "retries", "api_key_env", "api"),
            "reward": ("workers", "ray_address"),
-           "judge": ("url", "api_key_env", "request_timeout", "retries"),
+           "judge": ("url", "server_command", "server_timeout", "api_key_env", "request_timeout",
+                     "retries"),
            # `offseason collect`'s own section: every key of it (no stage section to merge into)
            "collect": tuple(f.name for f in dataclasses.fields(Collect))}
 

@@ -550,9 +550,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--validated", type=Path, default=None,
                         help="the validated traces: their users' ratings become `feedback`")
     args = parser.parse_args(argv)
-    if args.judgments is not None:
-        from stages.envs import judge
+    from stages.envs import judge
 
+    if args.judgments is not None:
         args.judgments.mkdir(parents=True, exist_ok=True)  # an output, judged or not
         judge.use_cache(args.judgments)
     try:
@@ -569,7 +569,12 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"reward: error: {err}", file=sys.stderr)
         sys.exit(1)
+    finally:
+        judge.stop_servers()  # a judge server the stage started (runtime.judge.server_command)
     metrics["runtime"] = cfg.runtime_of(cfg.load("reward", args.params))  # what ran where
+    judged = cfg.load("judge", args.params)
+    if judged.model:  # and where the judge ran
+        metrics["runtime"]["judge"] = cfg.runtime_of(judged)
     io.write_metrics(args.metrics, metrics)
     print(f"reward: mean {metrics['mean_reward']} over {metrics['judged']} judged episodes, "
           f"pass@k {metrics['pass_at_k']}, {metrics['errors']} errors, "
