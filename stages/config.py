@@ -19,6 +19,8 @@ from pathlib import Path
 
 import yaml
 
+FEEDBACK = "feedback"  # the reward component of users' ratings (stages/reward.py)
+
 
 class ParamsError(ValueError):
     """A params.yaml problem; the message names the file, the key and the fix."""
@@ -241,9 +243,14 @@ class Rollout:
 class Reward:
     """Verification of each rollout."""
 
-    # weight of each reward component (see stages/envs/registry.py); a component not named weighs 0
+    # weight of each reward component (see stages/envs/registry.py); a component not named weighs 0.
+    # `feedback` (the user's rating of production's answer, stages/reward.py `trace_feedback`)
+    # weighs this much against each of an environment's own components (environments: path)
     weights: dict[str, float] = dataclasses.field(
-        default_factory=lambda: {"correct": 1.0, "format": 0.0, "tool_ok": 0.0})
+        default_factory=lambda: {"correct": 1.0, "format": 0.0, "tool_ok": 0.0, "feedback": 0.0})
+    # the name of a trace's `feedback.scores` entry (a Langfuse / LangSmith / OTel evaluation score,
+    # a number in [0, 1]) used as the user's rating where the trace has no thumbs; "" = thumbs only
+    feedback_score: str = ""
     workers: int = 0  # verifier processes; 0 = one per core, 1 = in the stage's own process
     ray_address: str = ""  # "" = a local process pool; "auto" or "host:port" = that Ray cluster
 
@@ -251,16 +258,17 @@ class Reward:
         """Refuse unknown reward components and bad weights."""
         from stages.envs.registry import COMPONENTS
 
+        valid = (*COMPONENTS, FEEDBACK)
         for name, weight in self.weights.items():
-            if name not in COMPONENTS:
-                near = difflib.get_close_matches(str(name), COMPONENTS, n=1)
+            if name not in valid:
+                near = difflib.get_close_matches(str(name), valid, n=1)
                 hint = f" (did you mean 'reward.weights.{near[0]}'?)" if near else ""
                 raise ParamsError(f"reward.weights.{name}: unknown reward component{hint}; "
-                                  f"valid components: {', '.join(COMPONENTS)}")
+                                  f"valid components: {', '.join(valid)}")
             if weight < 0:
                 raise ParamsError(f"reward.weights.{name}: must be >= 0, got {weight}")
         # every component, in a fixed order, so the params print and log complete
-        object.__setattr__(self, "weights", {c: self.weights.get(c, 0.0) for c in COMPONENTS})
+        object.__setattr__(self, "weights", {c: self.weights.get(c, 0.0) for c in valid})
         if self.workers < 0:
             raise ParamsError(f"runtime.reward.workers: must be >= 0 (0 uses every core), got {self.workers}")
 
@@ -485,6 +493,11 @@ class Judge:
     max_calls: int = 2000  # judge requests per stage run (cache hits are free); then the stage stops
     max_cost: int = 2_000_000  # tokens (prompt + completion, as the server reports) per stage run
     url: str = ""  # runtime: the OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000/v1
+    # runtime: or a command the stage starts (on loopback; {port} and {model} filled in), waits
+    # healthy for (GET /health), uses and stops, e.g. a local judge folder under vLLM:
+    # .venv-vllm/bin/vllm serve models/judge --served-model-name {model} --port {port} --host 127.0.0.1
+    server_command: str = ""
+    server_timeout: float = 600.0  # runtime: seconds the started server may take to be healthy
     api_key_env: str = "OPENAI_API_KEY"  # runtime: the environment variable holding its key
     request_timeout: float = 60.0  # runtime: seconds per request before it is retried
     retries: int = 3  # runtime: per judgment, on timeouts, 429, 5xx and unparseable answers
@@ -500,6 +513,16 @@ class Judge:
         if not self.api_key_env.replace("_", "a").isalnum():
             raise ParamsError(f"runtime.judge.api_key_env: {self.api_key_env!r} is not an "
                               f"environment variable's name")
+        if self.server_command and self.url:
+            raise ParamsError("runtime.judge.server_command and runtime.judge.url are both set; "
+                              "set server_command to have the stage start the judge's server, "
+                              "or url to use one already up")
+        if self.server_command and "{port}" not in self.server_command:
+            raise ParamsError("runtime.judge.server_command: must contain {port} (the stage picks "
+                              "a free port on 127.0.0.1), e.g. '... --port {port}'")
+        if not self.server_timeout > 0:
+            raise ParamsError(f"runtime.judge.server_timeout: must be > 0, got "
+                              f"{self.server_timeout}")
 
 
 @dataclass(frozen=True)
@@ -518,6 +541,10 @@ class EnvironmentSpec:
     # MCP servers whose tools the environment offers: {server: {command | url, allow, timeout}}
     # (stages/envs/mcp_tools.py)
     mcp: dict[str, dict] = dataclasses.field(default_factory=dict)
+    # whether its tools may reach the network: an MCP `url` server (loopback included: offseason
+    # cannot see where that server reaches) is refused without it, and its stdio servers run in
+    # the sandbox with no network unless it is true. Off by default
+    network: bool = False
 
 
 @dataclass(frozen=True)
@@ -578,7 +605,8 @@ OPTIONAL = {"environments", "runtime", "judge", "cost", "pull"}
 RUNTIME = {"rollout": ("urls", "server_command", "server_timeout", "concurrency",
                        "request_timeout", "retries", "api_key_env", "api"),
            "reward": ("workers", "ray_address"),
-           "judge": ("url", "api_key_env", "request_timeout", "retries"),
+           "judge": ("url", "server_command", "server_timeout", "api_key_env", "request_timeout",
+                     "retries"),
            # `offseason collect`'s own section: every key of it (no stage section to merge into)
            "collect": tuple(f.name for f in dataclasses.fields(Collect))}
 
@@ -642,9 +670,17 @@ def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]
             from stages.envs import mcp_tools
 
             try:
-                mcp_tools.check(f"environments.{name}.mcp", spec.mcp)
+                servers = mcp_tools.check(f"environments.{name}.mcp", spec.mcp)
             except ValueError as err:
                 _fail(str(path), str(err))
+            remote = [server for server, entry in servers.items() if entry["url"]]
+            if remote and not spec.network:
+                _fail(str(path), f"environments.{name}.mcp.{remote[0]}: url "
+                                 f"{servers[remote[0]]['url']} reaches a server over the network, "
+                                 f"which tools may not by default (a loopback url too: offseason "
+                                 f"cannot see where that server reaches); add `network: true` to "
+                                 f"environments.{name} in params.yaml to allow this environment's "
+                                 f"tools the network, or run the server as a stdio command")
     return out
 
 

@@ -27,8 +27,21 @@ adds a `judgment` column (the judge and its reasoning) and `judges` metrics (req
 cache hits, failures by kind); its paid judgments persist in `--judgments` (data/judgments), and a
 spent judge budget stops the stage.
 
+Feedback as a reward (the `environments:` path): `--validated` (data/validated.parquet) holds the
+production traces with their users' feedback. A trace's rating (thumbs up 1.0, down 0.0, else the
+`feedback.scores` entry `reward.feedback_score` names, in [0, 1]) is about production's answer, so
+an episode of that trace's task (task id `<environment>:trace:<trace id>`) whose final answer is
+production's (whitespace and case aside) gets the rating as its `feedback` component
+(`score_feedback`); any other episode, and any task without a rated trace, has no such component
+(absent, never 0). The reward is then the weighted mean of the components present: each of the
+environment's weighs 1, `feedback` weighs `reward.weights.feedback` (default 0: recorded, not
+mixed in), renormalised, so an episode without feedback keeps its environment's mean. `correct`
+stays the environment's verdict (full marks in its own components): a rating is not a verifier.
+The metrics' `feedback` counts the rated traces, the episodes rated and those that answered
+otherwise. The tag protocol (`environments: {}`) has no feedback component.
+
     python -m stages.reward data/rollouts.parquet data/rewards.parquet metrics/reward.json \
-        --judgments data/judgments
+        --judgments data/judgments --validated data/validated.parquet
     offseason rescore [data/rewards.parquet] [--output data/rescored.parquet]
 """
 
@@ -52,6 +65,86 @@ from stages.envs import contract
 from stages.envs.registry import COMPONENTS, ENVIRONMENTS, score_chunk
 
 COLUMNS = ("correct", "reward", "verifier", "error", "hack_suspected")  # plus score_<component>
+FEEDBACK = cfg.FEEDBACK
+
+
+def rating(feedback: dict, score_name: str = "") -> float | None:
+    """A user's rating of a trace in [0, 1]: its thumbs (up 1.0, down 0.0), else the score
+    `score_name` of its `feedback.scores` (a number in [0, 1], or a boolean); None when neither.
+    """
+    thumbs = feedback.get("thumbs_up")
+    if isinstance(thumbs, bool):
+        return float(thumbs)
+    value = (feedback.get("scores") or {}).get(score_name) if score_name else None
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)) and 0.0 <= value <= 1.0:
+        return float(value)
+    return None
+
+
+def trace_feedback(validated: Path | None, score_name: str = "") -> dict[str, tuple[float, str]]:
+    """{trace_id: (the user's rating, production's final answer)} of the validated traces that
+    carry a rating (`rating`) and end with an answer (an assistant turn without tool calls).
+    """
+    import json
+
+    if validated is None or not validated.exists():
+        return {}
+    out = {}
+    table = pq.read_table(validated, columns=["trace_id", "messages", "feedback"])
+    for row in table.to_pylist():
+        score = rating(json.loads(row["feedback"] or "{}"), score_name)
+        messages = json.loads(row["messages"] or "[]")
+        last = messages[-1] if messages else {}
+        if score is None or last.get("role") != "assistant" or last.get("tool_calls"):
+            continue
+        answer = contract.text_of(last.get("content"))
+        if answer.strip():
+            out[row["trace_id"]] = (score, answer)
+    return out
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.split()).lower()
+
+
+def with_feedback(rows: list[dict], scores: list, feedback: dict) -> dict:
+    """Add the `feedback` component to each scored episode of a trace's task (task id
+    `<environment>:trace:<trace id>`, as the rollout stage names them) whose final answer is
+    production's (whitespace and case aside), the one the user rated: the rating is about that
+    answer, so an episode that answered otherwise gets no feedback component (absent, not 0).
+    A module's own `feedback` component is left as it is. Returns the counts for the metrics.
+    """
+    import json
+
+    counts = {"rated_traces": len(feedback), "episodes": 0, "other_answer": 0}
+    for row, components in zip(rows, scores):
+        trace = row["task_id"].partition(":trace:")[2]
+        if components is None or trace not in feedback or FEEDBACK in components:
+            continue
+        score, answer = feedback[trace]
+        messages = json.loads(row["messages"])
+        last = messages[-1] if messages else {}
+        said = contract.text_of(last.get("content")) if last.get("role") == "assistant" else ""
+        if said.strip() and _normal(said) == _normal(answer):
+            components[FEEDBACK] = score
+            counts["episodes"] += 1
+        else:
+            counts["other_answer"] += 1
+    return counts
+
+
+def mixed(components: dict, feedback_weight: float) -> float:
+    """An episode's reward: the weighted mean of its components, each of the environment's
+    weighing 1 and `feedback` weighing `reward.weights.feedback`; the weights renormalised over
+    the components present, so an episode without feedback keeps its environment's mean.
+    """
+    weights = {name: feedback_weight if name == FEEDBACK else 1.0 for name in components}
+    total = sum(weights.values())
+    if not total:  # only a module's own `feedback` component, weighted 0: its plain mean
+        return contract.mean(components)
+    return sum(weights[name] * value for name, value in components.items()) / total
 
 
 class VerifierBroken(RuntimeError):
@@ -183,7 +276,7 @@ def score_table(env_name: str, config: cfg.Reward, table: pa.Table, progress: bo
         unjudged += i in scored and cause is None and components is None
         columns["correct"].append(None if components is None else components["correct"])
         columns["reward"].append(None if components is None else
-                                 sum(w * components[c] for c, w in config.weights.items()))
+                                 sum(config.weights[c] * components[c] for c in COMPONENTS))
         columns["error"].append(cause)
         for name in names:
             parts[name].append(None if components is None else components.get(name))
@@ -232,13 +325,16 @@ def hack_counts(notes: list[str | None]) -> dict:
     return {"episodes": sum(reasons.values()), "reasons": dict(sorted(reasons.items()))}
 
 
-def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict]:
+def score_chat(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = None,
+               feedback: dict | None = None) -> tuple[pa.Table, dict]:
     """Chat rollouts (an `environments:` section) scored by each environment's own `reward`.
 
     The reward is the mean of the module's components (a float is its one component); `correct`
     is 1.0 when every component reaches 1.0 (full marks, as a gold must score). A task whose
     `gold` does not score full marks is set aside; a `reward` that raises, or an episode whose
-    tool call broke at rollout, is an error with its cause, never a zero.
+    tool call broke at rollout, is an error with its cause, never a zero. `feedback`: the
+    traces' ratings (`trace_feedback`), added as the `feedback` component where an episode of
+    a trace's task gave production's rated answer (`with_feedback`).
     """
     import json
 
@@ -306,9 +402,12 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
         if cause is not None:
             scores.append(None)
         causes.append(cause)
+    rated = with_feedback(rows, scores, feedback or {})
+    weight = (config or cfg.Reward()).weights[FEEDBACK]
     names = list(dict.fromkeys(n for components in scores for n in components or {}))
-    reward = [None if c is None else contract.mean(c) for c in scores]
-    correct = [None if c is None else float(contract.full_marks(c)) for c in scores]
+    reward = [None if c is None else mixed(c, weight) for c in scores]
+    correct = [None if c is None else float(contract.full_marks(
+        {k: v for k, v in c.items() if k != FEEDBACK})) for c in scores]
     errors = sum(c is not None and not c.startswith("task set aside") for c in causes)
     unjudged = sum(s is None and c is None for s, c in zip(scores, causes))
     if rows and all(c is not None for c in causes):
@@ -354,7 +453,7 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
     from stages.envs import judge
 
     judges = {"judges": [j.metrics() for j in judge.used()]} if judge.used() else {}
-    return out, {**summary(every), **judges, "unjudgeable": unjudged,
+    return out, {**summary(every), **judges, "unjudgeable": unjudged, FEEDBACK: rated,
                  "tasks_set_aside": len(set_aside),
                  "components": {n: mean([c[n] for c in scores if c and n in c]) for n in names},
                  "environments": {name: {**summary([i for i in every
@@ -363,12 +462,15 @@ def score_chat(specs: dict, table: pa.Table, root: Path) -> tuple[pa.Table, dict
 
 
 def run(base: cfg.Base, config: cfg.Reward, rollouts: Path, rewards: Path,
-        specs: dict | None = None, root: Path | None = None) -> dict:
+        specs: dict | None = None, root: Path | None = None,
+        validated: Path | None = None) -> dict:
     """Score every rollout; returns the stage metrics. `specs`: the `environments:` section
-    (chat rollouts, scored by the user's modules, imported from `root`).
+    (chat rollouts, scored by the user's modules, imported from `root`); `validated`: the
+    validated traces, whose users' ratings become the `feedback` component (`trace_feedback`).
     """
     if specs:
-        out, metrics = score_chat(specs, pq.read_table(rollouts), root or Path.cwd())
+        out, metrics = score_chat(specs, pq.read_table(rollouts), root or Path.cwd(), config,
+                                  trace_feedback(validated, config.feedback_score))
         io.write_parquet(rewards, out)
         return metrics
     out, metrics = score_table(base.environment, config, pq.read_table(rollouts))
@@ -445,16 +547,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--judgments", type=Path, default=None,
                         help="where the LLM judge keeps its paid judgments (a persistent output)")
+    parser.add_argument("--validated", type=Path, default=None,
+                        help="the validated traces: their users' ratings become `feedback`")
     args = parser.parse_args(argv)
-    if args.judgments is not None:
-        from stages.envs import judge
+    from stages.envs import judge
 
+    if args.judgments is not None:
         args.judgments.mkdir(parents=True, exist_ok=True)  # an output, judged or not
         judge.use_cache(args.judgments)
     try:
         metrics = run(cfg.load("base", args.params), cfg.load("reward", args.params),
                       args.rollouts, args.rewards, cfg.environments(args.params),
-                      Path(args.params).resolve().parent)
+                      Path(args.params).resolve().parent, args.validated)
     except (VerifierBroken, ConnectionError) as err:  # a broken verifier, an absent cluster
         print(f"reward: error: {err}", file=sys.stderr)
         sys.exit(1)
@@ -465,7 +569,12 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"reward: error: {err}", file=sys.stderr)
         sys.exit(1)
+    finally:
+        judge.stop_servers()  # a judge server the stage started (runtime.judge.server_command)
     metrics["runtime"] = cfg.runtime_of(cfg.load("reward", args.params))  # what ran where
+    judged = cfg.load("judge", args.params)
+    if judged.model:  # and where the judge ran
+        metrics["runtime"]["judge"] = cfg.runtime_of(judged)
     io.write_metrics(args.metrics, metrics)
     print(f"reward: mean {metrics['mean_reward']} over {metrics['judged']} judged episodes, "
           f"pass@k {metrics['pass_at_k']}, {metrics['errors']} errors, "

@@ -10,71 +10,20 @@ failures (counted with their cause, never a zero) and the budget (stops the stag
 from __future__ import annotations
 
 import json
-import threading
+import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import httpx
 import pyarrow as pa
 import pytest
 import yaml
+from judge_server import Scripted
 
 from stages import reward
 from stages.envs import judge
 
 RUBRIC = "1 when the answer is correct and polite, 0 when it is wrong."
-
-
-class Scripted:
-    """An OpenAI-compatible /chat/completions that answers from `script` (one entry a request,
-    the last one repeated): a dict (the JSON answer), "malformed", "refusal", "500", "slow".
-    """
-
-    def __init__(self, script):
-        self.script, self.requests = list(script), []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):  # noqa: N802 (http.server's name)
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append({"path": self.path, "body": body,
-                                       "auth": self.headers.get("Authorization")})
-                step = outer.script.pop(0) if len(outer.script) > 1 else outer.script[0]
-                if step == "slow":
-                    time.sleep(1.5)
-                if step == "500":
-                    self.send_response(500)
-                    self.end_headers()
-                    self.wfile.write(b"overloaded")
-                    return
-                message = {"role": "assistant", "content": None, "refusal": None}
-                if step == "refusal":
-                    message["refusal"] = "I can't help with grading that."
-                elif step == "malformed":
-                    message["content"] = '{"reasoning": "fine", "score": '
-                else:
-                    message["content"] = json.dumps(step if isinstance(step, dict) else
-                                                    {"reasoning": "ok", "score": 0.5})
-                data = json.dumps({"id": "x", "object": "chat.completion", "model": body["model"],
-                                   "choices": [{"index": 0, "message": message,
-                                                "finish_reason": "stop"}],
-                                   "usage": {"prompt_tokens": 90, "completion_tokens": 10,
-                                             "total_tokens": 100}}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
@@ -306,3 +255,64 @@ def test_the_benchmark_stages_use_the_held_out_judge(server, tmp_path, fresh_jud
         assert "held-out rubric" in srv.requests[0]["body"]["messages"][0]["content"]
     finally:
         judge._HELD_OUT[0] = False
+
+
+JUDGE_SERVER = Path(__file__).parent / "judge_server.py"
+
+
+def test_the_reward_stage_starts_the_judges_server_command_and_stops_it(tmp_path, fresh_judges,
+                                                                         capsys):
+    """runtime.judge.server_command: the stage starts the server on a free loopback port, waits
+    for its GET /health, judges through it and stops it when it ends, as the rollout stage
+    does with its own server_command.
+    """
+    import pyarrow.parquet as pq
+
+    judged_project(tmp_path, "")
+    (tmp_path / "script.json").write_text(json.dumps([{"reasoning": "served", "score": 0.25}]))
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    params["runtime"]["judge"] = {"server_command": f"{sys.executable} {JUDGE_SERVER} --port "
+                                                    f"{{port}} --script script.json",
+                                  "server_timeout": 60.0}
+    params.update({"base": {}, "reward": {},
+                   "environments": {"help": {"module": "judged_env_one"}}})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    pq.write_table(rollouts(["4", "5"]), tmp_path / "rollouts.parquet")
+    reward.main(["rollouts.parquet", "rewards.parquet", "reward.json",
+                 "--judgments", "data/judgments"])
+    rows = pq.read_table(tmp_path / "rewards.parquet").to_pylist()
+    assert [r["score_judge"] for r in rows] == [0.25, 0.25]
+    assert json.loads(rows[0]["judgment"])["reasoning"] == "served"
+    said = capsys.readouterr().err
+    url = said.split("judge: server up at ")[1].split()[0]
+    assert url.startswith("http://127.0.0.1:") and "judge: server stopped" in said
+    with pytest.raises(httpx.ConnectError):  # stopped with the stage
+        httpx.get(f"{url}/health", timeout=2)
+    ran = json.loads((tmp_path / "reward.json").read_text())["runtime"]["judge"]
+    assert ran["server_command"].endswith("--script script.json") and ran["url"] == ""
+
+    # a command that dies before it is healthy stops the stage, naming the setting, at once
+    params["runtime"]["judge"]["server_command"] = f"{sys.executable} -c 'raise SystemExit(3)' " \
+                                                   f"{{port}}"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    (tmp_path / "data" / "judgments").mkdir(exist_ok=True)
+    for shard in (tmp_path / "data" / "judgments").iterdir():
+        shard.unlink()  # no cached judgment: the judge is asked
+    started = time.monotonic()
+    with pytest.raises(SystemExit):
+        reward.main(["rollouts.parquet", "rewards.parquet", "reward.json",
+                     "--judgments", "data/judgments"])
+    assert time.monotonic() - started < 30
+    assert "runtime.judge.server_command exited with code 3 before it was healthy" in \
+        capsys.readouterr().err
+
+
+def test_judge_server_command_settings_are_checked(tmp_path):
+    from stages import config as cfg
+
+    path = tmp_path / "params.yaml"
+    for runtime, message in [({"server_command": "serve", "url": "http://h/v1"}, "both set"),
+                             ({"server_command": "serve --port 8000"}, "must contain {port}")]:
+        path.write_text(yaml.safe_dump({"judge": {"model": "m"}, "runtime": {"judge": runtime}}))
+        with pytest.raises(cfg.ParamsError, match=message):
+            cfg.load("judge", path)

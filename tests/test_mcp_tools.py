@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from stages import config as cfg
-from stages.envs import contract, mcp_tools
+from stages.envs import contract, mcp_tools, sandbox
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = {"command": "python tests/fixtures/mcp/shop_server.py"}
@@ -132,3 +133,75 @@ def test_an_mcp_url_that_is_down_fails_by_name_within_its_bound(fault):
                                                      f"'docs_env' \\({url}\\)"):
             servers.start()
         assert time.monotonic() - started < 30
+
+
+MISBEHAVING = "python tests/fixtures/mcp/misbehaving_server.py"
+
+
+@pytest.fixture
+def listener():
+    """A TCP listener on this machine's loopback: what a server in the sandbox must not reach."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        sock.settimeout(0.5)
+        yield sock
+
+
+@pytest.mark.skipif(not sandbox.net_namespace_works(), reason="needs unshare --net (root)")
+def test_a_stdio_server_has_no_network_unless_its_environment_allows_it(listener):
+    port = listener.getsockname()[1]
+    command = {"command": f"{MISBEHAVING} connect {port}", "timeout": 5}
+    closed = mcp_tools.Servers("offline", mcp_tools.check("m", {"net": command}), REPO)
+    with pytest.raises(mcp_tools.McpError, match=r"MCP server 'net' of environment 'offline' "
+                                                  r"\(python tests/fixtures/mcp/misbehaving_"
+                                                  r"server.py connect \d+\): cannot start"):
+        closed.start()
+    import socket
+
+    with pytest.raises(socket.timeout):
+        listener.accept()  # it never got here
+    # environments.<name>.network: true lets the same server reach it
+    opened = mcp_tools.Servers("online", mcp_tools.check("m", {"net": command}), REPO,
+                               network=True)
+    try:
+        assert [t["function"]["name"] for t in opened.tools()] == ["ping"]
+        assert opened.call("ping", {}) == "pong"
+        listener.accept()[0].close()
+    finally:
+        opened.close()
+
+
+@pytest.mark.skipif(not sandbox.net_namespace_works(), reason="needs unshare --net (root)")
+def test_a_stdio_server_past_its_memory_limit_fails_by_name():
+    hungry = mcp_tools.Servers("greedy", mcp_tools.check("m", {"hog": {
+        "command": f"{MISBEHAVING} memory 1024", "memory_mb": 512, "timeout": 5}}), REPO)
+    with pytest.raises(mcp_tools.McpError, match=r"MCP server 'hog' of environment 'greedy'.*"
+                                                  r"cannot start"):
+        hungry.start()
+    # within its limit it starts and answers
+    modest = mcp_tools.Servers("modest", mcp_tools.check("m", {"hog": {
+        "command": f"{MISBEHAVING} memory 16", "memory_mb": 512, "timeout": 5}}), REPO)
+    try:
+        assert modest.call("ping", {}) == "pong"
+    finally:
+        modest.close()
+
+
+def test_a_url_server_needs_the_network_named_in_params(tmp_path):
+    params = tmp_path / "params.yaml"
+    entry = {"module": "m", "mcp": {"docs": {"url": "http://127.0.0.1:9000/mcp"}}}
+    params.write_text(yaml.safe_dump({"environments": {"support": entry}}))
+    with pytest.raises(cfg.ParamsError, match=r"environments\.support\.mcp\.docs: url "
+                                              r"http://127.0.0.1:9000/mcp reaches a server over "
+                                              r"the network.*add `network: true` to "
+                                              r"environments\.support"):
+        cfg.environments(params)
+    params.write_text(yaml.safe_dump({"environments": {"support": {**entry, "network": True}}}))
+    assert cfg.environments(params)["support"].network is True
+    # a stdio server is local: no network asked
+    params.write_text(yaml.safe_dump({"environments": {"support": {
+        "module": "m", "mcp": {"shop": SERVER}}}}))
+    assert cfg.environments(params)["support"].network is False

@@ -333,7 +333,7 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
     (a scripted OpenAI-compatible server on loopback), its judgments kept under DVC.
     """
     from conftest import TINY, make_project, offseason
-    from test_judge import Scripted
+    from judge_server import Scripted
 
     judge_server = Scripted([{"reasoning": "a fair answer", "score": 0.5}])
     overrides = {**TINY, "base": {"model": str(champion)},

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_judge import Scripted
+from judge_server import Scripted
 
 from stages import config as cfg
 from stages import ingest

@@ -132,7 +132,7 @@ def test_weights_in_params(tmp_path):
         return cfg.load("reward", path)
 
     assert load({"weights": {"format": 1}}).weights == \
-        {"correct": 0.0, "format": 1.0, "tool_ok": 0.0}
+        {"correct": 0.0, "format": 1.0, "tool_ok": 0.0, "feedback": 0.0}
     with pytest.raises(cfg.ParamsError, match=r"reward\.weights\.corect: unknown reward component "
                                               r"\(did you mean 'reward\.weights\.correct'\?\)"):
         load({"weights": {"corect": 1.0}})

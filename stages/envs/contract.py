@@ -328,7 +328,7 @@ def load_spec(name: str, spec, root: str | Path | None = None) -> Environment:
     from stages.envs import mcp_tools
 
     root = Path(root if root is not None else Path.cwd()).resolve()
-    servers = mcp_tools.servers_of(name, spec.mcp, root)
+    servers = mcp_tools.servers_of(name, spec.mcp, root, spec.network)
     offered = servers.tools()
     clash = {t["function"]["name"] for t in env.tools} & {t["function"]["name"] for t in offered}
     if clash:

@@ -36,6 +36,8 @@ which stops the stage with what was spent instead of a surprise bill.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -126,14 +128,16 @@ class Judge:
         if _HELD_OUT[0]:  # a benchmark stage: the held-out judge where one is named
             config = dataclasses.replace(config, model=config.benchmark_model or config.model,
                                          rubric=config.benchmark_rubric or config.rubric)
-        if not config.model or not config.url:
+        if not config.model or not (config.url or config.server_command):
             raise cfg.ParamsError(f"{params}: judge.model and runtime.judge.url name the judge "
                                   f"(its model and its OpenAI-compatible server, e.g. "
-                                  f"http://127.0.0.1:8000/v1); an environment's reward calls it")
+                                  f"http://127.0.0.1:8000/v1; or runtime.judge.server_command, a "
+                                  f"server the stage starts); an environment's reward calls it")
         if not config.rubric.strip():
             raise cfg.ParamsError(f"{params}: judge.rubric: write the grading instructions, or "
                                   f"the path of a file holding them")
-        return cls(url=config.url, model=config.model, rubric=read_rubric(config.rubric, root),
+        url = config.url or started(config)
+        return cls(url=url, model=config.model, rubric=read_rubric(config.rubric, root),
                    api_key=os.environ.get(config.api_key_env) or None,
                    request_timeout=config.request_timeout, retries=config.retries,
                    max_calls=config.max_calls, max_cost=config.max_cost,
@@ -355,6 +359,41 @@ def read_rubric(rubric: str, root: Path) -> str:
     if "\n" not in text and len(text) < 256 and (root / text).is_file():
         return (root / text).read_text()
     return rubric
+
+
+# --- the judge's server, when the stage starts it -------------------------------------------
+
+_SERVERS: dict[tuple, str] = {}  # (command, model) -> the started server's base URL
+_STOP = contextlib.ExitStack()
+
+
+def started(config) -> str:
+    """The base URL of the judge's server started with `runtime.judge.server_command` (once per
+    process and command: `openai_backend.serve` on a free loopback port, healthy at GET /health),
+    stopped by `stop_servers()` (the stage's end; at the latest when the process exits).
+    """
+    key = (config.server_command, config.model)
+    if key not in _SERVERS:
+        from stages.generation import openai_backend
+        from stages.remote import RemoteDown
+
+        if not _SERVERS:
+            atexit.register(stop_servers)
+        try:
+            _SERVERS[key] = _STOP.enter_context(openai_backend.serve(
+                config.server_command, config.model, timeout=config.server_timeout,
+                setting="runtime.judge.server_command", who="judge"))
+        except openai_backend.ServerError as err:  # it stops the stage, as a judge that is down
+            raise RemoteDown(f"the judge's server did not come up: {err}") from None
+    return _SERVERS[key]
+
+
+def stop_servers() -> None:
+    """Stop every judge server this process started (their judges are forgotten)."""
+    if _SERVERS:
+        _PROJECT.clear()
+        _SERVERS.clear()
+        _STOP.close()
 
 
 # --- the project's judge, for environments' reward functions ---------------------------------

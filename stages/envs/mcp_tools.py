@@ -9,8 +9,18 @@
             command: python tools/shop_server.py   # a stdio server, started from the project
             allow: [lookup_order, refund]          # its tools the agent may call ([] = all)
             timeout: 30                            # seconds per tools/call
+            memory_mb: 2048                        # its address-space limit
           docs:
             url: http://127.0.0.1:9000/mcp         # a Streamable HTTP server already running
+        network: true                            # needed by a url server (loopback too)
+
+Tools reach no network unless their environment says `network: true`: a `url` server without it
+is refused when params.yaml loads (config.environments; loopback included, since offseason cannot
+see where that server reaches), and a stdio server is started inside the code sandbox's limits
+(`sandbox.server_prefix`: RLIMIT_AS `memory_mb`, file size, open files, no core dumps, and a
+network namespace with nothing in it unless `network: true`). A stdio server that exceeds its
+memory or needs the network it does not have exits: it fails to start, or dies mid-rollout, as
+below, naming the server.
 
 The tools come from each server's `tools/list` (as OpenAI function schemas, beside the module's own
 TOOLS); a call goes to its server's `tools/call`. One session per server per process (a rollout
@@ -38,10 +48,12 @@ import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
+from stages.envs import sandbox
 from stages.envs.errors import ToolError, VerifierError
 
 DEFAULT_TIMEOUT = 30.0
-KEYS = {"command", "url", "allow", "timeout"}
+DEFAULT_MEMORY_MB = 2048  # RLIMIT_AS of a stdio server: Python and the SDK take ~300 MB of it
+KEYS = {"command", "url", "allow", "timeout", "memory_mb"}
 
 
 class McpError(VerifierError):
@@ -71,17 +83,24 @@ def check(where: str, servers) -> dict[str, dict]:
         timeout = spec.get("timeout", DEFAULT_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"{at}.timeout: seconds > 0, got {timeout!r}")
+        memory = spec.get("memory_mb", DEFAULT_MEMORY_MB)
+        if isinstance(memory, bool) or not isinstance(memory, int) or memory < 64:
+            raise ValueError(f"{at}.memory_mb: a whole number of MB >= 64, got {memory!r}")
         out[name] = {"command": spec.get("command") or "", "url": spec.get("url") or "",
-                     "allow": allow, "timeout": float(timeout)}
+                     "allow": allow, "timeout": float(timeout), "memory_mb": memory}
     return out
 
 
 class Servers:
     """The MCP servers of one environment: their tools, and calls to them."""
 
-    def __init__(self, env_name: str, servers: dict[str, dict], root: Path):
-        """Servers as `check` returns them; `root`: where stdio commands start."""
+    def __init__(self, env_name: str, servers: dict[str, dict], root: Path,
+                 network: bool = False):
+        """Servers as `check` returns them; `root`: where stdio commands start; `network`:
+        whether its stdio servers may reach the network (`environments.<name>.network`).
+        """
         self.env_name, self.servers, self.root = env_name, servers, root
+        self.network = network
         self.loop: asyncio.AbstractEventLoop | None = None
         self.clients: dict[str, object] = {}
         self.owner: dict[str, str] = {}  # tool name -> server name
@@ -142,6 +161,8 @@ class Servers:
             argv = shlex.split(spec["command"])
             if argv and argv[0] in ("python", "python3"):
                 argv[0] = sys.executable  # the project's interpreter, as DVC's commands use
+            # inside the sandbox's limits: its memory, no network unless the environment's
+            argv = sandbox.server_prefix(spec["memory_mb"], self.network) + argv
             target = StdioServerParameters(command=argv[0], args=argv[1:], cwd=str(self.root))
         else:
             target = spec["url"]
@@ -221,11 +242,12 @@ class Servers:
 _OPEN: dict[tuple, Servers] = {}
 
 
-def servers_of(env_name: str, servers: dict, root: Path) -> Servers:
+def servers_of(env_name: str, servers: dict, root: Path, network: bool = False) -> Servers:
     """The (one per process) Servers of an environment's `mcp:` entry."""
-    key = (env_name, json.dumps(servers, sort_keys=True), str(root))
+    key = (env_name, json.dumps(servers, sort_keys=True), str(root), network)
     if key not in _OPEN:
-        _OPEN[key] = Servers(env_name, check(f"environments.{env_name}.mcp", servers), root)
+        _OPEN[key] = Servers(env_name, check(f"environments.{env_name}.mcp", servers), root,
+                             network)
     return _OPEN[key]
 
 

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("traces", type=Path, help="JSON lines, each {messages, tools?}")
     args = parser.parse_args(argv)
-    for line in args.traces.readtext_of().splitlines():
+    for line in args.traces.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
             task = task_from_trace(row.get("messages") or [], row.get("tools"))

@@ -570,6 +570,28 @@ def net_namespace_works() -> bool:
         return False
 
 
+def server_prefix(memory_mb: int, network: bool, open_files: int = 1024) -> list[str]:
+    """The launcher of a long-running local server (a stdio MCP server): the argv to put before
+    its command. The limits of a sandboxed run that suit a server (RLIMIT_AS `memory_mb`, file
+    size, open files, no core dumps; no CPU-seconds limit: it lives as long as its sessions), in a
+    network namespace of its own with nothing in it (`unshare --net`) unless `network`. What the
+    rlimit isolation says above holds (a process group, limits, no network); the filesystem is
+    the machine's (the server reads the project, as its command needs). Where no network
+    namespace can be made (not root, a container that refuses it) a server without `network`
+    is refused with SandboxError, naming what to do, rather than run with the network.
+    """
+    prefix = [_tool("prlimit"), f"--as={memory_mb << 20}", f"--fsize={Limits.file_mb << 20}",
+              f"--nofile={open_files}", "--core=0", "--"]
+    if not network:
+        if not net_namespace_works():
+            raise SandboxError("cannot start it without the network: `unshare --net` does not "
+                               "work here (it needs root, and a container that lets root "
+                               "unshare); run offseason as root, or set `network: true` on the "
+                               "environment to let its tools reach the network")
+        prefix += [_tool("unshare"), "--net", "--"]
+    return prefix
+
+
 @functools.cache
 def bwrap_problem() -> str | None:
     """None if a probe run under bwrap works here, else why not."""

@@ -592,19 +592,22 @@ def stop_process_group(process: subprocess.Popen, grace: float = 20.0) -> None:
 
 
 @contextlib.contextmanager
-def serve(command: str, model: Path, *, timeout: float = 600.0, host: str = "127.0.0.1"):
-    """Start `command` ({model} and {port} filled in), yield its base URL once healthy, stop it."""
+def serve(command: str, model: Path | str, *, timeout: float = 600.0, host: str = "127.0.0.1",
+          setting: str = "runtime.rollout.server_command", who: str = "rollout"):
+    """Start `command` ({model} and {port} filled in), yield its base URL once healthy, stop it.
+    `setting` (the params key of the command) and `who` (the stage) name it in messages.
+    """
     port = free_port()
     argv = shlex.split(command.format(model=model, port=port))
     log_file = tempfile.NamedTemporaryFile(prefix="offseason-server-", suffix=".log", delete=False)
     log = Path(log_file.name)
-    print(f"rollout: starting the server: {' '.join(argv)} (log: {log})", file=sys.stderr,
+    print(f"{who}: starting the server: {' '.join(argv)} (log: {log})", file=sys.stderr,
           flush=True)
     try:
         process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as err:
-        raise ServerError(f"runtime.rollout.server_command: cannot start {argv[0]!r}: {err}") from None
+        raise ServerError(f"{setting}: cannot start {argv[0]!r}: {err}") from None
     finally:
         log_file.close()
     previous = signal.getsignal(signal.SIGTERM)
@@ -617,26 +620,27 @@ def serve(command: str, model: Path, *, timeout: float = 600.0, host: str = "127
         signal.signal(signal.SIGTERM, terminated)
     try:
         base = f"http://{host}:{port}"
-        _wait_healthy(base, process, timeout, log)
-        print(f"rollout: server up at {base}", file=sys.stderr, flush=True)
+        _wait_healthy(base, process, timeout, log, setting)
+        print(f"{who}: server up at {base}", file=sys.stderr, flush=True)
         yield f"{base}/v1"
     finally:
         stop_process_group(process)
         if in_main:
             signal.signal(signal.SIGTERM, previous)
-        print("rollout: server stopped", file=sys.stderr, flush=True)
+        print(f"{who}: server stopped", file=sys.stderr, flush=True)
 
 
 def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _wait_healthy(base: str, process: subprocess.Popen, timeout: float, log: Path) -> None:
+def _wait_healthy(base: str, process: subprocess.Popen, timeout: float, log: Path,
+                  setting: str = "runtime.rollout.server_command") -> None:
     deadline, last = time.time() + timeout, ""
     while time.time() < deadline:
         if process.poll() is not None:
             raise ServerError(
-                f"runtime.rollout.server_command exited with code {process.returncode} before it was "
+                f"{setting} exited with code {process.returncode} before it was "
                 f"healthy; its last output ({log}):\n{_tail(log)}")
         try:
             if httpx.get(f"{base}/health", timeout=5.0).status_code == 200:
@@ -645,6 +649,6 @@ def _wait_healthy(base: str, process: subprocess.Popen, timeout: float, log: Pat
             last = f"{type(err).__name__}: {err}"
         time.sleep(0.5)
     raise ServerError(
-        f"runtime.rollout.server_command: {base}/health did not answer 200 within {timeout:.0f} s "
-        f"(rollout.server_timeout; last: {last or 'a non-200 answer'}); its last output "
+        f"{setting}: {base}/health did not answer 200 within {timeout:.0f} s "
+        f"({setting.rpartition('.')[0]}.server_timeout; last: {last or 'a non-200 answer'}); its last output "
         f"({log}):\n{_tail(log)}")
