@@ -601,7 +601,7 @@ class Collector:
         for trace_id, _ in gathered:
             self.traces.written(trace_id)
         self.counters["traces_written"] += len(gathered)
-        self.counters["files_written"] += len(files)
+        self.counters["files_written"] += 1
         return len(gathered)
 
     def close(self) -> None:
