@@ -205,8 +205,10 @@ def _call(generation: dict, where: str) -> Call:
         return call
     messages, tools = _input(_decoded(generation.get("input")), where)
     system = attributes.get("gen_ai.system_instructions")
-    if system is not None and not any(m["role"] in ("system", "developer") for m in messages):
-        # the GenAI conventions keep the system prompt out of gen_ai.input.messages
+    if system is not None and messages and messages[0]["role"] not in ("system", "developer",
+                                                                        "tool"):
+        # the GenAI conventions keep the system prompt out of gen_ai.input.messages (an input
+        # that opens with a tool result continues a conversation: it had its system prompt)
         parts = _decoded(system)
         parts = parts if isinstance(parts, list) else [parts]
         text = "\n".join(p if isinstance(p, str) else str(p.get("content") or "")
