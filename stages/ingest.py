@@ -14,7 +14,10 @@ and every trace ingested in an earlier cycle). Formats, each a reader in `stages
 | langfuse         | a trace: Langfuse traces, observations, scores | `sources/langfuse.py`     |
 | langsmith        | a trace: LangSmith runs of one trace id | `sources/langsmith.py`          |
 
-A file is JSONL, or one JSON document (an array of records, or an OTLP object). Every row ends up
+A file is JSONL, or one JSON document (an array of records, or an OTLP object). A span-based
+file is read whole, then trace by trace: in an OTLP file each trace by the convention its own
+spans follow (`otlp_traces`), with GenAI log events joined to their spans; a trace that cannot be
+read is quarantined alone, its reason naming the file and the trace. Every row ends up
 accepted, quarantined (`data/quarantine/ingest.jsonl`: file, line, format, reason, and the raw
 text, scrubbed) or counted as a duplicate, and `metrics/ingest.json` adds up, overall and per
 format. A line that cannot be read at all (invalid JSON, not UTF-8, over `ingest.max_line_bytes`)

@@ -14,6 +14,14 @@ the API and the UI's export write them, in a JSON array or JSONL, in any mix:
 - score: `{"traceId", "observationId", "name", "value", "stringValue", "dataType": "NUMERIC" |
   "CATEGORICAL" | "BOOLEAN"}`.
 
+Also the UI's "Download JSON" of one trace (`{"trace": {...}, "observations": [...]}`) and
+pages of the list endpoints (`{"data": [...], "meta": {...}}`). Observations Langfuse made
+from OpenTelemetry spans keep the span's attributes in `metadata.attributes` (metadata, input
+and output often stored as JSON text, sometimes encoded twice): GenAI parts-form messages in
+`input` / `output`, `gen_ai.system_instructions` -> a leading system message,
+`gen_ai.tool.definitions` -> tools; an OpenInference span's messages are read from its
+`llm.input_messages.*` / `llm.output_messages.*` attributes (`openinference.call_of`).
+
 Mapping. Records are grouped by Langfuse trace id, which becomes `trace_id` unchanged. The
 conversation comes from the GENERATION observations in `startTime` order, joined by prefix
 matching (each generation's input repeats the history so far; see `messages.join_calls`).
