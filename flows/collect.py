@@ -9,8 +9,8 @@ of its spans, or after `runtime.collect.idle_seconds` without a new span when no
 root lives in a service that does not export here). Finished traces are gathered for
 `runtime.collect.file_seconds` into one JSONL file, `<inbox>/otlp-<UTC time>-<n>.jsonl`: an OTLP
 JSON `TracesData` document a line, one trace each, hex ids, as a Collector's file exporter writes
-them, which `stages/ingest.py` reads unchanged (one file per format, and a trace ingest's reader
-refuses in a file of its own, so that no trace is judged by another's: `files_for`). Each file is
+them, which `stages/ingest.py` reads unchanged (each trace by its own convention, GenAI or
+OpenInference; a trace it cannot read is quarantined alone). Each file is
 written to a hidden temporary name, fsynced and renamed, so a cycle never reads half a trace.
 
 Durability: a request is answered 200 only once its spans are in the journal
@@ -496,31 +496,6 @@ def _fsync_dir(folder: Path) -> None:
 
 # --- writing finished traces ------------------------------------------------------------------
 
-def files_for(documents: list[tuple[bytes, dict]]) -> list[list[tuple[bytes, dict]]]:
-    """Finished traces (trace id, OTLP JSON document) split into inbox files that ingest reads
-    as if each trace were alone. Ingest takes a file's format from its first record and
-    quarantines all of a file's traces when its reader refuses one (issue 20, part 2, is to read
-    both per trace): so one file per format, and a trace the reader refuses in a file of its own.
-    """
-    from stages import ingest
-
-    files: dict[str, list[tuple[bytes, dict]]] = {}
-    alone: list[list[tuple[bytes, dict]]] = []
-    for trace_id, document in documents:
-        fmt = ingest.detect(document)
-        batch = files.setdefault(fmt or "", [])
-        if fmt not in ingest.TRACE_FORMATS:
-            alone.append([(trace_id, document)])
-            continue
-        try:
-            ingest.TRACE_FORMATS[fmt].parse(ingest._as_input(fmt, [document]))
-        except ingest.READER_ERRORS:
-            alone.append([(trace_id, document)])  # quarantined by ingest, with its reason, alone
-            continue
-        batch.append((trace_id, document))
-    return [batch for batch in files.values() if batch] + alone
-
-
 def write_file(inbox: Path, documents: list[dict], number: int) -> Path:
     """Traces as one JSONL inbox file (an OTLP JSON document a line, as a Collector's file
     exporter writes), whole: a hidden temporary file (which ingest and DVC skip), fsynced,
@@ -602,9 +577,9 @@ class Collector:
         gathered, self.gathered = self.gathered, []
         try:
             documents = [(trace_id, otlp_json(trace.resources)) for trace_id, trace in gathered]
-            files = files_for(documents)
-            for number, batch in enumerate(files):
-                write_file(self.inbox, [document for _, document in batch], number)
+            # one file: ingest reads each trace by its own convention, and quarantines alone
+            # a trace it cannot read
+            write_file(self.inbox, [document for _, document in documents], 0)
             _fsync_dir(self.inbox)
         except Exception as err:  # a full disk, say: kept (and journaled), tried again shortly
             self.counters["write_errors"] += 1
@@ -626,7 +601,7 @@ class Collector:
         for trace_id, _ in gathered:
             self.traces.written(trace_id)
         self.counters["traces_written"] += len(gathered)
-        self.counters["files_written"] += len(files)
+        self.counters["files_written"] += 1
         return len(gathered)
 
     def close(self) -> None:

@@ -14,7 +14,10 @@ and every trace ingested in an earlier cycle). Formats, each a reader in `stages
 | langfuse         | a trace: Langfuse traces, observations, scores | `sources/langfuse.py`     |
 | langsmith        | a trace: LangSmith runs of one trace id | `sources/langsmith.py`          |
 
-A file is JSONL, or one JSON document (an array of records, or an OTLP object). Every row ends up
+A file is JSONL, or one JSON document (an array of records, or an OTLP object). A span-based
+file is read whole, then trace by trace: in an OTLP file each trace by the convention its own
+spans follow (`otlp_traces`), with GenAI log events joined to their spans; a trace that cannot be
+read is quarantined alone, its reason naming the file and the trace. Every row ends up
 accepted, quarantined (`data/quarantine/ingest.jsonl`: file, line, format, reason, and the raw
 text, scrubbed) or counted as a duplicate, and `metrics/ingest.json` adds up, overall and per
 format. A line that cannot be read at all (invalid JSON, not UTF-8, over `ingest.max_line_bytes`)
@@ -47,7 +50,7 @@ import pyarrow.parquet as pq
 from stages import config as cfg
 from stages import io
 from stages.traces.pii import KINDS, Scrubber
-from stages.traces.schema import SCHEMA, BadRecord, make_row
+from stages.traces.schema import READER_ERRORS, SCHEMA, BadRecord, make_row
 from stages.traces.sources import (
     langfuse,
     langsmith,
@@ -55,6 +58,7 @@ from stages.traces.sources import (
     openai_responses,
     openinference,
     otel_genai,
+    otlp,
 )
 
 MANIFEST = "manifest.json"
@@ -66,7 +70,6 @@ DETECT_WITHIN = 100  # records looked at for one a format recognizes, before "un
 LINE_FORMATS = {m.NAME: m for m in (openai_chat, openai_responses)}
 TRACE_FORMATS = {m.NAME: m for m in (openinference, otel_genai, langfuse, langsmith)}
 FORMATS = [openai_chat, openai_responses, openinference, otel_genai, langfuse, langsmith]
-READER_ERRORS = (BadRecord, ValueError, TypeError, KeyError, AttributeError, IndexError)
 
 
 class Unreadable:
@@ -230,23 +233,73 @@ def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, o
             except READER_ERRORS as err:
                 yield number, fmt, (_reason(fmt, err), _raw(record))
         return
-    # Span-based formats: the spans of one trace can be anywhere in the file, so it is read whole.
+    # Span-based formats: the records of one trace can be anywhere in the file, so it is read
+    # whole, then trace by trace: one trace that cannot be read is quarantined alone.
     stream = list(chain(held, records))
-    good = [(n, r) for n, r in stream if not isinstance(r, Unreadable)]
+    otlp_file = otlp.detect(held[-1][1])  # else Phoenix spans, Langfuse or LangSmith records
+    good = []
     for number, record in stream:
         if isinstance(record, Unreadable):
             yield number, fmt, (record.reason, record.raw)
-    module = TRACE_FORMATS[fmt]
-    try:
-        traces = module.parse(_as_input(fmt, [r for _, r in good]))
-    except READER_ERRORS as err:
-        for number, record in good:
-            yield number, fmt, (f"{_reason(fmt, err)} (the file's {len(good)} records are "
-                                f"quarantined together)", _raw(record))
+        elif otlp_file and not otlp.detect(record):
+            other = detect(record)
+            yield number, other or "unknown", (
+                f"{path.name} line {number}: not an OTLP JSON document ({_keys(record)}"
+                + (f", a {other} record" if other else "") + ") among OTLP ones; put records "
+                "of another format in a file of their own", _raw(record))
+        else:
+            good.append((number, record))
+    if not good:
         return
-    starts = first_lines({str(t.get("trace_id")) for t in traces}, good)
-    for trace in traces:
-        yield starts.get(str(trace.get("trace_id")), good[0][0] if good else 1), fmt, trace
+    try:
+        if otlp_file:
+            results = otlp_traces([r for _, r in good])
+        else:
+            results = [(tid, fmt, r) for tid, r in TRACE_FORMATS[fmt].parse_each(
+                [r for _, r in good])]
+    except READER_ERRORS as err:  # a record that names no trace: the file cannot be split
+        for number, record in good:
+            yield number, fmt, (f"{path.name}: {_reason(fmt, err)} (the file's {len(good)} "
+                                f"records are quarantined together)", _raw(record))
+        return
+    starts = first_lines({str(tid) for tid, _, _ in results}, good)
+    for trace_id, trace_fmt, result in results:
+        number = starts.get(str(trace_id), good[0][0])
+        if isinstance(result, Exception):
+            record = next(r for n, r in good if n == number)
+            yield number, trace_fmt, (_trace_reason(path, trace_id, _reason(trace_fmt, result)),
+                                      _raw(record))
+        else:
+            yield number, trace_fmt, result
+
+
+def otlp_traces(documents: list[dict]) -> list[tuple[str, str, dict | Exception]]:
+    """(trace id, convention, normalized trace or the error) for each trace of OTLP JSON
+    documents, each trace read by the convention its own spans follow (OpenInference spans carry
+    `openinference.span.kind`; the others are read as GenAI, current or deprecated names), and
+    GenAI events in log records joined to their spans. A trace that fits no convention is one
+    error; a trace with no GenAI span or event at all (a health check) is left out.
+    """
+    out = []
+    for trace_id, document in otlp.by_trace(documents).items():
+        errors = []
+        for module in ([openinference] if openinference.detect(document) else []) + [otel_genai]:
+            results = module.parse_each([document] if module is openinference else document)
+            found = [r for _, r in results if not isinstance(r, Exception)]
+            if found:
+                out.append((trace_id, module.NAME, found[0]))
+                break
+            errors += [(module.NAME, r) for _, r in results]
+        else:
+            if errors:
+                out.append((trace_id, errors[0][0], errors[0][1]))
+    return out
+
+
+def _trace_reason(path: Path, trace_id: str, reason: str) -> str:
+    """A reason that names the file and the trace, once."""
+    reason = reason.removeprefix(f"trace {trace_id}: ").removeprefix(f"trace {trace_id} ")
+    return f"{path.name}, trace {trace_id}: {reason}"
 
 
 def first_lines(ids: set[str], records: list[tuple[int, object]]) -> dict[str, int]:
@@ -278,12 +331,6 @@ def _reason(fmt: str, err: Exception) -> str:
         return str(err)
     # a record shaped in a way the reader did not foresee: quarantined and named, never a crash
     return f"the {fmt} reader could not map this record ({type(err).__name__}: {err})"
-
-
-def _as_input(fmt: str, records: list):
-    if fmt == otel_genai.NAME:  # one OTLP document; a JSONL export holds one per line
-        return {"resourceSpans": [rs for r in records for rs in r.get("resourceSpans", [])]}
-    return records
 
 
 def _raw(record) -> str:

@@ -4,6 +4,7 @@ runs each as a process of its own (the instrumentation patches `openai` for the 
 
     python tests/openai_agent.py server PORT
     python tests/openai_agent.py agent SERVER_PORT OTLP_TRACES_URL "What is 2+3?"
+    python tests/openai_agent.py events SERVER_PORT OUT.jsonl events|legacy "What is 2+3?"
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def server(port: int) -> None:
 
     async def chat(request) -> JSONResponse:
         messages = (await request.json())["messages"]
-        a, b = map(int, re.findall(r"\d+", messages[0]["content"])[:2])
+        question = next(m["content"] for m in messages if m["role"] == "user")
+        a, b = map(int, re.findall(r"\d+", question)[:2])
         if messages[-1]["role"] == "user":
             call = {"id": "call_1", "type": "function", "function": {
                 "name": "calculator", "arguments": json.dumps({"expression": f"{a}+{b}"})}}
@@ -79,8 +81,73 @@ def agent(port: int, otlp_url: str, question: str) -> None:
     provider.shutdown()  # exports what is left
 
 
+
+
+def events(port: int, out: str, capture: str, question: str) -> None:
+    """One agent turn with the messages captured as GenAI events in log records, not on the
+    spans: `capture` "events" (the current conventions: one
+    `gen_ai.client.inference.operation.details` event a call) or "legacy" (the earlier ones:
+    `gen_ai.user.message`, `gen_ai.choice`, ... an event a message). Spans and log records go to
+    `out` as OTLP JSON, a document a line, as a Collector's file exporter writes them.
+    """
+    if capture == "events":
+        os.environ["OTEL_SEMCONV_STABILITY_OPT_IN"] = "gen_ai_latest_experimental"
+        os.environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "EVENT_ONLY"
+    else:
+        os.environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "true"
+    import base64
+
+    import openai
+    from google.protobuf import json_format
+    from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
+    from opentelemetry.sdk._logs import LoggerProvider
+    from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    resource = Resource.create({"service.name": f"calc-agent-{capture}"})
+    spans, logs = InMemorySpanExporter(), InMemoryLogRecordExporter()
+    tracer_provider = TracerProvider(resource=resource)
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    logger_provider = LoggerProvider(resource=resource)
+    logger_provider.add_log_record_processor(SimpleLogRecordProcessor(logs))
+    OpenAIInstrumentor().instrument(tracer_provider=tracer_provider,
+                                    logger_provider=logger_provider)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    tools = [{"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+    messages = [{"role": "system", "content": "Use the calculator."},
+                {"role": "user", "content": question}]
+    with tracer_provider.get_tracer("calc-agent").start_as_current_span("invoke_agent calc"):
+        first = client.chat.completions.create(model="tiny", messages=messages, tools=tools)
+        call = first.choices[0].message.tool_calls[0]
+        a, b = map(int, json.loads(call.function.arguments)["expression"].split("+"))
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": str(a + b)}]
+        client.chat.completions.create(model="tiny", messages=messages, tools=tools)
+
+    def hex_ids(value):  # OTLP JSON writes ids as hex, protobuf's JSON mapping as base64
+        if isinstance(value, dict):
+            return {k: base64.b64decode(v).hex() if k in ("traceId", "spanId", "parentSpanId")
+                    and v else hex_ids(v) for k, v in value.items()}
+        return [hex_ids(v) for v in value] if isinstance(value, list) else value
+
+    with open(out, "w") as handle:
+        for message in (encode_spans(spans.get_finished_spans()),
+                        encode_logs(logs.get_finished_logs())):
+            document = json_format.MessageToDict(message, use_integers_for_enums=True)
+            handle.write(json.dumps(hex_ids(document)) + "\n")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "server":
         server(int(sys.argv[2]))
+    elif sys.argv[1] == "events":
+        events(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
     else:
         agent(int(sys.argv[2]), sys.argv[3], sys.argv[4])

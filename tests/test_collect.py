@@ -409,7 +409,7 @@ def test_a_full_queue_gets_429_and_a_short_disk_503_with_retry_after(receiver, t
     assert status["spans"] == 0 and status["rejected"]["disk_full"] == 1
 
 
-def test_traces_are_gathered_into_files_ingest_reads_as_if_each_were_alone(tmp_path):
+def test_traces_of_mixed_conventions_in_one_file_are_read_each_by_its_own(tmp_path):
     memory = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(memory))
@@ -430,13 +430,10 @@ def test_traces_are_gathered_into_files_ingest_reads_as_if_each_were_alone(tmp_p
         by_trace.setdefault(span.context.trace_id.to_bytes(16, "big"), []).append(span)
     documents = [(t, collect.otlp_json(list(as_request(spans).resource_spans)))
                  for t, spans in by_trace.items()]
-    files = collect.files_for(documents)
-    # the two GenAI traces together; the OpenInference one and the refused one alone
-    assert sorted(len(f) for f in files) == [1, 1, 2]
     inbox = tmp_path / "project" / "data" / "inbox"
     inbox.mkdir(parents=True)
-    for number, batch in enumerate(files):
-        collect.write_file(inbox, [document for _, document in batch], number)
+    # one file, as collect writes it: GenAI and OpenInference traces and a refused one together
+    collect.write_file(inbox, [document for _, document in documents], 0)
     metrics, rows = ingested(tmp_path / "project", tmp_path)
     assert (metrics["accepted"], metrics["quarantined"]) == (3, 1)
     assert [r["user_text"] for r in rows] == ["What is 1+1?", "What is 2+2?", "What is 3+3?"]

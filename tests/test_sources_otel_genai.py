@@ -271,8 +271,9 @@ def test_content_capture_off_is_refused_not_skipped():
 
 
 def test_malformed_documents():
-    with pytest.raises(BadRecord, match="no 'resourceSpans' list"):
-        otel.parse({"resourceLogs": []})
+    with pytest.raises(BadRecord, match="no 'resourceSpans' or 'resourceLogs' list"):
+        otel.parse({"resourceMetrics": []})
+    assert otel.parse({"resourceLogs": []}) == []  # log records alone are read too
     doc = copy.deepcopy(otlp(chat_span("01", 1, [], [])))
     del doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["traceId"]
     with pytest.raises(BadRecord, match=r"resourceSpans\[0\]\.scopeSpans\[0\]\.spans\[0\] has "

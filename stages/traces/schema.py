@@ -50,6 +50,28 @@ class BadRecord(ValueError):
     """A line that cannot become a trace; the message is the quarantine reason."""
 
 
+# What a reader raises on a record shaped in a way it did not foresee: quarantined, never a crash.
+READER_ERRORS = (BadRecord, ValueError, TypeError, KeyError, AttributeError, IndexError)
+
+
+def attempt(read, *args) -> dict | Exception:
+    """`read(*args)` (one trace), or the error that kept it from being read: the readers'
+    `parse_each` read each trace on its own, so one bad trace does not sink the others.
+    """
+    try:
+        return read(*args)
+    except READER_ERRORS as err:
+        return err
+
+
+def first_error(results: list[tuple[str, dict | Exception]]) -> list[dict]:
+    """The traces of a reader's `parse_each`, or its first error raised (the strict `parse`)."""
+    for _, result in results:
+        if isinstance(result, Exception):
+            raise result
+    return [result for _, result in results]
+
+
 _IDS = re.compile(r'"(?:id|tool_call_id)": "(?:[^"\\]|\\.)*"(?:, )?')
 _SPACE = re.compile(r"(?:\s|\\[nrt])+")
 

@@ -14,6 +14,14 @@ the API and the UI's export write them, in a JSON array or JSONL, in any mix:
 - score: `{"traceId", "observationId", "name", "value", "stringValue", "dataType": "NUMERIC" |
   "CATEGORICAL" | "BOOLEAN"}`.
 
+Also the UI's "Download JSON" of one trace (`{"trace": {...}, "observations": [...]}`) and
+pages of the list endpoints (`{"data": [...], "meta": {...}}`). Observations Langfuse made
+from OpenTelemetry spans keep the span's attributes in `metadata.attributes` (metadata, input
+and output often stored as JSON text, sometimes encoded twice): GenAI parts-form messages in
+`input` / `output`, `gen_ai.system_instructions` -> a leading system message,
+`gen_ai.tool.definitions` -> tools; an OpenInference span's messages are read from its
+`llm.input_messages.*` / `llm.output_messages.*` attributes (`openinference.call_of`).
+
 Mapping. Records are grouped by Langfuse trace id, which becomes `trace_id` unchanged. The
 conversation comes from the GENERATION observations in `startTime` order, joined by prefix
 matching (each generation's input repeats the history so far; see `messages.join_calls`).
@@ -34,9 +42,11 @@ in the trace) at level ERROR -> `feedback["error"]`. Scores of sessions or datas
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from stages.traces.schema import BadRecord
+from stages.traces.schema import BadRecord, attempt, first_error
+from stages.traces.sources import openinference
 from stages.traces.sources.messages import (
     Call,
     chat_messages,
@@ -64,6 +74,13 @@ def detect(record: dict) -> bool:
 def _kind(record: Any) -> str | None:
     if not isinstance(record, dict):
         return None
+    if (isinstance(record.get("trace"), dict) and isinstance(record.get("observations"), list)
+            and "id" in record["trace"]):
+        return "export"  # the UI's "Download JSON" of one trace
+    if (isinstance(record.get("data"), list) and isinstance(record.get("meta"), dict)
+            and record["data"] and all(_kind(item) in ("trace", "observation", "score")
+                                       for item in record["data"])):
+        return "page"  # a page of the public API's trace, observation or score list
     if record.get("type") in _OBSERVATION_TYPES and ("traceId" in record or "startTime" in record):
         return "observation"
     if ("traceId" in record or "sessionId" in record) and "name" in record and (
@@ -80,6 +97,30 @@ def parse(records: list[dict]) -> list[dict]:
 
     Raises BadRecord, naming the trace and observation, when a trace cannot be mapped.
     """
+    return first_error(parse_each(records))
+
+
+def _unwrap(records: list) -> list:
+    """Single-trace exports and list pages as the plain records they hold."""
+    out = []
+    for record in records:
+        kind = _kind(record)
+        if kind == "export":
+            out.append({**record["trace"], "observations": record["observations"]})
+        elif kind == "page":
+            out.extend(record["data"])
+        else:
+            out.append(record)
+    return out
+
+
+def parse_each(records: list[dict]) -> list[tuple[str, dict | Exception]]:
+    """(Langfuse trace id, its normalized trace or the error that kept it from being read) for
+    each trace of a file, in file order: one bad trace does not sink the others.
+
+    Raises BadRecord for a record that is not Langfuse's or names no trace.
+    """
+    records = _unwrap(records)
     traces: dict[str, dict] = {}
     observations: dict[str, dict[str, dict]] = {}
     scores: dict[str, list[dict]] = {}
@@ -109,8 +150,9 @@ def parse(records: list[dict]) -> list[dict]:
             raise BadRecord(f"record {n} is not a Langfuse trace, observation or score"
                             + (f" (keys: {keys})" if keys else
                                f" (a JSON {type(record).__name__})"))
-    return [_trace(trace_id, traces.get(trace_id), list(observations.get(trace_id, {}).values()),
-                   scores.get(trace_id, [])) for trace_id in order]
+    return [(trace_id, attempt(_trace, trace_id, traces.get(trace_id),
+                               list(observations.get(trace_id, {}).values()),
+                               scores.get(trace_id, []))) for trace_id in order]
 
 
 def _add_observation(observations: dict[str, dict[str, dict]], record: dict, where: str) -> str:
@@ -157,13 +199,64 @@ def _start(observation: dict, where: str) -> tuple[bool, float]:
 
 
 def _call(generation: dict, where: str) -> Call:
-    messages, tools = _input(generation.get("input"), where)
+    attributes = _attributes(generation, where)
     input_tokens, output_tokens = _usage(generation)
     model = generation.get("model")
-    return Call(start=epoch(generation.get("startTime"), where), input=messages,
-                output=_output(generation.get("output"), where), tools=tools,
+    start = epoch(generation.get("startTime"), where)
+    if any(k.startswith(("llm.input_messages.", "llm.output_messages.")) for k in attributes):
+        # an OpenInference span: its input/output are the raw request and response (shaped by
+        # each SDK), its attributes the messages, in OpenInference's one form
+        call = openinference.call_of(attributes, start, where)
+        call.model = str(model) if model else call.model
+        if input_tokens is not None or output_tokens is not None:
+            call.input_tokens, call.output_tokens = input_tokens, output_tokens
+        return call
+    messages, tools = _input(_decoded(generation.get("input")), where)
+    system = attributes.get("gen_ai.system_instructions")
+    if system is not None and messages and messages[0]["role"] not in ("system", "developer",
+                                                                        "tool"):
+        # the GenAI conventions keep the system prompt out of gen_ai.input.messages (an input
+        # that opens with a tool result continues a conversation: it had its system prompt)
+        parts = _decoded(system)
+        parts = parts if isinstance(parts, list) else [parts]
+        text = "\n".join(p if isinstance(p, str) else str(p.get("content") or "")
+                         for p in parts if isinstance(p, str | dict))
+        messages.insert(0, {"role": "system", "content": text})
+    definitions = _decoded(attributes.get("gen_ai.tool.definitions"))
+    for i, schema in enumerate(definitions if isinstance(definitions, list) else []):
+        found = tool_schema(schema, f"{where} metadata gen_ai.tool.definitions[{i}]")
+        if found:
+            tools.append(found)
+    return Call(start=start, input=messages,
+                output=_output(_decoded(generation.get("output")), where), tools=tools,
                 model=str(model) if model else None, input_tokens=input_tokens,
                 output_tokens=output_tokens)
+
+
+def _decoded(value: Any) -> Any:
+    """A value Langfuse stored as JSON text (once, or twice: a JSON string of JSON text) decoded;
+    plain text is kept as it is.
+    """
+    for _ in range(3):
+        if not isinstance(value, str) or not value.lstrip().startswith(("[", "{", '"')):
+            return value
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def _attributes(observation: dict, where: str) -> dict:
+    """The OpenTelemetry span attributes Langfuse keeps in an observation's
+    `metadata.attributes` (metadata itself often stored as JSON text), or {}.
+    """
+    metadata = _decoded(observation.get("metadata"))
+    attributes = metadata.get("attributes") if isinstance(metadata, dict) else None
+    attributes = _decoded(attributes)
+    if not isinstance(attributes, dict):
+        return {}
+    return openinference.flatten(attributes)
 
 
 def _usage(generation: dict) -> tuple[int | None, int | None]:

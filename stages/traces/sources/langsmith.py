@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.traces.schema import BadRecord
+from stages.traces.schema import BadRecord, attempt, first_error
 from stages.traces.sources.messages import (
     Call,
     chat_messages,
@@ -59,6 +59,15 @@ def parse(records: list[dict]) -> list[dict]:
 
     Raises BadRecord, naming the trace and run, when a trace cannot be mapped.
     """
+    return first_error(parse_each(records))
+
+
+def parse_each(records: list[dict]) -> list[tuple[str, dict | Exception]]:
+    """(trace id, its normalized trace or the error that kept it from being read) for each
+    trace of a file, in order of first run: one bad trace does not sink the others.
+
+    Raises BadRecord for a record that is not a run or whose trace cannot be told.
+    """
     for n, record in enumerate(records, 1):
         if not detect(record):
             keys = ", ".join(sorted(record)[:8]) if isinstance(record, dict) else ""
@@ -68,7 +77,7 @@ def parse(records: list[dict]) -> list[dict]:
     groups: dict[str, list[dict]] = {}
     for n, run in enumerate(records, 1):
         groups.setdefault(_trace_id(run, by_id, n), []).append(run)
-    return [_trace(trace_id, runs) for trace_id, runs in groups.items()]
+    return [(trace_id, attempt(_trace, trace_id, runs)) for trace_id, runs in groups.items()]
 
 
 def _trace_id(run: dict, by_id: dict[str, dict], n: int) -> str:

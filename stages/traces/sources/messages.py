@@ -26,7 +26,7 @@ _LC_CLASSES = {"HumanMessage": "user", "AIMessage": "assistant", "SystemMessage"
 _TEXT_PARTS = ("text", "input_text", "output_text")
 _REASONING_PARTS = ("reasoning", "thinking")
 _CALL_PARTS = ("tool_use", "tool_call", "tool-call", "function_call")
-_RESULT_PARTS = ("tool_result", "tool-result")
+_RESULT_PARTS = ("tool_result", "tool-result", "tool_call_response")
 _SKIPPED_PARTS = ("redacted_thinking",)  # encrypted reasoning: nothing readable to keep
 _PART_KINDS = _TEXT_PARTS + _REASONING_PARTS + _CALL_PARTS + _RESULT_PARTS + _SKIPPED_PARTS
 
@@ -87,10 +87,12 @@ def join_calls(calls: list[Call]) -> tuple[list[dict], list[Call]]:
     output (the conversation keeps its own copies, which hold the reasoning and ids that inputs
     often drop, filling in what a later copy adds: see `_fill`); a call whose messages are all a
     prefix of one seen is a repeat (marked, so its tokens are not counted twice); any other call
-    starts a new conversation. The longest
+    starts a new conversation, except one whose input opens with a tool result: it sends only
+    what is new since the previous response, so it continues the latest conversation. The longest
     conversation wins, the latest on a tie (a later, equally long one is a retry).
     """
     threads: list[_Thread] = []
+    last: _Thread | None = None  # the thread the latest call extended or started
     for call in calls:
         messages = call.input + call.output
         if not messages:
@@ -103,17 +105,27 @@ def join_calls(calls: list[Call]) -> tuple[list[dict], list[Call]]:
             if n <= len(head) and head[:n] == thread.keys and (
                     best is None or n >= len(best.keys)):
                 best = thread
+        if best is None and last is not None and call.input and call.input[0]["role"] == "tool":
+            # An input that opens with a tool result sends only what is new since the last
+            # response (OpenAI Responses' previous_response_id; Microsoft Agent Framework):
+            # it continues the latest conversation, it cannot start one.
+            last.messages.extend(messages)
+            last.keys.extend(keys)
+            last.calls.append(call)
+            continue
         if best is not None:
             n = len(best.keys)
             best.messages[:n] = map(_fill, best.messages[:n], messages[:n])
             best.messages.extend(messages[n:])
             best.keys.extend(keys[n:])
             best.calls.append(call)
+            last = best
         elif repeated := next((t for t in threads if keys == t.keys[:len(keys)]), None):
             call.repeat = True
             repeated.messages[:len(keys)] = map(_fill, repeated.messages[:len(keys)], messages)
         else:
-            threads.append(_Thread(messages, call))
+            last = _Thread(messages, call)
+            threads.append(last)
     if not threads:
         return [], []
     longest = max(len(t.messages) for t in threads)
@@ -222,7 +234,10 @@ def chat_messages(message: Any, where: str) -> list[dict]:
         raise BadRecord(f"{where} has no 'role' (keys: {', '.join(sorted(message)[:8])})")
     extra = fields.get("additional_kwargs")
     extra = extra if isinstance(extra, dict) else {}
-    text, reasoning, block_calls, results = _content(fields.get("content"), where)
+    content = fields.get("content")
+    if content is None and isinstance(fields.get("parts"), list):  # the GenAI conventions' form
+        content = fields["parts"]
+    text, reasoning, block_calls, results = _content(content, where)
     reasoning = reasoning or _reasoning(fields) or _reasoning(extra)
     if role == "assistant":
         raw = fields.get("tool_calls") or extra.get("tool_calls") or []
@@ -278,7 +293,8 @@ def _content(content: Any, where: str) -> tuple[str | None, str | None, list[dic
             raise BadRecord(f"{here} is a JSON {type(part).__name__}, not a content part")
         kind = part.get("type")
         if kind in _TEXT_PARTS or (kind is None and isinstance(part.get("text"), str)):
-            texts.append(part.get("text") or "")
+            # the GenAI conventions' text part holds `content`, the others `text`
+            texts.append(part.get("text", part.get("content")) or "")
         elif kind in _REASONING_PARTS:
             thoughts.append(_reasoning_text(part))
         elif kind in _CALL_PARTS:
@@ -286,9 +302,11 @@ def _content(content: Any, where: str) -> tuple[str | None, str | None, list[dic
             calls.append(tool_call(part.get("id") or part.get("toolCallId") or part.get("call_id"),
                                    part.get("name") or part.get("toolName"), arguments, here))
         elif kind in _RESULT_PARTS:
-            result_text = _content(part.get("content", part.get("output", part.get("result"))),
+            result_text = _content(next((part[k] for k in ("content", "output", "result",
+                                                            "response") if k in part), None),
                                    here)[0]
-            call_id = part.get("tool_use_id") or part.get("toolCallId")
+            call_id = part.get("tool_use_id") or part.get("toolCallId") or (
+                part.get("id") if kind == "tool_call_response" else None)
             result = {"role": "tool", "content": result_text or ""}
             if call_id:
                 result["tool_call_id"] = str(call_id)
@@ -308,7 +326,7 @@ def _plain(value: Any) -> str:
 
 
 def _reasoning_text(part: dict) -> str:
-    for key in ("thinking", "reasoning", "text"):
+    for key in ("thinking", "reasoning", "text", "content"):
         if isinstance(part.get(key), str):
             return part[key]
     summary = part.get("summary")  # OpenAI Responses: [{"type": "summary_text", "text"}]

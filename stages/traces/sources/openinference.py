@@ -49,7 +49,7 @@ import json
 import re
 from typing import Any
 
-from stages.traces.schema import BadRecord
+from stages.traces.schema import BadRecord, attempt, first_error
 from stages.traces.sources import otlp
 from stages.traces.sources.messages import (
     Call,
@@ -105,6 +105,15 @@ def parse(records: list[dict]) -> list[dict]:
 
     Raises BadRecord, naming the trace and span, when a trace cannot be mapped.
     """
+    return first_error(parse_each(records))
+
+
+def parse_each(records: list[dict]) -> list[tuple[str, dict | Exception]]:
+    """(trace id, its normalized trace or the error that kept it from being read) for each
+    trace of a file, in order of first span: one bad trace does not sink the others.
+
+    Raises BadRecord for a record that is not a span or names no trace.
+    """
     spans: list[dict] = []
     annotations: list[dict] = []
     for n, record in enumerate(records, 1):
@@ -130,7 +139,8 @@ def parse(records: list[dict]) -> list[dict]:
         result = record.get("result") or {}
         value = result.get("score") if result.get("score") is not None else result.get("label")
         scores.setdefault(trace_id, {})[str(record["name"])] = value
-    return [_trace(trace_id, group, scores.get(trace_id, {})) for trace_id, group in groups.items()]
+    return [(trace_id, attempt(_trace, trace_id, group, scores.get(trace_id, {})))
+            for trace_id, group in groups.items()]
 
 
 def _trace(trace_id: str, spans: list[dict], extra_scores: dict[str, Any]) -> dict:
@@ -162,6 +172,13 @@ def _trace(trace_id: str, spans: list[dict], extra_scores: dict[str, Any]) -> di
 
 def _start_key(span: dict) -> tuple[bool, float]:
     return span["start_epoch"] is None, span["start_epoch"] or 0.0
+
+
+def call_of(attributes: dict, start: float | None, where: str) -> Call:
+    """The LLM call of one OpenInference LLM span, from its flattened attributes (a Langfuse
+    observation keeps them in `metadata.attributes`).
+    """
+    return _call({"attributes": attributes, "start_epoch": start}, where)
 
 
 def _call(span: dict, where: str) -> Call:

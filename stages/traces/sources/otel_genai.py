@@ -52,7 +52,7 @@ import json
 import re
 from datetime import datetime, timedelta, timezone
 
-from stages.traces.schema import BadRecord
+from stages.traces.schema import BadRecord, attempt, first_error
 from stages.traces.sources import otlp
 
 NAME = "otel-genai"
@@ -72,8 +72,8 @@ _ROLE_ALIASES = {"model": "assistant"}  # Gemini's name for the assistant
 
 
 def detect(record: dict) -> bool:
-    """True for an OTLP JSON traces document (it has a `resourceSpans` list)."""
-    return isinstance(record, dict) and isinstance(record.get("resourceSpans"), list)
+    """True for an OTLP JSON document of spans or log records (`resourceSpans`, `resourceLogs`)."""
+    return otlp.detect(record)
 
 
 def parse(document: dict) -> list[dict]:
@@ -81,10 +81,20 @@ def parse(document: dict) -> list[dict]:
 
     Raises BadRecord, naming the trace and span, for a span that cannot be mapped.
     """
+    return first_error(parse_each(document))
+
+
+def parse_each(document: dict) -> list[tuple[str, dict | Exception]]:
+    """(trace id, its normalized trace or the error that kept it from being read) for each
+    GenAI trace of one OTLP JSON document, in file order: one bad trace does not sink the
+    others. Traces without any GenAI span are left out.
+
+    Raises BadRecord for a span that names no trace.
+    """
     if not detect(document):
-        raise BadRecord("not an OTLP JSON traces document: no 'resourceSpans' list")
+        raise BadRecord("not an OTLP JSON document: no 'resourceSpans' or 'resourceLogs' list")
     by_trace: dict[str, list[dict]] = {}
-    for i, resource in enumerate(document["resourceSpans"]):
+    for i, resource in enumerate(document.get("resourceSpans") or []):
         if not isinstance(resource, dict):
             raise BadRecord(f"resourceSpans[{i}] is not an object")
         # instrumentationLibrarySpans: the name before OTLP 0.15, still seen in old exports
@@ -94,13 +104,14 @@ def parse(document: dict) -> list[dict]:
             for k, raw in enumerate(spans or []):
                 span = _span(raw, f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]")
                 by_trace.setdefault(span["trace_id"], []).append(span)
-    traces = []
+    _join_events(by_trace, document.get("resourceLogs") or [])
+    results = []
     for trace_id, spans in by_trace.items():
         spans.sort(key=lambda s: s["start"])  # stable: file order breaks ties
-        trace = _trace(trace_id, spans)
-        if trace is not None:
-            traces.append(trace)
-    return traces
+        trace = attempt(_trace, trace_id, spans)
+        if trace is not None:  # None: not a GenAI trace (a health check, plain HTTP)
+            results.append((trace_id, trace))
+    return results
 
 
 # --- OTLP JSON -------------------------------------------------------------------------------
@@ -131,6 +142,80 @@ def _span(raw: object, where: str) -> dict:
     return {"trace_id": trace_id, "span_id": span_id, "label": label,
             "parent": raw.get("parentSpanId") or "", "start": start, "attrs": attrs,
             "events": events, "status": status}
+
+
+# GenAI events (log records) with one message each (semconv 1.28 to 1.36), and the role each
+# gives its body; gen_ai.choice is the model's answer.
+_MESSAGE_EVENTS = {"gen_ai.system.message": "system", "gen_ai.user.message": "user",
+                   "gen_ai.assistant.message": "assistant", "gen_ai.tool.message": "tool"}
+_DETAILS_EVENT = "gen_ai.client.inference.operation.details"  # semconv 1.37 on: one per call
+
+
+def _join_events(by_trace: dict[str, list[dict]], resource_logs: list) -> None:
+    """GenAI events in OTLP log records, joined to their spans by trace and span id.
+
+    Each model call's messages become its span's attributes, as if captured on the span:
+    the `gen_ai.client.inference.operation.details` event's `gen_ai.input.messages` /
+    `gen_ai.output.messages` / `gen_ai.system_instructions` / `gen_ai.tool.definitions`
+    attributes as they are; the per-message events (`gen_ai.{system,user,assistant,tool}.message`
+    bodies `{"content", "tool_calls", "id"}`, in time order, and `gen_ai.choice` bodies
+    `{"index", "finish_reason", "message"}`) as `gen_ai.prompt` / `gen_ai.completion` chat
+    messages. An event whose span is not in the document stands for a span of its own. Log
+    records of other events, or of no trace, are left out.
+    """
+    records = []
+    for resource in resource_logs:
+        if not isinstance(resource, dict):
+            continue
+        for scope in resource.get("scopeLogs") or resource.get("instrumentationLibraryLogs") or []:
+            for raw in (scope.get("logRecords") if isinstance(scope, dict) else None) or []:
+                if not isinstance(raw, dict) or not raw.get("traceId"):
+                    continue
+                attrs = _attributes(raw.get("attributes"))
+                # the event name: a field of its own since OTLP 1.5, an attribute before
+                name = raw.get("eventName") or attrs.get("event.name")
+                if name in _MESSAGE_EVENTS or name in ("gen_ai.choice", _DETAILS_EVENT):
+                    records.append((int(raw.get("timeUnixNano") or raw.get(
+                        "observedTimeUnixNano") or 0), name, attrs, raw))
+    records.sort(key=lambda r: r[0])  # stable: file order breaks ties
+    for time, name, attrs, raw in records:
+        trace_id, span_id = str(raw["traceId"]), str(raw.get("spanId") or "")
+        spans = by_trace.setdefault(trace_id, [])
+        span = next((s for s in spans if s["span_id"] == span_id), None)
+        if span is None:
+            span = {"trace_id": trace_id, "span_id": span_id,
+                    "label": f"trace {trace_id} span {span_id or '(none)'}", "parent": "",
+                    "start": time, "attrs": {"gen_ai.operation.name": "chat"}, "events": [],
+                    "status": {}}
+            spans.append(span)
+        span_attrs = span["attrs"]
+        if name == _DETAILS_EVENT:
+            for key, value in attrs.items():
+                if key.startswith("gen_ai."):
+                    span_attrs.setdefault(key, value)
+            continue
+        body = otlp.any_value(raw.get("body"))
+        if isinstance(body, str):
+            body = {"content": body}
+        if not isinstance(body, dict):
+            raise BadRecord(f"{span['label']}: the {name} event's body is not an object")
+        if name == "gen_ai.choice":
+            message = body.get("message") if isinstance(body.get("message"), dict) else body
+            span_attrs.setdefault("_event_completion", []).append(
+                (body.get("index") or 0, {"role": "assistant", **message}))
+        else:
+            span_attrs.setdefault("_event_prompt", []).append(
+                {**body, "role": body.get("role") or _MESSAGE_EVENTS[name]})
+    for spans in by_trace.values():
+        for span in spans:
+            attrs = span["attrs"]
+            prompt, completion = attrs.pop("_event_prompt", None), \
+                attrs.pop("_event_completion", None)
+            if prompt and not any(k in attrs for k in _CONTENT_KEYS):
+                attrs["gen_ai.prompt"] = prompt
+            if completion and "gen_ai.output.messages" not in attrs:
+                attrs.setdefault("gen_ai.completion",
+                                 [m for _, m in sorted(completion, key=lambda c: c[0])])
 
 
 def _attributes(pairs: object) -> dict:
