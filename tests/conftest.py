@@ -180,6 +180,17 @@ def offseason(root: Path, *args: str, check: bool = True) -> subprocess.Complete
     return result
 
 
+def netns_available() -> bool:
+    """Whether this process can make a network namespace of its own with a loopback in it
+    (`unshare -n`, root): where a test runs a cycle with no network.
+    """
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
+        return False
+    probe = subprocess.run(["unshare", "-n", "ip", "link", "set", "lo", "up"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
 def hold_cycle_lock(root: Path) -> subprocess.Popen:
     """Another process holding the workspace's cycle lock as `offseason run` does, until killed."""
     holder = subprocess.Popen([sys.executable, "-c", (

@@ -5,6 +5,8 @@
 /v1/chat/completions answers from the script):
 
     python tests/judge_server.py --port 8000 --script script.json   # [{"reasoning": "fine", "score": 0.5}]
+
+`--requests FILE` appends each request's body to FILE as a JSON line, for a test to count.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ class Scripted:
     the last one repeated): a dict (the JSON answer), "malformed", "refusal", "500", "slow".
     """
 
-    def __init__(self, script, port: int = 0):
-        """Serve `script` on 127.0.0.1:`port` (0: a free one) from a background thread."""
+    def __init__(self, script, port: int = 0, log: Path | None = None):
+        """Serve `script` on 127.0.0.1:`port` (0: a free one) from a background thread; `log`:
+        a file each request's body is appended to, as a JSON line.
+        """
         self.script, self.requests = list(script), []
         outer = self
 
@@ -44,6 +48,9 @@ class Scripted:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append({"path": self.path, "body": body,
                                        "auth": self.headers.get("Authorization")})
+                if log is not None:
+                    with log.open("a") as lines:
+                        lines.write(json.dumps(body) + "\n")
                 step = outer.script.pop(0) if len(outer.script) > 1 else outer.script[0]
                 if step == "slow":
                     time.sleep(1.5)
@@ -88,10 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--script", type=Path, default=None,
                         help="a JSON file: a list of steps, answers (objects), malformed, refusal, "
                              "500, slow (default: always a score of 0.5)")
+    parser.add_argument("--requests", type=Path, default=None,
+                        help="append each request's body to this file, a JSON line each")
     args = parser.parse_args(argv)
     script = json.loads(args.script.read_text()) if args.script else [{"reasoning": "ok",
                                                                         "score": 0.5}]
-    server = Scripted(script, args.port)
+    server = Scripted(script, args.port, args.requests)
     print(f"judge server at {server.url}", flush=True)
     threading.Event().wait()
 

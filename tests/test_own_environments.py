@@ -327,18 +327,27 @@ def support_trace(order_id: str, status: str, thumbs_up: bool) -> dict:
 
 
 def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion):
-    """init with the chat model, production traces with tool calls in the inbox, one cycle:
-    the traces become tasks of the support environment, every environment's benchmark is gated;
-    a trace no environment of the user's claims becomes a replayed task, scored by the LLM judge
-    (a scripted OpenAI-compatible server on loopback), its judgments kept under DVC.
+    """init with the chat model, production traces with tool calls in the inbox, one cycle, with
+    no network (its own network namespace, loopback only, where it can be made: the offline
+    cycle): the traces become tasks of the support environment, every environment's benchmark is
+    gated; a trace no environment of the user's claims becomes a replayed task, and the
+    examples' judged environment (examples/judged) has its tasks judged, both by a local LLM
+    judge the reward stage starts itself (`runtime.judge.server_command`: tests/judge_server.py,
+    scripted), its judgments kept under DVC.
     """
-    from conftest import TINY, make_project, offseason
-    from judge_server import Scripted
+    from conftest import TINY, cli_env, make_project, netns_available, offseason
 
-    judge_server = Scripted([{"reasoning": "a fair answer", "score": 0.5}])
+    # one answer for both kinds of question: a score (pointwise, replay) and scores for the two
+    # samples of a task (relative, the judged environment's reward_group)
+    fair = {"reasoning": "a fair answer", "score": 0.5}
+    script, asked = tmp_path / "judge-script.json", tmp_path / "judge-requests.jsonl"
+    script.write_text(json.dumps([{**fair, "scores": [{"id": i, **fair} for i in (1, 2)]}]))
     overrides = {**TINY, "base": {"model": str(champion)},
-                 "judge": {"model": "judge-7b", "rubric": "Is the answer right and helpful?"},
-                 "runtime": {"judge": {"url": judge_server.url, "request_timeout": 10.0}},
+                 "judge": {"model": "judge-7b", "rubric": "examples/judged/rubric.md"},
+                 "runtime": {"judge": {"server_command": f"{sys.executable} "
+                                       f"{REPO / 'tests/judge_server.py'} --port {{port}} "
+                                       f"--script {script} --requests {asked}",
+                                       "request_timeout": 10.0, "server_timeout": 120.0}},
                  # cooler than the default 1.0: the tiny champion then gets some tasks right
                  "rollout": {**TINY["rollout"], "max_new_tokens": 64, "temperature": 0.5},
                  "gate": {**TINY["gate"], "primary": "support"},
@@ -352,6 +361,9 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
                      "code": {"module": "stages.envs.coding", "tasks": "data/tasks/code.jsonl",
                               "benchmark": "data/benchmarks/code.jsonl", "weight": 0.5,
                               "max_regression": 0.5},
+                     # no verifier: the judge grades it by the examples' rubric
+                     "judged": {"module": "examples.judged.judged_env",
+                                "tasks": "examples/judged/tasks.jsonl", "weight": 0.5},
                      # last: it claims any trace with a request and an answer
                      "replay": {"module": "stages.envs.replay", "weight": 0.5}}}
     root = make_project(tmp_path / "project", overrides)
@@ -382,10 +394,17 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["validate"]["min_valid_fraction"] = 0.5
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    try:
-        offseason(root, "run")
-    finally:
-        judge_server.close()
+    # the offline cycle: Prefect's embedded server, in a network namespace with only loopback
+    env = {**cli_env(root, shared_prefect=False), "PREFECT_HOME": str(tmp_path / "prefect")}
+    command = f"{BIN / 'offseason'} run"
+    offline = netns_available()
+    argv = ["unshare", "-n", "sh", "-c", f"ip link set lo up && {command}"] if offline else \
+        ["sh", "-c", command]
+    cycle = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True)
+    output = cycle.stdout + cycle.stderr
+    assert cycle.returncode == 0, output[-4000:]
+    # the reward stage started the judge's server, used it and stopped it
+    assert "judge: starting the server" in output and "judge: server stopped" in output
     validate = json.loads((root / "metrics/validate.json").read_text())
     assert validate["accepted"] == 5 and validate["quarantined"] == 0
     assert validate["profile"]["task_mix"] == {"support": 0.8, "replay": 0.2}
@@ -396,17 +415,26 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
     assert rolled["environments"]["code"]["tasks"] == 20  # its task file; no trace is a code task
     rewarded = json.loads((root / "metrics/reward.json").read_text())
     assert rewarded["errors"] == 0  # every code episode verified in the sandbox
-    # the replayed task's episodes were judged, once each, and the judgments are kept
+    # the replayed task's episodes were judged, once each, the judged environment's tasks once
+    # per task (its samples together), and the judgments are kept
     replayed = rewarded["environments"]["replay"]["episodes"]
     assert replayed == TINY["rollout"]["samples_per_task"]
-    assert rewarded["judges"][0]["requests"] == len(judge_server.requests) > 0
-    assert rewarded["judges"][0]["judge"].startswith("judge-7b/rubric-")
-    rows = [r for r in pq.read_table(root / "data/rewards.parquet").to_pylist()
-            if r["environment"] == "replay"]
-    assert [json.loads(r["judgment"])["reasoning"] for r in rows] == ["a fair answer"] * replayed
-    assert [r["score_judge"] for r in rows] == [0.5] * replayed
+    judged_tasks = rolled["environments"]["judged"]["tasks"]
+    assert judged_tasks == 6  # examples/judged/tasks.jsonl
+    requests = [json.loads(line) for line in asked.read_text().splitlines()]
+    assert sum(j["requests"] for j in rewarded["judges"]) == len(requests) == \
+        replayed + judged_tasks
+    assert all(j["judge"].startswith("judge-7b/rubric-") for j in rewarded["judges"])
+    # the rubric is the examples' file, read from the project
+    assert all("Grade the assistant's final answer" in json.dumps(r) for r in requests)
+    rows = pq.read_table(root / "data/rewards.parquet").to_pylist()
+    for name, episodes in (("replay", replayed), ("judged", 2 * judged_tasks)):
+        mine = [r for r in rows if r["environment"] == name]
+        assert [json.loads(r["judgment"])["reasoning"] for r in mine] == \
+            ["a fair answer"] * episodes, name
+        assert [r["score_judge"] for r in mine] == [0.5] * episodes, name
     kept = sum(len(f.read_text().splitlines()) for f in (root / "data/judgments").glob("*.jsonl"))
-    assert kept == len({r["messages"] for r in rows})
+    assert kept == len(requests)
     trained = json.loads((root / "metrics/train.json").read_text())
     assert trained["trained"] and trained["examples"] > 0, trained
     # the three thumbs-up traces, whose answers the reward agrees with, are trained on as they are

@@ -12,7 +12,6 @@ object are searched for the secrets.
 import gzip
 import json
 import os
-import shutil
 import socket
 import sqlite3
 import subprocess
@@ -23,7 +22,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import BIN, cli_env, make_project
+from conftest import BIN, cli_env, make_project, netns_available
 
 # one xdist worker runs this module: its module-scoped fixture is built once
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("security")]
@@ -34,14 +33,6 @@ TRACE_SECRETS = ["sk-proj-" + "Hf3kLp9QxT" * 3, "ghp_" + "Yb7Nc2Vd4Fg6Hj8Kl0Mn" 
                  "c2lnbmF0dXJlc2lnbmF0dXJl"]
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
 BEARER = "Tk9TZWNyZXRGb3JZb3U5ODc2NTQzMjE"
-
-
-def netns_available() -> bool:
-    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
-        return False
-    probe = subprocess.run(["unshare", "-n", "ip", "link", "set", "lo", "up"],
-                           capture_output=True)
-    return probe.returncode == 0
 
 
 NETNS = netns_available()
