@@ -231,9 +231,22 @@ def entropy(text: str) -> float:
 
 # what stands in for a secret in examples and templates: `${DB_PASSWORD}`, `%(token)s`, `{{ .Token }}`,
 # `<your-key>`, `xxxxxxxx`, `********`, `####`, `changeme`, `somefakekey`, AWS's `...EXAMPLE...`
-_NOT_A_SECRET = re.compile(r"^\$|%[\d.]*[sdfrx(]|\{\{|x{6}|X{6}|EXAMPLE|#{4}|\*{4}|\.{3}"
-                           r"|fake|FAKE|dummy|DUMMY|changeme|CHANGEME|placeholder|PLACEHOLDER"
-                           r"|(?i:your[_\-]|redacted)")
+# (written so that every branch begins with a literal: `re` then skips in C to where one can
+# begin; `^\$` and `(?i:` in the alternation made it try every branch at every character, the
+# costliest step of judging a key. `_not_a_secret` adds what they said.)
+_NOT_A_SECRET = re.compile(r"%[\d.]*[sdfrx(]|\{\{|xxxxxx|XXXXXX|EXAMPLE|####|\*\*\*\*|\.\.\."
+                           r"|fake|FAKE|dummy|DUMMY|changeme|CHANGEME|placeholder|PLACEHOLDER")
+_NOT_A_SECRET_ANY_CASE = re.compile(r"(?i:your[_\-]|redacted)")
+_NOT_A_SECRET_LOWER = re.compile(r"your[_\-]|redacted")  # the same, in lowercased ASCII text
+
+
+def _not_a_secret(text: str) -> bool:
+    """True if the text stands in for a secret (`_NOT_A_SECRET`, `${...}`, `your-key`, `REDACTED`)."""
+    return (text.startswith("$") or _NOT_A_SECRET.search(text) is not None
+            or (_NOT_A_SECRET_LOWER.search(text.lower()) if text.isascii()
+                else _NOT_A_SECRET_ANY_CASE.search(text)) is not None)
+
+
 # `$USER:$PASSWORD`, `<user:password>`, `neo4j:[PASSWORD]`, `test:test`, `xxx:yyy`, `username:token`
 _CREDENTIALS_PLACEHOLDER = re.compile(
     r"(?:^|:)[\"']?[$<\[{%]|^(\w+):\1$|^(\w)\2*:(\w)\3*$|^.?:.?$"
@@ -272,7 +285,7 @@ def _is_token(match: re.Match) -> bool:
         return True
     if match.lastgroup in ("url", "curl"):  # a password in a URL or curl's -u: whatever its entropy
         return _CREDENTIALS_PLACEHOLDER.search(text.strip(" =\"'")) is None
-    return not _NOT_A_SECRET.search(text) and entropy(text) >= 2.5 and not _is_sequence(text)
+    return not _not_a_secret(text) and entropy(text) >= 2.5 and not _is_sequence(text)
 
 
 def _is_secret_value(match: re.Match) -> bool:
@@ -284,7 +297,7 @@ def _is_secret_value(match: re.Match) -> bool:
     value = match["v"]
     # letters alone are words and names (`getuser`, `HTTPPasswordMgrWithDefaultRealm`), not keys
     if (not any(c.isdigit() for c in value) or (match["c"] and not match["q"])
-            or _NOT_A_SECRET.search(value) or _is_sequence(value) or _PROVIDER_PREFIX.match(value)):
+            or _not_a_secret(value) or _is_sequence(value) or _PROVIDER_PREFIX.match(value)):
         return False
     if match["k"].lower() in ("pass", "pwd") and match["q"] and entropy(value) >= 2.3:
         return True  # a quoted string literal assigned to a password: `password = "hunter2!x"`
