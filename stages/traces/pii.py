@@ -295,8 +295,10 @@ def _is_secret_value(match: re.Match) -> bool:
     `request.headers`), a placeholder (`${TOKEN}`, `xxxxxx`) or a format (`"%0.f"`).
     """
     value = match["v"]
+    if len(value) < 10 and not (match["q"] and match["k"].lower() in ("pass", "pwd")):
+        return False  # short, and no quoted password (below): the costlier tests need not run
     # letters alone are words and names (`getuser`, `HTTPPasswordMgrWithDefaultRealm`), not keys
-    if (not any(c.isdigit() for c in value) or (match["c"] and not match["q"])
+    if (not any(map(str.isdigit, value)) or (match["c"] and not match["q"])
             or _not_a_secret(value) or _is_sequence(value) or _PROVIDER_PREFIX.match(value)):
         return False
     if match["k"].lower() in ("pass", "pwd") and match["q"] and entropy(value) >= 2.3:
