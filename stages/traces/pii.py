@@ -337,13 +337,13 @@ _MAYBE_NAME = re.compile("|".join(_NAMES))  # in the lowercased text
 # only the first letter is taken; each branch begins with a letter, so `re` skips to the next one
 _NAME_AT = re.compile(r"p(?=ass|wd)|s(?=ecret)|t(?=oken)|k(?=ey)|c(?=red|ontribsys__com)|a(?=uth)")
 _MAYBE_MARKED = re.compile("|".join(re.escape(mark) for mark in _SECRET_MARKS))
-# maybe_pii's one search of the lowercased text: the names, the marks (lowercased: looser; `-u`
-# stands for ` -u` and `--user`, `token` for `: Token ` and `Api-Token `), `@` for e-mail and the
-# PEM header. Every branch begins with a literal other than a space: `re` skips, in C, to the
-# next character that can begin one.
-_MAYBE_WORD = re.compile("|".join(sorted(
-    {re.escape(word.lower()) for word in (*_NAMES, *_SECRET_MARKS, "@", "-----BEGIN", "-u")}
-    - {re.escape(word) for word in (" -u", "--user", ": token ", "api-token ")})))
+# maybe_pii's search of the lowercased text for what needs no digit: the marks (lowercased:
+# looser; `-u` stands for ` -u` and `--user`), the PEM header, an `@` before a domain. Every
+# branch begins with a literal other than a space: `re` skips, in C, to the next character that
+# can begin one. (ASSIGNMENT's names need a digit: `_is_secret_value` wants one in the value.)
+_MAYBE_MARK = re.compile("|".join(sorted(
+    {re.escape(mark.lower()) for mark in (*_SECRET_MARKS, "-----BEGIN", "-u")}
+    - {re.escape(mark) for mark in (" -u", "--user")})) + r"|@[a-z0-9.\-]+\.[a-z]{2}")
 
 
 def _trie_of_keys(words, shortest: int) -> str:
@@ -391,8 +391,11 @@ def _maybe_pem(text: str) -> bool:
 # phones, cards, IPv4 (8.8.8.8: 7 characters): each of them is such a run, so a text without one
 # holds none of them, whatever else its digits are (84 % of the peers' cases have a digit, 16 % a run)
 _MAYBE_NUMBER = re.compile(r"\d[\d .\-()]{5,}\d")
-# an IPv6 address `_is_ipv6` accepts has `::` or two colons around hex digits, and a digit
-_MAYBE_IPV6 = re.compile(r"::|[0-9A-Fa-f]:[0-9A-Fa-f]{1,4}:")
+# an IPv6 address `_is_ipv6` accepts is a run of hex digits and colons with two colons or more
+# and a digit among them: the digit after the first two colons, before them, or between. A `::`
+# between names (`std::vector<int> v(10)`) has no digit in its run.
+_MAYBE_IPV6 = re.compile(r":[0-9A-Fa-f]*:[0-9A-Fa-f:]*\d|\d[0-9A-Fa-f:]*:[0-9A-Fa-f]*:"
+                         r"|:[0-9A-Fa-f]*\d[0-9A-Fa-f]*:")
 
 
 def _maybe_number(text: str) -> bool:
@@ -400,7 +403,7 @@ def _maybe_number(text: str) -> bool:
 
 
 def _maybe_ipv6(text: str) -> bool:
-    return ":" in text and _MAYBE_IPV6.search(text) is not None and DIGIT.search(text) is not None
+    return ":" in text and _MAYBE_IPV6.search(text) is not None
 
 
 def maybe_secret(text: str) -> bool:
@@ -413,13 +416,16 @@ def maybe_secret(text: str) -> bool:
 
 def maybe_pii(text: str) -> bool:
     """True if the text may hold PII: a cheap test before the patterns run."""
-    # three searches on most lines of code: the words, a digit (83 % of lines of code have none:
-    # no phone, card or address then), a key's prefix; an IPv6 address has a digit (`_is_ipv6`):
-    # C++'s `std::` alone is no reason to look
-    return (_MAYBE_WORD.search(text.lower()) is not None
-            or (DIGIT.search(text) is not None
-                and (_MAYBE_NUMBER.search(text) is not None or _maybe_ipv6(text)))
-            or _MAYBE_KEY.search(text) is not None)
+    # on most lines of code three searches: the marks, a digit, a key's prefix. Without a digit
+    # (83 % of lines of code) there is no phone, card or address, and no assignment of a secret;
+    # a digit of another script (`²`) may be one for `_is_secret_value`, so non-ASCII text counts
+    if _MAYBE_MARK.search(text.lower()) is not None:
+        return True
+    if text.isascii() and DIGIT.search(text) is None:
+        return _MAYBE_KEY.search(text) is not None
+    # an IPv6 address has a digit (`_is_ipv6`): C++'s `std::` alone is no reason to look
+    return (_MAYBE_NAME.search(text.lower()) is not None or _MAYBE_NUMBER.search(text) is not None
+            or _maybe_ipv6(text) or _MAYBE_KEY.search(text) is not None)
 
 
 # (kind, pattern, the check of each match or None, the cheap test a text must pass to be searched)
