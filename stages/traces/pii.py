@@ -337,13 +337,13 @@ _MAYBE_NAME = re.compile("|".join(_NAMES))  # in the lowercased text
 # only the first letter is taken; each branch begins with a letter, so `re` skips to the next one
 _NAME_AT = re.compile(r"p(?=ass|wd)|s(?=ecret)|t(?=oken)|k(?=ey)|c(?=red|ontribsys__com)|a(?=uth)")
 _MAYBE_MARKED = re.compile("|".join(re.escape(mark) for mark in _SECRET_MARKS))
-# maybe_pii's search of the lowercased text for what needs no digit: the marks (lowercased:
-# looser; `-u` stands for ` -u` and `--user`), the PEM header, an `@` before a domain. Every
-# branch begins with a literal other than a space: `re` skips, in C, to the next character that
-# can begin one. (ASSIGNMENT's names need a digit: `_is_secret_value` wants one in the value.)
+# maybe_pii's search for what needs no digit: the marks (`-u` stands for ` -u` and `--user`),
+# the PEM header, an `@` before a domain. Every branch begins with a literal other than a space:
+# `re` skips, in C, to the next character that can begin one. (ASSIGNMENT's names need a digit:
+# `_is_secret_value` wants one in the value.)
 _MAYBE_MARK = re.compile("|".join(sorted(
-    {re.escape(mark.lower()) for mark in (*_SECRET_MARKS, "-----BEGIN", "-u")}
-    - {re.escape(mark) for mark in (" -u", "--user")})) + r"|@[a-z0-9.\-]+\.[a-z]{2}")
+    {re.escape(mark) for mark in (*_SECRET_MARKS, "-----BEGIN", "-u")}
+    - {re.escape(mark) for mark in (" -u", "--user")})) + r"|@[A-Za-z0-9.\-]+\.[A-Za-z]{2}")
 
 
 def _trie_of_keys(words, shortest: int) -> str:
@@ -392,18 +392,34 @@ def _maybe_pem(text: str) -> bool:
 # holds none of them, whatever else its digits are (84 % of the peers' cases have a digit, 16 % a run)
 _MAYBE_NUMBER = re.compile(r"\d[\d .\-()]{5,}\d")
 # an IPv6 address `_is_ipv6` accepts is a run of hex digits and colons with two colons or more
-# and a digit among them: the digit after the first two colons, before them, or between. A `::`
-# between names (`std::vector<int> v(10)`) has no digit in its run.
-_MAYBE_IPV6 = re.compile(r":[0-9A-Fa-f]*:[0-9A-Fa-f:]*\d|\d[0-9A-Fa-f:]*:[0-9A-Fa-f]*:"
-                         r"|:[0-9A-Fa-f]*\d[0-9A-Fa-f]*:")
+# and a digit among them: the digit after the first two colons or between them (a search led by
+# the colon), or before them (led by the digit). A `::` between names (`std::vector<int> v(10)`)
+# has no digit in its run. Two searches, not one alternation: each begins with a literal or a
+# class, so `re` skips in C to where it can begin (JSON's colons made the alternation slow).
+# (each run up to the next colon or the first digit, possessive: nothing to backtrack into)
+_MAYBE_IPV6_COLON = re.compile(r":[0-9A-Fa-f]*+:[A-Fa-f:]*+\d|:[A-Fa-f]*+\d[0-9A-Fa-f]*+:")
+_MAYBE_IPV6_DIGIT = re.compile(r"\d[0-9A-Fa-f]*+:[0-9A-Fa-f]*+:")
+
+
+# In ASCII text (nearly all there is) the tests run compiled with re.ASCII (`_A`): `\d`, `\b`
+# and `\S` are then a table lookup, not a call into the Unicode database for each character (a
+# third of the time of a search on a serialized trace). On ASCII text they find what the Unicode
+# ones find (`\S` also takes the separators \x1c-\x1f: looser, which a cheap test may be).
+_DIGIT_A, _MAYBE_NUMBER_A, _MAYBE_IPV6_COLON_A, _MAYBE_IPV6_DIGIT_A, _MAYBE_KEY_A = (
+    re.compile(pattern.pattern, re.ASCII)
+    for pattern in (DIGIT, _MAYBE_NUMBER, _MAYBE_IPV6_COLON, _MAYBE_IPV6_DIGIT, _MAYBE_KEY))
 
 
 def _maybe_number(text: str) -> bool:
-    return _MAYBE_NUMBER.search(text) is not None
+    return (_MAYBE_NUMBER_A if text.isascii() else _MAYBE_NUMBER).search(text) is not None
 
 
 def _maybe_ipv6(text: str) -> bool:
-    return ":" in text and _MAYBE_IPV6.search(text) is not None
+    if ":" not in text:
+        return False
+    colon, digit = ((_MAYBE_IPV6_COLON_A, _MAYBE_IPV6_DIGIT_A) if text.isascii()
+                    else (_MAYBE_IPV6_COLON, _MAYBE_IPV6_DIGIT))
+    return colon.search(text) is not None or digit.search(text) is not None
 
 
 def maybe_secret(text: str) -> bool:
@@ -419,13 +435,14 @@ def maybe_pii(text: str) -> bool:
     # on most lines of code three searches: the marks, a digit, a key's prefix. Without a digit
     # (83 % of lines of code) there is no phone, card or address, and no assignment of a secret;
     # a digit of another script (`²`) may be one for `_is_secret_value`, so non-ASCII text counts
-    if _MAYBE_MARK.search(text.lower()) is not None:
+    if _MAYBE_MARK.search(text) is not None:
         return True
-    if text.isascii() and DIGIT.search(text) is None:
-        return _MAYBE_KEY.search(text) is not None
+    ascii = text.isascii()
+    if ascii and _DIGIT_A.search(text) is None:
+        return _MAYBE_KEY_A.search(text) is not None
     # an IPv6 address has a digit (`_is_ipv6`): C++'s `std::` alone is no reason to look
-    return (_MAYBE_NAME.search(text.lower()) is not None or _MAYBE_NUMBER.search(text) is not None
-            or _maybe_ipv6(text) or _MAYBE_KEY.search(text) is not None)
+    return (_MAYBE_NAME.search(text.lower()) is not None or _maybe_number(text) or _maybe_ipv6(text)
+            or (_MAYBE_KEY_A if ascii else _MAYBE_KEY).search(text) is not None)
 
 
 # (kind, pattern, the check of each match or None, the cheap test a text must pass to be searched)
