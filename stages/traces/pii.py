@@ -381,7 +381,9 @@ def _maybe_marked(text: str) -> bool:
 
 
 def _maybe_named(text: str) -> bool:
-    return _MAYBE_NAME.search(text.lower()) is not None
+    # a value `_is_secret_value` takes has a digit (of any script: `not text.isascii()`)
+    return ((not text.isascii() or _DIGIT_A.search(text) is not None)
+            and _MAYBE_NAME.search(text.lower()) is not None)
 
 
 def _maybe_pem(text: str) -> bool:
@@ -420,14 +422,6 @@ def _maybe_ipv6(text: str) -> bool:
     colon, digit = ((_MAYBE_IPV6_COLON_A, _MAYBE_IPV6_DIGIT_A) if text.isascii()
                     else (_MAYBE_IPV6_COLON, _MAYBE_IPV6_DIGIT))
     return colon.search(text) is not None or digit.search(text) is not None
-
-
-def maybe_secret(text: str) -> bool:
-    """True if the text may hold a secret: a long run with a provider's prefix, a mark of MARKED
-    (`Bearer `, `://`, `curl -u`), a name ASSIGNMENT looks for (it holds `key`: so does a PEM
-    header).
-    """
-    return _maybe_prefixed(text) or _maybe_named(text) or _maybe_marked(text)
 
 
 def maybe_pii(text: str) -> bool:
