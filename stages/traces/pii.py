@@ -104,8 +104,10 @@ _SECRET_PREFIXES = (
     "hvs.", "hvb.", "t1.", "YC", "AQVN")
 
 
-def _trie(words) -> str:
-    """A regex matching any of the words, as a trie: `A(?:KIA|SIA)`."""
+def _trie(words, shortest: int = 0) -> str:
+    r"""A regex matching any of the words, as a trie: `A(?:KIA|SIA)`; with `shortest`, each word
+    followed by enough non-space characters for a key of that length: `AKIA(?=\S{9})`.
+    """
     tree: dict = {}
     for word in words:
         node = tree
@@ -113,14 +115,12 @@ def _trie(words) -> str:
             node = node.setdefault(char, {})
         node[""] = {}
 
-    def emit(node: dict) -> str:
-        branches = [re.escape(char) + emit(child) for char, child in sorted(node.items()) if char]
-        if not branches:
-            return ""
+    def emit(node: dict, depth: int) -> str:
         if "" in node:  # a word ends here, a longer one goes on: the shorter is enough
-            return ""
+            return rf"(?=\S{{{shortest - depth}}})" if shortest > depth else ""
+        branches = [re.escape(char) + emit(child, depth + 1) for char, child in sorted(node.items())]
         return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
-    return emit(tree)
+    return emit(tree, 0)
 
 
 # Keys found by their prefix, tried only where one of the prefixes is (the lookahead: a trie of
@@ -331,8 +331,8 @@ def _is_phone(match: re.Match) -> bool:
 # can accept); simple searches are several times faster than one alternation of everything. Each
 # pattern also has its own test in PATTERNS, so a text is searched only by the patterns that may
 # match in it. A test that starts with a literal or a character class lets `re` skip, in C, to
-# the next place where it can begin; one that starts with a lookbehind, `\b` or `(?i:` is tried
-# at every character (that is most of the cost on clean text).
+# the next place where it can begin; one that starts with a lookbehind, `^` or `(?i:` enters its
+# branches at every character (`\b` is cheap: `_MAYBE_KEY` enters them only at a word's start).
 _LONG_RUN = re.compile(r"[\w\-.~+/=]{20}")  # every provider key is 20 characters or more
 _MAYBE_PREFIX = re.compile(_trie(_SECRET_PREFIXES))
 _NAMES = ("pass", "pwd", "secret", "token", "key", "cred", "auth", "contribsys")  # ASSIGNMENT's
@@ -350,29 +350,10 @@ _MAYBE_MARK = re.compile("|".join(sorted(
     - {re.escape(mark) for mark in (" -u", "--user")})) + r"|@[A-Za-z0-9.\-]+\.[A-Za-z]{2}")
 
 
-def _trie_of_keys(words, shortest: int) -> str:
-    r"""`_trie` of the prefixes, each followed by enough non-space characters for a key of
-    `shortest` characters: `AKIA(?=\S{9})`.
-    """
-    tree: dict = {}
-    for word in words:
-        node = tree
-        for char in word:
-            node = node.setdefault(char, {})
-        node[""] = {}
-
-    def emit(node: dict, depth: int) -> str:
-        if "" in node:  # the shorter word is enough (the longer one's lookahead would be implied)
-            return rf"(?=\S{{{shortest - depth}}})" if shortest > depth else ""
-        branches = [re.escape(char) + emit(child, depth + 1) for char, child in sorted(node.items())]
-        return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
-    return emit(tree, 0)
-
-
 # where SECRET can begin: a prefix at the start of a word, and a key's length of non-space (13, the
 # shortest of `_TOKENS`: `xoxb-1-2-Abcd`; none holds a space). maybe_pii's test for provider keys:
 # one search, the prefix and the run together (`_maybe_prefixed` is two, and looser)
-_MAYBE_KEY = re.compile(r"\b(?=" + _trie_of_keys(_SECRET_PREFIXES, 13) + ")")
+_MAYBE_KEY = re.compile(r"\b(?=" + _trie(_SECRET_PREFIXES, shortest=13) + ")")
 
 
 def _maybe_prefixed(text: str) -> bool:
@@ -435,12 +416,12 @@ def maybe_pii(text: str) -> bool:
     # a digit of another script (`²`) may be one for `_is_secret_value`, so non-ASCII text counts
     if _MAYBE_MARK.search(text) is not None:
         return True
-    ascii = text.isascii()
-    if ascii and _DIGIT_A.search(text) is None:
+    is_ascii = text.isascii()
+    if is_ascii and _DIGIT_A.search(text) is None:
         return _MAYBE_KEY_A.search(text) is not None
     # an IPv6 address has a digit (`_is_ipv6`): C++'s `std::` alone is no reason to look
     return (_MAYBE_NAME.search(text.lower()) is not None or _maybe_number(text) or _maybe_ipv6(text)
-            or (_MAYBE_KEY_A if ascii else _MAYBE_KEY).search(text) is not None)
+            or (_MAYBE_KEY_A if is_ascii else _MAYBE_KEY).search(text) is not None)
 
 
 # (kind, pattern, the check of each match or None, the cheap test a text must pass to be searched)
