@@ -121,6 +121,16 @@ def test_kinds_can_be_switched_off():
     assert out == 'password = "hunter2!x" from <IP_1>' and counts["secret"] == 0
 
 
+def test_the_cheap_test_for_keys_holds_for_every_format():
+    """maybe_pii looks for a provider's prefix with 13 non-space characters after the word's
+    start (`_MAYBE_KEY`): no format of `_TOKENS` may be shorter, or match a space."""
+    import re._parser  # the width of a pattern: no public API has it
+
+    from stages.traces import pii
+    assert re._parser.parse(pii._TOKENS).getwidth()[0] >= 13
+    assert not any(s in pii._TOKENS for s in (r"\s", r"\S", r"\W", r"\D", " ", "[^"))
+
+
 def test_luhn():
     assert luhn("4111111111111111") and not luhn("4111111111111112")
 

@@ -104,8 +104,10 @@ _SECRET_PREFIXES = (
     "hvs.", "hvb.", "t1.", "YC", "AQVN")
 
 
-def _trie(words) -> str:
-    """A regex matching any of the words, as a trie: `A(?:KIA|SIA)`."""
+def _trie(words, shortest: int = 0) -> str:
+    r"""A regex matching any of the words, as a trie: `A(?:KIA|SIA)`; with `shortest`, each word
+    followed by enough non-space characters for a key of that length: `AKIA(?=\S{9})`.
+    """
     tree: dict = {}
     for word in words:
         node = tree
@@ -113,14 +115,12 @@ def _trie(words) -> str:
             node = node.setdefault(char, {})
         node[""] = {}
 
-    def emit(node: dict) -> str:
-        branches = [re.escape(char) + emit(child) for char, child in sorted(node.items()) if char]
-        if not branches:
-            return ""
+    def emit(node: dict, depth: int) -> str:
         if "" in node:  # a word ends here, a longer one goes on: the shorter is enough
-            return ""
+            return rf"(?=\S{{{shortest - depth}}})" if shortest > depth else ""
+        branches = [re.escape(char) + emit(child, depth + 1) for char, child in sorted(node.items())]
         return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
-    return emit(tree)
+    return emit(tree, 0)
 
 
 # Keys found by their prefix, tried only where one of the prefixes is (the lookahead: a trie of
@@ -160,7 +160,9 @@ ASSIGNMENT = re.compile(
     r"(?P<v>[^\s\"'`;,<>(){}\[\]\\]{6,300})(?=[\"'`\s;,<)\]}]|\\[nrt\"]|$)")
 EMAIL = re.compile(r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9.\-]+\.[A-Za-z]{2,}")
 # never glued to letters: digit runs inside hex hashes and identifiers pass Luhn one time in ten
-CARD = re.compile(r"(?<![\w.])\d(?:[ \-]?\d){12,18}(?![\w.])")
+# (the lookbehind after the first digit, not before it: a pattern that starts with a digit class
+# lets `re` skip to the next digit in C; `(?<![\w.]\d)` there is `(?<![\w.])` before it)
+CARD = re.compile(r"\d(?<![\w.]\d)(?:[ \-]?\d){12,18}(?![\w.])")
 # an IPv4 address may end a sentence ("My IP is 10.0.0.1."), not a longer dotted number
 IPV4 = re.compile(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}"
                   r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?!\w|\.\d)")
@@ -229,9 +231,22 @@ def entropy(text: str) -> float:
 
 # what stands in for a secret in examples and templates: `${DB_PASSWORD}`, `%(token)s`, `{{ .Token }}`,
 # `<your-key>`, `xxxxxxxx`, `********`, `####`, `changeme`, `somefakekey`, AWS's `...EXAMPLE...`
-_NOT_A_SECRET = re.compile(r"^\$|%[\d.]*[sdfrx(]|\{\{|x{6}|X{6}|EXAMPLE|#{4}|\*{4}|\.{3}"
-                           r"|fake|FAKE|dummy|DUMMY|changeme|CHANGEME|placeholder|PLACEHOLDER"
-                           r"|(?i:your[_\-]|redacted)")
+# (written so that every branch begins with a literal: `re` then skips in C to where one can
+# begin; `^\$` and `(?i:` in the alternation made it try every branch at every character, the
+# costliest step of judging a key. `_not_a_secret` adds what they said.)
+_NOT_A_SECRET = re.compile(r"%[\d.]*[sdfrx(]|\{\{|xxxxxx|XXXXXX|EXAMPLE|####|\*\*\*\*|\.\.\."
+                           r"|fake|FAKE|dummy|DUMMY|changeme|CHANGEME|placeholder|PLACEHOLDER")
+_NOT_A_SECRET_ANY_CASE = re.compile(r"(?i:your[_\-]|redacted)")
+_NOT_A_SECRET_LOWER = re.compile(r"your[_\-]|redacted")  # the same, in lowercased ASCII text
+
+
+def _not_a_secret(text: str) -> bool:
+    """True if the text stands in for a secret (`_NOT_A_SECRET`, `${...}`, `your-key`, `REDACTED`)."""
+    return (text.startswith("$") or _NOT_A_SECRET.search(text) is not None
+            or (_NOT_A_SECRET_LOWER.search(text.lower()) if text.isascii()
+                else _NOT_A_SECRET_ANY_CASE.search(text)) is not None)
+
+
 # `$USER:$PASSWORD`, `<user:password>`, `neo4j:[PASSWORD]`, `test:test`, `xxx:yyy`, `username:token`
 _CREDENTIALS_PLACEHOLDER = re.compile(
     r"(?:^|:)[\"']?[$<\[{%]|^(\w+):\1$|^(\w)\2*:(\w)\3*$|^.?:.?$"
@@ -253,7 +268,11 @@ def _is_sequence(text: str) -> bool:
     """True if it runs through ten letters or digits in order (`abcdefghij`, `0123456789`): typed
     by hand, as in examples (`AIzaSyabcdefghijklmnopqrstuvwxyz1234567`), never drawn at random.
     """
-    return _SEQUENCE.search(text.lower()) is not None
+    low = text.lower()
+    # every ten letters in order hold `ij` (`abcdefghij` to `ijklmnopqr`) or `rs` (`jklmnopqrs` to
+    # `qrstuvwxyz`), the digits `01`: three plain searches turn down nearly every key before the
+    # alternation of 18 runs, which is tried at nearly every letter
+    return ("ij" in low or "rs" in low or "01" in low) and _SEQUENCE.search(low) is not None
 
 
 # prefixes no placeholder carries: what follows them is a key whatever it looks like
@@ -270,7 +289,7 @@ def _is_token(match: re.Match) -> bool:
         return True
     if match.lastgroup in ("url", "curl"):  # a password in a URL or curl's -u: whatever its entropy
         return _CREDENTIALS_PLACEHOLDER.search(text.strip(" =\"'")) is None
-    return not _NOT_A_SECRET.search(text) and entropy(text) >= 2.5 and not _is_sequence(text)
+    return not _not_a_secret(text) and entropy(text) >= 2.5 and not _is_sequence(text)
 
 
 def _is_secret_value(match: re.Match) -> bool:
@@ -280,9 +299,11 @@ def _is_secret_value(match: re.Match) -> bool:
     `request.headers`), a placeholder (`${TOKEN}`, `xxxxxx`) or a format (`"%0.f"`).
     """
     value = match["v"]
+    if len(value) < 10 and not (match["q"] and match["k"].lower() in ("pass", "pwd")):
+        return False  # short, and no quoted password (below): the costlier tests need not run
     # letters alone are words and names (`getuser`, `HTTPPasswordMgrWithDefaultRealm`), not keys
-    if (not any(c.isdigit() for c in value) or (match["c"] and not match["q"])
-            or _NOT_A_SECRET.search(value) or _is_sequence(value) or _PROVIDER_PREFIX.match(value)):
+    if (not any(map(str.isdigit, value)) or (match["c"] and not match["q"])
+            or _not_a_secret(value) or _is_sequence(value) or _PROVIDER_PREFIX.match(value)):
         return False
     if match["k"].lower() in ("pass", "pwd") and match["q"] and entropy(value) >= 2.3:
         return True  # a quoted string literal assigned to a password: `password = "hunter2!x"`
@@ -306,17 +327,38 @@ def _is_phone(match: re.Match) -> bool:
 
 
 # Cheap tests over a whole serialized trace: only text that might hold PII is scrubbed piece by
-# piece. Looser than the patterns above (they only have to see every candidate); simple searches
-# are several times faster than one alternation of everything. Each pattern also has its own
-# test in PATTERNS, so a text is searched only by the patterns that may match in it.
+# piece. Looser than the patterns above (they only have to see every candidate that their check
+# can accept); simple searches are several times faster than one alternation of everything. Each
+# pattern also has its own test in PATTERNS, so a text is searched only by the patterns that may
+# match in it. A test that starts with a literal or a character class lets `re` skip, in C, to
+# the next place where it can begin; one that starts with a lookbehind, `^` or `(?i:` enters its
+# branches at every character (`\b` is cheap: `_MAYBE_KEY` enters them only at a word's start).
 _LONG_RUN = re.compile(r"[\w\-.~+/=]{20}")  # every provider key is 20 characters or more
 _MAYBE_PREFIX = re.compile(_trie(_SECRET_PREFIXES))
-_MAYBE_NAME = re.compile(r"pass|pwd|secret|token|key|cred|auth|contribsys")  # ASSIGNMENT's, lowercased
+_NAMES = ("pass", "pwd", "secret", "token", "key", "cred", "auth", "contribsys")  # ASSIGNMENT's
+_MAYBE_NAME = re.compile("|".join(_NAMES))  # in the lowercased text
+# where ASSIGNMENT can start, in the lowercased text: every place, overlapping (`passecret`), so
+# only the first letter is taken; each branch begins with a letter, so `re` skips to the next one
+_NAME_AT = re.compile(r"p(?=ass|wd)|s(?=ecret)|t(?=oken)|k(?=ey)|c(?=red|ontribsys__com)|a(?=uth)")
 _MAYBE_MARKED = re.compile("|".join(re.escape(mark) for mark in _SECRET_MARKS))
+# maybe_pii's search for what needs no digit: the marks (`-u` stands for ` -u` and `--user`),
+# the PEM header, an `@` before a domain. Every branch begins with a literal other than a space:
+# `re` skips, in C, to the next character that can begin one. (ASSIGNMENT's names need a digit:
+# `_is_secret_value` wants one in the value.)
+_MAYBE_MARK = re.compile("|".join(sorted(
+    {re.escape(mark) for mark in (*_SECRET_MARKS, "-----BEGIN", "-u")}
+    - {re.escape(mark) for mark in (" -u", "--user")})) + r"|@[A-Za-z0-9.\-]+\.[A-Za-z]{2}")
+
+
+# where SECRET can begin: a prefix at the start of a word, and a key's length of non-space (13, the
+# shortest of `_TOKENS`: `xoxb-1-2-Abcd`; none holds a space). maybe_pii's test for provider keys:
+# one search, the prefix and the run together (`_maybe_prefixed` is two, and looser)
+_MAYBE_KEY = re.compile(r"\b(?=" + _trie(_SECRET_PREFIXES, shortest=13) + ")")
 
 
 def _maybe_prefixed(text: str) -> bool:
-    return _LONG_RUN.search(text) is not None and _MAYBE_PREFIX.search(text) is not None
+    # the prefix first: it is rarer than a long run in code, and as cheap to look for
+    return _MAYBE_PREFIX.search(text) is not None and _LONG_RUN.search(text) is not None
 
 
 def _maybe_marked(text: str) -> bool:
@@ -324,43 +366,89 @@ def _maybe_marked(text: str) -> bool:
 
 
 def _maybe_named(text: str) -> bool:
-    return _MAYBE_NAME.search(text.lower()) is not None
+    # a value `_is_secret_value` takes has a digit (of any script: `not text.isascii()`)
+    return ((not text.isascii() or _DIGIT_A.search(text) is not None)
+            and _MAYBE_NAME.search(text.lower()) is not None)
 
 
 def _maybe_pem(text: str) -> bool:
     return "-----BEGIN" in text
 
 
-_MAYBE_NUMBER = re.compile(r"\d[\d .\-()]{5,}\d")  # phones, cards, IPv4 (8.8.8.8: 7 characters)
-_MAYBE_IPV6 = re.compile(r"::|[0-9A-Fa-f]:[0-9A-Fa-f]{1,4}:")
+# phones, cards, IPv4 (8.8.8.8: 7 characters): each of them is such a run, so a text without one
+# holds none of them, whatever else its digits are (84 % of the peers' cases have a digit, 16 % a run)
+_MAYBE_NUMBER = re.compile(r"\d[\d .\-()]{5,}\d")
+# an IPv6 address `_is_ipv6` accepts is a run of hex digits and colons with two colons or more
+# and a digit among them: the digit after the first two colons or between them (a search led by
+# the colon), or before them (led by the digit). A `::` between names (`std::vector<int> v(10)`)
+# has no digit in its run. Two searches, not one alternation: each begins with a literal or a
+# class, so `re` skips in C to where it can begin (JSON's colons made the alternation slow).
+# (each run up to the next colon or the first digit, possessive: nothing to backtrack into)
+_MAYBE_IPV6_COLON = re.compile(r":[0-9A-Fa-f]*+:[A-Fa-f:]*+\d|:[A-Fa-f]*+\d[0-9A-Fa-f]*+:")
+_MAYBE_IPV6_DIGIT = re.compile(r"\d[0-9A-Fa-f]*+:[0-9A-Fa-f]*+:")
 
 
-def maybe_secret(text: str) -> bool:
-    """True if the text may hold a secret: a long run with a provider's prefix, a mark of MARKED
-    (`Bearer `, `://`, `curl -u`), a name ASSIGNMENT looks for (it holds `key`: so does a PEM
-    header).
-    """
-    return _maybe_prefixed(text) or _maybe_named(text) or _maybe_marked(text)
+# In ASCII text (nearly all there is) the tests run compiled with re.ASCII (`_A`): `\d`, `\b`
+# and `\S` are then a table lookup, not a call into the Unicode database for each character (a
+# third of the time of a search on a serialized trace). On ASCII text they find what the Unicode
+# ones find (`\S` also takes the separators \x1c-\x1f: looser, which a cheap test may be).
+_DIGIT_A, _MAYBE_NUMBER_A, _MAYBE_IPV6_COLON_A, _MAYBE_IPV6_DIGIT_A, _MAYBE_KEY_A = (
+    re.compile(pattern.pattern, re.ASCII)
+    for pattern in (DIGIT, _MAYBE_NUMBER, _MAYBE_IPV6_COLON, _MAYBE_IPV6_DIGIT, _MAYBE_KEY))
+
+
+def _maybe_number(text: str) -> bool:
+    return (_MAYBE_NUMBER_A if text.isascii() else _MAYBE_NUMBER).search(text) is not None
+
+
+def _maybe_ipv6(text: str) -> bool:
+    if ":" not in text:
+        return False
+    colon, digit = ((_MAYBE_IPV6_COLON_A, _MAYBE_IPV6_DIGIT_A) if text.isascii()
+                    else (_MAYBE_IPV6_COLON, _MAYBE_IPV6_DIGIT))
+    return colon.search(text) is not None or digit.search(text) is not None
 
 
 def maybe_pii(text: str) -> bool:
     """True if the text may hold PII: a cheap test before the patterns run."""
+    # on most lines of code three searches: the marks, a digit, a key's prefix. Without a digit
+    # (83 % of lines of code) there is no phone, card or address, and no assignment of a secret;
+    # a digit of another script (`²`) may be one for `_is_secret_value`, so non-ASCII text counts
+    if _MAYBE_MARK.search(text) is not None:
+        return True
+    is_ascii = text.isascii()
+    if is_ascii and _DIGIT_A.search(text) is None:
+        return _MAYBE_KEY_A.search(text) is not None
     # an IPv6 address has a digit (`_is_ipv6`): C++'s `std::` alone is no reason to look
-    return ("@" in text or _MAYBE_NUMBER.search(text) is not None
-            or (_MAYBE_IPV6.search(text) is not None and DIGIT.search(text) is not None)
-            or maybe_secret(text))
-
-
-def _has_digit(text: str) -> bool:
-    return DIGIT.search(text) is not None
+    return (_MAYBE_NAME.search(text.lower()) is not None or _maybe_number(text) or _maybe_ipv6(text)
+            or (_MAYBE_KEY_A if is_ascii else _MAYBE_KEY).search(text) is not None)
 
 
 # (kind, pattern, the check of each match or None, the cheap test a text must pass to be searched)
 PATTERNS = [("secret", PRIVATE_KEY, None, _maybe_pem), ("secret", SECRET, _is_token, _maybe_prefixed),
             ("secret", MARKED, _is_token, _maybe_marked), ("secret", ASSIGNMENT, _is_secret_value, _maybe_named),
-            ("email", EMAIL, None, lambda text: "@" in text), ("card", CARD, _is_card, _has_digit),
-            ("ip", IPV4, None, _has_digit), ("ip", IPV6, _is_ipv6, _has_digit),
-            ("phone", PHONE, _is_phone, _has_digit)]
+            ("email", EMAIL, None, lambda text: "@" in text), ("card", CARD, _is_card, _maybe_number),
+            ("ip", IPV4, None, _maybe_number), ("ip", IPV6, _is_ipv6, _maybe_ipv6),
+            ("phone", PHONE, _is_phone, _maybe_number)]
+
+
+def _sub_at(pattern: re.Pattern, starts, replace, value: str) -> str:
+    """`pattern.sub(replace, value)` for a pattern whose matches can only begin at `starts`
+    (ascending): a match tried at each of them, not a search at every character.
+    """
+    out, last = [], 0
+    for start in starts:
+        if start < last:  # inside the last match: `sub` goes on after it
+            continue
+        match = pattern.match(value, start)
+        if match is not None:
+            out.append(value[last:start])
+            out.append(replace(match))
+            last = match.end()
+    if not out:
+        return value
+    out.append(value[last:])
+    return "".join(out)
 
 
 class Scrubber:
@@ -369,9 +457,9 @@ class Scrubber:
     def __init__(self, kinds: set[str]):
         """A scrubber of the PII `kinds`, its counts at zero."""
         self.kinds = kinds
-        self.counts = {kind: 0 for kind in KINDS}
+        self.counts = dict.fromkeys(KINDS, 0)
         self.placeholders: dict[tuple[str, str], str] = {}
-        self.numbers = {kind: 0 for kind in KINDS}
+        self.numbers = dict.fromkeys(KINDS, 0)
 
     def _placeholder(self, kind: str, value: str) -> str:
         key = (kind, value.lower() if kind == "email" else value)
@@ -403,7 +491,13 @@ class Scrubber:
                             + match[0][end - whole:])
                 return self._placeholder(kind, match[0])
 
-            value = pattern.sub(replace, value)
+            if pattern is ASSIGNMENT and value.isascii():
+                # its `(?i:` names make `re` try it at every character; in ASCII text they are
+                # the lowercased text's names, found in one plain search
+                value = _sub_at(ASSIGNMENT, (m.start() for m in _NAME_AT.finditer(value.lower())),
+                                replace, value)
+            else:
+                value = pattern.sub(replace, value)
         return value
 
     def walk(self, value):
