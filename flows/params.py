@@ -1,8 +1,8 @@
 """The whole params.yaml as a cycle reads it: the stages' sections and the flow's own.
 
 The stages' sections (`base:`, `init:` ... `gate:`) are `stages/config.py`'s; the flow adds
-`promotion:` (a person's approval after the gate), `deployments:` (`offseason serve`'s
-schedules) and `cost:` (the prices of the cost ledger, flows/cost.py), which no stage reads, and
+`promotion:` (a person's approval after the gate) and `deployments:` (`offseason serve`'s
+schedules), which no stage reads, and
 the run parameters of a cycle (the Prefect UI's Run form)
 with the params.yaml key each overrides. `load_all` checks every section before a cycle starts.
 
@@ -15,7 +15,6 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.cost import Cost
 from stages import config as cfg
 
 
@@ -84,8 +83,7 @@ class Deployments:
                                       f"parameter; valid: {', '.join(RUN_OVERRIDES)}")
 
 
-SECTIONS: dict[str, type] = {**cfg.SECTIONS, "promotion": Promotion, "deployments": Deployments,
-                             "cost": Cost}
+SECTIONS: dict[str, type] = {**cfg.SECTIONS, "promotion": Promotion, "deployments": Deployments}
 
 
 def load_all(path: str | Path = "params.yaml") -> dict:
