@@ -448,7 +448,7 @@ def cmd_demo(args) -> int:
             print(f"\n=== demo: day {i + 1} of {args.cycles}: new traffic, then a cycle ===",
                   flush=True)
             cmd_simulate(argparse.Namespace(days=1))
-            cmd_run(argparse.Namespace())
+            cmd_run(argparse.Namespace(estimate=False))
     rows = history_rows(root)
     print(f"\n=== demo finished in {time.time() - started:.0f} s ===\n")
     print_history(rows)
@@ -888,8 +888,9 @@ def cycle_commands(sub) -> None:
                        "for train, with the replay it will mix in; one run for champion_scores, "
                        "when the champion changed, and the gate). The last three committed "
                        "cycles' ledgers (metrics/cost.json at their gen-N tags) give each "
-                       "stage's cost per unit; the estimate is the mean rate times this cycle's "
-                       "units, the range the lowest and highest rate seen. Dollars by params.yaml's "
+                       "stage's cost as a fixed part (start-up) plus a rate per unit, fitted to "
+                       "them; the estimate is that fit at this cycle's units, the range those "
+                       "cycles' own spread around it. Dollars by params.yaml's "
                        "cost: prices. Without a committed cycle there are no rates: it says so. "
                        "After a cycle, metrics/cost.json keeps the estimate made before it "
                        "(`estimate`) beside what it cost.")

@@ -13,10 +13,11 @@ per GPU-hour, per million judge tokens; with a rate of 0 the units still show). 
 history` reads the committed ledgers: each generation's cost, and its gain over the champion it
 was gated against per dollar (rejected cycles cost too).
 
-`estimate` predicts the next cycle from the inbox waiting, params.yaml and the per-unit rates of
-the last committed ledgers (`estimate_from`): each stage's CPU and GPU seconds per unit of the
-work that drives it (inbox lines, episodes, trained example-epochs, or one per cycle), with the
-lowest and highest rate seen as its range. `budget_refusal` says why a cycle may not start.
+`estimate` predicts the next cycle from the inbox waiting, params.yaml and the last committed
+ledgers: each stage's CPU and GPU seconds and judge tokens as a fixed part plus a rate per unit of
+the work that drives it (inbox lines, episodes, trained example-epochs, or one per cycle), fitted
+to those cycles (`predict`), with their spread around the fit as its range. `budget_refusal` says
+why a cycle may not start.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def per_dollar(rows: list[dict]) -> None:
 
 ESTIMATES: dict[str, dict] = {}  # repo root -> the estimate `offseason run` made before its cycle
 
-# What drives each stage's work, known before the cycle runs: its cost is rate x driver
+# What drives each stage's work, known before the cycle runs: its cost is fixed + rate x driver
 DRIVERS = {"ingest": "inbox_lines", "validate": "inbox_lines", "rollout": "episodes",
            "reward": "episodes", "train": "example_epochs", "champion_scores": "runs",
            "gate": "runs"}
@@ -207,6 +208,28 @@ def _champion_changed(root: Path) -> bool:
         != current
 
 
+def predict(points: list[tuple[float, float]], units: float) -> list[float]:
+    """[low, estimate, high] of a cost at `units` from earlier (units, cost) points: a fixed
+    part (a stage's process start-up: imports, model loading) plus a rate per unit, the line
+    through the points by least squares (neither part below 0; with units too alike to tell
+    them apart, a rate alone). The range: the points' own spread around that line.
+    """
+    if not points:
+        return [0.0, 0.0, 0.0]
+    us, cs = [u for u, _ in points], [c for _, c in points]
+    mean_u, mean_c = sum(us) / len(us), sum(cs) / len(cs)
+    fixed, rate = 0.0, sum(cs) / sum(us)
+    if len(points) > 1 and max(us) - min(us) >= 0.1 * max(us):
+        slope = sum((u - mean_u) * (c - mean_c) for u, c in points) / sum(
+            (u - mean_u) ** 2 for u in us)
+        if 0 <= slope and mean_c - slope * mean_u >= 0:
+            fixed, rate = mean_c - slope * mean_u, slope
+    middle = fixed + rate * units
+    residuals = [c - (fixed + rate * u) for u, c in points]
+    return [round(max(0.0, middle + min(residuals)), 3), round(middle, 3),
+            round(max(0.0, middle + max(residuals)), 3)]
+
+
 def estimate(root: Path, configs: dict, last: int = 3) -> dict:
     """The next cycle's units and dollars (see the module docstring), or, without a committed
     cycle to learn rates from, `status: no-history` and what it needs.
@@ -239,19 +262,15 @@ def estimate(root: Path, configs: dict, last: int = 3) -> dict:
         if not lines or not reruns.get(name, True):
             stages[name] = {"reused": True}
             continue
-        rates = {key: [] for key in ESTIMATED}
-        for cycle in cycles:
-            row, units = cycle["ledger"]["stages"].get(name) or {}, cycle["drivers"][driver]
-            if row and not row.get("reused") and units:
-                for key in ESTIMATED:
-                    rates[key].append(row.get(key, 0) / units)
+        points = [(cycle["drivers"][driver], cycle["ledger"]["stages"][name])
+                  for cycle in cycles
+                  if not (cycle["ledger"]["stages"].get(name) or {"reused": True}).get("reused")
+                  and cycle["drivers"][driver]]
         # a train stage that wrote the champion unchanged (too few examples) costs its fixed part
         units = drivers[driver] if name != "train" or trains else 0
-        row = {"driver": driver, "units": units, "cycles": len(rates["cpu_seconds"])}
+        row = {"driver": driver, "units": units, "cycles": len(points)}
         for key in ESTIMATED:
-            seen = rates[key]
-            row[key] = [round(min(seen, default=0) * units, 3), round(mean(seen) * units, 3),
-                        round(max(seen, default=0) * units, 3)]
+            row[key] = predict([(u, r.get(key, 0) or 0) for u, r in points], units)
             for i in range(3):
                 total[key][i] += row[key][i]
         stages[name] = row
@@ -261,8 +280,9 @@ def estimate(root: Path, configs: dict, last: int = 3) -> dict:
     return {"status": "ok", "made_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "from": [c["tag"] for c in cycles], "drivers": drivers, "stages": stages,
             "total": total, "gpu_hours": [round(v / 3600, 4) for v in total["gpu_seconds"]],
-            "range": "low, estimate, high: the lowest, mean and highest per-unit rate of the "
-                     "cycles in `from`, times this cycle's units"}
+            "range": "low, estimate, high: per stage a fixed part plus a rate per unit, fitted "
+                     "to the cycles in `from`, at this cycle's units; low and high: those "
+                     "cycles' own spread around the fit"}
 
 
 def month_spent(root: Path, now: datetime | None = None) -> tuple[float, list[str]]:

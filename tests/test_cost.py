@@ -184,3 +184,14 @@ def test_nvml_samples_a_busy_gpu():
     assert 0 < mine["mean_utilisation"] <= 100 and mine["samples"] > 5
     row = cost.stage_row({"resources": io.resources()}, 0, cfg.Cost())
     assert row["gpu_count"] == len(used) and row["gpu_busy_seconds"] > 0.5
+
+
+def test_the_estimate_fits_a_fixed_part_and_a_rate_and_says_its_spread():
+    # a stage with a start-up cost of 5 s and 0.1 s a unit: the line, not the ratio
+    assert cost.predict([(10, 6.0), (50, 10.0)], 100) == [15.0, 15.0, 15.0]
+    low, middle, high = cost.predict([(10, 6.5), (30, 7.5), (50, 10.0)], 100)
+    assert low < middle < high and 14 < middle < 16
+    # units too alike to separate the parts: a rate alone
+    assert cost.predict([(50, 10.0), (51, 10.4)], 100)[1] == pytest.approx(100 * 20.4 / 101,
+                                                                           abs=1e-3)
+    assert cost.predict([], 10) == [0.0, 0.0, 0.0]
