@@ -211,8 +211,9 @@ def _champion_changed(root: Path) -> bool:
 def predict(points: list[tuple[float, float]], units: float) -> list[float]:
     """[low, estimate, high] of a cost at `units` from earlier (units, cost) points: a fixed
     part (a stage's process start-up: imports, model loading) plus a rate per unit, the line
-    through the points by least squares (neither part below 0; with units too alike to tell
-    them apart, a rate alone). The range: the points' own spread around that line.
+    through the points by least squares (a slope below 0: a fixed cost alone; a fixed part below
+    0, or units too alike to tell the parts apart: a rate alone). The range: the points' own
+    spread around that line.
     """
     if not points:
         return [0.0, 0.0, 0.0]
@@ -222,7 +223,9 @@ def predict(points: list[tuple[float, float]], units: float) -> list[float]:
     if len(points) > 1 and max(us) - min(us) >= 0.1 * max(us):
         slope = sum((u - mean_u) * (c - mean_c) for u, c in points) / sum(
             (u - mean_u) ** 2 for u in us)
-        if 0 <= slope and mean_c - slope * mean_u >= 0:
+        if slope <= 0:  # no growth with the units beyond the noise: a fixed cost
+            fixed, rate = mean_c, 0.0
+        elif mean_c - slope * mean_u >= 0:
             fixed, rate = mean_c - slope * mean_u, slope
     middle = fixed + rate * units
     residuals = [c - (fixed + rate * u) for u, c in points]

@@ -194,4 +194,6 @@ def test_the_estimate_fits_a_fixed_part_and_a_rate_and_says_its_spread():
     # units too alike to separate the parts: a rate alone
     assert cost.predict([(50, 10.0), (51, 10.4)], 100)[1] == pytest.approx(100 * 20.4 / 101,
                                                                            abs=1e-3)
+    # more units cost no more (the demo's train stage: start-up, one step): a fixed cost
+    assert cost.predict([(1.0, 9.084), (3.0, 8.581)], 4.5) == [8.581, 8.832, 9.084]
     assert cost.predict([], 10) == [0.0, 0.0, 0.0]
