@@ -6,6 +6,7 @@
     offseason history     one row per generation: scores, verdict, the champion
     offseason pending     cycles waiting for approval; `approve` / `reject RUN_ID --reason ...`
     offseason rollback    make an earlier generation the champion again (--to gen-N --reason ...)
+    offseason estimate    what the next cycle will cost (units, dollars, a range), before running it
     offseason demo        init (if needed), then simulate + run three times, then the history
     offseason check       check params.yaml and print it with every default filled in
     offseason rescore     re-score stored rollouts after the verifier changed (a new VERSION)
@@ -257,15 +258,25 @@ def cmd_run(args) -> int:
     from flows import notify, pipeline
     from flows.ui import temporary_prefect
 
+    if args.estimate:
+        return cmd_estimate(args)
     session = pipeline.Session(root)  # DVC loads in it while the checks below run
     try:
         # fail before any stage (or Prefect) starts
-        specs = settings.load_all(root / "params.yaml")["environments"]
+        configs = settings.load_all(root / "params.yaml")
+        specs = configs["environments"]
         if specs:
             read_environment_benchmarks(root, specs)
         else:
             read_benchmark(root)
         with cycle_lock(root, "offseason run"):
+            # the estimate before anything runs: refused over budget, else kept for the ledger
+            from flows import cost
+
+            guess = cost.estimate(root, configs)
+            if (refusal := cost.budget_refusal(root, guess, configs["budget"])):
+                raise WorkspaceError(refusal)
+            cost.ESTIMATES[str(root.resolve())] = guess
             # repairs, checks and the no-change decision, before Prefect or MLflow load; when
             # there is work, the stages start here and run while Prefect's temporary server starts
             try:
@@ -287,6 +298,26 @@ def cmd_run(args) -> int:
         session.close(kill=True)  # closed already, unless it failed before begin() took it
         raise
     print(f"run: {result['message']}")
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    """`offseason estimate` (and `run --estimate`): the next cycle's units and dollars."""
+    root = find_root()
+    from flows import cost
+
+    configs = settings.load_all(root / "params.yaml")
+    guess = cost.estimate(root, configs)
+    if getattr(args, "json", False):
+        print(json.dumps(guess, indent=2))
+        return 0
+    print(cost.format_estimate(guess))
+    budget = configs["budget"]
+    if any(dataclasses.asdict(budget).values()):
+        refusal = cost.budget_refusal(root, guess, budget)
+        print("budget: " + ("over: `offseason run` would refuse this cycle: "
+                            + refusal.split("; nothing was started")[0] if refusal
+                            else f"within {dataclasses.asdict(budget)}"))
     return 0
 
 
@@ -418,7 +449,7 @@ def cmd_demo(args) -> int:
             print(f"\n=== demo: day {i + 1} of {args.cycles}: new traffic, then a cycle ===",
                   flush=True)
             cmd_simulate(argparse.Namespace(days=1))
-            cmd_run(argparse.Namespace())
+            cmd_run(argparse.Namespace(estimate=False))
     rows = history_rows(root)
     print(f"\n=== demo finished in {time.time() - started:.0f} s ===\n")
     print_history(rows)
@@ -858,8 +889,29 @@ def cycle_commands(sub) -> None:
                        "gate through DVC (up-to-date stages are skipped), then promote on a pass, "
                        "commit and tag gen-N. Logged to MLflow (one run per cycle, a child run per "
                        "stage) and to Prefect (flow run log, report artifacts). Nothing new in "
-                       "the inbox and nothing changed: nothing reruns.")
+                       "the inbox and nothing changed: nothing reruns. A cycle whose estimate "
+                       "is over params.yaml's budget: is refused before it starts.")
+    s.add_argument("--estimate", action="store_true",
+                   help="print the cycle's estimate (`offseason estimate`) and exit; runs nothing")
     s.set_defaults(func=cmd_run)
+    s = sub.add_parser("estimate", help="what the next cycle will cost, before running it",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Predict the next cycle's units (CPU and GPU seconds per "
+                       "stage, judge tokens) and dollars, without running anything.\n\n"
+                       "How: each stage's work is driven by a unit known before the cycle (inbox "
+                       "lines waiting for ingest and validate; episodes = tasks x "
+                       "rollout.samples_per_task for rollout and reward; trained example-epochs "
+                       "for train, with the replay it will mix in; one run for champion_scores, "
+                       "when the champion changed, and the gate). The last three committed "
+                       "cycles' ledgers (metrics/cost.json at their gen-N tags) give each "
+                       "stage's cost as a fixed part (start-up) plus a rate per unit, fitted to "
+                       "them; the estimate is that fit at this cycle's units, the range those "
+                       "cycles' own spread around it. Dollars by params.yaml's "
+                       "cost: prices. Without a committed cycle there are no rates: it says so. "
+                       "After a cycle, metrics/cost.json keeps the estimate made before it "
+                       "(`estimate`) beside what it cost.")
+    s.add_argument("--json", action="store_true", help="the estimate as JSON")
+    s.set_defaults(func=cmd_estimate)
     s = sub.add_parser("demo", help="init, then simulate + run a few times, then the history",
                        description="The built-in demo: create generation 0 if there is none, then "
                        "for each cycle simulate a day of traffic and run a cycle, and print the "

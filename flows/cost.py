@@ -1,74 +1,99 @@
-"""What a cycle cost: the ledger, `metrics/cost.json`, from the stages' own metrics.
+"""What a cycle cost: the ledger, `metrics/cost.json`, from the stages' own metrics; what the
+next one will cost (`offseason estimate`), and whether a budget allows it.
 
 Each stage writes `resources` into its metrics (`stages.io.write_metrics`: wall and CPU seconds of
-its process and children, peak memory; measured, so they vary run to run); the rollout counts the
-tokens it generated, the reward stage its judge's requests and tokens. The ledger sums the stages
-that ran in this cycle (a stage DVC skipped, because its inputs had not changed, was paid for in
-an earlier cycle and is listed as `reused`), and prices the units with params.yaml's `cost:`
-(per CPU-hour, per GPU-hour, per million judge tokens; with a rate of 0 the units still show).
-`offseason history` reads the committed ledgers: each generation's cost, and its gain over the
-champion it was gated against per dollar (rejected cycles cost too).
+its process and children, peak memory, and with NVML each GPU's busy seconds, peak memory and mean
+utilisation; measured, so they vary run to run). The rollout counts its episodes' prompt and
+generated tokens and tool calls from their own token ids, per environment; the train stage the
+tokens of its batches (not padding, and those the loss saw); the reward stage its judge's requests
+and tokens as the server's `usage` reports them (all exact). The ledger sums the stages that ran
+in this cycle (a stage DVC skipped, because its inputs had not changed, was paid for in an earlier
+cycle and is listed as `reused`), and prices the units with params.yaml's `cost:` (per CPU-hour,
+per GPU-hour, per million judge tokens; with a rate of 0 the units still show). `offseason
+history` reads the committed ledgers: each generation's cost, and its gain over the champion it
+was gated against per dollar (rejected cycles cost too).
 
-Not yet: GPU busy time and utilisation (NVML), trained-token counts, estimates before a cycle and
-budgets that stop one (the cost issue).
+`estimate` predicts the next cycle from the inbox waiting, params.yaml and the last committed
+ledgers: each stage's CPU and GPU seconds and judge tokens as a fixed part plus a rate per unit of
+the work that drives it (inbox lines, episodes, trained example-epochs, or one per cycle), fitted
+to those cycles (`predict`), with their spread around the fit as its range. `budget_refusal` says
+why a cycle may not start.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from datetime import UTC, datetime
+from pathlib import Path
 
-from stages import config as cfg
+from stages.budget import price
+from stages.config import Budget, Cost
 
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
+EXACT = ["prompt_tokens", "generated_tokens", "tool_calls", "trained_tokens", "loss_tokens",
+         "judge_requests", "judge_tokens", "judge_prompt_tokens", "judge_completion_tokens"]
+MEASURED = ["wall_seconds", "cpu_seconds", "gpu_busy_seconds"]
+SUMMED = ["wall_seconds", "cpu_seconds", "gpu_seconds", "gpu_busy_seconds", *EXACT, "usd"]
 
 
-@dataclass(frozen=True)
-class Cost:
-    """`cost:`: prices, so the ledger reads in dollars too. Example rates; set your own."""
-
-    cpu_hour_usd: float = 0.05  # one core for an hour (a cloud vCPU is about $0.02 to $0.05)
-    gpu_hour_usd: float = 2.50  # one GPU for an hour (an H100 rents for about $2 to $4)
-    judge_usd_per_million_tokens: float = 0.0  # the judge's price; 0: a local judge
-
-    def __post_init__(self):
-        """Refuse negative prices."""
-        for key in ("cpu_hour_usd", "gpu_hour_usd", "judge_usd_per_million_tokens"):
-            if getattr(self, key) < 0:
-                raise cfg.ParamsError(f"cost.{key}: must be >= 0, got {getattr(self, key)}")
+def stage_row(metrics: dict, gpus: int, prices: Cost) -> dict:
+    """One stage's units and dollars from its metrics. Its GPUs are those NVML saw it hold
+    (`resources.gpus`), else `gpus`; each is paid for the stage's wall time (`gpu_seconds`),
+    busy or not; `gpu_busy_seconds` is how much of it a kernel ran (sampled).
+    """
+    used = metrics.get("resources") or {}
+    judges = metrics.get("judges") or []
+    seen = used.get("gpus")
+    count = len(seen) if seen is not None else gpus
+    wall = used.get("wall_seconds", 0.0)
+    row = {"wall_seconds": wall, "cpu_seconds": used.get("cpu_seconds", 0.0),
+           "max_rss_mb": used.get("max_rss_mb"), "gpu_count": count,
+           "gpu_seconds": round(count * wall, 3),
+           "gpu_busy_seconds": round(sum(g["busy_seconds"] for g in seen or []), 3),
+           "prompt_tokens": int(metrics.get("prompt_tokens") or 0),
+           "generated_tokens": int(metrics.get("generated_tokens") or 0),
+           "tool_calls": int(metrics.get("tool_calls") or 0),
+           "trained_tokens": int(metrics.get("trained_tokens") or 0),
+           "loss_tokens": int(metrics.get("loss_tokens") or 0),
+           "judge_requests": sum(j.get("requests", 0) for j in judges),
+           "judge_tokens": sum(j.get("tokens", 0) for j in judges),
+           "judge_prompt_tokens": sum(j.get("prompt_tokens", 0) for j in judges),
+           "judge_completion_tokens": sum(j.get("completion_tokens", 0) for j in judges)}
+    if seen:
+        row["gpus"] = seen
+    if isinstance(metrics.get("environments"), dict):  # the rollout's, per environment
+        row["environments"] = {
+            name: {k: env[k] for k in ("episodes", "prompt_tokens", "generated_tokens",
+                                       "tool_calls") if k in env}
+            for name, env in metrics["environments"].items()}
+    row["usd"] = price(row, prices)
+    return row
 
 
 def ledger(metrics: dict[str, dict], reran: dict[str, bool], prices: Cost,
            gpus: int = 0) -> dict:
     """The cycle's ledger from its stages' metrics: per stage and in total, units and dollars."""
-    stages, total = {}, {"wall_seconds": 0.0, "cpu_seconds": 0.0, "generated_tokens": 0,
-                         "judge_requests": 0, "judge_tokens": 0, "usd": 0.0}
+    stages, total = {}, dict.fromkeys(SUMMED, 0)
     for name in STAGES:
         if name not in metrics:
             continue
         if not reran.get(name, False):
             stages[name] = {"reused": True}
             continue
-        used = metrics[name].get("resources") or {}
-        judges = metrics[name].get("judges") or []
-        row = {"wall_seconds": used.get("wall_seconds", 0.0),
-               "cpu_seconds": used.get("cpu_seconds", 0.0),
-               "max_rss_mb": used.get("max_rss_mb"),
-               "generated_tokens": int(metrics[name].get("generated_tokens") or 0)
-               if name == "rollout" else 0,
-               "judge_requests": sum(j.get("requests", 0) for j in judges),
-               "judge_tokens": sum(j.get("tokens", 0) for j in judges)}
-        row["usd"] = round(row["cpu_seconds"] / 3600 * prices.cpu_hour_usd
-                           + gpus * row["wall_seconds"] / 3600 * prices.gpu_hour_usd
-                           + row["judge_tokens"] / 1e6 * prices.judge_usd_per_million_tokens, 6)
-        stages[name] = row
+        row = stages[name] = stage_row(metrics[name], gpus, prices)
         for key in total:
             total[key] += row[key]
     total = {k: round(v, 6) if isinstance(v, float) else v for k, v in total.items()}
     return {"stages": stages, "total": total, "gpus": gpus,
             "prices": {"cpu_hour_usd": prices.cpu_hour_usd, "gpu_hour_usd": prices.gpu_hour_usd,
                        "judge_usd_per_million_tokens": prices.judge_usd_per_million_tokens},
-            "measured": "wall and CPU seconds are measured and vary run to run; tokens and "
-                        "requests are counted exactly"}
+            "exact": EXACT, "measured": MEASURED + ["max_rss_mb", "gpus"],
+            "how": "tokens, tool calls and judge requests are counted exactly from the rollouts' "
+                   "token ids, the training batches and the judge's usage; seconds, memory and "
+                   "GPU utilisation are measured (GPU: NVML sampled every 0.5 s) and vary run "
+                   "to run; gpu_seconds are the GPUs held for the stage's wall time; sandbox "
+                   "time is not counted apart: its processes are the reward stage's children, "
+                   "inside its cpu_seconds"}
 
 
 def per_dollar(rows: list[dict]) -> None:
@@ -87,3 +112,250 @@ def per_dollar(rows: list[dict]) -> None:
         gain = None if row.get("score") is None or row.get("champion_score") is None else \
             100 * (row["score"] - row["champion_score"])
         row["points_per_usd"] = round(gain / usd, 2) if gain is not None and usd > 0 else None
+
+
+ESTIMATES: dict[str, dict] = {}  # repo root -> the estimate `offseason run` made before its cycle
+
+# What drives each stage's work, known before the cycle runs: its cost is fixed + rate x driver
+DRIVERS = {"ingest": "inbox_lines", "validate": "inbox_lines", "rollout": "episodes",
+           "reward": "episodes", "train": "example_epochs", "champion_scores": "runs",
+           "gate": "runs"}
+ESTIMATED = ["cpu_seconds", "gpu_seconds", "judge_tokens"]
+
+
+def _yaml_at(root: Path, ref: str, path: str) -> dict:
+    import yaml
+
+    from flows.workspace import run
+
+    out = run(["git", "show", f"{ref}:{path}"], root, check=False)
+    return (yaml.safe_load(out.stdout) or {}) if out.returncode == 0 else {}
+
+
+def _epochs(params: dict) -> float:
+    train = params.get("train") or {}
+    algorithm = train.get("algorithm", "sft")
+    default = {"sft": 8, "dpo": 3, "grpo": 4}.get(algorithm, 1)
+    return float((train.get(algorithm) or {}).get("epochs", default))
+
+
+def committed_cycles(root: Path, last: int = 3) -> list[dict]:
+    """The last `last` committed cycles with a ledger (tags gen-N, N >= 1): per cycle its tag,
+    date, ledger, the drivers of its stages' work, and the ratios the estimate carries over.
+    """
+    from flows.workspace import generations, git, read_at
+
+    found = []
+    for generation in reversed(generations(root)):
+        if generation == 0 or len(found) == last:
+            continue
+        tag = f"gen-{generation}"
+        spent = read_at(root, tag, "metrics/cost.json")
+        if not spent or "stages" not in spent:
+            continue
+        ingest = read_at(root, tag, "metrics/ingest.json") or {}
+        roll = read_at(root, tag, "metrics/rollout.json") or {}
+        train = read_at(root, tag, "metrics/train.json") or {}
+        examples = (train.get("examples") or 0) + (train.get("replayed") or 0)
+        found.append({
+            "tag": tag, "date": git(root, "log", "-1", "--format=%cI", tag), "ledger": spent,
+            "drivers": {"inbox_lines": ingest.get("rows_read") or 0,
+                        "episodes": roll.get("episodes") or 0,
+                        "example_epochs": examples * _epochs(_yaml_at(root, tag, "params.yaml"))
+                        if train.get("trained") else 0, "runs": 1},
+            "tasks_per_line": (roll.get("tasks") or 0) / ingest["rows_read"]
+            if ingest.get("rows_read") else None,
+            "examples_per_episode": (train.get("examples") or 0) / roll["episodes"]
+            if roll.get("episodes") else None,
+            "replay_next": (train.get("replay_available") or 0) + (train.get("examples") or 0),
+            "trained": bool(train.get("trained"))})
+    return list(reversed(found))
+
+
+def waiting_lines(root: Path) -> int:
+    """Non-empty lines of the inbox files not yet ingested (not in data/traces/manifest.json):
+    the traces (or, for span formats, records) the next cycle reads.
+    """
+    manifest = root / "data" / "traces" / "manifest.json"
+    done = set(json.loads(manifest.read_text())) if manifest.exists() else set()
+    lines = 0
+    for path in sorted((root / "data" / "inbox").glob("*")):
+        if path.is_file() and path.name not in done and not path.name.startswith("."):
+            if path.suffix == ".gz":
+                import gzip
+
+                with gzip.open(path, "rt", errors="replace") as handle:
+                    lines += sum(1 for line in handle if line.strip())
+            else:
+                with path.open("rb") as handle:
+                    lines += sum(1 for line in handle if line.strip())
+    return lines
+
+
+def _champion_changed(root: Path) -> bool:
+    """Whether models/champion differs from what champion_scores last scored (dvc.lock), so
+    that stage reruns next cycle.
+    """
+    import yaml
+
+    pointer, lock = root / "models" / "champion.dvc", root / "dvc.lock"
+    if not pointer.exists() or not lock.exists():
+        return True
+    current = (yaml.safe_load(pointer.read_text()).get("outs") or [{}])[0].get("md5")
+    deps = ((yaml.safe_load(lock.read_text()) or {}).get("stages", {})
+            .get("champion_scores", {}).get("deps", []))
+    return next((d.get("md5") for d in deps if d.get("path") == "models/champion"), None) \
+        != current
+
+
+def predict(points: list[tuple[float, float]], units: float) -> list[float]:
+    """[low, estimate, high] of a cost at `units` from earlier (units, cost) points: a fixed
+    part (a stage's process start-up: imports, model loading) plus a rate per unit, the line
+    through the points by least squares (a slope below 0: a fixed cost alone; a fixed part below
+    0, or units too alike to tell the parts apart: a rate alone). The range: the points' own
+    spread around that line.
+    """
+    if not points:
+        return [0.0, 0.0, 0.0]
+    us, cs = [u for u, _ in points], [c for _, c in points]
+    mean_u, mean_c = sum(us) / len(us), sum(cs) / len(cs)
+    fixed, rate = 0.0, sum(cs) / sum(us)
+    if len(points) > 1 and max(us) - min(us) >= 0.1 * max(us):
+        slope = sum((u - mean_u) * (c - mean_c) for u, c in points) / sum(
+            (u - mean_u) ** 2 for u in us)
+        if slope <= 0:  # no growth with the units beyond the noise: a fixed cost
+            fixed, rate = mean_c, 0.0
+        elif mean_c - slope * mean_u >= 0:
+            fixed, rate = mean_c - slope * mean_u, slope
+    middle = fixed + rate * units
+    residuals = [c - (fixed + rate * u) for u, c in points]
+    return [round(max(0.0, middle + min(residuals)), 3), round(middle, 3),
+            round(max(0.0, middle + max(residuals)), 3)]
+
+
+def estimate(root: Path, configs: dict, last: int = 3) -> dict:
+    """The next cycle's units and dollars (see the module docstring), or, without a committed
+    cycle to learn rates from, `status: no-history` and what it needs.
+    """
+    cycles = committed_cycles(root, last)
+    lines = waiting_lines(root)
+    if not cycles:
+        return {"status": "no-history", "inbox_lines": lines,
+                "message": "no committed cycle with a ledger yet (metrics/cost.json at a gen-N "
+                           "tag), so no per-unit costs to go by; run one cycle (`offseason run`): "
+                           "from then on the estimate uses the last cycles' rates "
+                           f"({lines} inbox lines are waiting)"}
+    rollout, train = configs["rollout"], configs["train"]
+    mean = lambda values: sum(values) / len(values) if values else 0.0  # noqa: E731
+    tasks = lines * mean([c["tasks_per_line"] for c in cycles if c["tasks_per_line"] is not None])
+    if rollout.max_tasks:
+        tasks = min(tasks, rollout.max_tasks)
+    episodes = round(tasks) * rollout.samples_per_task
+    examples = episodes * mean([c["examples_per_episode"] for c in cycles
+                                if c["examples_per_episode"] is not None])
+    replayed = train.replay_fraction * cycles[-1]["replay_next"]
+    trains = examples + replayed >= train.min_examples
+    drivers = {"inbox_lines": lines, "episodes": episodes,
+               "example_epochs": round((examples + replayed) * train.method.epochs, 1)
+               if trains else 0, "runs": 1}
+    reruns = {"champion_scores": _champion_changed(root)}
+    stages, total = {}, {key: [0.0, 0.0, 0.0] for key in ESTIMATED}
+    for name in STAGES:
+        driver = DRIVERS[name]
+        if not lines or not reruns.get(name, True):
+            stages[name] = {"reused": True}
+            continue
+        points = [(cycle["drivers"][driver], cycle["ledger"]["stages"][name])
+                  for cycle in cycles
+                  if not (cycle["ledger"]["stages"].get(name) or {"reused": True}).get("reused")
+                  and cycle["drivers"][driver]]
+        # a train stage that wrote the champion unchanged (too few examples) costs its fixed part
+        units = drivers[driver] if name != "train" or trains else 0
+        row = {"driver": driver, "units": units, "cycles": len(points)}
+        for key in ESTIMATED:
+            row[key] = predict([(u, r.get(key, 0) or 0) for u, r in points], units)
+            for i in range(3):
+                total[key][i] += row[key][i]
+        stages[name] = row
+    prices = configs["cost"]
+    total = {key: [round(v, 3) for v in values] for key, values in total.items()}
+    total["usd"] = [price({key: total[key][i] for key in ESTIMATED}, prices) for i in range(3)]
+    return {"status": "ok", "made_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "from": [c["tag"] for c in cycles], "drivers": drivers, "stages": stages,
+            "total": total, "gpu_hours": [round(v / 3600, 4) for v in total["gpu_seconds"]],
+            "range": "low, estimate, high: per stage a fixed part plus a rate per unit, fitted "
+                     "to the cycles in `from`, at this cycle's units; low and high: those "
+                     "cycles' own spread around the fit"}
+
+
+def month_spent(root: Path, now: datetime | None = None) -> tuple[float, list[str]]:
+    """Dollars the committed cycles of this calendar month (UTC) cost, and their tags."""
+    from flows.workspace import generations, git, read_at
+
+    now = now or datetime.now(UTC)
+    usd, tags = 0.0, []
+    for generation in generations(root):
+        tag = f"gen-{generation}"
+        when = datetime.fromisoformat(git(root, "log", "-1", "--format=%cI", tag))
+        if (when.astimezone(UTC).year, when.astimezone(UTC).month) != (now.year, now.month):
+            continue
+        spent = ((read_at(root, tag, "metrics/cost.json") or {}).get("total") or {}).get("usd")
+        if spent:
+            usd += spent
+            tags.append(tag)
+    return round(usd, 6), tags
+
+
+def budget_refusal(root: Path, guess: dict, budget: Budget) -> str | None:
+    """Why a cycle of this estimate may not start under `budget`, or None."""
+    if guess.get("status") != "ok":
+        return None
+    total = guess["total"]
+    over = []
+    if budget.max_usd and total["usd"][1] > budget.max_usd:
+        over.append(f"budget.max_usd={budget.max_usd:g}: estimated ${total['usd'][1]:.4f}")
+    if budget.max_gpu_hours and guess["gpu_hours"][1] > budget.max_gpu_hours:
+        over.append(f"budget.max_gpu_hours={budget.max_gpu_hours:g}: estimated "
+                    f"{guess['gpu_hours'][1]:.3f} GPU hours")
+    if budget.max_judge_tokens and total["judge_tokens"][1] > budget.max_judge_tokens:
+        over.append(f"budget.max_judge_tokens={budget.max_judge_tokens}: estimated "
+                    f"{total['judge_tokens'][1]:.0f} judge tokens")
+    if budget.monthly_usd:
+        spent, tags = month_spent(root)
+        if spent + total["usd"][1] > budget.monthly_usd:
+            over.append(f"budget.monthly_usd={budget.monthly_usd:g}: ${spent:.4f} spent this "
+                        f"month ({', '.join(tags) or 'no cycle'}) + estimated "
+                        f"${total['usd'][1]:.4f}")
+    if not over:
+        return None
+    return (f"this cycle's estimate is over budget ({'; '.join(over)}); nothing was started. "
+            f"Raise the budget in params.yaml, or make the cycle smaller "
+            f"(rollout.samples_per_task, train epochs, fewer traces in data/inbox). "
+            f"The estimate:\n{format_estimate(guess)}")
+
+
+def format_estimate(guess: dict) -> str:
+    """The estimate as a table for people."""
+    if guess.get("status") != "ok":
+        return guess["message"]
+    lines = [f"estimate of the next cycle from {', '.join(guess['from'])} "
+             f"(low / estimate / high)",
+             f"  {guess['drivers']['inbox_lines']} inbox lines waiting -> about "
+             f"{guess['drivers']['episodes']} episodes, "
+             f"{guess['drivers']['example_epochs']:g} trained example-epochs",
+             f"  {'stage':<16}{'units':>14}{'CPU s':>26}{'GPU s':>26}"]
+    for name, row in guess["stages"].items():
+        if row.get("reused"):
+            lines.append(f"  {name:<16}{'reused (unchanged inputs)':>40}")
+            continue
+        fmt = lambda v: f"{v[0]:.1f} / {v[1]:.1f} / {v[2]:.1f}"  # noqa: E731
+        lines.append(f"  {name:<16}{row['units']:>8g} {row['driver']:<6.6}"
+                     f"{fmt(row['cpu_seconds']):>25}{fmt(row['gpu_seconds']):>26}")
+    total = guess["total"]
+    lines.append(f"  total CPU seconds {total['cpu_seconds'][0]:.1f} / "
+                 f"{total['cpu_seconds'][1]:.1f} / {total['cpu_seconds'][2]:.1f}; GPU hours "
+                 f"{guess['gpu_hours'][0]:.3f} / {guess['gpu_hours'][1]:.3f} / "
+                 f"{guess['gpu_hours'][2]:.3f}; judge tokens {total['judge_tokens'][1]:.0f}")
+    lines.append(f"  dollars ${total['usd'][0]:.4f} / ${total['usd'][1]:.4f} / "
+                 f"${total['usd'][2]:.4f} (params.yaml cost:)")
+    return "\n".join(lines)

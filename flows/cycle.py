@@ -108,14 +108,21 @@ def run_cycle(root: Path, changes: dict) -> dict:
     if (refusal := promotion.waiting_refusal(root, runtime.flow_run.id)):
         raise WorkspaceError(refusal)
     configs = settings.load_all(root / "params.yaml")
-    start = pipeline.adopt(root) or pipeline.begin(root)
+    start = pipeline.adopt(root)
+    guess = cost.ESTIMATES.pop(str(root.resolve()), None)
+    if start is None:  # a deployment's run: the estimate and the budget, before any stage
+        guess = cost.estimate(root, configs)
+        if (refusal := cost.budget_refusal(root, guess, configs["budget"])):
+            raise WorkspaceError(refusal)
+        start = pipeline.begin(root)
     try:
-        return follow(root, start, configs, changes)
+        return follow(root, start, configs, changes, guess)
     finally:
         start.close()  # stages still running when the flow failed are stopped
 
 
-def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict) -> dict:
+def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
+           guess: dict | None = None) -> dict:
     """Record the running stages stage by stage, then gate and promote."""
     logger = get_run_logger()
     for line in start.recovered:
@@ -169,6 +176,8 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict) -> d
         # what this cycle's stages used, priced (committed with the cycle's metrics)
         gpus = 0 if str(metrics.get("train", {}).get("device", "cpu")).startswith("cpu") else 1
         spent = cost.ledger(metrics, reran, configs["cost"], gpus)
+        if guess is not None:  # what was predicted before the cycle, for estimate vs actual
+            spent["estimate"] = guess
         write_json(root / "metrics" / "cost.json", spent)
         decision = promotion.await_approval(root, generation, verdict, configs["promotion"])
         record = promote(root, generation, verdict, decision, run_id,

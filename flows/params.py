@@ -2,8 +2,8 @@
 
 The stages' sections (`base:`, `init:` ... `gate:`) are `stages/config.py`'s; the flow adds
 `promotion:` (a person's approval after the gate), `deployments:` (`offseason serve`'s
-schedules), `cost:` (the prices of the cost ledger, flows/cost.py) and `pull:` (the tracing
-service a cycle pulls from first, flows/pull.py), which no stage reads, and
+schedules) and `pull:` (the tracing service a cycle pulls from first, flows/pull.py), which
+no stage reads, and
 the run parameters of a cycle (the Prefect UI's Run form)
 with the params.yaml key each overrides. `load_all` checks every section before a cycle starts.
 
@@ -16,7 +16,6 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.cost import Cost
 from flows.pull import Pull
 from stages import config as cfg
 
@@ -87,7 +86,7 @@ class Deployments:
 
 
 SECTIONS: dict[str, type] = {**cfg.SECTIONS, "promotion": Promotion, "deployments": Deployments,
-                             "cost": Cost, "pull": Pull}
+                             "pull": Pull}
 
 
 def load_all(path: str | Path = "params.yaml") -> dict:

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("suites", type=Path, nargs="+", help="data/benchmarks/<suite>.jsonl")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
+    io.watch_gpus()  # per GPU busy seconds, peak memory (the cost ledger); none: nothing
     from stages.envs import judge
 
     judge.for_benchmarks()  # an environment's reward calls the held-out judge here

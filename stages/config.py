@@ -594,9 +594,8 @@ def collect(path: str | Path = "params.yaml") -> Collect:
                   str(path))
 
 
-# sections a params.yaml may leave out (`cost:` and `pull:` are the flow's: flows/cost.py,
-# flows/pull.py)
-OPTIONAL = {"environments", "runtime", "judge", "cost", "pull"}
+# sections a params.yaml may leave out (`pull:` is the flow's: flows/pull.py)
+OPTIONAL = {"environments", "runtime", "judge", "cost", "budget", "pull"}
 
 # Settings that say where and how fast work runs, never what it computes. They live in params.yaml's
 # `runtime:` section (runtime.rollout.urls, runtime.reward.workers, ...), which no DVC stage lists
@@ -684,6 +683,46 @@ def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]
     return out
 
 
+@dataclass(frozen=True)
+class Cost:
+    """`cost:`: prices, so the cost ledger (`metrics/cost.json`, flows/cost.py) reads in dollars
+    too, and `budget.max_usd` can be checked. Example rates; set your own. No stage lists it as
+    a DVC param: a price changes what a cycle costs, not what it computes.
+    """
+
+    cpu_hour_usd: float = 0.05  # one core for an hour (a cloud vCPU is about $0.02 to $0.05)
+    gpu_hour_usd: float = 2.50  # one GPU for an hour (an H100 rents for about $2 to $4)
+    judge_usd_per_million_tokens: float = 0.0  # the judge's price; 0: a local judge
+
+    def __post_init__(self):
+        """Refuse negative prices."""
+        for key in ("cpu_hour_usd", "gpu_hour_usd", "judge_usd_per_million_tokens"):
+            if getattr(self, key) < 0:
+                raise ParamsError(f"cost.{key}: must be >= 0, got {getattr(self, key)}")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """`budget:`: what one cycle (and one calendar month of cycles) may spend; 0 = no limit.
+    A cycle whose estimate exceeds it is refused before it starts (`offseason run`); the
+    rollout, reward and train stages check what the cycle spent as they go and stop at the
+    limit, keeping what they did. No stage lists it as a DVC param: raising a budget reruns
+    nothing, so a stopped cycle resumes where it stopped (flows/cost.py, stages/budget.py).
+    """
+
+    max_usd: float = 0.0  # dollars per cycle, by the `cost:` prices
+    max_gpu_hours: float = 0.0  # GPU hours per cycle (each GPU a stage holds, for its wall time)
+    max_judge_tokens: int = 0  # judge tokens per cycle, as the judge's server reports them
+    monthly_usd: float = 0.0  # dollars per calendar month (UTC), over the committed cycles' ledgers
+
+    def __post_init__(self):
+        """Refuse negative budgets."""
+        for key in ("max_usd", "max_gpu_hours", "max_judge_tokens", "monthly_usd"):
+            if getattr(self, key) < 0:
+                raise ParamsError(f"budget.{key}: must be >= 0 (0 = no limit), got "
+                                  f"{getattr(self, key)}")
+
+
 SECTIONS: dict[str, type] = {
     "base": Base,
     "init": Init,
@@ -695,6 +734,8 @@ SECTIONS: dict[str, type] = {
     "train": Train,
     "gate": Gate,
     "judge": Judge,
+    "cost": Cost,
+    "budget": Budget,
 }
 
 

@@ -646,6 +646,7 @@ def main(argv: list[str] | None = None) -> None:
                         "decision, for error control across cycles (gate.sequential)")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
+    io.watch_gpus()  # per GPU busy seconds, peak memory (the cost ledger); none: nothing
     from stages.envs import judge
 
     judge.for_benchmarks()  # an environment's reward calls the held-out judge here

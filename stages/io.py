@@ -1,5 +1,10 @@
 """Writing outputs whole: every file goes to a temporary name first and is renamed into place, so a
 stage killed midway never leaves a half-written file that a later stage could take for a whole one.
+
+Also what a stage used, for the cost ledger (flows/cost.py): `resources()` (wall and CPU seconds,
+peak memory, from rusage) and, where a stage called `watch_gpus()` and NVML is there
+(`nvidia-ml-py`, optional; nothing without it or without a GPU), each GPU's busy seconds, peak
+memory and mean utilisation, sampled by a thread while the stage runs.
 """
 
 from __future__ import annotations
@@ -8,6 +13,7 @@ import json
 import os
 import resource
 import shutil
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -85,15 +91,110 @@ _BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0
 STARTED = time.monotonic()  # when this stage's process began (the module loads first thing)
 
 
+class GpuWatch(threading.Thread):
+    """Samples every visible GPU through NVML every `interval` seconds, until the process ends:
+    busy seconds (the sampled utilisation times the time between samples), peak memory used on
+    the device (by every process on it, not only this one) and mean utilisation. Measured, not
+    exact: NVML's utilisation is the share of its last sample period a kernel was running.
+    """
+
+    def __init__(self, nvml, handles: list[tuple[int, object]], interval: float = 0.5):
+        """Watch `handles` ([(index, NVML handle)]) through the `nvml` module."""
+        super().__init__(name="offseason-gpu-watch", daemon=True)
+        self.nvml, self.handles, self.interval = nvml, handles, interval
+        self.lock = threading.Lock()
+        self.stats = {index: {"busy": 0.0, "util_sum": 0.0, "samples": 0, "peak": 0,
+                              "name": nvml.nvmlDeviceGetName(handle)} for index, handle in handles}
+
+    def sample(self, seconds: float) -> None:
+        """One sample of every GPU, counting `seconds` since the last one."""
+        for index, handle in self.handles:
+            try:
+                util = self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+                used = self.nvml.nvmlDeviceGetMemoryInfo(handle).used
+            except self.nvml.NVMLError:  # a GPU fell off the bus: its later samples are missing
+                continue
+            with self.lock:
+                stat = self.stats[index]
+                stat["busy"] += seconds * util / 100
+                stat["util_sum"] += util
+                stat["samples"] += 1
+                stat["peak"] = max(stat["peak"], used)
+
+    def run(self) -> None:
+        """Sample until the process ends (a daemon thread)."""
+        last = time.monotonic()
+        while True:
+            time.sleep(self.interval)
+            now = time.monotonic()
+            self.sample(now - last)
+            last = now
+
+    def summary(self) -> list[dict]:
+        """Per GPU: index, name, busy seconds, peak memory (MB), mean utilisation (%)."""
+        with self.lock:
+            return [{"index": index, "name": s["name"] if isinstance(s["name"], str)
+                     else s["name"].decode(), "busy_seconds": round(s["busy"], 3),
+                     "peak_memory_mb": round(s["peak"] / 2**20, 1),
+                     "mean_utilisation": round(s["util_sum"] / s["samples"], 1)
+                     if s["samples"] else None, "samples": s["samples"]}
+                    for index, s in self.stats.items()]
+
+
+_WATCH: list[GpuWatch] = []
+
+
+def visible_gpus(count: int) -> list[int]:
+    """The NVML indices of the GPUs this process may use: CUDA_VISIBLE_DEVICES's (by index; a
+    UUID list or an empty value: none we can map, so all or none as CUDA would see them).
+    """
+    setting = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if setting is None:
+        return list(range(count))
+    wanted = [part.strip() for part in setting.split(",") if part.strip()]
+    if all(part.isdigit() for part in wanted):
+        return [int(part) for part in wanted if int(part) < count]
+    return list(range(count)) if wanted else []
+
+
+def watch_gpus(interval: float = 0.5) -> GpuWatch | None:
+    """Start sampling the visible GPUs for this stage's metrics (once per process). None, and
+    nothing started, without `nvidia-ml-py` or without a GPU and its driver.
+    """
+    if _WATCH:
+        return _WATCH[0]
+    try:
+        import pynvml as nvml
+    except ImportError:  # nvidia-ml-py is optional: no GPU figures
+        return None
+    try:
+        nvml.nvmlInit()
+        count = nvml.nvmlDeviceGetCount()
+        handles = [(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in visible_gpus(count)]
+    except nvml.NVMLError:  # no driver, no GPU: the same as no NVML
+        return None
+    if not handles:
+        return None
+    watch = GpuWatch(nvml, handles, interval)
+    watch.sample(0.0)  # the memory already held when the stage starts counts toward its peak
+    watch.start()
+    _WATCH.append(watch)
+    return watch
+
+
 def resources() -> dict:
-    """What this process and its children used so far: wall and CPU seconds, peak memory. The
-    cycle's cost ledger (flows/cost.py) reads them from each stage's metrics.
+    """What this process and its children used so far: wall and CPU seconds, peak memory, and
+    (after `watch_gpus()` found GPUs) `gpus`, each GPU's. The cycle's cost ledger
+    (flows/cost.py) reads them from each stage's metrics.
     """
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
         resource.RUSAGE_CHILDREN)
-    return {"wall_seconds": round(time.monotonic() - STARTED, 3),
+    used = {"wall_seconds": round(time.monotonic() - STARTED, 3),
             "cpu_seconds": round(own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime, 3),
             "max_rss_mb": round(max(own.ru_maxrss, kids.ru_maxrss) / 1024, 1)}
+    if _WATCH:
+        used["gpus"] = _WATCH[0].summary()
+    return used
 
 
 def write_metrics(path: str | Path, metrics: dict) -> None:

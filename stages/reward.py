@@ -59,6 +59,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from stages import budget as budgets
 from stages import config as cfg
 from stages import io, remote
 from stages.envs import contract
@@ -326,7 +327,8 @@ def hack_counts(notes: list[str | None]) -> dict:
 
 
 def score_chat(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = None,
-               feedback: dict | None = None) -> tuple[pa.Table, dict]:
+               feedback: dict | None = None, meter: budgets.Meter | None = None
+               ) -> tuple[pa.Table, dict]:
     """Chat rollouts (an `environments:` section) scored by each environment's own `reward`.
 
     The reward is the mean of the module's components (a float is its one component); `correct`
@@ -392,6 +394,11 @@ def score_chat(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | No
             else:
                 scores.append(group_scores[i])
         elif cause is None:
+            if meter is not None:  # the judge's paid judgments are cached: a rerun reuses them
+                from stages.envs import judge
+
+                meter.check(f"{i} of {len(rows)} episodes scored", f"{len(rows) - i} episodes",
+                            judge_tokens=sum(j.tokens for j in judge.used()))
             try:
                 scores.append(contract.score(env, json.loads(row["task"]),
                                              json.loads(row["messages"])))
@@ -463,14 +470,18 @@ def score_chat(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | No
 
 def run(base: cfg.Base, config: cfg.Reward, rollouts: Path, rewards: Path,
         specs: dict | None = None, root: Path | None = None,
-        validated: Path | None = None) -> dict:
+        validated: Path | None = None, meter: budgets.Meter | None = None) -> dict:
     """Score every rollout; returns the stage metrics. `specs`: the `environments:` section
     (chat rollouts, scored by the user's modules, imported from `root`); `validated`: the
     validated traces, whose users' ratings become the `feedback` component (`trace_feedback`).
+    `meter`: the cycle's budget, checked first and before each episode a judge may score
+    (`stages/budget.py`).
     """
+    if meter is not None:
+        meter.check("no episode scored yet", "every episode")
     if specs:
         out, metrics = score_chat(specs, pq.read_table(rollouts), root or Path.cwd(), config,
-                                  trace_feedback(validated, config.feedback_score))
+                                  trace_feedback(validated, config.feedback_score), meter)
         io.write_parquet(rewards, out)
         return metrics
     out, metrics = score_table(base.environment, config, pq.read_table(rollouts))
@@ -550,6 +561,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--validated", type=Path, default=None,
                         help="the validated traces: their users' ratings become `feedback`")
     args = parser.parse_args(argv)
+    io.watch_gpus()  # per GPU busy seconds, peak memory (the cost ledger); none: nothing
     from stages.envs import judge
 
     if args.judgments is not None:
@@ -558,7 +570,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         metrics = run(cfg.load("base", args.params), cfg.load("reward", args.params),
                       args.rollouts, args.rewards, cfg.environments(args.params),
-                      Path(args.params).resolve().parent, args.validated)
+                      Path(args.params).resolve().parent, args.validated,
+                      budgets.Meter.of("reward", args.params))
     except (VerifierBroken, ConnectionError) as err:  # a broken verifier, an absent cluster
         print(f"reward: error: {err}", file=sys.stderr)
         sys.exit(1)
@@ -582,4 +595,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with budgets.stops_cleanly("reward"):
+        main()

@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from transformers import AutoTokenizer
 
+from stages import budget as budgets
 from stages import config as cfg
 from stages import io, tinylm
 from stages.envs.registry import ENVIRONMENTS, load_tasks
@@ -112,8 +113,11 @@ def chat_jobs(specs: dict, config: cfg.Rollout, root: Path, validated: Path | No
 
 
 def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
-             rollouts: Path, root: Path | None = None, validated: Path | None = None) -> dict:
-    """The episodes of a chat model in the user's environments; returns the stage metrics."""
+             rollouts: Path, root: Path | None = None, validated: Path | None = None,
+             meter: budgets.Meter | None = None) -> dict:
+    """The episodes of a chat model in the user's environments; returns the stage metrics.
+    `meter`: the cycle's budget, checked before each batch (`stages/budget.py`).
+    """
     import zlib
 
     import torch
@@ -183,6 +187,9 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
                     add(name, task, sample, episode)
                 continue
             for start in range(0, len(mine), config.batch_size):
+                if meter is not None:
+                    meter.check(f"{len(rows)} of {len(jobs)} episodes",
+                                f"{len(jobs) - len(rows)} episodes")
                 chunk = mine[start:start + config.batch_size]
                 generators = [torch.Generator().manual_seed(seed)
                               for seed in seeds[start:start + config.batch_size]]
@@ -211,7 +218,7 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
             "tool_error_rate": round(sum(r["tool_errors"] for r in mine)
                                      / max(1, sum(r["tool_calls"] for r in mine)), 4),
             "errors": sum(r["error"] is not None for r in mine),
-            "module": envs[name].module, "version": envs[name].version,
+            **token_counts(mine), "module": envs[name].module, "version": envs[name].version,
             # the module's own file as this stage ran it (data/environments.json, a dep of
             # the stage, hashes its folder)
             "source_sha256": hashlib.sha256(Path(envs[name].source).read_bytes()).hexdigest()
@@ -225,6 +232,8 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
         requests = {"requests": sum(s.requests for s in stats),
                     "retries": sum(s.retries for s in stats), "requests_by_url": by_url}
     return {"backend": config.backend, "path": "chat", "tool_parser": parser, **requests,
+            "prompt_tokens": sum(e["prompt_tokens"] for e in per_env.values()),
+            "tool_calls": sum(e["tool_calls"] for e in per_env.values()),
             "template": "prefix-preserving" if all(t.prefix_preserving for t in templates.values())
             else "incremental", "tasks": sum(e["tasks"] for e in per_env.values()),
             "episodes": len(rows), "generated_tokens": generated, "seconds": round(seconds, 2),
@@ -232,6 +241,16 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
             "truncated": sum(r["finish"] == "length" for r in rows),
             "turn_limited": sum(r["finish"] == "turns" for r in rows),
             "errors": sum(r["error"] is not None for r in rows), "environments": per_env}
+
+
+def token_counts(rows: list[dict]) -> dict:
+    """Exact counts of episodes' own token ids (the cost ledger's, flows/cost.py):
+    `generated_tokens` the model chose (`model_mask` 1), `prompt_tokens` it read without choosing
+    them (the prompt, the chat template's tokens, tool results), and the tool calls answered.
+    """
+    generated = sum(sum(r["model_mask"]) for r in rows)
+    return {"prompt_tokens": sum(len(r["token_ids"]) for r in rows) - generated,
+            "generated_tokens": generated, "tool_calls": sum(r["tool_calls"] for r in rows)}
 
 
 def suite(config: cfg.Rollout, env, suites: Path | None) -> list[dict]:
@@ -250,8 +269,10 @@ def suite(config: cfg.Rollout, env, suites: Path | None) -> list[dict]:
 
 
 def run(base: cfg.Base, config: cfg.Rollout, validated: Path, champion: Path,
-        rollouts: Path, suites: Path | None = None) -> dict:
-    """Generate the episodes; returns the stage metrics."""
+        rollouts: Path, suites: Path | None = None, meter: budgets.Meter | None = None) -> dict:
+    """Generate the episodes; returns the stage metrics. `meter`: the cycle's budget, checked
+    before and between batches (`stages/budget.py`).
+    """
     tinylm.set_threads(base.threads)
     env = ENVIRONMENTS[base.environment]
     tasks = pq.read_table(validated, columns=["trace_id", "question", "answer"]).to_pylist()
@@ -265,6 +286,8 @@ def run(base: cfg.Base, config: cfg.Rollout, validated: Path, champion: Path,
     max_turns = config.max_turns or env.MAX_TURNS
     stop = (config.stop,) if config.stop else ()
     served = {}
+    if meter is not None:
+        meter.check("no episode yet", f"{len(jobs)} episodes")
     if config.backend == "transformers":
         model, tokenizer = tinylm.load(champion)
         started = time.time()
@@ -272,6 +295,8 @@ def run(base: cfg.Base, config: cfg.Rollout, validated: Path, champion: Path,
             model, tokenizer, env, prompts, temperature=config.temperature,
             max_new_tokens=config.max_new_tokens, seed=base.seed, batch_size=config.batch_size,
             top_p=config.top_p, top_k=config.top_k, max_turns=max_turns, stop=stop,
+            between=None if meter is None else lambda done: meter.check(
+                f"{done} of {len(jobs)} episodes", f"{len(jobs) - done} episodes"),
         )
         seconds = time.time() - started
     else:  # the served model is the champion: its tokenizer encodes prompts and tool results
@@ -300,7 +325,9 @@ def run(base: cfg.Base, config: cfg.Rollout, validated: Path, champion: Path,
     # the model's own tokens (a server that gives no token ids: its log-probs count them)
     generated = sum(sum(e.model_mask) if e.token_ids else len(e.logprobs) for e in episodes)
     return {"backend": config.backend, "tasks": len(tasks), "suite_tasks": len(tasks) - from_traces, "episodes": len(episodes),
-            "generated_tokens": generated,
+            "generated_tokens": generated, "prompt_tokens": token_counts(rows)["prompt_tokens"],
+            "tool_calls": sum(e.tool_calls for e in episodes),
+            "environments": {env.NAME: {"episodes": len(rows), **token_counts(rows)}},
             "seconds": round(seconds, 2), "tokens_per_second": round(generated / max(seconds, 1e-9)),
             "tool_use_rate": round(sum(e.tool_calls > 0 for e in episodes) / max(1, len(episodes)), 4),
             "truncated": sum(e.finish == "length" for e in episodes),
@@ -316,14 +343,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="the folder of task suites, <environment>.jsonl (rollout.suite_tasks)")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
+    io.watch_gpus()  # per GPU busy seconds, peak memory (the cost ledger); none: nothing
     base, config = cfg.load("base", args.params), cfg.load("rollout", args.params)
     specs = cfg.environments(args.params)
+    meter = budgets.Meter.of("rollout", args.params)
     if specs:
         tinylm.set_threads(base.threads)
         metrics = run_chat(base, config, specs, args.champion, args.rollouts,
-                           Path(args.params).resolve().parent, args.validated)
+                           Path(args.params).resolve().parent, args.validated, meter)
     else:
-        metrics = run(base, config, args.validated, args.champion, args.rollouts, args.tasks)
+        metrics = run(base, config, args.validated, args.champion, args.rollouts, args.tasks,
+                      meter)
     metrics["runtime"] = cfg.runtime_of(config)  # what ran where (runtime.rollout)
     io.write_metrics(args.metrics, metrics)
     print(f"rollout: {metrics['episodes']} episodes for {metrics['tasks']} tasks in "
@@ -331,4 +361,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with budgets.stops_cleanly("rollout"):
+        main()

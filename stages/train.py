@@ -55,7 +55,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from transformers import TrainerCallback
 
+from stages import budget as budgets
 from stages import config as cfg
 from stages import io, tinylm
 from stages.envs.registry import ENVIRONMENTS
@@ -270,13 +272,37 @@ def _steps_csv(history: list[dict]) -> str:
     return out.getvalue()
 
 
+class BudgetCheck(TrainerCallback):
+    """After every optimizer step, the cycle's budget (`stages/budget.py`): at the limit, a
+    checkpoint of this step is saved and training stops; `stopped` holds the error to raise.
+    """
+
+    def __init__(self, meter: budgets.Meter | None):
+        """Check `meter` (None: never stop)."""
+        self.meter, self.stopped = meter, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Stop, saving this step, once the budget is spent."""
+        try:
+            self.meter.check(f"{state.global_step} of {state.max_steps} optimizer steps (the "
+                             f"checkpoint of step {state.global_step} is saved)",
+                             f"{state.max_steps - state.global_step} steps")
+        except budgets.BudgetSpent as err:
+            self.stopped = err
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
 def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candidate: Path,
         replay: Path, checkpoints: Path | None = None, steps_csv: Path | None = None,
         validated: Path | None = None, specs: dict | None = None, root: Path | None = None,
-        temperature: float = 1.0) -> dict:
+        temperature: float = 1.0, meter: budgets.Meter | None = None) -> dict:
     """Train and write the candidate; returns the stage metrics. `validated`: the traces whose
     feedback adds DPO pairs (see `feedback_pairs`), or, with `specs` (an `environments:`
     section) and SFT, whose thumbs-up conversations are trained on (`trace_conversations`).
+    `meter`: the cycle's budget, checked after every optimizer step; at the limit the stage saves
+    a checkpoint and raises `BudgetSpent` (a rerun resumes there).
     """
     tinylm.set_threads(base.threads)
     checkpoints = checkpoints or candidate.with_name(candidate.name + ".ckpt")
@@ -361,7 +387,12 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
     started = time.time()
     trainer.remove_callback(PrinterCallback)  # prints every step's dict; Progress is enough
     trainer.add_callback(trainers.Progress(config.algorithm))
+    check = BudgetCheck(meter)
+    if meter is not None and meter.limited:
+        trainer.add_callback(check)
     result = trainer.train(resume_from_checkpoint=resume)
+    if check.stopped is not None:  # the checkpoint of the last step is saved: a rerun resumes
+        raise check.stopped
     seconds = time.time() - started
     model = trainer.model
     if config.lora_r:
@@ -377,6 +408,9 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
     tail = history[-max(1, len(history) // 10):]
     speeds = [h["tokens_per_second"] for h in history if "tokens_per_second" in h]
     return {**metrics, "trained": True, "steps": trainer.state.global_step,
+            # exact, over every step (a resumed run's earlier steps from its checkpoint)
+            "trained_tokens": sum(h.get("tokens", 0) for h in history),
+            "loss_tokens": sum(h.get("loss_tokens", 0) for h in history),
             "resumed_from_step": int(resume.rsplit("-", 1)[-1]) if resume else 0,
             "final_loss": round(sum(h["loss"] for h in tail) / len(tail), 4),
             "train_seconds": round(seconds, 2), "train_loss": round(result.training_loss, 4),
@@ -394,15 +428,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="data/validated.parquet: DPO also learns from the traces' thumbs")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
+    io.watch_gpus()  # per GPU busy seconds, peak memory (the cost ledger); none: nothing
     base, config = cfg.load("base", args.params), cfg.load("train", args.params)
     trainers.relaunch_on_gpus(config.deepspeed, "stages.train", sys.argv[1:])
     metrics = run(base, config, args.rewards, args.champion, args.candidate, args.replay,
                   args.checkpoints, args.steps, args.validated, cfg.environments(args.params),
                   Path(args.params).resolve().parent,
-                  cfg.load("rollout", args.params).temperature)
+                  cfg.load("rollout", args.params).temperature,
+                  budgets.Meter.of("train", args.params))
     if int(os.environ.get("RANK", "0")) == 0:
         io.write_metrics(args.metrics, metrics)
 
 
 if __name__ == "__main__":
-    main()
+    with budgets.stops_cleanly("train"):
+        main()

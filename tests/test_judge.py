@@ -68,8 +68,9 @@ def test_pointwise_judgment_with_its_reasoning_and_a_cache(server, tmp_path):
     # a changed rubric or another answer is a new judgment
     make(srv, tmp_path, rubric=RUBRIC + " Be strict.").score(TASK, SAID)
     assert len(srv.requests) == 2
-    assert j.metrics() == {"judge": j.identity, "requests": 1, "tokens": 100, "cache_hits": 1,
-                           "failures": {}}
+    # the tokens as the server's `usage` reported them, prompt and completion apart
+    assert j.metrics() == {"judge": j.identity, "requests": 1, "tokens": 100, "prompt_tokens": 90,
+                           "completion_tokens": 10, "cache_hits": 1, "failures": {}}
 
 
 @pytest.mark.parametrize("script, kind, requests", [

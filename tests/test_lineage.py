@@ -132,6 +132,44 @@ def test_trace_finds_every_generation_that_learned_from_it(learned):
     assert "no generation learned from it" in none
 
 
+def test_estimate_from_two_cycles_is_within_30_percent_of_the_third(learned, tmp_path):
+    # a copy: the third cycle must not change the project the other tests audit
+    root = tmp_path / "project"
+    shutil.copytree(learned, root, symlinks=True)
+    offseason(root, "simulate")
+    guess = json.loads(offseason(root, "estimate", "--json").stdout)
+    assert guess["status"] == "ok" and guess["from"] == ["gen-1", "gen-2"]
+    assert guess["drivers"]["inbox_lines"] == len(
+        (root / "data/inbox/traffic-002.jsonl").read_text().strip().splitlines())
+    text = offseason(root, "run", "--estimate").stdout
+    assert "estimate of the next cycle from gen-1, gen-2" in text and "dollars $" in text
+    assert not git(root, "tag", "--list", "gen-3")  # --estimate runs nothing
+    # a budget below the estimate: refused before anything starts, the estimate shown
+    params = (root / "params.yaml").read_text()
+    tight = yaml.safe_load(params)
+    tight["budget"] = {"max_usd": guess["total"]["usd"][1] / 10}
+    (root / "params.yaml").write_text(yaml.safe_dump(tight, sort_keys=False))
+    refused = offseason(root, "run", check=False)
+    assert refused.returncode != 0 and "budget.max_usd=" in refused.stderr
+    assert "estimate of the next cycle" in refused.stderr and "nothing was started" in refused.stderr
+    assert not (root / "data/traces/part-traffic-002.parquet").exists()
+    (root / "params.yaml").write_text(params)
+    offseason(root, "run")
+    spent = json.loads((root / "metrics/cost.json").read_text())
+    actual, (low, middle, high) = spent["total"]["cpu_seconds"], guess["total"]["cpu_seconds"]
+    by_stage = {name: (row.get("cpu_seconds"), spent["stages"][name].get("cpu_seconds"))
+                for name, row in guess["stages"].items()}
+    assert abs(middle - actual) <= 0.3 * actual, (actual, guess["drivers"], by_stage)
+    assert low <= middle <= high
+    # the ledger keeps the estimate made before the cycle, for estimate against actual
+    assert spent["estimate"]["total"]["cpu_seconds"][1] == pytest.approx(middle, rel=0.05)
+    # without a committed cycle there are no rates, and it says what it needs
+    for tag in ("gen-1", "gen-2", "gen-3"):
+        git(root, "tag", "-d", tag)
+    none = offseason(root, "estimate").stdout
+    assert "no committed cycle with a ledger yet" in none and "run one cycle" in none
+
+
 PROBE = """<pre id="probe"></pre><script>
 window.addEventListener('load', () => {
   const images = [...document.images].map(i => ({id: i.id, w: i.naturalWidth, h: i.naturalHeight}));

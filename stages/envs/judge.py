@@ -110,6 +110,8 @@ class Judge:
     cache_dir: Path | None = None
     calls: int = 0  # requests sent (retries included)
     tokens: int = 0  # as the server reported them
+    prompt_tokens: int = 0  # of those, the server's `usage.prompt_tokens`
+    completion_tokens: int = 0  # and `usage.completion_tokens`
     hits: int = 0  # judgments found in the cache
     failures: dict = field(default_factory=dict)  # cause -> count, of the judgments that failed
     _cache: dict | None = field(default=None, repr=False)
@@ -253,7 +255,10 @@ class Judge:
                                  "http")
             try:
                 data = response.json()
-                self.tokens += int((data.get("usage") or {}).get("total_tokens") or 0)
+                usage = data.get("usage") or {}
+                self.tokens += int(usage.get("total_tokens") or 0)
+                self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+                self.completion_tokens += int(usage.get("completion_tokens") or 0)
                 choice = data["choices"][0]
                 message = choice["message"]
             except (ValueError, KeyError, IndexError, TypeError) as err:
@@ -339,6 +344,7 @@ class Judge:
     def metrics(self) -> dict:
         """What the judge cost and did this stage run (the reward metrics' `judge`)."""
         return {"judge": self.identity, "requests": self.calls, "tokens": self.tokens,
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "cache_hits": self.hits, "failures": dict(sorted(self.failures.items()))}
 
 

@@ -263,10 +263,11 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
 def generate(model, tokenizer, env, prompts: list[str], *, temperature: float, max_new_tokens: int,
              seed: int, batch_size: int, progress: bool = True, top_p: float = 1.0,
              top_k: int = 0, max_turns: int | None = None,
-             stop: tuple[str, ...] = ()) -> list[Episode]:
+             stop: tuple[str, ...] = (), between=None) -> list[Episode]:
     """One episode per prompt; deterministic for the same prompts, seed and batch size.
 
     `max_turns`: tool calls answered per episode (None: the environment's MAX_TURNS).
+    `between(done)`: called after each batch with the episodes done (a budget check may raise).
     """
     generator = torch.Generator(device=model.device).manual_seed(seed)
     max_turns = env.MAX_TURNS if max_turns is None else max_turns
@@ -289,5 +290,7 @@ def generate(model, tokenizer, env, prompts: list[str], *, temperature: float, m
                 tool_calls=row.tool_calls, turns=turn_index(len(ids), row.model_mask, row.closes),
             ))
         bar.update(start + len(chunk))
+        if between is not None and start + batch_size < len(prompts):
+            between(len(episodes))
     bar.close()
     return episodes

@@ -116,13 +116,31 @@ class ArgumentsFor:
         )
 
 
+def loss_tokens(inputs: dict) -> int:
+    """The tokens of a batch that the loss sees: SFT's labels that are not -100, DPO's
+    `completion_mask`, GRPO's `mask` (the model's own tokens; never the prompt, padding or a
+    tool result).
+    """
+    if "labels" in inputs:
+        return int((inputs["labels"] != -100).sum())
+    if "completion_mask" in inputs:
+        return int(inputs["completion_mask"].sum())
+    return int(inputs["mask"].sum())
+
+
 class StepLog:
-    """Adds training tokens per second to each logged step (a mixin for any Trainer)."""
+    """Adds to each logged step its tokens per second and its exact token counts: `tokens` (not
+    padding) and `loss_tokens` (what the loss saw). They live in `trainer.state.log_history`,
+    which a resumed run restores from its checkpoint, so their sum is the training's, across a
+    kill (a mixin for any Trainer).
+    """
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One training step, counting its tokens."""
-        self._tokens = getattr(self, "_tokens", 0) + sum(
-            int(v.sum()) for k, v in inputs.items() if k.endswith("attention_mask"))
+        tokens = sum(int(v.sum()) for k, v in inputs.items() if k.endswith("attention_mask"))
+        self._tokens = getattr(self, "_tokens", 0) + tokens
+        self._counted = getattr(self, "_counted", 0) + tokens
+        self._loss_tokens = getattr(self, "_loss_tokens", 0) + loss_tokens(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
@@ -132,7 +150,9 @@ class StepLog:
             since = getattr(self, "_since", None)
             if since is not None:
                 logs["tokens_per_second"] = round(self._tokens / max(now - since, 1e-9), 1)
-            self._since, self._tokens = now, 0
+            logs["tokens"] = getattr(self, "_counted", 0)
+            logs["loss_tokens"] = getattr(self, "_loss_tokens", 0)
+            self._since, self._tokens, self._counted, self._loss_tokens = now, 0, 0, 0
             logs.update(getattr(self, "_extra", {}))
         super().log(logs, start_time)
 

@@ -1,0 +1,148 @@
+"""Budgets that hold: what a cycle has spent so far, checked by the rollout, reward and train
+stages as they go against params.yaml's `budget:` (per cycle: `max_usd`, `max_gpu_hours`,
+`max_judge_tokens`; 0 = no limit), priced by `cost:`.
+
+Helper of `stages/rollout.py`, `stages/reward.py` and `stages/train.py`; reads params.yaml, the
+metrics of the cycle's earlier stages and, through git, whether those are this cycle's; writes
+nothing. The cycle's spend so far is the earlier stages' (their `metrics/<stage>.json`, counted
+when it differs from the last committed cycle's: a stage DVC skipped was paid for before) plus
+this stage's own (its process's CPU seconds and its children's, the GPUs it watches for its wall
+time, its judge's tokens). Over a limit, the stage raises `BudgetSpent` naming the key, what was
+spent and what was left to do, after keeping what it did (the train stage saves a checkpoint
+first; the judge's paid judgments are in its cache). Neither section is a DVC param of any
+stage: raising a budget reruns nothing, so `offseason run` again resumes where the stage
+stopped. The calendar month's budget (`budget.monthly_usd`) is checked before a cycle starts
+(flows/cost.py), from the committed ledgers.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stages import config as cfg
+from stages import io
+
+ORDER = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
+
+
+class BudgetSpent(RuntimeError):
+    """A `budget:` limit is reached: the stage stops, keeping what it did."""
+
+
+def price(units: dict, prices: cfg.Cost) -> float:
+    """Dollars of `units` (cpu_seconds, gpu_seconds, judge_tokens) at `prices`."""
+    return round(units.get("cpu_seconds", 0.0) / 3600 * prices.cpu_hour_usd
+                 + units.get("gpu_seconds", 0.0) / 3600 * prices.gpu_hour_usd
+                 + units.get("judge_tokens", 0) / 1e6 * prices.judge_usd_per_million_tokens, 6)
+
+
+def units_of(metrics: dict) -> dict:
+    """The priced units of a stage's metrics: CPU seconds, GPU seconds held, judge tokens."""
+    used = metrics.get("resources") or {}
+    return {"cpu_seconds": used.get("cpu_seconds", 0.0),
+            "gpu_seconds": len(used.get("gpus") or []) * used.get("wall_seconds", 0.0),
+            "judge_tokens": sum(j.get("tokens", 0) for j in metrics.get("judges") or [])}
+
+
+def earlier_spend(root: Path, stage: str) -> dict:
+    """{stage: units} of the cycle's stages before `stage` that ran in this cycle: their metrics
+    file differs from the one committed at HEAD (or none is committed).
+    """
+    out = {}
+    for name in ORDER[:ORDER.index(stage)]:
+        path = root / "metrics" / f"{name}.json"
+        if not path.exists():
+            continue
+        text = path.read_text()
+        committed = subprocess.run(["git", "show", f"HEAD:metrics/{name}.json"], cwd=root,
+                                   capture_output=True, text=True)
+        if committed.returncode == 0 and committed.stdout == text:
+            continue  # the last cycle's: not spent in this one
+        out[name] = units_of(json.loads(text))
+    return out
+
+
+@dataclass
+class Meter:
+    """One stage's view of the cycle's budget: `check()` raises `BudgetSpent` once a limit is
+    reached. `since_cpu`: the CPU seconds already used by this process before the stage began
+    (0 for a stage's own process; a test calling `run()` passes what it used so far).
+    """
+
+    stage: str
+    budget: cfg.Budget
+    prices: cfg.Cost
+    before: dict = field(default_factory=dict)  # {stage: units}, earlier in this cycle
+    since_cpu: float = 0.0
+    since_wall: float = field(default_factory=lambda: io.STARTED)
+
+    @classmethod
+    def of(cls, stage: str, params: str | Path) -> Meter:
+        """The meter of `stage` from params.yaml's `budget:` and `cost:` and the cycle so far."""
+        budget = cfg.load("budget", params)
+        limited = any((budget.max_usd, budget.max_gpu_hours, budget.max_judge_tokens))
+        root = Path(params).resolve().parent
+        return cls(stage, budget, cfg.load("cost", params),
+                   earlier_spend(root, stage) if limited else {})
+
+    @property
+    def limited(self) -> bool:
+        """Whether any per-cycle limit is set."""
+        return bool(self.budget.max_usd or self.budget.max_gpu_hours
+                    or self.budget.max_judge_tokens)
+
+    def own(self, judge_tokens: int = 0) -> dict:
+        """This stage's units so far."""
+        mine, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+            resource.RUSAGE_CHILDREN)
+        cpu = mine.ru_utime + mine.ru_stime + kids.ru_utime + kids.ru_stime - self.since_cpu
+        gpus = len(io._WATCH[0].handles) if io._WATCH else 0
+        return {"cpu_seconds": cpu, "gpu_seconds": gpus * (time.monotonic() - self.since_wall),
+                "judge_tokens": judge_tokens}
+
+    def check(self, done: str, left: str, judge_tokens: int = 0) -> None:
+        """Raise `BudgetSpent` if the cycle is over a limit; `done` and `left` say, in words,
+        what this stage did and what it leaves undone.
+        """
+        if not self.limited:
+            return
+        stages = {**self.before, self.stage: self.own(judge_tokens)}
+        total = {key: sum(u[key] for u in stages.values())
+                 for key in ("cpu_seconds", "gpu_seconds", "judge_tokens")}
+        usd = sum(price(u, self.prices) for u in stages.values())
+        over = None
+        if self.budget.max_usd and usd >= self.budget.max_usd:
+            over = (f"budget.max_usd={self.budget.max_usd:g}", f"${usd:.4f}",
+                    f"${max(0.0, self.budget.max_usd - usd):.4f}")
+        elif self.budget.max_gpu_hours and total["gpu_seconds"] / 3600 >= self.budget.max_gpu_hours:
+            over = (f"budget.max_gpu_hours={self.budget.max_gpu_hours:g}",
+                    f"{total['gpu_seconds'] / 3600:.4f} GPU hours", "none")
+        elif self.budget.max_judge_tokens and total["judge_tokens"] >= self.budget.max_judge_tokens:
+            over = (f"budget.max_judge_tokens={self.budget.max_judge_tokens}",
+                    f"{total['judge_tokens']} judge tokens", "none")
+        if over is None:
+            return
+        by_stage = ", ".join(f"{name} ${price(u, self.prices):.4f}" for name, u in stages.items())
+        raise BudgetSpent(
+            f"{self.stage}: {over[0]} reached: this cycle spent {over[1]} ({by_stage}); "
+            f"done: {done}; left to do: {left}. Nothing done is lost: raise {over[0].split('=')[0]} "
+            f"in params.yaml (no stage reruns for it) and run the cycle again; it resumes here")
+
+
+@contextmanager
+def stops_cleanly(stage: str):
+    """A stage's command line: a spent budget ends it with its message and exit status 3, not a
+    traceback (its kept work stays where the message says).
+    """
+    try:
+        yield
+    except BudgetSpent as err:
+        print(f"{stage}: error: {err}", file=sys.stderr)
+        sys.exit(3)

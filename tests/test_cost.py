@@ -1,0 +1,199 @@
+"""The cost ledger's exact counts, GPUs through NVML, and budgets that stop a stage mid-way."""
+
+import random
+import resource
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import train_config
+
+from flows import cost
+from stages import budget as budgets
+from stages import config as cfg
+from stages import gate, io, reward, rollout, tinylm, train
+from stages.envs import arith
+from stages.training import warmstart
+from stages.training.sft import encode_completion
+from stages.training.warmstart import demonstrations
+
+pytestmark = pytest.mark.xdist_group("cost")
+
+GOOD = "<calc>2*3</calc><result>6</result>answer:6"
+BAD = "answer:5"
+
+
+@pytest.fixture(scope="module")
+def champion(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models") / "champion"
+    tokenizer = tinylm.build_tokenizer(arith)
+    model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
+    warmstart.train(model, demonstrations(tokenizer, arith, random.Random(0), 0.5, 16), steps=10,
+                    lr=1e-2, tokenizer=tokenizer, seed=0)
+    tinylm.save(model, tokenizer, folder)
+    return folder
+
+
+def scored(tmp_path, champion, groups):
+    """A rewards file of written completions (their ids and masks as the rollout keeps them)."""
+    _, tokenizer = tinylm.load(champion)
+    rows = []
+    for t, (question, completions) in enumerate(groups):
+        for s, completion in enumerate(completions):
+            ids, mask = encode_completion(tokenizer, arith, arith.prompt(question), completion)
+            rows.append({"task_id": f"t{t}", "trace_id": f"t{t}", "sample": s,
+                         "question": question, "answer": str(arith.gold_answer(question)),
+                         "prompt": arith.prompt(question), "completion": completion,
+                         "token_ids": ids, "model_mask": mask, "logprobs": [0.0] * len(ids),
+                         "finish": "eos", "tool_calls": completion.count("<calc>")})
+    path = tmp_path / "rollouts.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=rollout.SCHEMA), path)
+    reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards.parquet")
+    return tmp_path / "rewards.parquet"
+
+
+def cpu_now():
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def validated(tmp_path, questions):
+    path = tmp_path / "validated.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"trace_id": f"tr{i}", "question": q, "answer": str(arith.gold_answer(q))}
+        for i, q in enumerate(questions)]), path)
+    return path
+
+
+def test_the_ledgers_token_counts_are_the_rollouts_and_the_batches_own(tmp_path, champion):
+    # the rollout: its episodes' own token ids, per environment
+    config = cfg.Rollout(samples_per_task=3, max_new_tokens=24, batch_size=8)
+    rolled = rollout.run(cfg.Base(), config, validated(tmp_path, ["2*3", "7+5", "9-4", "3*3"]),
+                         champion, tmp_path / "episodes.parquet")
+    table = pq.read_table(tmp_path / "episodes.parquet").to_pylist()
+    generated = sum(m for row in table for m in row["model_mask"])
+    read = sum(len(row["token_ids"]) for row in table) - generated
+    calls = sum(row["tool_calls"] for row in table)
+    assert generated > 0 and read > 0 and len(table) == 12
+    # the training batches: SFT on the verified-correct completions, two whole epochs
+    rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD, GOOD])] * 3 + [("2*3", [BAD])])
+    trained = train.run(cfg.Base(), train_config(min_examples=1, batch_size=2, epochs=2),
+                        rewards, champion, tmp_path / "candidate", tmp_path / "replay",
+                        tmp_path / "candidate.ckpt", tmp_path / "steps.csv")
+    examples = {(r["task_id"], r["completion"]): r for r in pq.read_table(rewards).to_pylist()
+                if r["correct"] == 1.0}
+    assert len(examples) == 3  # one per task: GOOD, once per distinct completion
+    # the demo's rows train as <bos> ids <eos>: every one a real token, the loss on the model's
+    # own ones and its <eos>
+    tokens = 2 * sum(len(r["token_ids"]) + 2 for r in examples.values())
+    seen = 2 * sum(sum(r["model_mask"]) + 1 for r in examples.values())
+    assert trained["trained"] and seen < tokens
+    spent = cost.ledger({"rollout": rolled, "train": trained}, {"rollout": True, "train": True},
+                        cfg.Cost())
+    row = spent["stages"]["rollout"]
+    assert (row["generated_tokens"], row["prompt_tokens"], row["tool_calls"]) == (generated, read,
+                                                                                  calls)
+    assert row["environments"]["arith"] == {"episodes": 12, "generated_tokens": generated,
+                                            "prompt_tokens": read, "tool_calls": calls}
+    assert (spent["stages"]["train"]["trained_tokens"],
+            spent["stages"]["train"]["loss_tokens"]) == (tokens, seen)
+    assert spent["total"]["trained_tokens"] == tokens
+    assert {"generated_tokens", "trained_tokens", "judge_tokens"} <= set(spent["exact"])
+    assert "cpu_seconds" in spent["measured"] and "cpu_seconds" not in spent["exact"]
+
+
+def test_a_budget_stops_training_mid_way_and_a_raised_one_finishes_as_if_unlimited(
+        tmp_path, champion):
+    rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD])] * 6)
+    config = train_config(min_examples=1, batch_size=2, epochs=3, checkpoint_steps=1000)
+
+    def run(folder, meter):
+        return train.run(cfg.Base(), config, rewards, champion, folder / "candidate",
+                         folder / "replay", folder / "candidate.ckpt", folder / "steps.csv",
+                         meter=meter)
+
+    whole = run(tmp_path / "whole", None)
+    assert whole["steps"] == 9
+    stopped = tmp_path / "stopped"
+    meter = budgets.Meter("train", cfg.Budget(max_usd=1e-9), cfg.Cost(cpu_hour_usd=0.05),
+                          since_cpu=cpu_now())
+    with pytest.raises(budgets.BudgetSpent) as err:
+        run(stopped, meter)
+    message = str(err.value)
+    assert "budget.max_usd=1e-09 reached" in message and "1 of 9 optimizer steps" in message
+    assert "left to do: 8 steps" in message and "this cycle spent $" in message
+    assert not (stopped / "candidate").exists()  # nothing half-done is left as an output
+    assert list((stopped / "candidate.ckpt").glob("*/checkpoint-1/trainer_state.json"))
+    raised = budgets.Meter("train", cfg.Budget(max_usd=1000.0), cfg.Cost(), since_cpu=cpu_now())
+    again = run(stopped, raised)
+    assert again["resumed_from_step"] == 1 and again["steps"] == 9
+    assert gate.weights_hash(stopped / "candidate") == gate.weights_hash(tmp_path / "whole" /
+                                                                         "candidate")
+    # the trained tokens count every step, those before the stop too
+    assert again["trained_tokens"] == whole["trained_tokens"] > 0
+
+
+def test_a_budget_spent_before_the_rollout_stops_it_naming_the_key(tmp_path, champion):
+    before = {"reward": {"cpu_seconds": 0.0, "gpu_seconds": 0.0, "judge_tokens": 900}}
+    meter = budgets.Meter("rollout", cfg.Budget(max_judge_tokens=500), cfg.Cost(), before,
+                          since_cpu=cpu_now())
+    with pytest.raises(budgets.BudgetSpent, match=r"budget.max_judge_tokens=500 reached: this "
+                       r"cycle spent 900 judge tokens .*left to do: 4 episodes"):
+        rollout.run(cfg.Base(), cfg.Rollout(samples_per_task=2),
+                    validated(tmp_path, ["2*3", "1+1"]), champion, tmp_path / "r.parquet",
+                    meter=meter)
+    assert not (tmp_path / "r.parquet").exists()
+    with pytest.raises(cfg.ParamsError, match="budget.max_usd: must be >= 0"):
+        cfg.Budget(max_usd=-1)
+
+
+def test_without_a_gpu_the_ledger_has_no_gpu_figures_and_says_what_it_sampled():
+    if io.watch_gpus() is not None:
+        pytest.skip("a GPU is here: test_nvml_samples_a_busy_gpu covers it")
+    assert "gpus" not in io.resources()
+    row = cost.stage_row({"resources": io.resources()}, 0, cfg.Cost())
+    assert row["gpu_seconds"] == 0 and row["gpu_busy_seconds"] == 0 and "gpus" not in row
+
+
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert io.visible_gpus(4) == [0, 1, 2, 3]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    assert io.visible_gpus(4) == [2, 0]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert io.visible_gpus(4) == []
+
+
+@pytest.mark.gpu
+def test_nvml_samples_a_busy_gpu():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed (pip install .[gpu])")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    watch = io.watch_gpus(interval=0.1)
+    assert watch is not None
+    x = torch.randn(4096, 4096, device="cuda")
+    deadline = __import__("time").monotonic() + 3
+    while __import__("time").monotonic() < deadline:
+        x = (x @ x).clamp(-1, 1)
+    torch.cuda.synchronize()
+    used = io.resources()["gpus"]
+    mine = used[0]
+    assert mine["busy_seconds"] > 0.5 and mine["peak_memory_mb"] > 64
+    assert 0 < mine["mean_utilisation"] <= 100 and mine["samples"] > 5
+    row = cost.stage_row({"resources": io.resources()}, 0, cfg.Cost())
+    assert row["gpu_count"] == len(used) and row["gpu_busy_seconds"] > 0.5
+
+
+def test_the_estimate_fits_a_fixed_part_and_a_rate_and_says_its_spread():
+    # a stage with a start-up cost of 5 s and 0.1 s a unit: the line, not the ratio
+    assert cost.predict([(10, 6.0), (50, 10.0)], 100) == [15.0, 15.0, 15.0]
+    low, middle, high = cost.predict([(10, 6.5), (30, 7.5), (50, 10.0)], 100)
+    assert low < middle < high and 14 < middle < 16
+    # units too alike to separate the parts: a rate alone
+    assert cost.predict([(50, 10.0), (51, 10.4)], 100)[1] == pytest.approx(100 * 20.4 / 101,
+                                                                           abs=1e-3)
+    # more units cost no more (the demo's train stage: start-up, one step): a fixed cost
+    assert cost.predict([(1.0, 9.084), (3.0, 8.581)], 4.5) == [8.581, 8.832, 9.084]
+    assert cost.predict([], 10) == [0.0, 0.0, 0.0]
