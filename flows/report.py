@@ -1,13 +1,22 @@
 """The cycle report: what came in, what was quarantined, rewards, training, the gate, the decision.
 
 `publish()` is called by the cycle flow at the end of a cycle that reached the gate: it attaches to
-the Prefect flow run a markdown artifact (`cycle-report`) and a table artifact of every stage's
-numeric metrics (`cycle-metrics`), with links to the cycle's MLflow run and to Great Expectations'
-Data Docs. `markdown()` and `metrics_table()` are plain functions of the metrics files, so the same
-text can be rebuilt for any tagged generation.
+the Prefect flow run a markdown artifact (`cycle-report`), a table of the stages (`cycle-metrics`:
+whether each reran, what it used) and one small table per stage of its numeric metrics
+(`cycle-metrics-<stage>`), and a link to the cycle's MLflow run. `markdown()`, `metrics_table()`
+and `stage_table()` are plain functions of the metrics files, so the same text can be rebuilt for
+any tagged generation.
+
+`html_report()` (`offseason report`) reads the committed metrics of every gen-N tag (the ledgers
+`metrics/cost.json`, `metrics/train_steps.csv`, the DVC-cached rewards), the MLflow runs of the
+cycles, and `data/docs/`; it writes `reports/index.html` and copies the Data Docs beside it
+(`reports/data-docs/`, linked relatively, so the link works from disk and over http alike). The
+lineage graph is laid out by Graphviz's `dot` when it is installed, else by hand (the page says so).
 
 Links to the MLflow UI use `MLFLOW_TRACKING_URI` when it is an http(s) server, otherwise
-`OFFSEASON_MLFLOW_UI_URL` (default `http://127.0.0.1:5000`, where `offseason ui` starts it).
+`OFFSEASON_MLFLOW_UI_URL` (default `http://127.0.0.1:5000`, where `offseason ui` serves the SQLite
+store). Links to Prefect flow runs use `PREFECT_UI_URL`, else the server of `PREFECT_API_URL`, else
+`http://127.0.0.1:4200` (where `offseason ui` serves the embedded mode's runs).
 """
 
 from __future__ import annotations
@@ -545,6 +554,7 @@ def gain_plot(rows: list[dict]) -> str | None:
     ax.step(xs, ys, where="post", color="tab:gray", label="champion's gain over gen-0")
     ax.plot([], [], "o", color="tab:blue", label="candidate (hollow: rejected)")
     ax.axhline(0, color="#bbb", linewidth=0.8)
+    ax.set_xlim(-spent * 0.03, spent * 1.12)  # room for the last label
     ax.set_xlabel("cumulative spend, $ (rejected cycles included)" if dollars else
                   "cumulative CPU hours (the prices in params.yaml's cost: are 0)")
     ax.set_ylabel("points of pass@1 over gen-0")
@@ -559,8 +569,12 @@ def stage_cost_plot(ledger: dict, tag: str) -> str:
     """What each stage of a cycle cost (a PNG data URI): dollars, or CPU seconds at prices of 0;
     stages DVC skipped are marked as reused (paid for in an earlier cycle).
     """
+    from flows.cost import STAGES as ORDER
+
     plt = _plt()
-    stages = ledger.get("stages") or {}
+    stages = ledger.get("stages") or {}  # in the pipeline's order (the file's keys are sorted)
+    stages = dict(sorted(stages.items(), key=lambda kv: (
+        ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER), kv[0])))
     dollars = (ledger.get("total") or {}).get("usd", 0) > 0
     names = list(stages)
     values = [0.0 if row.get("reused") else row.get("usd" if dollars else "cpu_seconds", 0.0)
@@ -574,6 +588,7 @@ def stage_cost_plot(ledger: dict, tag: str) -> str:
         ax.text(values[i] + top * 0.01, i, text, va="center", fontsize=8, color="#444")
     ax.invert_yaxis()
     ax.set_xlim(0, top * 1.45)
+    ax.xaxis.set_major_locator(plt.MaxNLocator(5))
     ax.set_xlabel("$" if dollars else "CPU seconds (the prices in params.yaml's cost: are 0)")
     ax.set_title(f"cost per stage, {tag}", fontsize=9)
     ax.grid(alpha=0.3, axis="x")
@@ -606,6 +621,7 @@ def training_plot(curves: dict[str, list[tuple[float, float]]]) -> str:
     for tag, points in curves.items():
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 30
                 else None, label=tag)
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
     ax.set_title("training curve per generation (metrics/train_steps.csv)", fontsize=9)
