@@ -782,8 +782,9 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
         top.append(f'<a id="link-mlflow" href="{_esc(mlflow_ui_url())}">MLflow</a>')
         top.append(f'<a id="link-prefect" href="{_esc(prefect_ui_url())}">Prefect</a>')
     run_note = (f"Runs: each cycle's MLflow run (at {_esc(mlflow_ui_url())}) and Prefect flow run "
-                f"(at {_esc(prefect_ui_url())}); with the embedded defaults, "
-                f"<code>offseason ui</code> serves both there." if links else
+                f"(at {_esc(prefect_ui_url())}). With MLflow and Prefect embedded (the "
+                f"defaults), <code>offseason ui</code> serves them at 127.0.0.1:5000 and "
+                f":4200." if links else
                 "No MLflow runs in this workspace: no links to runs.")
     ledger_tag = next((r["tag"] for r in reversed(rows) if r.get("cost_usd") is not None), None)
     ledger = read_at(root, ledger_tag, "metrics/cost.json") if ledger_tag else None
