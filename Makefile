@@ -14,9 +14,9 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 export GX_ANALYTICS_ENABLED := False
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test lint clean-state sandbox-tools vllm-env
+.PHONY: setup demo test lint clean-state sandbox-tools report-tools vllm-env
 
-setup: $(VENV)/.installed sandbox-tools
+setup: $(VENV)/.installed sandbox-tools report-tools
 
 # bubblewrap isolates the code sandbox (stages/envs/sandbox.py; without it the sandbox falls back to
 # rlimits). Installed when missing and we are root (as in CI); never fails the build when we are
@@ -28,6 +28,20 @@ sandbox-tools:
 	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; } && \
 	  echo "installed bubblewrap for the code sandbox"; } || \
 	  echo "note: bubblewrap is not installed (needs root and apt-get): the code sandbox falls back to rlimits, see stages/envs/sandbox.py"
+
+# Graphviz's dot lays out the report's lineage graph (flows/report.py; without it, a plainer layout
+# by hand, and the report says so); Debian's chromium runs the report's headless-browser test
+# (tests/test_lineage.py skips it, saying why, without one). Installed as bubblewrap is.
+report-tools:
+	@for tool in dot:graphviz chromium:chromium; do \
+	  cmd=$${tool%%:*}; pkg=$${tool##*:}; \
+	  command -v $$cmd >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$pkg >/dev/null 2>&1 || \
+	      { apt-get update -qq >/dev/null 2>&1 && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$pkg >/dev/null 2>&1; }; } && \
+	    echo "installed $$pkg for the HTML report"; } || \
+	    echo "note: $$pkg is not installed (needs root and apt-get): see 'offseason report' in README.md"; \
+	done
 
 # torch first and pinned: this machine has the CPU build of 2.13.0 on disk; an unpinned torch
 # would pull a multi-GB CUDA build. constraints.txt pins the rest to versions tested together.

@@ -328,7 +328,7 @@ def run_flow(root: Path, start, prefect_ready) -> dict:
     from mlflow.exceptions import MlflowException
 
     from flows import notify, pipeline
-    from flows.cycle import cycle
+    from flows.cycle import PROJECT_ENV, cycle
     from flows.ui import on_temporary_prefect
 
     pipeline.hand_over(root, start)
@@ -346,8 +346,9 @@ def run_flow(root: Path, start, prefect_ready) -> dict:
 
         heartbeats = temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
     try:
+        os.environ[PROJECT_ENV] = str(root)  # this checkout, whatever the shell had set
         with heartbeats:
-            return cycle(str(root))
+            return cycle()
     except MlflowException as err:  # MLflow's client retried with backoff before this
         raise WorkspaceError(
             f"MLflow at {os.environ['MLFLOW_TRACKING_URI']} did not answer ({str(err)[:300]}); "

@@ -20,6 +20,7 @@ flow adopts them; a flow run of a deployment starts them itself.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -44,6 +45,7 @@ from stages.io import write_json
 
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
 SECTION = {"champion_scores": "gate"}  # the params section of a stage named otherwise
+PROJECT_ENV = "OFFSEASON_PROJECT"  # the checkout a flow run works in (not a Run form field)
 
 
 # the Run form offers the algorithms by name (a drop-down), from the one table of them
@@ -72,19 +74,23 @@ def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: 
 
 
 @flow(name="offseason-cycle", log_prints=True)
-def cycle(repo: str = ".", algorithm: Algorithm | None = None, samples_per_task: int | None = None,
-          epochs: float | None = None, require_approval: bool | None = None) -> dict:
+def cycle(algorithm: Algorithm | None = None, samples_per_task: int | None = None,
+          epochs: int | None = None, require_approval: bool | None = None) -> dict:
     """One continuous-learning cycle over the stages of dvc.yaml, then promotion.
 
+    The project is `OFFSEASON_PROJECT` (set by `offseason run` and `offseason serve` for the
+    flow runs of their deployments), else the folder the run starts in. Not a parameter: a
+    deployment belongs to one checkout, so the Prefect Run form has no field to point it elsewhere.
+
     Args:
-        repo: the project folder.
         algorithm: train.algorithm for this run (empty: params.yaml's value).
         samples_per_task: rollout.samples_per_task for this run (empty: params.yaml's value).
-        epochs: train.<algorithm>.epochs for this run (empty: params.yaml's value).
+        epochs: train.<algorithm>.epochs for this run, whole passes (empty: params.yaml's
+            value, which may be fractional).
         require_approval: promotion.require_approval for this run (empty: params.yaml's value).
 
     """
-    root = find_root(repo)
+    root = find_root(os.environ.get(PROJECT_ENV, "."))
     configure_env(root)
     changes = overrides.from_parameters(root / "params.yaml", algorithm=algorithm, samples_per_task=samples_per_task,
                                         epochs=epochs, require_approval=require_approval)
@@ -142,7 +148,9 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
     experiment_id = tracking.experiment(root)
     parent = mlflow.MlflowClient().create_run(experiment_id, run_name=f"gen-{generation}", tags={
         "offseason.generation": str(generation),
-        "offseason.parent_commit": git(root, "rev-parse", "HEAD")})
+        "offseason.parent_commit": git(root, "rev-parse", "HEAD"),
+        # the report links each generation to its Prefect flow run
+        "offseason.prefect_flow_run_id": str(runtime.flow_run.id)})
     run_id = parent.info.run_id
     note_cycle(root, mlflow_run_id=run_id)
     client = mlflow.MlflowClient()
@@ -204,4 +212,5 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
 
 
 if __name__ == "__main__":
-    print(json.dumps(cycle(sys.argv[1] if len(sys.argv) > 1 else "."), indent=2))
+    os.environ[PROJECT_ENV] = str(find_root(sys.argv[1] if len(sys.argv) > 1 else "."))
+    print(json.dumps(cycle(), indent=2))

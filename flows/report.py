@@ -1,13 +1,22 @@
 """The cycle report: what came in, what was quarantined, rewards, training, the gate, the decision.
 
 `publish()` is called by the cycle flow at the end of a cycle that reached the gate: it attaches to
-the Prefect flow run a markdown artifact (`cycle-report`) and a table artifact of every stage's
-numeric metrics (`cycle-metrics`), with links to the cycle's MLflow run and to Great Expectations'
-Data Docs. `markdown()` and `metrics_table()` are plain functions of the metrics files, so the same
-text can be rebuilt for any tagged generation.
+the Prefect flow run a markdown artifact (`cycle-report`), a table of the stages (`cycle-metrics`:
+whether each reran, what it used) and one small table per stage of its numeric metrics
+(`cycle-metrics-<stage>`), and a link to the cycle's MLflow run. `markdown()`, `metrics_table()`
+and `stage_table()` are plain functions of the metrics files, so the same text can be rebuilt for
+any tagged generation.
+
+`html_report()` (`offseason report`) reads the committed metrics of every gen-N tag (the ledgers
+`metrics/cost.json`, `metrics/train_steps.csv`, the DVC-cached rewards), the MLflow runs of the
+cycles, and `data/docs/`; it writes `reports/index.html` and copies the Data Docs beside it
+(`reports/data-docs/`, linked relatively, so the link works from disk and over http alike). The
+lineage graph is laid out by Graphviz's `dot` when it is installed, else by hand (the page says so).
 
 Links to the MLflow UI use `MLFLOW_TRACKING_URI` when it is an http(s) server, otherwise
-`OFFSEASON_MLFLOW_UI_URL` (default `http://127.0.0.1:5000`, where `offseason ui` starts it).
+`OFFSEASON_MLFLOW_UI_URL` (default `http://127.0.0.1:5000`, where `offseason ui` serves the SQLite
+store). Links to Prefect flow runs use `PREFECT_UI_URL`, else the server of `PREFECT_API_URL`, else
+`http://127.0.0.1:4200` (where `offseason ui` serves the embedded mode's runs).
 """
 
 from __future__ import annotations
@@ -17,8 +26,10 @@ from pathlib import Path
 
 from flows import tracking
 
-STAGES = ["ingest", "validate", "rollout", "reward", "train", "gate"]
+STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
 MLFLOW_UI = "http://127.0.0.1:5000"
+PREFECT_UI = "http://127.0.0.1:4200"
+DATA_DOCS = "data/docs"  # the validate stage's Great Expectations Data Docs (dvc.yaml)
 
 
 def mlflow_ui_url() -> str:
@@ -27,6 +38,21 @@ def mlflow_ui_url() -> str:
     if uri.startswith(("http://", "https://")):
         return uri.rstrip("/")
     return os.environ.get("OFFSEASON_MLFLOW_UI_URL", MLFLOW_UI).rstrip("/")
+
+
+def prefect_ui_url() -> str:
+    """The Prefect UI's base URL: `PREFECT_UI_URL`, else the server of `PREFECT_API_URL`, else
+    the local UI (`offseason ui` serves the runs of the embedded mode there).
+    """
+    if os.environ.get("PREFECT_UI_URL"):
+        return os.environ["PREFECT_UI_URL"].rstrip("/")
+    api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+    return api.removesuffix("/api") if api else PREFECT_UI
+
+
+def flow_run_link(flow_run_id: str) -> str:
+    """The Prefect UI's link to a flow run."""
+    return f"{prefect_ui_url()}/runs/flow-run/{flow_run_id}"
 
 
 def run_link(experiment_id: str, run_id: str) -> str:
@@ -128,7 +154,7 @@ def markdown(root: Path, generation: int, metrics: dict, record: dict, *,
     ingest, validate, reward, train, gate = (metrics.get(s, {}) for s in
                                              ("ingest", "validate", "reward", "train", "gate"))
     drift = validate.get("drift", {})
-    docs = root / "data" / "docs" / "index.html"
+    docs = root / DATA_DOCS / "index.html"
     lines = [
         f"# offseason cycle gen-{generation}: "
         f"{'promoted' if record.get('promoted') else 'not promoted'}",
@@ -141,7 +167,10 @@ def markdown(root: Path, generation: int, metrics: dict, record: dict, *,
         f"- **Drift** from the previous cycle: task mix distance "
         f"{drift.get('task_mix_distance')}, new tools {_words(drift.get('new_tools'))}; PII "
         f"scrubbed {_words(ingest.get('pii_redactions'))}",
-        f"- **Data Docs** (Great Expectations): [{docs}]({docs.as_uri()})",
+        # a path, not a file:// link: browsers refuse those inside the Prefect UI's http page;
+        # `offseason report` copies them beside reports/index.html and links them there
+        f"- **Data Docs** (Great Expectations): `{docs.relative_to(root)}` in the project "
+        f"(`offseason report` links them)",
         "",
         "## Learning",
         f"- **Rewards**: mean {reward.get('mean_reward')}, pass@k {reward.get('pass_at_k')} over "
@@ -162,10 +191,24 @@ def markdown(root: Path, generation: int, metrics: dict, record: dict, *,
 
 
 def metrics_table(metrics: dict, reran: dict) -> list[dict]:
-    """One row per stage: whether it reran and its top-level numeric metrics."""
-    return [{"stage": s, "reran": reran.get(s),
-             **{k: v for k, v in tracking.numeric(metrics.get(s, {})).items() if "." not in k}}
-            for s in STAGES]
+    """One row per stage: whether it reran, and what it used (wall and CPU seconds, peak memory).
+
+    Each stage's own metrics are in its own table (`stage_table`): side by side they made one
+    table of 45 columns.
+    """
+    rows = []
+    for stage in STAGES:
+        used = metrics.get(stage, {}).get("resources") or {}
+        rows.append({"stage": stage, "reran": reran.get(stage),
+                     "wall_seconds": used.get("wall_seconds"), "cpu_seconds": used.get("cpu_seconds"),
+                     "max_rss_mb": used.get("max_rss_mb")})
+    return rows
+
+
+def stage_table(metrics: dict, stage: str) -> list[dict]:
+    """A stage's top-level numeric metrics as rows of (metric, value): a small table."""
+    return [{"metric": k, "value": v} for k, v in tracking.numeric(metrics.get(stage, {})).items()
+            if "." not in k]
 
 
 def publish(root: Path, generation: int, metrics: dict, reran: dict, record: dict, *,
@@ -180,7 +223,13 @@ def publish(root: Path, generation: int, metrics: dict, reran: dict, record: dic
     text = markdown(root, generation, metrics, record, experiment_id=experiment_id, run_id=run_id)
     create_markdown_artifact(text, key="cycle-report", description=f"gen-{generation}")
     create_table_artifact(metrics_table(metrics, reran), key="cycle-metrics",
-                          description=f"gen-{generation}")
+                          description=f"gen-{generation}: the stages, whether each reran, what "
+                                      f"each used; each stage's metrics in cycle-metrics-<stage>")
+    for stage in STAGES:
+        if metrics.get(stage):  # Prefect's artifact keys: lowercase letters, digits, dashes
+            create_table_artifact(stage_table(metrics, stage),
+                                  key=f"cycle-metrics-{stage.replace('_', '-')}",
+                                  description=f"gen-{generation}: metrics/{stage}.json")
     create_link_artifact(run_link(experiment_id, run_id), link_text=f"MLflow run gen-{generation}",
                          key="mlflow-run", description=f"gen-{generation}")
     return text
@@ -299,8 +348,10 @@ def _esc(text) -> str:
     return html.escape(str(text), quote=True)
 
 
-def lineage_svg(chain: dict) -> str:
-    """The generation's graph as SVG: inputs -> stages -> outputs, by DVC hash, code left out."""
+def lineage_nodes(chain: dict) -> tuple[dict, list]:
+    """The generation's graph: {key: (rank, kind, label, md5)} and edges [(from, to)]; inputs ->
+    stages -> outputs -> the verdict, by DVC hash, code left out (it is in the text lineage).
+    """
     stages = chain["stages"]
     produced = {o["path"]: name for name, s in stages.items() for o in s["outs"]}
     # code and helpers are deps of every stage: listed in the text lineage, left out of the picture
@@ -318,7 +369,6 @@ def lineage_svg(chain: dict) -> str:
 
     for name in stages:
         stage_rank(name)
-    columns: dict[int, list[tuple[str, str, str]]] = {}  # col -> [(id, kind, label, ...)]
     nodes, edges = {}, []
     for name in stages:
         col = 2 * rank[name] + 1
@@ -333,33 +383,108 @@ def lineage_svg(chain: dict) -> str:
             key = f"data:{o['path']}"
             nodes[key] = (col + 1, "data", o["path"], o["md5"] or "")
             edges.append((f"stage:{name}", key))
-    for key, (col, kind, label, md5) in nodes.items():
-        columns.setdefault(col, []).append(key)
     start = chain.get("started_from") or {}
     if start.get("tag") and "data:models/champion" in nodes:
         col, kind, label, md5 = nodes["data:models/champion"]
         nodes["data:models/champion"] = (col, "data", f"models/champion = {start['tag']}", md5)
     gate = chain.get("gate") or {}
-    result = f"{chain['tag']}: model version {chain['model_version']}"
-    last = max(columns) + 1
-    nodes["result"] = (last, "result", result,
+    nodes["result"] = (max(n[0] for n in nodes.values()) + 1, "result",
+                       f"{chain['tag']}: model version {chain['model_version']}",
                        f"gate {'pass' if gate.get('passed') else 'fail'}, "
                        f"{'promoted' if chain['promoted'] else 'not promoted'}")
-    columns[last] = ["result"]
     if "stage:gate" in nodes:
         edges.append(("stage:gate", "result"))
-    # top to bottom: one row per column of the dependency order, nodes side by side in a row
+    return nodes, edges
+
+
+def _colors(kind: str, promoted: bool) -> tuple[str, str]:
+    return {"stage": ("#dbe9f6", "#2c6fad"), "data": ("#f4f4f4", "#777777"),
+            "result": ("#dff3e0" if promoted else "#f8e0e0", "#444444")}[kind]
+
+
+def _fit(svg: str, width: float) -> str:
+    """The SVG scaled to its box: as wide as the box allows, never wider than drawn (viewBox)."""
+    import re
+
+    svg = svg[svg.index("<svg"):]
+    head, rest = svg.split(">", 1)
+    head = re.sub(r'\s(width|height)="[^"]*"', "", head)
+    return (f'{head} id="lineage-graph" style="width: 100%; max-width: {width:.0f}px; '
+            f'height: auto; display: block; margin: 0 auto">{rest}')
+
+
+def dot_svg(chain: dict, dot: str) -> str:
+    """The lineage graph laid out by Graphviz's `dot` (top to bottom), as inline SVG.
+
+    Each stage is one box listing the outputs it wrote, by hash; an edge leaves the output a
+    later stage reads. Inputs no stage wrote (the inbox, the champion, the suites) are boxes of
+    their own. Drawn with one box per file the graph was too wide to read inside the page.
+    """
+    import re
+    import subprocess
+
+    nodes, edges = lineage_nodes(chain)
+    writer = {b: a for a, b in edges if a.startswith("stage:") and b.startswith("data:")}
+    outs: dict[str, list[str]] = {}
+    for data, stage in writer.items():
+        outs.setdefault(stage, []).append(data)
+    port = {data: f"o{i}" for stage in outs for i, data in enumerate(outs[stage])}
+    quote = lambda text: '"' + str(text).replace("\\", "\\\\").replace('"', '\\"') + '"'  # noqa: E731
+    hashed = lambda label, md5: (f'{_esc(label)}<br/><font point-size="8" color="#666666">'  # noqa: E731
+                                 f'{_esc(md5[:16])}</font>' if md5 else _esc(label))
+    lines = ["digraph lineage {",
+             '  graph [rankdir=TB, nodesep=0.25, ranksep=0.4, bgcolor="transparent"];',
+             '  node [fontname="sans-serif", fontsize=10];',
+             '  edge [color="#888888", arrowsize=0.6];']
+    for key, (_, kind, label, md5) in nodes.items():
+        fill, stroke = _colors(kind, chain["promoted"])
+        if kind == "stage":
+            rows = "".join(f'<tr><td port="{port[d]}" bgcolor="#f4f4f4" align="left">'
+                           f'{hashed(nodes[d][2], nodes[d][3])}</td></tr>'
+                           for d in outs.get(key, []))
+            lines.append(f'  {quote(key)} [shape=plain, class="stage", label=<<table border="1" '
+                         f'cellborder="0" cellspacing="2" cellpadding="3" bgcolor="{fill}" '
+                         f'color="{stroke}"><tr><td><b>{_esc(label)}</b></td></tr>{rows}'
+                         f'</table>>];')
+        elif key not in writer:  # an input no stage wrote, or the verdict
+            text = f"<b>{_esc(label)}</b><br/>{_esc(md5)}" if kind == "result" else \
+                hashed(label, md5)
+            lines.append(f"  {quote(key)} [shape=box, style={quote('rounded,filled')}, "
+                         f"class={quote(kind)}, fillcolor={quote(fill)}, color={quote(stroke)}, "
+                         f"label=<{text}>];")
+    for a, b in edges:
+        if a in writer:  # a stage's output read by a later stage: from its row in the box
+            # no compass point: drawn from the box's edge, not across the rows below the port
+            lines.append(f"  {quote(writer[a])}:{port[a]} -> {quote(b)};")
+        elif not b.startswith("data:") or b not in writer:
+            lines.append(f"  {quote(a)} -> {quote(b)};")
+    lines.append("}")
+    done = subprocess.run([dot, "-Tsvg"], input="\n".join(lines), capture_output=True, text=True,
+                          timeout=60)
+    if done.returncode != 0:
+        raise RuntimeError(f"dot failed on the lineage graph: {done.stderr[-500:]}")
+    width = float(re.search(r'<svg[^>]*\swidth="([\d.]+)pt"', done.stdout).group(1))
+    return _fit(done.stdout, width * 4 / 3)  # points to CSS pixels
+
+
+def hand_svg(chain: dict) -> str:
+    """The lineage graph laid out by hand, rank by rank: the fallback without Graphviz (edges
+    may cross boxes there).
+    """
+    nodes, edges = lineage_nodes(chain)
+    columns: dict[int, list[str]] = {}
+    for key, (col, *_) in nodes.items():
+        columns.setdefault(col, []).append(key)
     box_w, box_h, gap_x, row_h = 176, 40, 14, 74
     widest = max(len(v) for v in columns.values())
     width = widest * (box_w + gap_x) + 20
-    height = (last + 1) * row_h + 10
+    height = (max(columns) + 1) * row_h + 10
     pos = {}
     for col, keys in columns.items():
         left = (width - len(keys) * (box_w + gap_x)) / 2
         for i, key in enumerate(sorted(keys)):
             pos[key] = (left + i * (box_w + gap_x), 10 + col * row_h)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" id="lineage-graph" '
-             f'width="{width:.0f}" height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" '
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width:.0f} {height:.0f}" '
              f'font-family="sans-serif" font-size="11">',
              '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
              'markerHeight="7" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#888"/></marker>'
@@ -368,66 +493,260 @@ def lineage_svg(chain: dict) -> str:
         (x1, y1), (x2, y2) = pos[a], pos[b]
         x1, y1, x2, y2 = x1 + box_w / 2, y1 + box_h, x2 + box_w / 2, y2
         mid = (y1 + y2) / 2
-        parts.append(f'<path class="edge" d="M{x1:.0f},{y1:.0f} C{x1:.0f},{mid:.0f} '
+        parts.append(f'<g class="edge"><title>{_esc(a)}-&gt;{_esc(b)}</title>'
+                     f'<path d="M{x1:.0f},{y1:.0f} C{x1:.0f},{mid:.0f} '
                      f'{x2:.0f},{mid:.0f} {x2:.0f},{y2:.0f}" fill="none" stroke="#888" '
-                     f'marker-end="url(#arrow)"/>')
-    colors = {"stage": ("#dbe9f6", "#2c6fad"), "data": ("#f4f4f4", "#777"),
-              "result": ("#dff3e0" if chain["promoted"] else "#f8e0e0", "#444")}
+                     f'marker-end="url(#arrow)"/></g>')
     for key, (col, kind, label, md5) in nodes.items():
         x, y = pos[key]
-        fill, stroke = colors[kind]
+        fill, stroke = _colors(kind, chain["promoted"])
         radius = 20 if kind == "stage" else 5
-        parts.append(f'<g class="node {kind}"><title>{_esc(label)} {_esc(md5)}</title>'
+        parts.append(f'<g class="node {kind}"><title>{_esc(key)}</title>'
                      f'<rect x="{x:.0f}" y="{y:.0f}" width="{box_w}" height="{box_h}" '
                      f'rx="{radius}" fill="{fill}" stroke="{stroke}"/>'
-                     f'<text x="{x + box_w / 2:.0f}" y="{y + (17 if md5 else 24):.0f}" text-anchor="middle" '
-                     f'font-weight="{"bold" if kind != "data" else "normal"}">'
+                     f'<text x="{x + box_w / 2:.0f}" y="{y + (17 if md5 else 24):.0f}" '
+                     f'text-anchor="middle" font-weight="{"bold" if kind != "data" else "normal"}">'
                      f'{_esc(label[:30])}</text>'
                      f'<text x="{x + box_w / 2:.0f}" y="{y + 32:.0f}" text-anchor="middle" '
                      f'fill="#666" font-size="9">{_esc(md5[:26])}</text></g>')
     parts.append("</svg>")
-    return "".join(parts)
+    return _fit("".join(parts), width)
+
+
+def lineage_svg(chain: dict) -> tuple[str, str]:
+    """The lineage graph as inline SVG, and how it was laid out (a sentence for the page)."""
+    import shutil
+
+    dot = shutil.which("dot")
+    if dot:
+        return dot_svg(chain, dot), "Laid out by Graphviz's dot."
+    return hand_svg(chain), ("Graphviz's <code>dot</code> is not installed, so this graph is laid "
+                             "out by hand and edges may cross boxes: install it "
+                             "(<code>apt-get install graphviz</code>; <code>make setup</code> "
+                             "does where it can) and run <code>offseason report</code> again.")
+
+
+def gain_plot(rows: list[dict]) -> str | None:
+    """Cumulative gain against cumulative spend per generation, the learning curve per dollar (a
+    PNG data URI; None before any cycle has a ledger). Gain: the champion's primary-suite score
+    over generation 0's, in points; spend: every cycle's ledger, rejected ones included. With
+    prices of 0, CPU hours stand in for dollars.
+    """
+    later = [r for r in rows[1:] if r.get("cost_usd") is not None]
+    if not later or rows[0].get("score") is None:
+        return None
+    dollars = sum(r["cost_usd"] for r in later) > 0
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    base, champion, spent = rows[0]["score"], rows[0]["score"], 0.0
+    xs, ys = [0.0], [0.0]
+    for r in rows[1:]:
+        spent += (r.get("cost_usd") if dollars else (r.get("cpu_seconds") or 0.0) / 3600) or 0.0
+        if r["promoted"]:
+            champion = r["score"]
+        xs.append(spent)
+        ys.append(100 * (champion - base))
+        if r.get("score") is not None:
+            ax.plot(spent, 100 * (r["score"] - base), "o", color="tab:blue", markersize=8,
+                    fillstyle="full" if r["promoted"] else "none")
+        ax.annotate(r["tag"], (spent, 100 * (champion - base)), textcoords="offset points",
+                    xytext=(4, -12), fontsize=8, color="#555")
+    ax.step(xs, ys, where="post", color="tab:gray", label="champion's gain over gen-0")
+    ax.plot([], [], "o", color="tab:blue", label="candidate (hollow: rejected)")
+    ax.axhline(0, color="#bbb", linewidth=0.8)
+    ax.set_xlim(-spent * 0.03, spent * 1.12)  # room for the last label
+    ax.set_xlabel("cumulative spend, $ (rejected cycles included)" if dollars else
+                  "cumulative CPU hours (the prices in params.yaml's cost: are 0)")
+    ax.set_ylabel("points of pass@1 over gen-0")
+    ax.set_title("learning curve per dollar", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def stage_cost_plot(ledger: dict, tag: str) -> str:
+    """What each stage of a cycle cost (a PNG data URI): dollars, or CPU seconds at prices of 0;
+    stages DVC skipped are marked as reused (paid for in an earlier cycle).
+    """
+    from flows.cost import STAGES as ORDER
+
+    plt = _plt()
+    stages = ledger.get("stages") or {}  # in the pipeline's order (the file's keys are sorted)
+    stages = dict(sorted(stages.items(), key=lambda kv: (
+        ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER), kv[0])))
+    dollars = (ledger.get("total") or {}).get("usd", 0) > 0
+    names = list(stages)
+    values = [0.0 if row.get("reused") else row.get("usd" if dollars else "cpu_seconds", 0.0)
+              for row in stages.values()]
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(names) + 1.2))
+    ax.barh(names, values, color="tab:orange")
+    top = max(values, default=0) or 1.0
+    for i, row in enumerate(stages.values()):
+        text = "reused (paid for earlier)" if row.get("reused") else \
+            f"{row.get('wall_seconds', 0):.0f} s wall, {row.get('cpu_seconds', 0):.0f} s CPU"
+        ax.text(values[i] + top * 0.01, i, text, va="center", fontsize=8, color="#444")
+    ax.invert_yaxis()
+    ax.set_xlim(0, top * 1.45)
+    ax.xaxis.set_major_locator(plt.MaxNLocator(5))
+    ax.set_xlabel("$" if dollars else "CPU seconds (the prices in params.yaml's cost: are 0)")
+    ax.set_title(f"cost per stage, {tag}", fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def training_curves(root: Path, rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Each generation's loss per step, from `metrics/train_steps.csv` as committed at its tag."""
+    import csv
+
+    from flows.workspace import run
+
+    curves = {}
+    for row in rows[1:]:
+        shown = run(["git", "show", f"{row['tag']}:metrics/train_steps.csv"], root, check=False)
+        if shown.returncode != 0:
+            continue
+        points = [(float(r["step"]), float(r["loss"])) for r in csv.DictReader(
+            shown.stdout.splitlines()) if r.get("step") and r.get("loss")]
+        if points:
+            curves[row["tag"]] = points
+    return curves
+
+
+def training_plot(curves: dict[str, list[tuple[float, float]]]) -> str:
+    """The training loss per step of each generation that trained (a PNG data URI)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for tag, points in curves.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 30
+                else None, label=tag)
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_title("training curve per generation (metrics/train_steps.csv)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def run_links(root: Path, rows: list[dict]) -> dict[str, dict[str, str]]:
+    """Per tag, the URLs of its MLflow run and its Prefect flow run (none without MLflow).
+
+    Read from the cycles' MLflow runs: a cycle resumed after approval has two, and the one that
+    tagged gen-N is the generation's.
+    """
+    if not os.environ.get("MLFLOW_TRACKING_URI") and not (root / "mlflow.db").exists():
+        return {}
+    from flows.workspace import configure_env
+
+    configure_env(root)
+    import mlflow
+
+    found = mlflow.get_experiment_by_name(tracking.EXPERIMENT)
+    if found is None:
+        return {}
+    chosen = {}
+    for run in mlflow.MlflowClient().search_runs(  # newest first
+            [found.experiment_id], "tags.`offseason.generation` != ''",
+            order_by=["attribute.start_time DESC"], max_results=5000):
+        tags = run.data.tags
+        tag = f"gen-{tags['offseason.generation']}"
+        if "mlflow.parentRunId" not in tags and (tag not in chosen or (
+                tags.get("offseason.git_tag") and
+                not chosen[tag].data.tags.get("offseason.git_tag"))):
+            chosen[tag] = run
+    links = {}
+    for tag, run in chosen.items():
+        links[tag] = {"mlflow": run_link(found.experiment_id, run.info.run_id)}
+        if run.data.tags.get("offseason.prefect_flow_run_id"):
+            links[tag]["prefect"] = flow_run_link(run.data.tags["offseason.prefect_flow_run_id"])
+    return links
+
+
+def copy_data_docs(root: Path, folder: Path) -> str | None:
+    """Copy the workspace's Data Docs beside the report (`data-docs/`); the relative link to them
+    (None when there are none). A relative link works from file:// and over http alike, where a
+    file:// link inside an http page is refused.
+    """
+    import shutil
+    import tempfile
+
+    source = root / DATA_DOCS
+    if not (source / "index.html").exists():
+        return None
+    target = folder / "data-docs"
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".data-docs-", dir=folder))
+    shutil.copytree(source, staging / "docs")
+    shutil.rmtree(target, ignore_errors=True)
+    (staging / "docs").rename(target)
+    staging.rmdir()
+    return "data-docs/index.html"
 
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>offseason report</title>
 <style>
-body {{ font-family: sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
+body {{ font-family: sans-serif; margin: 2em auto; max-width: 1100px; padding: 0 1em; color: #222; }}
 h1 {{ font-size: 1.6em; }} h2 {{ font-size: 1.2em; margin-top: 2em; }}
-table {{ border-collapse: collapse; font-size: 0.9em; }}
-td, th {{ border-bottom: 1px solid #ddd; padding: 4px 10px; text-align: right; }}
+table {{ border-collapse: collapse; font-size: 0.85em; }}
+td, th {{ border-bottom: 1px solid #ddd; padding: 4px 7px; text-align: right; }}
+td {{ white-space: nowrap; }}
 th:first-child, td:first-child {{ text-align: left; }}
 .champion {{ font-weight: bold; background: #eef7ee; }}
-.scroll {{ overflow-x: auto; border: 1px solid #eee; padding: 8px; }}
+.box {{ overflow-x: auto; }}
+.box img {{ max-width: 100%; height: auto; }}
+.graph {{ border: 1px solid #eee; padding: 8px; }}
+.note {{ color: #777; font-size: 0.9em; }}
 </style></head><body>
 <h1>offseason: {workspace}</h1>
 <p>{summary}</p>
+<p class="box" id="links">{links}</p>
 <h2>Generations</h2>
-<table id="history"><tr><th>generation</th><th>date</th><th>traces</th><th>pass@1</th>
-<th>vs champion</th><th>interval of difference</th><th>verdict</th><th>version</th>
-<th>approver</th></tr>
+<div class="box"><table id="history"><tr><th>generation</th><th>date</th><th>traces</th>
+<th>pass@1</th><th>vs champion</th><th>interval of difference</th><th>verdict</th>
+<th>version</th><th>cost $</th><th>pts/$</th><th>approver</th><th>runs</th></tr>
 {rows}
-</table>
+</table></div>
+<p class="note">{run_note}</p>
 <h2>Benchmark score per generation</h2>
-<img id="plot-scores" alt="pass@1 per generation with the gate's intervals" src="{scores}">
+<div class="box"><img id="plot-scores" alt="pass@1 per generation with the gate's intervals"
+src="{scores}"></div>
+<h2>What it cost: gain per dollar</h2>
+{gain}
+{stage_cost}
+<h2>Training curve</h2>
+{training}
 <h2>Reward distribution per cycle</h2>
 {rewards}
 <h2>Quarantine rates per cycle</h2>
 {quarantine}
 <h2>Lineage of {lineage_tag}</h2>
 <p>{lineage_text}</p>
-<div class="scroll">{svg}</div>
-<p style="color:#777">Written by <code>offseason report</code> at {at}. Full chain: <code>offseason
-lineage {lineage_tag}</code>; integrity: <code>offseason lineage --verify {lineage_tag}</code>.</p>
+<div class="box graph" id="lineage">{svg}</div>
+<p class="note">{layout} Full chain: <code>offseason lineage {lineage_tag}</code>; integrity:
+<code>offseason lineage --verify {lineage_tag}</code>. Written by <code>offseason report</code> at
+{at}.</p>
 </body></html>
 """
 
 
+def _img(element_id: str, alt: str, src: str | None, missing: str) -> str:
+    if src is None:
+        return f'<p class="note">{missing}</p>'
+    return f'<div class="box"><img id="{element_id}" alt="{_esc(alt)}" src="{src}"></div>'
+
+
 def html_report(root: Path, rows: list[dict], generation: str | None, out: Path) -> Path:
-    """reports/index.html: one self-contained page (plots as PNG data URIs, the graph as SVG)."""
+    """reports/index.html: plots as PNG data URIs and the graph as inline SVG, the Data Docs
+    copied beside it (`data-docs/`), links to each generation's MLflow run and Prefect flow run.
+    """
     import datetime as dt
 
     from flows import lineage
+    from flows.workspace import read_at
     from stages import io
 
     if not rows:
@@ -435,33 +754,63 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
     cycles = per_cycle(root, rows)
     tag = generation or rows[-1]["tag"]
     chain = lineage.lineage(root, tag, with_mlflow=False)
+    links = run_links(root, rows)
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     table = []
     for r in rows:
         interval = _interval(r["difference_interval"])
+        found = links.get(r["tag"], {})
+        runs = " · ".join(f'<a class="{kind}" href="{_esc(found[kind])}">{label}</a>'
+                          for kind, label in (("mlflow", "MLflow"), ("prefect", "Prefect"))
+                          if kind in found) or "-"
         table.append(f'<tr class="{"champion" if r["champion"] else ""}"><td>{r["tag"]}'
                      f'{" *" if r["champion"] else ""}</td><td>{r["date"]}</td>'
                      f'<td>{"-" if r["new_traces"] is None else r["new_traces"]}</td>'
                      f'<td>{fmt(r["score"])}</td><td>{fmt(r["champion_score"])}</td>'
                      f'<td>{interval}</td><td>{r["verdict"]}</td><td>{r["model_version"]}</td>'
-                     f'<td>{_esc(r.get("approver") or "")}</td></tr>')
+                     f'<td>{"-" if r.get("cost_usd") is None else format(r["cost_usd"], ".4f")}'
+                     f'</td><td>{"-" if r.get("points_per_usd") is None else r["points_per_usd"]}'
+                     f'</td><td>{_esc(r.get("approver") or "")}</td><td>{runs}</td></tr>')
     champion = next((r for r in rows if r["champion"]), rows[0])
     summary = (f"{len(rows)} generations; the champion is {champion['tag']} (model version "
                f"{champion['model_version']}, pass@1 {fmt(champion['score'])}).")
+    docs = copy_data_docs(root, out.parent)
+    top = [f'<a id="link-data-docs" href="{docs}">Data Docs</a> of the latest cycle (Great '
+           f'Expectations, copied beside this page)' if docs else
+           "No Data Docs yet (the validate stage writes them)"]
+    if links:
+        top.append(f'<a id="link-mlflow" href="{_esc(mlflow_ui_url())}">MLflow</a>')
+        top.append(f'<a id="link-prefect" href="{_esc(prefect_ui_url())}">Prefect</a>')
+    run_note = (f"Runs: each cycle's MLflow run (at {_esc(mlflow_ui_url())}) and Prefect flow run "
+                f"(at {_esc(prefect_ui_url())}). With MLflow and Prefect embedded (the "
+                f"defaults), <code>offseason ui</code> serves them at 127.0.0.1:5000 and "
+                f":4200." if links else
+                "No MLflow runs in this workspace: no links to runs.")
+    ledger_tag = next((r["tag"] for r in reversed(rows) if r.get("cost_usd") is not None), None)
+    ledger = read_at(root, ledger_tag, "metrics/cost.json") if ledger_tag else None
+    curves = training_curves(root, rows)
     if cycles:
-        rewards = f'<img id="plot-rewards" alt="reward distribution per cycle" ' \
-                  f'src="{reward_plot(cycles)}">'
-        quarantine = f'<img id="plot-quarantine" alt="quarantine rates per cycle" ' \
-                     f'src="{quarantine_plot(cycles)}">'
+        rewards = _img("plot-rewards", "reward distribution per cycle", reward_plot(cycles), "")
+        quarantine = _img("plot-quarantine", "quarantine rates per cycle",
+                          quarantine_plot(cycles), "")
     else:
-        rewards = quarantine = "<p>No cycle yet (only generation 0).</p>"
+        rewards = quarantine = '<p class="note">No cycle yet (only generation 0).</p>'
     lineage_text = (f"{_esc(chain['message'])}. Learned from {len(chain['training_traces'])} "
                     f"traces of {len(chain['inbox_files'])} inbox file(s); started from "
                     f"{(chain.get('started_from') or {}).get('tag') or '-'}.")
-    page = PAGE.format(workspace=_esc(root.name), summary=_esc(summary), rows="\n".join(table),
-                       scores=score_plot(rows), rewards=rewards, quarantine=quarantine,
-                       lineage_tag=tag, lineage_text=lineage_text, svg=lineage_svg(chain),
-                       at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    svg, layout = lineage_svg(chain)
+    page = PAGE.format(
+        workspace=_esc(root.name), summary=_esc(summary), links=" · ".join(top),
+        rows="\n".join(table), run_note=run_note, scores=score_plot(rows),
+        gain=_img("plot-gain", "cumulative gain against cumulative spend per generation",
+                  gain_plot(rows), "No cycle has a cost ledger (metrics/cost.json) yet."),
+        stage_cost=_img("plot-stage-cost", f"cost per stage of {ledger_tag}",
+                        stage_cost_plot(ledger, ledger_tag) if ledger else None, ""),
+        training=_img("plot-training", "training loss per step per generation",
+                      training_plot(curves) if curves else None,
+                      "No generation trained yet (metrics/train_steps.csv)."),
+        rewards=rewards, quarantine=quarantine, lineage_tag=tag, lineage_text=lineage_text,
+        svg=svg, layout=layout, at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
     io.write_text(out, page)
     return out
 

@@ -17,13 +17,20 @@ run` from a terminal.
 
 Served, the flow runs execute in subprocesses of this process, in this checkout; stop it with
 Ctrl-C (its schedules are paused on the way out, so nothing piles up while nobody serves).
+
+The checkout is not a run parameter: a deployment belongs to one checkout, so the Run form has no
+field to point it at another. The flow runs find it in `OFFSEASON_PROJECT`: served, this process
+sets it and its subprocesses inherit it; registered to a work pool, it is the deployment's
+`job_variables` env.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from flows import params as settings
+from flows.cycle import PROJECT_ENV
 from flows.workspace import limit_name
 
 ENTRYPOINT = "flows/cycle.py:cycle"
@@ -38,7 +45,7 @@ def specs(root: Path) -> dict[str, dict]:
         if name != "manual" and not spec.get("cron"):
             continue  # an empty cron turns a scheduled deployment off
         found[name] = {"cron": spec.get("cron") or None, "timezone": config.timezone,
-                       "parameters": {"repo": str(root), **(spec.get("parameters") or {})},
+                       "parameters": dict(spec.get("parameters") or {}),
                        "description": spec.get("description") or f"offseason cycle ({name})"}
     return found
 
@@ -61,6 +68,8 @@ def deployments(root: Path, flow=None, work_pool: str | None = None) -> list:
             concurrency_limit=ConcurrencyLimitConfig(
                 limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
             work_pool_name=work_pool,
+            # the checkout is the deployment's, not a Run form field (flows/cycle.py)
+            job_variables={"env": {PROJECT_ENV: str(root)}} if work_pool else None,
         ))
     return out
 
@@ -81,6 +90,7 @@ def serve(root: Path) -> None:
 
     found = deployments(root)
     name = ensure_limit(root)
+    os.environ[PROJECT_ENV] = str(root)  # the flow runs, subprocesses of this one, work here
     print(f"serve: {len(found)} deployments of offseason-cycle ("
           + ", ".join(f"{d.name}: {d.schedules[0].schedule.cron if d.schedules else 'manual'}"
                       for d in found)

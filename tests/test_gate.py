@@ -531,3 +531,24 @@ def test_the_cycle_report_shows_the_guards_and_the_suspected_hacks(tmp_path):
     text = report.markdown(tmp_path, 1, {"gate": verdict, "ingest": {"pii_redactions": {
         "email": 2, "card": 0, "ip": 1}}, "validate": {"drift": {"new_tools": []}}}, {})
     assert "new tools none; PII scrubbed email 2, ip 1" in text, text
+    # the Data Docs as a path: a file:// link inside the Prefect UI's http page is refused
+    assert "`data/docs/index.html`" in text and "file://" not in text
+
+
+def test_the_metrics_artifact_is_one_small_table_per_stage():
+    from flows import report
+
+    metrics = {"ingest": {"rows_read": 48, "accepted": 47, "pii_redactions": {"email": 2},
+                          "resources": {"wall_seconds": 3.5, "cpu_seconds": 2.0}},
+               "gate": {"passed": True, "candidate_score": 0.6, "reason": "better"}}
+    summary = report.metrics_table(metrics, {"ingest": True, "gate": False})
+    assert [r["stage"] for r in summary] == report.STAGES
+    assert summary[0] == {"stage": "ingest", "reran": True, "wall_seconds": 3.5,
+                          "cpu_seconds": 2.0, "max_rss_mb": None}
+    assert all(len(r) == 5 for r in summary)  # not a column per metric of every stage
+    # each stage's own metrics: two columns, its top-level numbers
+    assert report.stage_table(metrics, "ingest") == [
+        {"metric": "rows_read", "value": 48.0}, {"metric": "accepted", "value": 47.0}]
+    assert report.stage_table(metrics, "gate") == [
+        {"metric": "passed", "value": 1.0}, {"metric": "candidate_score", "value": 0.6}]
+    assert report.stage_table(metrics, "train") == []

@@ -5,11 +5,14 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TINY, make_project, offseason
+from conftest import TINY, cli_env, make_project, offseason
 
 # one xdist worker runs this module: its module-scoped fixture is built once
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lineage")]
@@ -172,30 +175,55 @@ def test_estimate_from_two_cycles_is_within_30_percent_of_the_third(learned, tmp
 
 PROBE = """<pre id="probe"></pre><script>
 window.addEventListener('load', () => {
-  const images = [...document.images].map(i => ({id: i.id, w: i.naturalWidth, h: i.naturalHeight}));
+  const rect = e => { const r = e.getBoundingClientRect(); return [r.left, r.right, r.width]; };
+  const images = [...document.images].map(i => ({id: i.id, complete: i.complete,
+    w: i.naturalWidth, h: i.naturalHeight, box: rect(i), parent: rect(i.parentElement)}));
+  const links = [...document.links].map(a => ({id: a.id, cls: a.className, text: a.textContent,
+    href: a.getAttribute('href'), url: a.href}));
+  const boxes = [...document.querySelectorAll('.box, table')].map(b => ({id: b.id || b.tagName,
+    scroll: b.scrollWidth, client: b.clientWidth}));
   const svg = document.getElementById('lineage-graph');
-  const box = svg ? svg.getBBox() : {width: 0, height: 0};
-  document.getElementById('probe').textContent = JSON.stringify({images,
-    nodes: svg ? svg.querySelectorAll('g.node').length : 0,
-    edges: svg ? svg.querySelectorAll('path.edge').length : 0,
-    svg: [box.width, box.height],
-    labels: svg ? [...svg.querySelectorAll('g.node text')].map(t => t.textContent) : []});
+  const titled = sel => [...svg.querySelectorAll(sel)].map(g => [g.querySelector('title')
+    .textContent, g]);
+  const shapes = Object.fromEntries(titled('g.node').map(([t, g]) => [t, g.getBBox()]));
+  const crossings = [];
+  for (const [t, g] of titled('g.edge')) {  // an edge passing through a box it does not join
+    // an edge from a stage's output leaves its row: "stage:train:o0->stage:gate"
+    const [from, to] = t.split('->').map(n => n.replace(/:o[0-9]+$/, '')),
+      path = g.querySelector('path');
+    const length = path.getTotalLength();
+    for (let k = 1; k < 40; k++) {
+      const p = path.getPointAtLength(length * k / 40);
+      for (const [name, b] of Object.entries(shapes)) {
+        if (name !== from && name !== to && p.x > b.x + 1 && p.x < b.x + b.width - 1
+            && p.y > b.y + 1 && p.y < b.y + b.height - 1) crossings.push([t, name]);
+      }
+    }
+  }
+  document.getElementById('probe').textContent = JSON.stringify({images, links, boxes,
+    page: [document.documentElement.scrollWidth, document.documentElement.clientWidth],
+    svg: rect(svg), graphBox: rect(document.getElementById('lineage')),
+    nodes: Object.keys(shapes).length, edges: titled('g.edge').length, crossings,
+    labels: [...svg.querySelectorAll('g.node text')].map(t => t.textContent)});
 });
 </script>"""
 
 
 @pytest.fixture(scope="module")
 def chromium():
-    path = shutil.which("chromium")
-    if path is None and os.geteuid() == 0 and shutil.which("apt-get"):
+    # as `make setup` does: Debian's chromium, and Graphviz for the graph (the report falls back
+    # to a layout by hand without it)
+    missing = [pkg for cmd, pkg in (("chromium", "chromium"), ("dot", "graphviz"))
+               if shutil.which(cmd) is None]
+    if missing and os.geteuid() == 0 and shutil.which("apt-get"):
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]
+        install = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
         for attempt in range(2):
             done = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
             if done.returncode == 0:
                 break
             subprocess.run(["apt-get", "update"], capture_output=True, env=env, timeout=600)
-        path = shutil.which("chromium")
+    path = shutil.which("chromium")
     if path is None:
         pytest.skip("Debian's chromium is not installed and cannot be installed here (needs root "
                     "and apt-get: `apt-get install -y chromium`)")
@@ -203,31 +231,91 @@ def chromium():
 
 
 def test_html_report_renders_in_headless_chromium(learned, chromium, tmp_path):
+    from mlflow import MlflowClient
+
     out = offseason(learned, "report")
     page = learned / "reports/index.html"
     assert str(page) in out.stdout
     html = page.read_text()
-    assert html.count('src="data:image/png;base64,') == 3 and "<svg" in html
-    probe = tmp_path / "probe.html"
+    assert html.count('src="data:image/png;base64,') == 6 and "<svg" in html
+    laid_out = shutil.which("dot") is not None  # else the page says how to install it
+    assert ("Laid out by Graphviz's dot" in html) == laid_out
+    probe = page.parent / "probe.html"  # beside the report, so its relative links resolve
     probe.write_text(html.replace("</body>", PROBE + "</body>"))
     flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-             "--virtual-time-budget=5000"]
+             "--virtual-time-budget=5000", "--window-size=1200,900"]
     dom = subprocess.run([*flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True,
                          timeout=180).stdout
+    probe.unlink()
     found = json.loads(re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S).group(1)
-                       .replace("&quot;", '"').replace("&amp;", "&"))
-    assert [i["id"] for i in found["images"]] == ["plot-scores", "plot-rewards",
+                       .replace("&quot;", '"').replace("&amp;", "&").replace("&lt;", "<")
+                       .replace("&gt;", ">"))
+    # every image loads, inside its box
+    assert [i["id"] for i in found["images"]] == ["plot-scores", "plot-gain", "plot-stage-cost",
+                                                  "plot-training", "plot-rewards",
                                                   "plot-quarantine"]
-    assert all(i["w"] > 300 and i["h"] > 200 for i in found["images"]), found["images"]
-    assert found["nodes"] >= 20 and found["edges"] >= found["nodes"] - 5
-    assert found["svg"][0] > 500 and found["svg"][1] > 500
+    for image in found["images"]:
+        assert image["complete"] and image["w"] > 300 and image["h"] > 150, image
+        assert image["box"][1] <= image["parent"][1] + 0.5, image
+    # nothing overflows its box: no box scrolls sideways, nor the page; the graph fits its box
+    assert all(b["scroll"] <= b["client"] for b in found["boxes"]), found["boxes"]
+    assert found["page"][0] <= found["page"][1], found["page"]
+    assert found["graphBox"][0] <= found["svg"][0] and found["svg"][1] <= found["graphBox"][1]
+    assert found["svg"][2] > 500
+    assert found["nodes"] >= 12 and found["edges"] >= found["nodes"] + 5
+    if laid_out:  # by dot: every edge clear of the boxes it does not join
+        assert found["crossings"] == [], found["crossings"]
     labels = " ".join(found["labels"])
     for name in ("ingest", "validate", "rollout", "reward", "train", "gate", "data/replay",
                  "models/champion", "gen-2: model version"):
         assert name in labels
+
+    # every link resolves: files beside the report exist; the MLflow and Prefect links are at
+    # the documented addresses (MLflow: `offseason ui`'s, the store being SQLite; Prefect: the
+    # server of PREFECT_API_URL) and name runs that exist there, one of each per cycle
+    prefect_api = cli_env(learned)["PREFECT_API_URL"]
+    mlflow = MlflowClient(f"sqlite:///{learned / 'mlflow.db'}")
+    kinds = {}
+    for link in found["links"]:
+        if link["href"].startswith("http"):
+            if link["cls"] == "mlflow":
+                assert link["href"].startswith("http://127.0.0.1:5000/#/experiments/"), link
+                run = mlflow.get_run(link["href"].rsplit("/", 1)[1])
+                kinds.setdefault("mlflow", []).append(run.data.tags["offseason.generation"])
+            elif link["cls"] == "prefect":
+                ui = prefect_api.removesuffix("/api")
+                assert link["href"].startswith(f"{ui}/runs/flow-run/"), link
+                flow_run = link["href"].rsplit("/", 1)[1]
+                with urllib.request.urlopen(f"{prefect_api}/flow_runs/{flow_run}") as answer:
+                    assert json.load(answer)["id"] == flow_run
+                kinds.setdefault("prefect", []).append(flow_run)
+            else:
+                assert link["href"] in ("http://127.0.0.1:5000", prefect_api.removesuffix("/api"))
+        else:
+            assert link["url"].startswith("file://") and not link["href"].startswith("file:")
+            assert Path(urllib.parse.unquote(urllib.parse.urlparse(link["url"]).path)).is_file(), \
+                link
+    # gen-0's run (init) has no flow run; each cycle's has one
+    assert kinds["mlflow"] == ["0", "1", "2"] and len(set(kinds["prefect"])) == 2, kinds
+    docs = next(link for link in found["links"] if link["id"] == "link-data-docs")
+    assert docs["href"] == "data-docs/index.html" and "Great Expectations" in (
+        page.parent / docs["href"]).read_text()
+
+    # without Graphviz: the graph laid out by hand, and the page says so
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "git").symlink_to(shutil.which("git"))
+    env = {**cli_env(learned), "PATH": f"{bare}{os.pathsep}{Path(sys.executable).parent}"}
+    plain = subprocess.run([str(Path(sys.executable).parent / "offseason"), "report", "--out",
+                            str(tmp_path / "plain.html")], cwd=learned, env=env,
+                           capture_output=True, text=True, check=True)
+    assert "plain.html" in plain.stdout
+    text = (tmp_path / "plain.html").read_text()
+    assert "<code>dot</code> is not installed" in text and 'id="lineage-graph"' in text
+
     shot = tmp_path / "report.png"
-    subprocess.run([*flags, "--window-size=1200,3400", f"--screenshot={shot}", page.as_uri()],
-                   capture_output=True, timeout=180)
+    subprocess.run([*flags[:-1], "--window-size=1200,3400", f"--screenshot={shot}",
+                    page.as_uri()], capture_output=True, timeout=180)
     assert shot.read_bytes()[:4] == b"\x89PNG"
     keep = os.environ.get("OFFSEASON_KEEP_SCREENSHOT")
     if keep:  # for a person to look at

@@ -100,3 +100,15 @@ def test_the_run_form_offers_the_algorithms_by_name():
 
     field = parameter_schema(cycle.fn).model_dump()["properties"]["algorithm"]
     assert {"enum": list(ALGORITHMS), "type": "string"} in field["anyOf"], field
+
+
+def test_the_run_form_has_whole_epochs_and_no_project_folder():
+    """Epochs is an integer field; the project folder is not a field (a deployment belongs to
+    one checkout: flows/serve.py sets OFFSEASON_PROJECT for its runs)."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.cycle import cycle
+
+    form = parameter_schema(cycle.fn).model_dump()["properties"]
+    assert set(form) == {"algorithm", "samples_per_task", "epochs", "require_approval"}
+    assert {"type": "integer"} in form["epochs"]["anyOf"], form["epochs"]

@@ -129,12 +129,15 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, tmp_
             weekly = client.read_deployment_by_name("offseason-cycle/weekly")
             assert nightly.schedules[0].schedule.cron == nightly_cron
             assert weekly.parameters["samples_per_task"] == 8
-            assert not manual.schedules and manual.parameters == {"repo": str(project)}
+            assert not manual.schedules and manual.parameters == {}
             assert manual.global_concurrency_limit.limit == 1
             assert manual.concurrency_options.collision_strategy == "ENQUEUE"
             # the Run form's fields are the flow's parameters
-            assert {"algorithm", "samples_per_task", "epochs", "require_approval"} <= set(
-                manual.parameter_openapi_schema["properties"])
+            form = manual.parameter_openapi_schema["properties"]
+            assert set(form) == {"algorithm", "samples_per_task", "epochs", "require_approval"}
+            # whole epochs (an integer field), the algorithms offered by name, no `repo` to edit
+            assert [t.get("type") for t in form["epochs"]["anyOf"]] == ["integer", "null"], form
+            assert json.dumps(form["algorithm"]).count('"sft"') == 1, form["algorithm"]
             assert client.read_global_concurrency_limit_by_name(limit_name(project)).limit == 1
 
             # what the UI's Run button does: a flow run of the deployment, two parameters edited
