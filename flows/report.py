@@ -21,6 +21,7 @@ store). Links to Prefect flow runs use `PREFECT_UI_URL`, else the server of `PRE
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -148,6 +149,25 @@ def decision(record: dict) -> str:
     return words
 
 
+def estimate_line(ledger: dict | None) -> str:
+    """What a cycle's ledger says it cost, beside the estimate made before it (`offseason
+    estimate`, kept under `estimate` in metrics/cost.json), in words.
+    """
+    if not ledger or "total" not in ledger:
+        return "no cost ledger (metrics/cost.json)"
+    total = ledger["total"]
+    actual = (f"${total.get('usd', 0):.4f} ({total.get('cpu_seconds', 0):.1f} CPU s, "
+              f"{total.get('gpu_seconds', 0) or 0:.1f} GPU s, {total.get('judge_tokens', 0)} judge "
+              f"tokens)")
+    guess = ledger.get("estimate") or {}
+    if guess.get("status") != "ok":
+        return f"{actual}; no estimate before it (no earlier cycle's ledger to take rates from)"
+    low, mid, high = guess["total"]["usd"]
+    cpu = guess["total"]["cpu_seconds"]
+    return (f"{actual}; estimated before it ${mid:.4f} (${low:.4f} to ${high:.4f}; "
+            f"{cpu[1]:.1f} CPU s, {cpu[0]:.1f} to {cpu[2]:.1f})")
+
+
 def markdown(root: Path, generation: int, metrics: dict, record: dict, *,
              experiment_id: str | None = None, run_id: str | None = None) -> str:
     """The cycle report of a generation as Markdown."""
@@ -179,6 +199,9 @@ def markdown(root: Path, generation: int, metrics: dict, record: dict, *,
         f"{hacks_line(reward)}",
         f"- **Training**: {training_summary(train)}",
         "",
+        "## Cost",
+        f"- **This cycle**: {estimate_line(_ledger(root))}",
+        "",
         "## Decision",
         *gate_lines(gate),
         f"- **Decision**: {decision(record)}",
@@ -188,6 +211,14 @@ def markdown(root: Path, generation: int, metrics: dict, record: dict, *,
     if run_id and experiment_id:
         lines.append(f"- **MLflow run**: [{run_id}]({run_link(experiment_id, run_id)})")
     return "\n".join(lines)
+
+
+def _ledger(root: Path) -> dict | None:
+    path = root / "metrics" / "cost.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def metrics_table(metrics: dict, reran: dict) -> list[dict]:
@@ -805,7 +836,9 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
         gain=_img("plot-gain", "cumulative gain against cumulative spend per generation",
                   gain_plot(rows), "No cycle has a cost ledger (metrics/cost.json) yet."),
         stage_cost=_img("plot-stage-cost", f"cost per stage of {ledger_tag}",
-                        stage_cost_plot(ledger, ledger_tag) if ledger else None, ""),
+                        stage_cost_plot(ledger, ledger_tag) if ledger else None, "") + (
+            f'<p class="note" id="estimate">{_esc(ledger_tag)}: '
+            f'{_esc(estimate_line(ledger))}</p>' if ledger else ""),
         training=_img("plot-training", "training loss per step per generation",
                       training_plot(curves) if curves else None,
                       "No generation trained yet (metrics/train_steps.csv)."),

@@ -533,6 +533,18 @@ def test_the_cycle_report_shows_the_guards_and_the_suspected_hacks(tmp_path):
     assert "new tools none; PII scrubbed email 2, ip 1" in text, text
     # the Data Docs as a path: a file:// link inside the Prefect UI's http page is refused
     assert "`data/docs/index.html`" in text and "file://" not in text
+    # what the cycle cost, beside the estimate made before it
+    assert "no cost ledger" in text
+    (tmp_path / "metrics").mkdir()
+    ledger = {"total": {"usd": 0.0012, "cpu_seconds": 86.4, "gpu_seconds": 0, "judge_tokens": 0}}
+    (tmp_path / "metrics/cost.json").write_text(json.dumps(ledger))
+    text = report.markdown(tmp_path, 1, {"gate": verdict}, {})
+    assert "**This cycle**: $0.0012 (86.4 CPU s, 0.0 GPU s, 0 judge tokens); no estimate" in text
+    ledger["estimate"] = {"status": "ok", "total": {"usd": [0.001, 0.0011, 0.0013],
+                                                    "cpu_seconds": [70.0, 80.0, 95.0]}}
+    (tmp_path / "metrics/cost.json").write_text(json.dumps(ledger))
+    text = report.markdown(tmp_path, 1, {"gate": verdict}, {})
+    assert "estimated before it $0.0011 ($0.0010 to $0.0013; 80.0 CPU s, 70.0 to 95.0)" in text, text
 
 
 def test_the_metrics_artifact_is_one_small_table_per_stage():

@@ -166,6 +166,10 @@ def test_estimate_from_two_cycles_is_within_30_percent_of_the_third(learned, tmp
     assert low <= middle <= high
     # the ledger keeps the estimate made before the cycle, for estimate against actual
     assert spent["estimate"]["total"]["cpu_seconds"][1] == pytest.approx(middle, rel=0.05)
+    # and the cycle report shows them side by side
+    from flows import report
+
+    assert "estimated before it $" in report.markdown(root, 3, {}, {})
     # without a committed cycle there are no rates, and it says what it needs
     for tag in ("gen-1", "gen-2", "gen-3"):
         git(root, "tag", "-d", tag)
