@@ -1,6 +1,7 @@
 """The cost ledger's exact counts, GPUs through NVML, and budgets that stop a stage mid-way."""
 
 import random
+import re
 import resource
 
 import pyarrow as pa
@@ -132,6 +133,32 @@ def test_a_budget_stops_training_mid_way_and_a_raised_one_finishes_as_if_unlimit
                                                                          "candidate")
     # the trained tokens count every step, those before the stop too
     assert again["trained_tokens"] == whole["trained_tokens"] > 0
+
+
+def test_a_budget_stops_the_rollout_between_batches_and_a_raised_one_gives_the_unlimited_rollouts(
+        tmp_path, champion):
+    tasks = validated(tmp_path, ["2*3", "1+1", "4+5", "7-2", "3*3", "8+1"])
+    config = cfg.Rollout(samples_per_task=4, batch_size=4)  # 24 episodes in 6 batches
+    whole, stopped = tmp_path / "whole.parquet", tmp_path / "stopped.parquet"
+    before = cpu_now()
+    rollout.run(cfg.Base(), config, tasks, champion, whole)
+    batch = (cpu_now() - before) / 6  # CPU seconds of a batch, the model's loading included
+    prices = cfg.Cost(cpu_hour_usd=3600.0)  # a dollar a CPU-second: max_usd counts CPU seconds
+    # half a batch: the check before the first batch passes, one after a batch stops the stage
+    meter = budgets.Meter("rollout", cfg.Budget(max_usd=batch / 2), prices, since_cpu=cpu_now())
+    with pytest.raises(budgets.BudgetSpent) as err:
+        rollout.run(cfg.Base(), config, tasks, champion, stopped, meter=meter)
+    message = str(err.value)
+    assert "budget.max_usd=" in message and "reached" in message, message
+    done = re.search(r"done: (\d+) of 24 episodes; left to do: (\d+) episodes", message)
+    assert done, message  # between batches: some done, the rest named
+    assert 0 < int(done[1]) < 24 and int(done[1]) % 4 == 0 and int(done[2]) == 24 - int(done[1])
+    assert not stopped.exists()  # no partial table is left as the stage's output
+    raised = budgets.Meter("rollout", cfg.Budget(max_usd=1e6), prices, since_cpu=cpu_now())
+    rollout.run(cfg.Base(), config, tasks, champion, stopped, meter=raised)
+    kept = ["task_id", "sample", "completion", "token_ids", "model_mask"]
+    assert pq.read_table(stopped, columns=kept).to_pylist() == \
+        pq.read_table(whole, columns=kept).to_pylist()
 
 
 def test_a_budget_spent_before_the_rollout_stops_it_naming_the_key(tmp_path, champion):
