@@ -175,6 +175,39 @@ def test_a_budget_spent_before_the_rollout_stops_it_naming_the_key(tmp_path, cha
         cfg.Budget(max_usd=-1)
 
 
+def test_prices_by_gpu_name_by_judge_model_and_for_a_billing_rollout_server():
+    prices = cfg.Cost(cpu_hour_usd=0.0, gpu_hour_usd=3.0, gpu_hour_usd_by_name={"A10G": 1.0},
+                      judge_usd_per_million_tokens=2.0,
+                      judge_usd_per_million_tokens_by_model={"judge-mini": 0.5},
+                      rollout_usd_per_million_tokens=10.0)
+    hour = 3600.0
+    two_gpus = {"resources": {"wall_seconds": hour, "cpu_seconds": 5.0, "gpus": [
+        {"index": 0, "name": "NVIDIA A10G", "busy_seconds": 100.0},
+        {"index": 1, "name": "NVIDIA H100 80GB HBM3", "busy_seconds": 50.0}]}}
+    row = cost.stage_row(two_gpus, 0, prices)
+    assert row["gpu_seconds"] == 2 * hour and row["usd"] == 1.0 + 3.0  # each GPU at its rate
+    judged = {"resources": {"wall_seconds": 1.0, "cpu_seconds": 1.0}, "judges": [
+        {"judge": "judge-mini/rubric-ab12", "tokens": 2_000_000, "requests": 10},
+        {"judge": "judge-large/rubric-cd34", "tokens": 1_000_000, "requests": 5}]}
+    row = cost.stage_row(judged, 0, prices)
+    assert row["judge_tokens_by_model"] == {"judge-mini": 2_000_000, "judge-large": 1_000_000}
+    assert row["usd"] == 2 * 0.5 + 1 * 2.0
+    served = {"resources": {"wall_seconds": 1.0, "cpu_seconds": 1.0}, "backend": "openai",
+              "prompt_tokens": 300_000, "generated_tokens": 200_000}
+    row = cost.stage_row(served, 0, prices)
+    assert row["served_tokens"] == 500_000 and row["usd"] == 5.0
+    # a rollout on this machine's transformers is no billed tokens
+    assert cost.stage_row({**served, "backend": "transformers"}, 0, prices)["usd"] == 0.0
+    # the budget's meter prices a judge's tokens as its model's
+    meter = budgets.Meter("reward", cfg.Budget(max_usd=1.5), prices, since_cpu=cpu_now(),
+                          judge="judge-mini")
+    meter.check("some", "the rest", judge_tokens=2_000_000)  # $1.00: under
+    with pytest.raises(budgets.BudgetSpent, match="budget.max_usd=1.5 reached"):
+        meter.check("more", "the rest", judge_tokens=3_000_000)  # $1.50
+    with pytest.raises(cfg.ParamsError, match="cost.gpu_hour_usd_by_name.H100: must be >= 0"):
+        cfg.Cost(gpu_hour_usd_by_name={"H100": -1.0})
+
+
 def test_without_a_gpu_the_ledger_has_no_gpu_figures_and_says_what_it_sampled():
     if io.watch_gpus() is not None:
         pytest.skip("a GPU is here: test_nvml_samples_a_busy_gpu covers it")
