@@ -22,16 +22,18 @@ why a cycle may not start.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import UTC, datetime
 from pathlib import Path
 
+from stages import budget as budgets
 from stages.budget import price
 from stages.config import Budget, Cost
 
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
-EXACT = ["prompt_tokens", "generated_tokens", "tool_calls", "trained_tokens", "loss_tokens",
-         "judge_requests", "judge_tokens", "judge_prompt_tokens", "judge_completion_tokens"]
+EXACT = ["prompt_tokens", "generated_tokens", "served_tokens", "tool_calls", "trained_tokens",
+         "loss_tokens", "judge_requests", "judge_tokens", "judge_prompt_tokens", "judge_completion_tokens"]
 MEASURED = ["wall_seconds", "cpu_seconds", "gpu_busy_seconds"]
 SUMMED = ["wall_seconds", "cpu_seconds", "gpu_seconds", "gpu_busy_seconds", *EXACT, "usd"]
 
@@ -66,7 +68,13 @@ def stage_row(metrics: dict, gpus: int, prices: Cost) -> dict:
             name: {k: env[k] for k in ("episodes", "prompt_tokens", "generated_tokens",
                                        "tool_calls") if k in env}
             for name, env in metrics["environments"].items()}
-    row["usd"] = price(row, prices)
+    units = budgets.units_of(metrics)
+    row["served_tokens"] = units["served_tokens"]
+    if units["judge_tokens_by_model"]:
+        row["judge_tokens_by_model"] = units["judge_tokens_by_model"]
+    # each GPU at its own rate (cost.gpu_hour_usd_by_name), each judge model at its own
+    row["usd"] = price({**row, "gpu_names": units["gpu_names"] if seen else [],
+                        "judge_tokens_by_model": units["judge_tokens_by_model"]}, prices)
     return row
 
 
@@ -85,8 +93,7 @@ def ledger(metrics: dict[str, dict], reran: dict[str, bool], prices: Cost,
             total[key] += row[key]
     total = {k: round(v, 6) if isinstance(v, float) else v for k, v in total.items()}
     return {"stages": stages, "total": total, "gpus": gpus,
-            "prices": {"cpu_hour_usd": prices.cpu_hour_usd, "gpu_hour_usd": prices.gpu_hour_usd,
-                       "judge_usd_per_million_tokens": prices.judge_usd_per_million_tokens},
+            "prices": dataclasses.asdict(prices),
             "exact": EXACT, "measured": MEASURED + ["max_rss_mb", "gpus"],
             "how": "tokens, tool calls and judge requests are counted exactly from the rollouts' "
                    "token ids, the training batches and the judge's usage; seconds, memory and "

@@ -37,18 +37,51 @@ class BudgetSpent(RuntimeError):
 
 
 def price(units: dict, prices: cfg.Cost) -> float:
-    """Dollars of `units` (cpu_seconds, gpu_seconds, judge_tokens) at `prices`."""
-    return round(units.get("cpu_seconds", 0.0) / 3600 * prices.cpu_hour_usd
-                 + units.get("gpu_seconds", 0.0) / 3600 * prices.gpu_hour_usd
-                 + units.get("judge_tokens", 0) / 1e6 * prices.judge_usd_per_million_tokens, 6)
+    """Dollars of `units` at `prices`: cpu_seconds; gpu_seconds (split evenly over
+    `gpu_names`, each GPU at its own rate, where they are known); judge_tokens (by model where
+    `judge_tokens_by_model` says); `served_tokens` (a billing rollout server's).
+    """
+    names = units.get("gpu_names") or []
+    gpu_seconds = units.get("gpu_seconds", 0.0)
+    gpu = (sum(gpu_seconds / len(names) / 3600 * prices.gpu_rate(n) for n in names) if names
+           else gpu_seconds / 3600 * prices.gpu_hour_usd)
+    by_model = units.get("judge_tokens_by_model") or {}
+    judge = (sum(tokens / 1e6 * prices.judge_rate(model) for model, tokens in by_model.items())
+             if by_model else
+             units.get("judge_tokens", 0) / 1e6 * prices.judge_usd_per_million_tokens)
+    return round(units.get("cpu_seconds", 0.0) / 3600 * prices.cpu_hour_usd + gpu + judge
+                 + units.get("served_tokens", 0) / 1e6 * prices.rollout_usd_per_million_tokens,
+                 6)
+
+
+def judge_model(judge: dict) -> str:
+    """The model of a judge as a stage's metrics name it (`<model>/rubric-<hash>`)."""
+    return str(judge.get("judge", "")).rsplit("/rubric-", 1)[0]
 
 
 def units_of(metrics: dict) -> dict:
-    """The priced units of a stage's metrics: CPU seconds, GPU seconds held, judge tokens."""
+    """The priced units of a stage's metrics: CPU seconds, GPU seconds held (and the GPUs'
+    names), judge tokens (by model), and the tokens of a rollout from a server (`served_tokens`:
+    prompt and generated, when `backend` is openai).
+    """
     used = metrics.get("resources") or {}
+    judges = metrics.get("judges") or []
+    by_model: dict[str, int] = {}
+    for judge in judges:
+        by_model[judge_model(judge)] = by_model.get(judge_model(judge), 0) + judge.get("tokens", 0)
     return {"cpu_seconds": used.get("cpu_seconds", 0.0),
             "gpu_seconds": len(used.get("gpus") or []) * used.get("wall_seconds", 0.0),
-            "judge_tokens": sum(j.get("tokens", 0) for j in metrics.get("judges") or [])}
+            "gpu_names": [g.get("name", "") for g in used.get("gpus") or []],
+            "judge_tokens": sum(j.get("tokens", 0) for j in judges),
+            "judge_tokens_by_model": by_model,
+            "served_tokens": served_tokens(metrics)}
+
+
+def served_tokens(metrics: dict) -> int:
+    """The prompt and generated tokens of a rollout an OpenAI-compatible server generated."""
+    if metrics.get("backend") != "openai":
+        return 0
+    return int(metrics.get("prompt_tokens") or 0) + int(metrics.get("generated_tokens") or 0)
 
 
 def earlier_spend(root: Path, stage: str) -> dict:
@@ -81,6 +114,7 @@ class Meter:
     prices: cfg.Cost
     before: dict = field(default_factory=dict)  # {stage: units}, earlier in this cycle
     since_cpu: float = 0.0
+    judge: str = ""  # the judge model this stage's judge tokens are priced as (judge.model)
     since_wall: float = field(default_factory=lambda: io.STARTED)
 
     @classmethod
@@ -90,7 +124,8 @@ class Meter:
         limited = any((budget.max_usd, budget.max_gpu_hours, budget.max_judge_tokens))
         root = Path(params).resolve().parent
         return cls(stage, budget, cfg.load("cost", params),
-                   earlier_spend(root, stage) if limited else {})
+                   earlier_spend(root, stage) if limited else {},
+                   judge=cfg.load("judge", params).model)
 
     @property
     def limited(self) -> bool:
@@ -103,9 +138,11 @@ class Meter:
         mine, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
             resource.RUSAGE_CHILDREN)
         cpu = mine.ru_utime + mine.ru_stime + kids.ru_utime + kids.ru_stime - self.since_cpu
-        gpus = len(io._WATCH[0].handles) if io._WATCH else 0
-        return {"cpu_seconds": cpu, "gpu_seconds": gpus * (time.monotonic() - self.since_wall),
-                "judge_tokens": judge_tokens}
+        names = [g["name"] for g in io._WATCH[0].summary()] if io._WATCH else []
+        return {"cpu_seconds": cpu,
+                "gpu_seconds": len(names) * (time.monotonic() - self.since_wall),
+                "gpu_names": names, "judge_tokens": judge_tokens,
+                "judge_tokens_by_model": {self.judge: judge_tokens} if judge_tokens else {}}
 
     def check(self, done: str, left: str, judge_tokens: int = 0) -> None:
         """Raise `BudgetSpent` if the cycle is over a limit; `done` and `left` say, in words,

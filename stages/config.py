@@ -693,12 +693,38 @@ class Cost:
     cpu_hour_usd: float = 0.05  # one core for an hour (a cloud vCPU is about $0.02 to $0.05)
     gpu_hour_usd: float = 2.50  # one GPU for an hour (an H100 rents for about $2 to $4)
     judge_usd_per_million_tokens: float = 0.0  # the judge's price; 0: a local judge
+    # by device: a GPU whose name as NVML reports it ("NVIDIA H100 80GB HBM3") contains a key
+    # (any case) costs that per hour, e.g. {H100: 2.5, A10G: 1.0}; any other, gpu_hour_usd
+    gpu_hour_usd_by_name: dict[str, float] = dataclasses.field(default_factory=dict)
+    # by judge model (judge.model, judge.benchmark_model), e.g. {gpt-4o-mini: 0.6}; any other,
+    # judge_usd_per_million_tokens
+    judge_usd_per_million_tokens_by_model: dict[str, float] = dataclasses.field(
+        default_factory=dict)
+    # the prompt and generated tokens of rollouts from an OpenAI-compatible server that bills by
+    # the token (rollout.backend: openai); 0 for a server you run (its GPUs are priced by the hour)
+    rollout_usd_per_million_tokens: float = 0.0
 
     def __post_init__(self):
         """Refuse negative prices."""
-        for key in ("cpu_hour_usd", "gpu_hour_usd", "judge_usd_per_million_tokens"):
+        for key in ("cpu_hour_usd", "gpu_hour_usd", "judge_usd_per_million_tokens",
+                    "rollout_usd_per_million_tokens"):
             if getattr(self, key) < 0:
                 raise ParamsError(f"cost.{key}: must be >= 0, got {getattr(self, key)}")
+        for key in ("gpu_hour_usd_by_name", "judge_usd_per_million_tokens_by_model"):
+            for name, rate in getattr(self, key).items():
+                if rate < 0:
+                    raise ParamsError(f"cost.{key}.{name}: must be >= 0, got {rate}")
+
+    def gpu_rate(self, name: str) -> float:
+        """Dollars per hour of the GPU called `name` (NVML's name)."""
+        found = [rate for key, rate in self.gpu_hour_usd_by_name.items()
+                 if key.lower() in str(name).lower()]
+        return found[0] if found else self.gpu_hour_usd
+
+    def judge_rate(self, model: str) -> float:
+        """Dollars per million tokens of the judge model `model`."""
+        return self.judge_usd_per_million_tokens_by_model.get(
+            model, self.judge_usd_per_million_tokens)
 
 
 @dataclass(frozen=True)

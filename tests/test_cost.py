@@ -1,6 +1,7 @@
 """The cost ledger's exact counts, GPUs through NVML, and budgets that stop a stage mid-way."""
 
 import random
+import re
 import resource
 
 import pyarrow as pa
@@ -134,6 +135,32 @@ def test_a_budget_stops_training_mid_way_and_a_raised_one_finishes_as_if_unlimit
     assert again["trained_tokens"] == whole["trained_tokens"] > 0
 
 
+def test_a_budget_stops_the_rollout_between_batches_and_a_raised_one_gives_the_unlimited_rollouts(
+        tmp_path, champion):
+    tasks = validated(tmp_path, ["2*3", "1+1", "4+5", "7-2", "3*3", "8+1"])
+    config = cfg.Rollout(samples_per_task=4, batch_size=4)  # 24 episodes in 6 batches
+    whole, stopped = tmp_path / "whole.parquet", tmp_path / "stopped.parquet"
+    before = cpu_now()
+    rollout.run(cfg.Base(), config, tasks, champion, whole)
+    batch = (cpu_now() - before) / 6  # CPU seconds of a batch, the model's loading included
+    prices = cfg.Cost(cpu_hour_usd=3600.0)  # a dollar a CPU-second: max_usd counts CPU seconds
+    # half a batch: the check before the first batch passes, one after a batch stops the stage
+    meter = budgets.Meter("rollout", cfg.Budget(max_usd=batch / 2), prices, since_cpu=cpu_now())
+    with pytest.raises(budgets.BudgetSpent) as err:
+        rollout.run(cfg.Base(), config, tasks, champion, stopped, meter=meter)
+    message = str(err.value)
+    assert "budget.max_usd=" in message and "reached" in message, message
+    done = re.search(r"done: (\d+) of 24 episodes; left to do: (\d+) episodes", message)
+    assert done, message  # between batches: some done, the rest named
+    assert 0 < int(done[1]) < 24 and int(done[1]) % 4 == 0 and int(done[2]) == 24 - int(done[1])
+    assert not stopped.exists()  # no partial table is left as the stage's output
+    raised = budgets.Meter("rollout", cfg.Budget(max_usd=1e6), prices, since_cpu=cpu_now())
+    rollout.run(cfg.Base(), config, tasks, champion, stopped, meter=raised)
+    kept = ["task_id", "sample", "completion", "token_ids", "model_mask"]
+    assert pq.read_table(stopped, columns=kept).to_pylist() == \
+        pq.read_table(whole, columns=kept).to_pylist()
+
+
 def test_a_budget_spent_before_the_rollout_stops_it_naming_the_key(tmp_path, champion):
     before = {"reward": {"cpu_seconds": 0.0, "gpu_seconds": 0.0, "judge_tokens": 900}}
     meter = budgets.Meter("rollout", cfg.Budget(max_judge_tokens=500), cfg.Cost(), before,
@@ -146,6 +173,39 @@ def test_a_budget_spent_before_the_rollout_stops_it_naming_the_key(tmp_path, cha
     assert not (tmp_path / "r.parquet").exists()
     with pytest.raises(cfg.ParamsError, match="budget.max_usd: must be >= 0"):
         cfg.Budget(max_usd=-1)
+
+
+def test_prices_by_gpu_name_by_judge_model_and_for_a_billing_rollout_server():
+    prices = cfg.Cost(cpu_hour_usd=0.0, gpu_hour_usd=3.0, gpu_hour_usd_by_name={"A10G": 1.0},
+                      judge_usd_per_million_tokens=2.0,
+                      judge_usd_per_million_tokens_by_model={"judge-mini": 0.5},
+                      rollout_usd_per_million_tokens=10.0)
+    hour = 3600.0
+    two_gpus = {"resources": {"wall_seconds": hour, "cpu_seconds": 5.0, "gpus": [
+        {"index": 0, "name": "NVIDIA A10G", "busy_seconds": 100.0},
+        {"index": 1, "name": "NVIDIA H100 80GB HBM3", "busy_seconds": 50.0}]}}
+    row = cost.stage_row(two_gpus, 0, prices)
+    assert row["gpu_seconds"] == 2 * hour and row["usd"] == 1.0 + 3.0  # each GPU at its rate
+    judged = {"resources": {"wall_seconds": 1.0, "cpu_seconds": 1.0}, "judges": [
+        {"judge": "judge-mini/rubric-ab12", "tokens": 2_000_000, "requests": 10},
+        {"judge": "judge-large/rubric-cd34", "tokens": 1_000_000, "requests": 5}]}
+    row = cost.stage_row(judged, 0, prices)
+    assert row["judge_tokens_by_model"] == {"judge-mini": 2_000_000, "judge-large": 1_000_000}
+    assert row["usd"] == 2 * 0.5 + 1 * 2.0
+    served = {"resources": {"wall_seconds": 1.0, "cpu_seconds": 1.0}, "backend": "openai",
+              "prompt_tokens": 300_000, "generated_tokens": 200_000}
+    row = cost.stage_row(served, 0, prices)
+    assert row["served_tokens"] == 500_000 and row["usd"] == 5.0
+    # a rollout on this machine's transformers is no billed tokens
+    assert cost.stage_row({**served, "backend": "transformers"}, 0, prices)["usd"] == 0.0
+    # the budget's meter prices a judge's tokens as its model's
+    meter = budgets.Meter("reward", cfg.Budget(max_usd=1.5), prices, since_cpu=cpu_now(),
+                          judge="judge-mini")
+    meter.check("some", "the rest", judge_tokens=2_000_000)  # $1.00: under
+    with pytest.raises(budgets.BudgetSpent, match="budget.max_usd=1.5 reached"):
+        meter.check("more", "the rest", judge_tokens=3_000_000)  # $1.50
+    with pytest.raises(cfg.ParamsError, match="cost.gpu_hour_usd_by_name.H100: must be >= 0"):
+        cfg.Cost(gpu_hour_usd_by_name={"H100": -1.0})
 
 
 def test_without_a_gpu_the_ledger_has_no_gpu_figures_and_says_what_it_sampled():

@@ -233,6 +233,9 @@ def test_mlflow_server_lost_mid_cycle_fails_naming_it_and_promotes_nothing(tmp_p
         [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers",
          "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
          "--default-artifact-root", (tmp_path / "artifacts").as_uri()],
+        # as `offseason ui` starts it: without MLflow's job runner (nine huey processes of
+        # about 240 MB each, polling), which offseason never uses
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         for _ in range(240):
