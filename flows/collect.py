@@ -71,6 +71,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Tr
 
 from flows.workspace import WorkspaceError
 from stages import config as cfg
+from stages import io
 
 # After the root span came, wait this long for spans of the trace still on their way (a child
 # exported by another service, or in the SDK's next batch) before writing it.
@@ -410,7 +411,7 @@ class Journal:
         try:
             os.write(fd, data)
             os.fsync(fd)
-            _fsync_dir(self.folder)
+            io.fsync_folder(self.folder)
         except OSError:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -423,7 +424,7 @@ class Journal:
         self.compact_at = max(SEGMENT_BYTES, 2 * self.size)
         for stale in old:  # only now: until the new segment is durable they hold the spans
             stale.unlink()
-        _fsync_dir(self.folder)
+        io.fsync_folder(self.folder)
 
     def append(self, kind: bytes, payload: bytes) -> concurrent.futures.Future:
         """Queue a record; the future is done once it is on disk (or failed with the OSError)."""
@@ -485,15 +486,6 @@ def _record(kind: bytes, payload: bytes) -> bytes:
     return _HEAD.pack(kind, len(payload), zlib.crc32(payload)) + payload
 
 
-def _fsync_dir(folder: Path) -> None:
-    """A rename or a new file is durable once its folder is fsynced."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # --- writing finished traces ------------------------------------------------------------------
 
 def write_file(inbox: Path, documents: list[dict], number: int) -> Path:
@@ -504,17 +496,8 @@ def write_file(inbox: Path, documents: list[dict], number: int) -> Path:
     """
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
     path = inbox / f"otlp-{stamp}-{number:04d}.jsonl"
-    tmp = inbox / f".{path.name}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as handle:
-            for document in documents:
-                handle.write(json.dumps(document, separators=(",", ":")).encode() + b"\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    io.write_lines_durably(path, (json.dumps(document, separators=(",", ":")).encode() + b"\n"
+                                  for document in documents))
     return path
 
 
@@ -579,8 +562,7 @@ class Collector:
             documents = [(trace_id, otlp_json(trace.resources)) for trace_id, trace in gathered]
             # one file: ingest reads each trace by its own convention, and quarantines alone
             # a trace it cannot read
-            write_file(self.inbox, [document for _, document in documents], 0)
-            _fsync_dir(self.inbox)
+            write_file(self.inbox, [document for _, document in documents], 0)  # fsynced
         except Exception as err:  # a full disk, say: kept (and journaled), tried again shortly
             self.counters["write_errors"] += 1
             for trace_id, _ in gathered:

@@ -151,21 +151,7 @@ def write_inbox(inbox: Path, service: str, records: list[dict], now: datetime) -
     while path.exists():  # two pulls within a microsecond
         n += 1
         path = inbox / f"{service}-{stamp}-{n}.jsonl"
-    tmp = io.tmp_name(path)
-    try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.writelines(io.jsonl_line(record) for record in records)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(inbox, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename is durable once its folder is
-    finally:
-        os.close(fd)
+    io.write_lines_durably(path, (io.jsonl_line(record).encode() for record in records))
     return path
 
 
@@ -244,17 +230,24 @@ def _pages(call, **query):
             return
 
 
-def _langfuse_pull(api, since, limit, seen) -> tuple[list[dict], list[str], bool]:
-    ids, cut = [], False
-    for root in _pages(api.observations.get_many, is_root_observation=True,
-                       from_start_time=since, fields="core"):
-        trace_id = root.trace_id
+def _new_ids(trace_ids, seen, limit: int) -> tuple[list[str], bool]:
+    """The trace ids not pulled before, in the service's order, at most `limit` (0: all), and
+    whether the limit cut them short (then the window does not move: the next pull goes on).
+    """
+    ids: list[str] = []
+    for trace_id in trace_ids:
         if not trace_id or trace_id in seen or trace_id in ids:
             continue
         if limit and len(ids) >= limit:
-            cut = True
-            break
+            return ids, True
         ids.append(trace_id)
+    return ids, False
+
+
+def _langfuse_pull(api, since, limit, seen) -> tuple[list[dict], list[str], bool]:
+    ids, cut = _new_ids((root.trace_id for root in _pages(
+        api.observations.get_many, is_root_observation=True, from_start_time=since,
+        fields="core")), seen, limit)
     records = []
     for trace_id in ids:
         observations = [_observation(o) for o in
@@ -344,20 +337,13 @@ def langsmith_traces(since: datetime | None, limit: int, seen: set[str],
 
 def _langsmith_pull(client, project, since, limit, seen) -> tuple[list[dict], list[str], bool]:
     project_id = client.read_project(project_name=project).id
-    ids, cut = [], False
     with warnings.catch_warnings():
         # list_runs (POST /runs/query) is deprecated in 0.15 for client.runs.query, which needs
         # a LangSmith backend >= 0.16 and returns another shape; it stays until 2027
         warnings.simplefilter("ignore", DeprecationWarning)
-        for run in client.list_runs(project_id=project_id, is_root=True, start_time=since,
-                                    select=["id", "trace_id", "start_time", "name", "run_type"]):
-            trace_id = str(run.trace_id or run.id)
-            if trace_id in seen or trace_id in ids:
-                continue
-            if limit and len(ids) >= limit:
-                cut = True
-                break
-            ids.append(trace_id)
+        ids, cut = _new_ids((str(run.trace_id or run.id) for run in client.list_runs(
+            project_id=project_id, is_root=True, start_time=since,
+            select=["id", "trace_id", "start_time", "name", "run_type"])), seen, limit)
         records = []
         for trace_id in ids:
             runs = [_json(run.model_dump(exclude={"attachments"}))

@@ -72,6 +72,28 @@ def _whole(path: Path):
     os.replace(tmp, path)
 
 
+def fsync_folder(folder: Path) -> None:
+    """A rename or a new file in `folder` is durable once the folder is fsynced."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_lines_durably(path: Path, lines) -> None:
+    """Write `lines` (bytes each) as `path`, whole and durable: a hidden temporary name (which
+    ingest and DVC skip), fsynced, renamed, the folder fsynced. For files another process
+    acknowledges once written (`offseason collect`, `offseason pull`).
+    """
+    with _whole(path) as tmp:
+        with open(tmp, "wb") as handle:
+            handle.writelines(lines)
+            handle.flush()
+            os.fsync(handle.fileno())
+    fsync_folder(path.parent)
+
+
 def write_text(path: str | Path, text: str) -> None:
     """Write a text file whole: readers see the old or the new, never a part."""
     with _whole(Path(path)) as tmp:
