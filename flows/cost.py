@@ -296,21 +296,10 @@ def estimate(root: Path, configs: dict, last: int = 3) -> dict:
 
 
 def month_spent(root: Path, now: datetime | None = None) -> tuple[float, list[str]]:
-    """Dollars the committed cycles of this calendar month (UTC) cost, and their tags."""
-    from flows.workspace import generations, git, read_at
-
-    now = now or datetime.now(UTC)
-    usd, tags = 0.0, []
-    for generation in generations(root):
-        tag = f"gen-{generation}"
-        when = datetime.fromisoformat(git(root, "log", "-1", "--format=%cI", tag))
-        if (when.astimezone(UTC).year, when.astimezone(UTC).month) != (now.year, now.month):
-            continue
-        spent = ((read_at(root, tag, "metrics/cost.json") or {}).get("total") or {}).get("usd")
-        if spent:
-            usd += spent
-            tags.append(tag)
-    return round(usd, 6), tags
+    """Dollars the committed cycles of this calendar month (UTC) cost, and their tags (the
+    stages' meters count them the same way: stages/budget.py).
+    """
+    return budgets.month_spent(root, now)
 
 
 def budget_refusal(root: Path, guess: dict, budget: Budget) -> str | None:

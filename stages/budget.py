@@ -11,8 +11,9 @@ time, its judge's tokens). Over a limit, the stage raises `BudgetSpent` naming t
 spent and what was left to do, after keeping what it did (the train stage saves a checkpoint
 first; the judge's paid judgments are in its cache). Neither section is a DVC param of any
 stage: raising a budget reruns nothing, so `offseason run` again resumes where the stage
-stopped. The calendar month's budget (`budget.monthly_usd`) is checked before a cycle starts
-(flows/cost.py), from the committed ledgers.
+stopped. The calendar month's budget (`budget.monthly_usd`) counts the committed cycles of
+the month by their ledgers (`month_spent`, read through git) plus this cycle's spend so far,
+before a cycle starts (flows/cost.py) and in the stages alike.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 from stages import config as cfg
@@ -102,6 +104,36 @@ def earlier_spend(root: Path, stage: str) -> dict:
     return out
 
 
+def month_spent(root: Path, now: datetime | None = None) -> tuple[float, list[str]]:
+    """Dollars the committed cycles (tags gen-N, N >= 1) of this calendar month (UTC) cost, by
+    their ledgers (metrics/cost.json at each tag), and their tags.
+    """
+    now = now or datetime.now(UTC)
+    listed = subprocess.run(["git", "for-each-ref", "--format=%(refname:short) %(creatordate:iso-strict)",
+                             "refs/tags/gen-*"], cwd=root, capture_output=True, text=True).stdout
+    usd, tags = 0.0, []
+    for line in listed.splitlines():
+        tag, _, when = line.partition(" ")
+        number = tag.removeprefix("gen-")
+        if not number.isdigit() or int(number) < 1:
+            continue
+        stamp = datetime.fromisoformat(when).astimezone(UTC)
+        if (stamp.year, stamp.month) != (now.year, now.month):
+            continue
+        shown = subprocess.run(["git", "show", f"{tag}:metrics/cost.json"], cwd=root,
+                               capture_output=True, text=True)
+        try:
+            spent = (json.loads(shown.stdout).get("total") or {}).get("usd") \
+                if shown.returncode == 0 else None
+        except ValueError:
+            spent = None
+        if spent:
+            usd += spent
+            tags.append(tag)
+    order = sorted(tags, key=lambda t: int(t.removeprefix("gen-")))
+    return round(usd, 6), order
+
+
 @dataclass
 class Meter:
     """One stage's view of the cycle's budget: `check()` raises `BudgetSpent` once a limit is
@@ -115,23 +147,26 @@ class Meter:
     before: dict = field(default_factory=dict)  # {stage: units}, earlier in this cycle
     since_cpu: float = 0.0
     judge: str = ""  # the judge model this stage's judge tokens are priced as (judge.model)
+    month: float = 0.0  # dollars the committed cycles of this calendar month cost (monthly_usd)
     since_wall: float = field(default_factory=lambda: io.STARTED)
 
     @classmethod
     def of(cls, stage: str, params: str | Path) -> Meter:
         """The meter of `stage` from params.yaml's `budget:` and `cost:` and the cycle so far."""
         budget = cfg.load("budget", params)
-        limited = any((budget.max_usd, budget.max_gpu_hours, budget.max_judge_tokens))
+        limited = any((budget.max_usd, budget.max_gpu_hours, budget.max_judge_tokens,
+                       budget.monthly_usd))
         root = Path(params).resolve().parent
         return cls(stage, budget, cfg.load("cost", params),
                    earlier_spend(root, stage) if limited else {},
-                   judge=cfg.load("judge", params).model)
+                   judge=cfg.load("judge", params).model,
+                   month=month_spent(root)[0] if budget.monthly_usd else 0.0)
 
     @property
     def limited(self) -> bool:
         """Whether any per-cycle limit is set."""
         return bool(self.budget.max_usd or self.budget.max_gpu_hours
-                    or self.budget.max_judge_tokens)
+                    or self.budget.max_judge_tokens or self.budget.monthly_usd)
 
     def own(self, judge_tokens: int = 0) -> dict:
         """This stage's units so far."""
@@ -164,6 +199,10 @@ class Meter:
         elif self.budget.max_judge_tokens and total["judge_tokens"] >= self.budget.max_judge_tokens:
             over = (f"budget.max_judge_tokens={self.budget.max_judge_tokens}",
                     f"{total['judge_tokens']} judge tokens", "none")
+        elif self.budget.monthly_usd and self.month + usd >= self.budget.monthly_usd:
+            over = (f"budget.monthly_usd={self.budget.monthly_usd:g}",
+                    f"${usd:.4f}, ${self.month + usd:.4f} this month with the committed cycles",
+                    "none")
         if over is None:
             return
         by_stage = ", ".join(f"{name} ${price(u, self.prices):.4f}" for name, u in stages.items())

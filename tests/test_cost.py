@@ -208,6 +208,45 @@ def test_prices_by_gpu_name_by_judge_model_and_for_a_billing_rollout_server():
         cfg.Cost(gpu_hour_usd_by_name={"H100": -1.0})
 
 
+def test_the_months_budget_counts_the_committed_cycles_of_the_month_inside_the_stages(
+        tmp_path):
+    import datetime as dt
+    import json
+    import os
+    import subprocess
+
+    import yaml
+
+    now = dt.datetime.now(dt.timezone.utc)
+    last_month = (now.replace(day=1) - dt.timedelta(days=2)).isoformat()
+
+    def commit(usd: float, tag: str, when: str | None = None):
+        (tmp_path / "metrics").mkdir(exist_ok=True)
+        (tmp_path / "metrics/cost.json").write_text(json.dumps({"total": {"usd": usd}}))
+        env = {**os.environ, **({"GIT_COMMITTER_DATE": when, "GIT_AUTHOR_DATE": when}
+                                if when else {})}
+        for cmd in (["git", "add", "-A"], ["git", "-c", "user.name=t", "-c", "user.email=t@t",
+                                           "commit", "-qm", tag], ["git", "tag", tag]):
+            subprocess.run(cmd, cwd=tmp_path, env=env, check=True)
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    commit(5.0, "gen-1", last_month)  # last month's: not this month's spend
+    commit(0.75, "gen-2")
+    commit(0.5, "gen-3")
+    assert budgets.month_spent(tmp_path) == (1.25, ["gen-2", "gen-3"])
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"budget": {"monthly_usd": 1.5},
+                                      "cost": {"cpu_hour_usd": 3600.0}}))
+    meter = budgets.Meter.of("train", params)
+    assert meter.month == 1.25 and meter.limited
+    meter.since_cpu = cpu_now()  # this process's work so far is not the stage's
+    meter.check("nothing yet", "everything")  # $1.25 + about $0: under
+    meter.month = 1.5  # another cycle committed meanwhile: the month is spent
+    with pytest.raises(budgets.BudgetSpent, match=r"budget.monthly_usd=1.5 reached: .* this "
+                                                  r"month with the committed cycles"):
+        meter.check("step 1", "8 steps")
+
+
 def test_without_a_gpu_the_ledger_has_no_gpu_figures_and_says_what_it_sampled():
     if io.watch_gpus() is not None:
         pytest.skip("a GPU is here: test_nvml_samples_a_busy_gpu covers it")
