@@ -103,6 +103,25 @@ def ledger(metrics: dict[str, dict], reran: dict[str, bool], prices: Cost,
                    "inside its cpu_seconds"}
 
 
+def gain_per_dollar(root: Path, spent: dict, verdict: dict) -> dict:
+    """This cycle's gain per dollar, for its ledger and its MLflow run: the primary suite's gain
+    over the champion it was gated against (`points`, pass@1 points), per dollar the cycle cost
+    (`points_per_usd`; None when it cost nothing at these prices), and the spend of every
+    committed cycle with a ledger plus this one (`cumulative_usd`: rejected cycles cost too).
+    Not in gate.json: the gate stage writes that (a DVC output) before the cycle is priced.
+    """
+    from flows.workspace import generations, read_at
+
+    usd = spent["total"]["usd"]
+    candidate, champion = verdict.get("candidate_score"), verdict.get("champion_score")
+    points = None if candidate is None or champion is None else round(100 * (candidate - champion), 3)
+    before = sum(((read_at(root, f"gen-{g}", "metrics/cost.json") or {}).get("total") or {})
+                 .get("usd") or 0.0 for g in generations(root) if g >= 1)
+    return {"points": points,
+            "points_per_usd": round(points / usd, 2) if points is not None and usd > 0 else None,
+            "cumulative_usd": round(before + usd, 6)}
+
+
 def per_dollar(rows: list[dict]) -> None:
     """Add `cost_usd` (the cycle's), `cumulative_usd` and `points_per_usd` (the primary suite's
     gain over the champion it faced, in points, per dollar of its cycle) to history rows.

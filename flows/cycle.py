@@ -186,6 +186,7 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
         spent = cost.ledger(metrics, reran, configs["cost"], gpus)
         if guess is not None:  # what was predicted before the cycle, for estimate vs actual
             spent["estimate"] = guess
+        spent["gain"] = cost.gain_per_dollar(root, spent, verdict)
         write_json(root / "metrics" / "cost.json", spent)
         decision = promotion.await_approval(root, generation, verdict, configs["promotion"])
         record = promote(root, generation, verdict, decision, run_id,
@@ -195,7 +196,7 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
             "offseason.git_commit": commit, "offseason.git_tag": f"gen-{generation}",
             "offseason.outcome": "promoted" if record["promoted"] else "rejected",
             "offseason.model_version": record["model_version"]},
-            {"gate": verdict, "cost": spent["total"]})
+            {"gate": verdict, "cost": {**spent["total"], **spent["gain"]}})
         client.set_terminated(run_id)
     except BaseException as err:
         from prefect.exceptions import Pause

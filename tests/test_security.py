@@ -288,6 +288,12 @@ def test_a_fresh_clones_first_cycle_is_committed_tracked_and_counted(cycle):
     assert spent["total"]["usd"] == pytest.approx(
         spent["total"]["cpu_seconds"] / 3600 * spent["prices"]["cpu_hour_usd"], abs=1e-5)
     assert rows[1]["cost_usd"] == spent["total"]["usd"] and rows[0]["cost_usd"] is None
+    # its gain per dollar, in the ledger and on the cycle's MLflow run
+    gain = 100 * (verdict["candidate_score"] - verdict["champion_score"])
+    assert spent["gain"]["points"] == pytest.approx(gain, abs=1e-3)
+    assert spent["gain"]["points_per_usd"] == pytest.approx(gain / spent["total"]["usd"], rel=1e-2)
+    assert spent["gain"]["cumulative_usd"] == spent["total"]["usd"]  # the first priced cycle
+    assert parent.data.metrics["cost.cumulative_usd"] == pytest.approx(spent["total"]["usd"])
     assert "points_per_usd" in rows[1]
     assert "cost $" in offseason(project, "history").stdout
 
