@@ -50,6 +50,23 @@ def server(port: int) -> None:
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+
+
+def calculator_turn(client, messages: list[dict]) -> None:
+    """The agent's turn through `client`: the model calls the calculator, gets its result and
+    answers (two chat completions, each recorded by the instrumentation).
+    """
+    first = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+    call = first.choices[0].message.tool_calls[0]
+    a, b = map(int, json.loads(call.function.arguments)["expression"].split("+"))
+    messages = [*messages, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": str(a + b)}]
+    client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+
+
 def agent(port: int, otlp_url: str, question: str) -> None:
     """One agent turn (a tool call, its result, the answer) under an `invoke_agent` root span."""
     # the GenAI conventions' current shape: messages as span attributes, content captured
@@ -66,21 +83,10 @@ def agent(port: int, otlp_url: str, question: str) -> None:
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_url)))
     OpenAIInstrumentor().instrument(tracer_provider=provider)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-    tools = [{"type": "function", "function": {
-        "name": "calculator", "description": "Evaluate an arithmetic expression.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
     with provider.get_tracer("calc-agent").start_as_current_span("invoke_agent calc") as root:
         root.set_attribute("gen_ai.operation.name", "invoke_agent")
-        messages = [{"role": "user", "content": question}]
-        first = client.chat.completions.create(model="tiny", messages=messages, tools=tools)
-        call = first.choices[0].message.tool_calls[0]
-        a, b = map(int, json.loads(call.function.arguments)["expression"].split("+"))
-        messages += [first.choices[0].message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": str(a + b)}]
-        client.chat.completions.create(model="tiny", messages=messages, tools=tools)
+        calculator_turn(client, [{"role": "user", "content": question}])
     provider.shutdown()  # exports what is left
-
-
 
 
 def events(port: int, out: str, capture: str, question: str) -> None:
@@ -118,18 +124,10 @@ def events(port: int, out: str, capture: str, question: str) -> None:
     OpenAIInstrumentor().instrument(tracer_provider=tracer_provider,
                                     logger_provider=logger_provider)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-    tools = [{"type": "function", "function": {
-        "name": "calculator", "description": "Evaluate an arithmetic expression.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
     messages = [{"role": "system", "content": "Use the calculator."},
                 {"role": "user", "content": question}]
     with tracer_provider.get_tracer("calc-agent").start_as_current_span("invoke_agent calc"):
-        first = client.chat.completions.create(model="tiny", messages=messages, tools=tools)
-        call = first.choices[0].message.tool_calls[0]
-        a, b = map(int, json.loads(call.function.arguments)["expression"].split("+"))
-        messages += [first.choices[0].message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": str(a + b)}]
-        client.chat.completions.create(model="tiny", messages=messages, tools=tools)
+        calculator_turn(client, messages)
 
     def hex_ids(value):  # OTLP JSON writes ids as hex, protobuf's JSON mapping as base64
         if isinstance(value, dict):

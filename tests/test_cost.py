@@ -1,6 +1,5 @@
 """The cost ledger's exact counts, GPUs through NVML, and budgets that stop a stage mid-way."""
 
-import random
 import re
 import resource
 
@@ -8,49 +7,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import train_config
+from tiny_arith import BAD, GOOD, build_champion, scored
 
 from flows import cost
 from stages import budget as budgets
 from stages import config as cfg
-from stages import gate, io, reward, rollout, tinylm, train
+from stages import gate, io, rollout, train
 from stages.envs import arith
-from stages.training import warmstart
-from stages.training.sft import encode_completion
-from stages.training.warmstart import demonstrations
 
 pytestmark = pytest.mark.xdist_group("cost")
 
-GOOD = "<calc>2*3</calc><result>6</result>answer:6"
-BAD = "answer:5"
-
-
 @pytest.fixture(scope="module")
 def champion(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("models") / "champion"
-    tokenizer = tinylm.build_tokenizer(arith)
-    model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
-    warmstart.train(model, demonstrations(tokenizer, arith, random.Random(0), 0.5, 16), steps=10,
-                    lr=1e-2, tokenizer=tokenizer, seed=0)
-    tinylm.save(model, tokenizer, folder)
-    return folder
-
-
-def scored(tmp_path, champion, groups):
-    """A rewards file of written completions (their ids and masks as the rollout keeps them)."""
-    _, tokenizer = tinylm.load(champion)
-    rows = []
-    for t, (question, completions) in enumerate(groups):
-        for s, completion in enumerate(completions):
-            ids, mask = encode_completion(tokenizer, arith, arith.prompt(question), completion)
-            rows.append({"task_id": f"t{t}", "trace_id": f"t{t}", "sample": s,
-                         "question": question, "answer": str(arith.gold_answer(question)),
-                         "prompt": arith.prompt(question), "completion": completion,
-                         "token_ids": ids, "model_mask": mask, "logprobs": [0.0] * len(ids),
-                         "finish": "eos", "tool_calls": completion.count("<calc>")})
-    path = tmp_path / "rollouts.parquet"
-    pq.write_table(pa.Table.from_pylist(rows, schema=rollout.SCHEMA), path)
-    reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards.parquet")
-    return tmp_path / "rewards.parquet"
+    return build_champion(tmp_path_factory.mktemp("models") / "champion")
 
 
 def cpu_now():

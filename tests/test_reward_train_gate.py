@@ -1,17 +1,15 @@
-import random
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import train_config
+from tiny_arith import build_champion
 
 from stages import champion_scores, gate, reward, rollout, tinylm, train
 from stages import config as cfg
 from stages.envs import arith
-from stages.training import warmstart
 from stages.training.sft import encode_completion
-from stages.training.warmstart import demonstrations
 
 # one xdist worker runs this module: its module-scoped fixture is built once
 pytestmark = pytest.mark.xdist_group("reward_train_gate")
@@ -67,13 +65,7 @@ def test_broken_verifier_is_an_error_not_a_zero(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def champion(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("models") / "champion"
-    tokenizer = tinylm.build_tokenizer(arith)
-    model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
-    warmstart.train(model, demonstrations(tokenizer, arith, random.Random(0), 0.5, 16), steps=10,
-              lr=1e-2, tokenizer=tokenizer, seed=0)
-    tinylm.save(model, tokenizer, folder)
-    return folder
+    return build_champion(tmp_path_factory.mktemp("models") / "champion")
 
 
 def test_too_little_data_keeps_the_champion(tmp_path, champion):

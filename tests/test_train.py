@@ -3,7 +3,6 @@
 import csv
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -15,52 +14,20 @@ import pytest
 import torch
 import yaml
 from conftest import REPO, train_config
+from tiny_arith import BAD, GOOD, build_champion, scored
 
 from stages import config as cfg
-from stages import gate, reward, rollout, tinylm, train
+from stages import gate, tinylm, train
 from stages.envs import arith
-from stages.training import dpo, grpo, warmstart
+from stages.training import dpo, grpo
 from stages.training.sft import encode_completion
-from stages.training.warmstart import demonstrations
 
 # one xdist worker runs this module: its module-scoped fixture is built once
 pytestmark = pytest.mark.xdist_group("train")
 
-GOOD = "<calc>2*3</calc><result>6</result>answer:6"
-BAD = "answer:5"
-
-
 @pytest.fixture(scope="module")
 def champion(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("models") / "champion"
-    tokenizer = tinylm.build_tokenizer(arith)
-    model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
-    warmstart.train(model, demonstrations(tokenizer, arith, random.Random(0), 0.5, 16), steps=10,
-              lr=1e-2, tokenizer=tokenizer, seed=0)
-    tinylm.save(model, tokenizer, folder)
-    return folder
-
-
-def scored(tmp_path, champion, groups):
-    """A rewards file: one task per group of completions, log-probs from the champion itself."""
-    model, tokenizer = tinylm.load(champion)
-    rows = []
-    for t, (question, completions) in enumerate(groups):
-        for s, completion in enumerate(completions):
-            ids, mask = encode_completion(tokenizer, arith, arith.prompt(question), completion)
-            rows.append({"task_id": f"t{t}", "trace_id": f"t{t}", "sample": s,
-                         "question": question, "answer": str(arith.gold_answer(question)),
-                         "prompt": arith.prompt(question), "completion": completion,
-                         "token_ids": ids, "model_mask": mask, "logprobs": None,
-                         "finish": "eos", "tool_calls": completion.count("<calc>")})
-    grpo.reference_logprobs(model, rows, tokenizer.bos_token_id, tokenizer.pad_token_id, 16)
-    for row in rows:  # as the rollout records them: the policy's log-prob where the model chose
-        row["logprobs"] = [lp if m else 0.0 for lp, m in zip(row.pop("ref_logprobs"),
-                                                             row["model_mask"])]
-    path = tmp_path / "rollouts.parquet"
-    pq.write_table(pa.Table.from_pylist(rows, schema=rollout.SCHEMA), path)
-    reward.run(cfg.Base(), cfg.Reward(), path, tmp_path / "rewards.parquet")
-    return tmp_path / "rewards.parquet"
+    return build_champion(tmp_path_factory.mktemp("models") / "champion")
 
 
 def sequence_logprob(folder, completion, question="2*3"):
