@@ -240,7 +240,7 @@ class Traces:
         # done off the request's path (a request is answered once its bytes are journaled)
         self.inbound: deque[tuple[ExportTraceServiceRequest | ExportLogsServiceRequest, bytes,
                                   int]] = deque()
-        self.queued = 0  # spans and log records in inbound
+        self.queued, self.queued_logs = 0, 0  # spans, and log records, in inbound
         self.recent: OrderedDict[bytes, None] = OrderedDict()  # written lately
         self.lock = threading.Lock()
 
@@ -249,7 +249,8 @@ class Traces:
         """Queue a request (and its protobuf bytes) for `group`; the number of spans (or log
         records) in it.
         """
-        if isinstance(request, ExportLogsServiceRequest):
+        logs = isinstance(request, ExportLogsServiceRequest)
+        if logs:
             n = sum(len(scope.log_records) for resource in request.resource_logs
                     for scope in resource.scope_logs)
         else:
@@ -257,7 +258,10 @@ class Traces:
                     for scope in resource.scope_spans)
         with self.lock:
             self.inbound.append((request, raw, n))
-            self.queued += n
+            if logs:
+                self.queued_logs += n
+            else:
+                self.queued += n
         return n
 
     def group(self, now: float) -> dict:
@@ -269,7 +273,10 @@ class Traces:
                 if not self.inbound:
                     return totals
                 request, _, n = self.inbound.popleft()
-                self.queued -= n
+                if isinstance(request, ExportLogsServiceRequest):
+                    self.queued_logs -= n
+                else:
+                    self.queued -= n
                 for key, value in self._add(request, now).items():
                     totals[key] += value
 
@@ -460,11 +467,9 @@ class Traces:
     def counts(self) -> dict:
         """Traces, spans and log records held now (those not yet grouped included)."""
         with self.lock:
-            queued_logs = sum(n for request, _, n in self.inbound
-                              if isinstance(request, ExportLogsServiceRequest))
             return {"pending_traces": len(self.pending) + len(self.writing),
-                    "pending_spans": self.spans + self.queued - queued_logs,
-                    "pending_log_records": self.log_records + queued_logs}
+                    "pending_spans": self.spans + self.queued,
+                    "pending_log_records": self.log_records + self.queued_logs}
 
 
 # --- the journal ------------------------------------------------------------------------------
