@@ -6,7 +6,9 @@ or one a line): `resourceSpans[].scopeSpans[].spans[]`, each span with hex `trac
 `[{"key": ..., "value": {"stringValue" | "intValue" | "doubleValue" | "boolValue" | "arrayValue" |
 "kvlistValue": ...}}]`. Spans are grouped by `traceId`; each trace that holds GenAI content
 becomes one normalized trace whose `trace_id` is the OTel trace id. Traces with no GenAI span at
-all (health checks, plain HTTP) are skipped.
+all (health checks, plain HTTP) are skipped; a trace whose model calls (a `chat`-like operation,
+Semantic Kernel's `chat.completions`, OpenLLMetry's `llm.request.type` chat) recorded no messages
+is refused (`NoContent`: quarantined, naming the instrumentation's content-capture switch).
 
 Span attributes read (GenAI semantic conventions, `docs/gen-ai/gen-ai-spans.md`):
 
@@ -241,12 +243,11 @@ def _trace(trace_id: str, spans: list[dict]) -> dict | None:
     calls = [s for s in with_content if _op(s) not in _AGENT_OPS] or with_content
     if not calls:
         # OpenLLMetry's model calls name no operation (and have a switch of their own), Semantic
-        # Kernel's name it "chat.completions": a model asked for is a model call too
+        # Kernel's name it "chat.completions" (its content switch is in CAPTURE)
         openllmetry = any(s["attrs"].get("llm.request.type") in ("chat", "completion")
                           for s in spans)
-        if openllmetry or any(_op(s) in _INFERENCE_OPS + ("invoke_agent",) or (
-                "gen_ai.request.model" in s["attrs"] and _op(s) != "embeddings"
-                and s["attrs"].get("llm.request.type") != "embedding") for s in spans):
+        if openllmetry or any(_op(s) in _INFERENCE_OPS + ("invoke_agent", "chat.completions")
+                              for s in spans):
             raise NoContent(f"trace {trace_id}: its GenAI spans record no messages (content "
                             "capture is off, or its log records were not exported with them)",
                             fix="turn OpenLLMetry's content tracing on: TRACELOOP_TRACE_CONTENT="
