@@ -14,7 +14,7 @@
     offseason serve       run the scheduled and manual deployments of params.yaml's `deployments:`
     offseason lineage     a generation's whole chain, back to its traces; --verify, --trace
     offseason report      a static HTML page: scores, rewards, quarantine, a lineage graph
-    offseason collect     receive traces over OTLP/HTTP (port 4318) into data/inbox/; --status
+    offseason collect     receive spans and log events over OTLP/HTTP (port 4318) into data/inbox/
     offseason pull        pull traces from Langfuse or LangSmith into data/inbox/ (--since last-cycle)
 
 Run from the project folder (where dvc.yaml is). Each command's --help says more.
@@ -1043,15 +1043,18 @@ def service_commands(sub) -> None:
                    "until Ctrl-C stops both")
     s.set_defaults(func=cmd_serve)
     s = sub.add_parser("collect", help="receive traces over OTLP/HTTP into the inbox, until Ctrl-C",
-                       description="An OTLP/HTTP receiver (POST /v1/traces: protobuf or JSON, gzip "
-                       "or not) that any OpenTelemetry SDK or Collector exports to: "
-                       "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318. Spans are grouped by "
-                       "trace; each finished trace (its root span ended, or "
-                       "runtime.collect.idle_seconds without a new span) is written whole into "
-                       "data/inbox/ as an OTLP JSON file, which the next cycle ingests. A request "
-                       "is answered 200 only once its spans are in the fsynced journal "
-                       "(.offseason/collect/), so a crash loses no acknowledged span; when too "
-                       "many spans wait or the disk is short, requests get 429/503 with "
+                       description="An OTLP/HTTP receiver (POST /v1/traces and POST /v1/logs: "
+                       "protobuf or JSON, gzip or not) that any OpenTelemetry SDK or Collector "
+                       "exports to: OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318. Spans and "
+                       "log records (where GenAI instrumentations put message content as events) "
+                       "are grouped by trace; each finished trace (its root span ended, or "
+                       "runtime.collect.idle_seconds without a new span) is written whole, its "
+                       "spans and log records on one line, into data/inbox/ as an OTLP JSON "
+                       "file, which the next cycle ingests. Log records of no trace are counted "
+                       "and dropped. A request is answered 200 only once its spans or log records "
+                       "are in the fsynced journal (.offseason/collect/), so a crash loses none "
+                       "acknowledged; when too many wait or the disk is short, requests get "
+                       "429/503 with "
                        "Retry-After. With the environment variable named by "
                        "runtime.collect.token_env set, requests need 'Authorization: Bearer "
                        "<token>'. Settings: params.yaml's runtime.collect.",

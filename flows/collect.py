@@ -2,32 +2,44 @@
 
 Any OpenTelemetry SDK or Collector exports to it as to any OTLP endpoint
 (`OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318`): `POST /v1/traces` with an
-`ExportTraceServiceRequest` as protobuf (`application/x-protobuf`) or OTLP JSON
-(`application/json`), plain or `Content-Encoding: gzip`. Spans are grouped by trace id; a trace
-is finished once its root span (no parent) has come and `ROOT_WAIT` seconds passed without another
-of its spans, or after `runtime.collect.idle_seconds` without a new span when no root comes (its
-root lives in a service that does not export here). Finished traces are gathered for
-`runtime.collect.file_seconds` into one JSONL file, `<inbox>/otlp-<UTC time>-<n>.jsonl`: an OTLP
-JSON `TracesData` document a line, one trace each, hex ids, as a Collector's file exporter writes
-them, which `stages/ingest.py` reads unchanged (each trace by its own convention, GenAI or
-OpenInference; a trace it cannot read is quarantined alone). Each file is
-written to a hidden temporary name, fsynced and renamed, so a cycle never reads half a trace.
+`ExportTraceServiceRequest`, and `POST /v1/logs` with an `ExportLogsServiceRequest`, as protobuf
+(`application/x-protobuf`) or OTLP JSON (`application/json`), plain or `Content-Encoding: gzip`.
+Log records matter because the GenAI instrumentations (opentelemetry-instrumentation-openai-v2
+and the like) record message content as events in log records
+(`gen_ai.client.inference.operation.details`, or the older `gen_ai.user.message`,
+`gen_ai.choice`, ...), not on the spans.
 
-Durability: a request is answered 200 only once its spans are in the journal
+Spans and log records are grouped by trace id; a trace is finished by its spans: once its root
+span (no parent) has come and `ROOT_WAIT` seconds passed without another span or log record of it,
+or after `runtime.collect.idle_seconds` without one when no root comes (its root lives in a service
+that does not export here). Log records may come before or after their spans (the SDK exports the
+two in separate batches): those that come before the trace is finished are written with it; a
+later one is held again and written alone (counted `late_log_records`). Log records with no trace
+id (plain application logs outside any span) are not trace data: counted
+(`untraced_log_records`) and dropped. Finished traces are gathered for
+`runtime.collect.file_seconds` into one JSONL file, `<inbox>/otlp-<UTC time>-<n>.jsonl`: an OTLP
+JSON document a line, one trace each, holding the trace's `resourceSpans` and its `resourceLogs`,
+hex ids, as a Collector's file exporter writes them, which `stages/ingest.py` reads unchanged
+(each trace by its own convention, GenAI or OpenInference, its GenAI events joined to their spans;
+a trace it cannot read is quarantined alone). Each file is written to a hidden temporary name,
+fsynced and renamed, so a cycle never reads half a trace.
+
+Durability: a request is answered 200 only once its spans or log records are in the journal
 (`.offseason/collect/journal-*.log`, append-only, fsynced; concurrent requests share one fsync).
-After a trace's file is in the inbox, a "written" record with its span ids goes to the journal too.
-At start-up the journal is replayed: spans acknowledged but not yet written come back, so a kill -9
-loses no acknowledged span (at worst a trace is written twice, which ingest counts as a duplicate).
-The journal is compacted then to the spans still held, and again whenever it grows past
-`SEGMENT_BYTES` (or twice what the last compaction kept).
+After a trace's file is in the inbox, a "written" record with its span ids and its log records'
+hashes (a log record has no id) goes to the journal too. At start-up the journal is replayed:
+spans and log records acknowledged but not yet written come back, so a kill -9 loses none (at
+worst a trace is written twice, which ingest counts as a duplicate). The journal is compacted then
+to what is still held, and again whenever it grows past `SEGMENT_BYTES` (or twice what the last
+compaction kept).
 
 Shedding load, as the OTLP spec asks of a server (clients retry these, after `Retry-After`):
-429 while `runtime.collect.max_pending_spans` spans wait for their trace to finish; 503 while the
-journal's or the inbox's disk has less than `runtime.collect.min_free_mb` free, or a write fails;
-413 for a body over `runtime.collect.max_request_bytes`. Traces hold PII: with the environment
-variable `runtime.collect.token_env` names set, requests without `Authorization: Bearer <it>` get
-401. `GET /status` (same token) returns the counters as JSON; `offseason collect --status` prints
-them.
+429 while `runtime.collect.max_pending_spans` spans and log records wait for their trace to
+finish; 503 while the journal's or the inbox's disk has less than `runtime.collect.min_free_mb`
+free, or a write fails; 413 for a body over `runtime.collect.max_request_bytes`. Traces hold PII:
+with the environment variable `runtime.collect.token_env` names set, requests without
+`Authorization: Bearer <it>` get 401. `GET /status` (same token) returns the counters as JSON;
+`offseason collect --status` prints them.
 
     offseason collect                    # until Ctrl-C or SIGTERM; runtime.collect in params.yaml
     offseason collect --port 0           # a free port (printed)
@@ -44,6 +56,7 @@ import base64
 import concurrent.futures
 import contextlib
 import fcntl
+import hashlib
 import hmac
 import json
 import os
@@ -63,10 +76,15 @@ from pathlib import Path
 
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
+    ExportLogsServiceRequest,
+    ExportLogsServiceResponse,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord, LogsData, ResourceLogs, ScopeLogs
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, TracesData
 
 from flows.workspace import WorkspaceError
@@ -94,10 +112,12 @@ class Refused(Exception):
 
 # --- decoding ---------------------------------------------------------------------------------
 
-def decode(body: bytes, content_type: str, encoding: str, limit: int
-           ) -> tuple[ExportTraceServiceRequest, bytes]:
-    """The request a body holds, and its protobuf bytes (for the journal); Refused for a body
-    that cannot be read, naming what is wrong.
+def decode(body: bytes, content_type: str, encoding: str, limit: int,
+           kind: type = ExportTraceServiceRequest
+           ) -> tuple[ExportTraceServiceRequest | ExportLogsServiceRequest, bytes]:
+    """The request a body holds (`kind`: ExportTraceServiceRequest for /v1/traces,
+    ExportLogsServiceRequest for /v1/logs), and its protobuf bytes (for the journal); Refused for
+    a body that cannot be read, naming what is wrong.
     """
     encoding = encoding.strip().lower()
     if encoding == "gzip":
@@ -116,21 +136,20 @@ def decode(body: bytes, content_type: str, encoding: str, limit: int
                           "short")
     elif encoding not in ("", "identity"):
         raise Refused(415, "unsupported", f"Content-Encoding {encoding!r}: only gzip or none")
-    kind = content_type.split(";")[0].strip().lower()
-    request = ExportTraceServiceRequest()
-    if kind in (PROTOBUF, "application/protobuf"):
+    media = content_type.split(";")[0].strip().lower()
+    request, name = kind(), kind.DESCRIPTOR.name
+    if media in (PROTOBUF, "application/protobuf"):
         try:
             request.ParseFromString(body)
         except DecodeError as err:
-            raise Refused(400, "bad_request", f"not an ExportTraceServiceRequest protobuf ({err})"
-                          ) from None
+            raise Refused(400, "bad_request", f"not an {name} protobuf ({err})") from None
         return request, body
-    if kind == "application/json":
+    if media == "application/json":
         try:
             json_format.ParseDict(_ids_to_base64(json.loads(body)), request,
                                   ignore_unknown_fields=True)
         except (ValueError, TypeError, AttributeError, json_format.ParseError) as err:
-            raise Refused(400, "bad_request", f"not an OTLP JSON ExportTraceServiceRequest "
+            raise Refused(400, "bad_request", f"not an OTLP JSON {name} "
                           f"({str(err)[:300]})") from None
         return request, request.SerializeToString()
     raise Refused(415, "unsupported", f"Content-Type {content_type!r}: send {PROTOBUF} or "
@@ -138,61 +157,76 @@ def decode(body: bytes, content_type: str, encoding: str, limit: int
 
 
 _ID_KEYS = ("traceId", "spanId", "parentSpanId")
+# where the ids are: spans (and their links), log records
+_ITEMS = (("resourceSpans", "scopeSpans", "spans"), ("resourceLogs", "scopeLogs", "logRecords"))
+
+
+def _convert_ids(document: dict, convert) -> dict:
+    """`convert` applied in place to every trace and span id of an OTLP JSON document."""
+    for resources_key, scopes_key, items_key in _ITEMS:
+        for resource in document.get(resources_key) or []:
+            for scope in resource.get(scopes_key) or []:
+                for item in scope.get(items_key) or []:
+                    for fix in (item, *(item.get("links") or [])):
+                        for key in _ID_KEYS:
+                            if fix.get(key):
+                                fix[key] = convert(fix[key])
+    return document
 
 
 def _ids_to_base64(document: dict) -> dict:
     """OTLP JSON writes trace and span ids in hex, where protobuf's JSON mapping expects base64
-    for bytes fields: converted in place, spans and their links.
+    for bytes fields: converted in place, spans (and their links) and log records.
     """
-    def fix(item: dict) -> None:
-        for key in _ID_KEYS:
-            if item.get(key):
-                item[key] = base64.b64encode(bytes.fromhex(item[key])).decode()
-
-    for resource in document.get("resourceSpans") or []:
-        for scope in resource.get("scopeSpans") or []:
-            for span in scope.get("spans") or []:
-                fix(span)
-                for link in span.get("links") or []:
-                    fix(link)
-    return document
+    return _convert_ids(document, lambda value: base64.b64encode(bytes.fromhex(value)).decode())
 
 
-def otlp_json(resources: list[ResourceSpans]) -> dict:
-    """Resource spans as an OTLP JSON `TracesData` document: hex ids, integer enums."""
-    document = json_format.MessageToDict(TracesData(resource_spans=resources),
-                                         use_integers_for_enums=True)
-
-    def fix(item: dict) -> None:
-        for key in _ID_KEYS:
-            if item.get(key):
-                item[key] = base64.b64decode(item[key]).hex()
-
-    for resource in document.get("resourceSpans", []):
-        for scope in resource.get("scopeSpans", []):
-            for span in scope.get("spans", []):
-                fix(span)
-                for link in span.get("links", []):
-                    fix(link)
-    return document
+def otlp_json(resources: list[ResourceSpans], logs: list[ResourceLogs] = ()) -> dict:
+    """Resource spans, and resource logs of the same trace, as one OTLP JSON document
+    (`resourceSpans`, `resourceLogs`): hex ids, integer enums.
+    """
+    document = {**json_format.MessageToDict(TracesData(resource_spans=resources),
+                                            use_integers_for_enums=True),
+                **json_format.MessageToDict(LogsData(resource_logs=logs),
+                                            use_integers_for_enums=True)}
+    return _convert_ids(document, lambda value: base64.b64decode(value).hex())
 
 
-# --- grouping spans into traces (no I/O) -------------------------------------------------------
+# --- grouping spans and log records into traces (no I/O) ----------------------------------------
 
 @dataclass
 class Trace:
-    """The spans of one trace held so far, as resource spans (one per request that carried some)."""
+    """The spans and log records of one trace held so far, as resource spans and resource logs
+    (one of each per request that carried some).
+    """
 
     resources: list[ResourceSpans] = field(default_factory=list)
     span_ids: set[bytes] = field(default_factory=set)
+    logs: list[ResourceLogs] = field(default_factory=list)
+    log_keys: set[bytes] = field(default_factory=set)  # `log_key` of each log record held
     root: bool = False  # its root span came
-    last: float = 0.0  # when its last new span came (time.monotonic)
+    last: float = 0.0  # when its last new span or log record came (time.monotonic)
+
+
+def log_key(record: LogRecord) -> bytes:
+    """A log record's identity (it has no id of its own): a hash of its bytes, so an exporter's
+    retry is held once and a written record is known again at journal replay.
+    """
+    return hashlib.blake2b(record.SerializeToString(deterministic=True), digest_size=8).digest()
+
+
+_NO_TRACE = bytes(16)  # an all-zero trace id: "no trace" (a log record outside any span)
 
 
 class Traces:
-    """Spans grouped by trace id until their trace is finished. Thread-safe: requests are queued
-    on the event loop (`receive`), grouped and taken when finished by the writer's thread, and
-    snapshotted by the journal's.
+    """Spans and log records grouped by trace id until their trace is finished. Thread-safe:
+    requests are queued on the event loop (`receive`), grouped and taken when finished by the
+    writer's thread, and snapshotted by the journal's.
+
+    A trace is finished by its spans: once its root span came and `ROOT_WAIT` seconds passed
+    without a new span or log record of it, or `idle_seconds` without one when no root came. Log
+    records (the GenAI instrumentations' message events) may come before or after the spans;
+    those that come within that wait are written with them.
     """
 
     def __init__(self, idle_seconds: float):
@@ -201,43 +235,66 @@ class Traces:
         self.pending: dict[bytes, Trace] = {}
         self.writing: dict[bytes, Trace] = {}  # taken to be written, not yet recorded as written
         self.spans = 0  # in pending and writing
+        self.log_records = 0  # in pending and writing
         # requests received, not yet grouped: grouping costs ~10 us a span in Python, so it is
         # done off the request's path (a request is answered once its bytes are journaled)
-        self.inbound: deque[tuple[ExportTraceServiceRequest, bytes, int]] = deque()
-        self.queued = 0  # spans in inbound
+        self.inbound: deque[tuple[ExportTraceServiceRequest | ExportLogsServiceRequest, bytes,
+                                  int]] = deque()
+        self.queued, self.queued_logs = 0, 0  # spans, and log records, in inbound
         self.recent: OrderedDict[bytes, None] = OrderedDict()  # written lately
         self.lock = threading.Lock()
 
-    def receive(self, request: ExportTraceServiceRequest, raw: bytes) -> int:
-        """Queue a request (and its protobuf bytes) for `group`; the number of spans in it."""
-        n = sum(len(scope.spans) for resource in request.resource_spans
-                for scope in resource.scope_spans)
+    def receive(self, request: ExportTraceServiceRequest | ExportLogsServiceRequest,
+                raw: bytes) -> int:
+        """Queue a request (and its protobuf bytes) for `group`; the number of spans (or log
+        records) in it.
+        """
+        logs = isinstance(request, ExportLogsServiceRequest)
+        if logs:
+            n = sum(len(scope.log_records) for resource in request.resource_logs
+                    for scope in resource.scope_logs)
+        else:
+            n = sum(len(scope.spans) for resource in request.resource_spans
+                    for scope in resource.scope_spans)
         with self.lock:
             self.inbound.append((request, raw, n))
-            self.queued += n
+            if logs:
+                self.queued_logs += n
+            else:
+                self.queued += n
         return n
 
     def group(self, now: float) -> dict:
-        """Group the queued requests' spans (`add`); the counts summed."""
-        totals = dict.fromkeys(("new", "duplicate", "invalid", "late"), 0)
+        """Group the queued requests' spans and log records (`add`); the counts summed."""
+        totals = dict.fromkeys(("new", "duplicate", "invalid", "late", "new_logs",
+                                "duplicate_logs", "untraced_logs", "late_logs"), 0)
         while True:
             with self.lock:  # one request at a time: a snapshot sees each either queued or held
                 if not self.inbound:
                     return totals
                 request, _, n = self.inbound.popleft()
-                self.queued -= n
+                if isinstance(request, ExportLogsServiceRequest):
+                    self.queued_logs -= n
+                else:
+                    self.queued -= n
                 for key, value in self._add(request, now).items():
                     totals[key] += value
 
-    def add(self, request: ExportTraceServiceRequest, now: float) -> dict:
+    def add(self, request: ExportTraceServiceRequest | ExportLogsServiceRequest, now: float
+            ) -> dict:
         """Hold the request's spans; counts of those new, seen before (an exporter's retry),
         invalid (a trace id not 16 bytes or a span id not 8: dropped) and late (of a trace
-        already written: held again, and written as a trace of its own).
+        already written: held again, and written as a trace of its own). For log records, the
+        same counts as `new_logs`, `duplicate_logs`, `late_logs`, and `untraced_logs`: records
+        of no trace (no trace id, or all zeros), dropped: they are not trace data.
         """
         with self.lock:
             return self._add(request, now)
 
-    def _add(self, request: ExportTraceServiceRequest, now: float) -> dict:
+    def _add(self, request: ExportTraceServiceRequest | ExportLogsServiceRequest, now: float
+             ) -> dict:
+        if isinstance(request, ExportLogsServiceRequest):
+            return self._add_logs(request, now)
         counts = {"new": 0, "duplicate": 0, "invalid": 0, "late": 0}
         for resource in request.resource_spans:
             # this resource's spans by trace, each trace getting its own copy of the resource
@@ -248,11 +305,7 @@ class Traces:
                     if len(span.trace_id) != 16 or len(span.span_id) != 8:
                         counts["invalid"] += 1
                         continue
-                    trace = self.pending.get(span.trace_id)
-                    if trace is None:
-                        trace = self.pending[span.trace_id] = Trace()
-                        if span.trace_id in self.recent:
-                            counts["late"] += 1
+                    trace = self._held(span.trace_id, counts, "late")
                     if span.span_id in trace.span_ids:
                         counts["duplicate"] += 1
                         continue
@@ -274,6 +327,47 @@ class Traces:
         self.spans += counts["new"]
         return counts
 
+    def _add_logs(self, request: ExportLogsServiceRequest, now: float) -> dict:
+        counts = {"new_logs": 0, "duplicate_logs": 0, "untraced_logs": 0, "late_logs": 0}
+        for resource in request.resource_logs:
+            parts: dict[bytes, ResourceLogs] = {}
+            for scope in resource.scope_logs:
+                scoped: dict[bytes, ScopeLogs] = {}
+                for record in scope.log_records:
+                    if len(record.trace_id) != 16 or record.trace_id == _NO_TRACE:
+                        counts["untraced_logs"] += 1
+                        continue
+                    trace = self._held(record.trace_id, counts, "late_logs")
+                    key = log_key(record)
+                    if key in trace.log_keys:
+                        counts["duplicate_logs"] += 1
+                        continue
+                    trace.log_keys.add(key)
+                    trace.last = now
+                    counts["new_logs"] += 1
+                    into = scoped.get(record.trace_id)
+                    if into is None:
+                        part = parts.get(record.trace_id)
+                        if part is None:
+                            part = parts[record.trace_id] = ResourceLogs(
+                                resource=resource.resource, schema_url=resource.schema_url)
+                        into = scoped[record.trace_id] = part.scope_logs.add(
+                            scope=scope.scope, schema_url=scope.schema_url)
+                    into.log_records.append(record)
+            for trace_id, part in parts.items():
+                self.pending[trace_id].logs.append(part)
+        self.log_records += counts["new_logs"]
+        return counts
+
+    def _held(self, trace_id: bytes, counts: dict, late: str) -> Trace:
+        """The pending trace of this id, a new one if none (counted `late` if written lately)."""
+        trace = self.pending.get(trace_id)
+        if trace is None:
+            trace = self.pending[trace_id] = Trace()
+            if trace_id in self.recent:
+                counts[late] += 1
+        return trace
+
     def finished(self, now: float, everything: bool = False) -> list[tuple[bytes, Trace]]:
         """Take the finished traces (all of them with `everything`) to be written; each stays
         counted (and in journal snapshots) until `written` or `put_back`.
@@ -294,6 +388,7 @@ class Traces:
         with self.lock:
             trace = self.writing.pop(trace_id)
             self.spans -= len(trace.span_ids)
+            self.log_records -= len(trace.log_keys)
             self.recent[trace_id] = None
             if len(self.recent) > RECENT:
                 self.recent.popitem(last=False)
@@ -305,23 +400,30 @@ class Traces:
             held = self.pending.get(trace_id)
             if held is None:
                 self.pending[trace_id] = trace
-            else:  # spans that came meanwhile: merged, each span once
+            else:  # spans and log records that came meanwhile: merged, each once
                 held.resources = trace.resources + held.resources
                 held.span_ids |= trace.span_ids
+                held.logs = trace.logs + held.logs
+                held.log_keys |= trace.log_keys
                 held.root = held.root or trace.root
 
-    def drop(self, trace_id: bytes, span_ids: set[bytes]) -> None:
-        """Journal replay: these spans of the trace were written before; no longer held."""
+    def drop(self, trace_id: bytes, span_ids: set[bytes], log_keys: set[bytes] = frozenset()
+             ) -> None:
+        """Journal replay: these spans and log records of the trace were written before; no
+        longer held.
+        """
         with self.lock:
             trace = self.pending.get(trace_id)
             if trace is None:
                 return
-            gone = trace.span_ids & span_ids
-            if not gone:
+            gone, gone_logs = trace.span_ids & span_ids, trace.log_keys & log_keys
+            if not gone and not gone_logs:
                 return
             trace.span_ids -= gone
+            trace.log_keys -= gone_logs
             self.spans -= len(gone)
-            if not trace.span_ids:
+            self.log_records -= len(gone_logs)
+            if not trace.span_ids and not trace.log_keys:
                 del self.pending[trace_id]
                 return
             kept = []
@@ -335,25 +437,54 @@ class Traces:
             trace.resources = kept
             trace.root = any(not s.parent_span_id for r in kept for sc in r.scope_spans
                              for s in sc.spans)
+            kept_logs = []
+            for resource in trace.logs:
+                for scope in resource.scope_logs:
+                    keep = [r for r in scope.log_records if log_key(r) not in gone_logs]
+                    del scope.log_records[:]
+                    scope.log_records.extend(keep)
+                if any(scope.log_records for scope in resource.scope_logs):
+                    kept_logs.append(resource)
+            trace.logs = kept_logs
 
-    def snapshot(self) -> list[bytes]:
-        """Every span held (queued, pending or being written), as serialized requests."""
+    def snapshot(self) -> list[tuple[bytes, bytes]]:
+        """Every span and log record held (queued, pending or being written), as journal
+        records: (SPANS, a serialized ExportTraceServiceRequest) or (LOGS, an
+        ExportLogsServiceRequest).
+        """
         with self.lock:
-            return [raw for _, raw, _ in self.inbound] + [
-                ExportTraceServiceRequest(resource_spans=trace.resources).SerializeToString()
-                for trace in (*self.pending.values(), *self.writing.values())]
+            records = [(LOGS if isinstance(request, ExportLogsServiceRequest) else SPANS, raw)
+                       for request, raw, _ in self.inbound]
+            for trace in (*self.pending.values(), *self.writing.values()):
+                if trace.resources:
+                    records.append((SPANS, ExportTraceServiceRequest(
+                        resource_spans=trace.resources).SerializeToString()))
+                if trace.logs:
+                    records.append((LOGS, ExportLogsServiceRequest(
+                        resource_logs=trace.logs).SerializeToString()))
+            return records
 
     def counts(self) -> dict:
-        """Traces and spans held now (spans not yet grouped included)."""
+        """Traces, spans and log records held now (those not yet grouped included)."""
         with self.lock:
             return {"pending_traces": len(self.pending) + len(self.writing),
-                    "pending_spans": self.spans + self.queued}
+                    "pending_spans": self.spans + self.queued,
+                    "pending_log_records": self.log_records + self.queued_logs}
 
 
 # --- the journal ------------------------------------------------------------------------------
 
-SPANS, WRITTEN = b"S", b"W"  # record kinds: a request's spans; a trace's spans now in the inbox
+# record kinds: a request's spans; a request's log records; a trace now in the inbox (its trace
+# id, its number of spans, span ids, log record keys); the same from before log records were
+# held (trace id, span ids), still read at replay
+SPANS, LOGS, WRITTEN, _WRITTEN_SPANS = b"S", b"L", b"D", b"W"
 _HEAD = struct.Struct(">cII")  # kind, payload length, CRC-32 of the payload
+
+
+def written_record(trace_id: bytes, trace: Trace) -> bytes:
+    """The WRITTEN record's payload for a trace: all it held is in the inbox."""
+    return (trace_id + struct.pack(">I", len(trace.span_ids)) + b"".join(sorted(trace.span_ids))
+            + b"".join(sorted(trace.log_keys)))
 
 
 class Journal:
@@ -368,7 +499,7 @@ class Journal:
         self.queue: list[tuple[bytes, concurrent.futures.Future]] = []
         self.cond = threading.Condition()
         self.closed = False
-        self.recovered = self._replay()
+        self.recovered, self.recovered_logs = self._replay()
         self.fd, self.size = -1, 0
         self._compact()
         self.thread = threading.Thread(target=self._run, name="collect-journal", daemon=True)
@@ -378,9 +509,10 @@ class Journal:
         """The journal's files, oldest first."""
         return sorted(self.folder.glob("journal-*.log"))
 
-    def _replay(self) -> int:
-        """Spans of every segment back into `traces` (minus those recorded written); a record cut
-        short or corrupt ends its segment's reading: it was never acknowledged.
+    def _replay(self) -> tuple[int, int]:
+        """Spans and log records of every segment back into `traces` (minus those recorded
+        written); a record cut short or corrupt ends its segment's reading: it was never
+        acknowledged. The numbers of spans and of log records held then.
         """
         for path in self.segments():
             data = path.read_bytes()
@@ -391,15 +523,20 @@ class Journal:
                 if len(payload) != size or zlib.crc32(payload) != crc:
                     break
                 at += _HEAD.size + size
-                if kind == SPANS:
-                    request = ExportTraceServiceRequest()
+                if kind in (SPANS, LOGS):
+                    request = (ExportTraceServiceRequest if kind == SPANS
+                               else ExportLogsServiceRequest)()
                     request.ParseFromString(payload)
                     self.traces.add(request, time.monotonic())
                 elif kind == WRITTEN:
-                    trace_id = payload[:16]
-                    self.traces.drop(trace_id, {payload[i:i + 8]
-                                                for i in range(16, len(payload), 8)})
-        return self.traces.counts()["pending_spans"]
+                    (spans,) = struct.unpack_from(">I", payload, 16)
+                    ends = 20 + 8 * spans
+                    self.traces.drop(payload[:16], _ids(payload, 20, ends),
+                                     _ids(payload, ends, len(payload)))
+                elif kind == _WRITTEN_SPANS:
+                    self.traces.drop(payload[:16], _ids(payload, 16, len(payload)))
+        counts = self.traces.counts()
+        return counts["pending_spans"], counts["pending_log_records"]
 
     def _compact(self) -> None:
         """A new segment holding only the spans still held; the older segments removed."""
@@ -407,7 +544,7 @@ class Journal:
         number = int(old[-1].stem.split("-")[1]) + 1 if old else 1
         path = self.folder / f"journal-{number:08d}.log"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # traces hold PII
-        data = b"".join(_record(SPANS, p) for p in self.traces.snapshot())
+        data = b"".join(_record(kind, p) for kind, p in self.traces.snapshot())
         try:
             os.write(fd, data)
             os.fsync(fd)
@@ -486,6 +623,11 @@ def _record(kind: bytes, payload: bytes) -> bytes:
     return _HEAD.pack(kind, len(payload), zlib.crc32(payload)) + payload
 
 
+def _ids(payload: bytes, start: int, end: int) -> set[bytes]:
+    """The 8-byte ids (span ids, log record keys) packed in payload[start:end]."""
+    return {payload[i:i + 8] for i in range(start, end, 8)}
+
+
 # --- writing finished traces ------------------------------------------------------------------
 
 def write_file(inbox: Path, documents: list[dict], number: int) -> Path:
@@ -521,6 +663,7 @@ class Collector:
         self.token = os.environ.get(settings.token_env, "")
         self.counters = dict.fromkeys(
             ("requests", "bytes", "spans", "duplicate_spans", "invalid_spans", "late_spans",
+             "log_records", "duplicate_log_records", "untraced_log_records", "late_log_records",
              "traces_written", "files_written", "write_errors"), 0)
         self.rejected = dict.fromkeys(("unauthorized", "queue_full", "disk_full", "too_large",
                                        "bad_request", "unsupported"), 0)
@@ -528,6 +671,7 @@ class Collector:
         self.traces = Traces(settings.idle_seconds)
         self.journal = Journal(spool / "journal", self.traces)
         self.counters["recovered_spans"] = self.journal.recovered
+        self.counters["recovered_log_records"] = self.journal.recovered_logs
         self.free_checked, self.disk_short = 0.0, ""
         self.stopping = threading.Event()
         self.gathered: list[tuple[bytes, Trace]] = []  # finished, waiting for their file
@@ -548,7 +692,9 @@ class Collector:
         now = time.monotonic()
         counts = self.traces.group(now)
         for key, name in (("duplicate", "duplicate_spans"), ("invalid", "invalid_spans"),
-                          ("late", "late_spans")):
+                          ("late", "late_spans"), ("duplicate_logs", "duplicate_log_records"),
+                          ("untraced_logs", "untraced_log_records"),
+                          ("late_logs", "late_log_records")):
             self.counters[name] += counts[key]
         finished = self.traces.finished(now)
         if finished and not self.gathered:
@@ -559,7 +705,10 @@ class Collector:
             return 0
         gathered, self.gathered = self.gathered, []
         try:
-            documents = [(trace_id, otlp_json(trace.resources)) for trace_id, trace in gathered]
+            # a trace's spans and log records in one document: ingest joins the GenAI events
+            # of log records to their spans only within one file
+            documents = [(trace_id, otlp_json(trace.resources, trace.logs))
+                         for trace_id, trace in gathered]
             # one file: ingest reads each trace by its own convention, and quarantines alone
             # a trace it cannot read
             write_file(self.inbox, [document for _, document in documents], 0)  # fsynced
@@ -571,7 +720,7 @@ class Collector:
                   f"kept, tried again shortly", file=sys.stderr, flush=True)
             return 0
         try:
-            futures = [self.journal.append(WRITTEN, trace_id + b"".join(sorted(trace.span_ids)))
+            futures = [self.journal.append(WRITTEN, written_record(trace_id, trace))
                        for trace_id, trace in gathered]
             for future in futures:
                 future.result()
@@ -605,11 +754,14 @@ class Collector:
                           f"Authorization=Bearer%20<token>)")
 
     def check_room(self) -> None:
-        """Refused (429/503, with Retry-After) when the held spans or the disk are at their limit."""
-        if self.traces.counts()["pending_spans"] >= self.settings.max_pending_spans:
-            raise Refused(429, "queue_full", f"{self.settings.max_pending_spans} spans wait for "
-                          f"their traces to finish (runtime.collect.max_pending_spans); retry "
-                          f"later", retry=True)
+        """Refused (429/503, with Retry-After) when the held spans and log records, or the disk,
+        are at their limit.
+        """
+        held = self.traces.counts()
+        if held["pending_spans"] + held["pending_log_records"] >= self.settings.max_pending_spans:
+            raise Refused(429, "queue_full", f"{self.settings.max_pending_spans} spans and log "
+                          f"records wait for their traces to finish (runtime.collect."
+                          f"max_pending_spans); retry later", retry=True)
         now = time.monotonic()
         if now - self.free_checked > 1.0:  # statvfs per request would cost more than it tells
             self.free_checked, self.disk_short = now, ""
@@ -622,22 +774,27 @@ class Collector:
         if self.disk_short:
             raise Refused(503, "disk_full", self.disk_short, retry=True)
 
-    async def export(self, body: bytes, content_type: str, encoding: str) -> tuple[bytes, str]:
-        """Accept one request's spans: held, journaled and fsynced; the response body and type."""
-        request, raw = decode(body, content_type, encoding, self.settings.max_request_bytes)
+    async def export(self, body: bytes, content_type: str, encoding: str, logs: bool = False
+                     ) -> tuple[bytes, str]:
+        """Accept one request's spans (or, with `logs`, log records): held, journaled and
+        fsynced; the response body and type.
+        """
+        request, raw = decode(body, content_type, encoding, self.settings.max_request_bytes,
+                              ExportLogsServiceRequest if logs else ExportTraceServiceRequest)
         # queued before it is journaled, so that a journal compaction in between (a snapshot of
         # what is held) cannot miss it; if journaling fails it may still be written (the client
-        # retries: its spans are then duplicates, dropped by span id or by ingest)
-        spans = self.traces.receive(request, raw)
-        if spans:
+        # retries: its spans are then duplicates, dropped by span id or log record hash, or by
+        # ingest)
+        n = self.traces.receive(request, raw)
+        if n:
             try:
-                await asyncio.wrap_future(self.journal.append(SPANS, raw))
+                await asyncio.wrap_future(self.journal.append(LOGS if logs else SPANS, raw))
             except OSError as err:
                 self.disk_short = f"{self.spool}: writing the journal failed ({err})"
                 self.free_checked = time.monotonic()
                 raise Refused(503, "disk_full", self.disk_short, retry=True) from None
-        self.counters["spans"] += spans
-        response = ExportTraceServiceResponse()
+        self.counters["log_records" if logs else "spans"] += n
+        response = ExportLogsServiceResponse() if logs else ExportTraceServiceResponse()
         if content_type.split(";")[0].strip().lower() == "application/json":
             return json.dumps(json_format.MessageToDict(response)).encode(), "application/json"
         return response.SerializeToString(), PROTOBUF
@@ -652,7 +809,7 @@ class Collector:
 
 
 def app(collector: Collector):
-    """The ASGI application: POST /v1/traces, GET /status."""
+    """The ASGI application: POST /v1/traces, POST /v1/logs, GET /status."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
@@ -665,7 +822,7 @@ def app(collector: Collector):
             headers["WWW-Authenticate"] = "Bearer"
         return JSONResponse({"code": err.status, "message": err.message}, err.status, headers)
 
-    async def traces(request: Request) -> Response:
+    async def receive(request: Request) -> Response:
         collector.counters["requests"] += 1
         try:
             collector.check_token(request.headers.get("authorization", ""))
@@ -683,7 +840,7 @@ def app(collector: Collector):
             collector.counters["bytes"] += len(body)
             content, media = await collector.export(
                 bytes(body), request.headers.get("content-type", ""),
-                request.headers.get("content-encoding", ""))
+                request.headers.get("content-encoding", ""), request.url.path == "/v1/logs")
         except Refused as err:
             return refused(err)
         return Response(content, 200, media_type=media)
@@ -695,7 +852,8 @@ def app(collector: Collector):
             return refused(err)
         return JSONResponse(collector.status())
 
-    return Starlette(routes=[Route("/v1/traces", traces, methods=["POST"]),
+    return Starlette(routes=[Route("/v1/traces", receive, methods=["POST"]),
+                             Route("/v1/logs", receive, methods=["POST"]),
                              Route("/status", status, methods=["GET"])])
 
 
@@ -720,9 +878,10 @@ def serve(settings: cfg.Collect, inbox: Path, spool: Path) -> int:
             guard = f"bearer token from ${settings.token_env}"
         else:
             guard = f"no token (${settings.token_env} is not set)"
-        print(f"collect: listening on http://{host}:{port}/v1/traces ({guard}); finished traces "
-              f"go to {inbox}/; {collector.counters['recovered_spans']} spans recovered from the "
-              f"journal", flush=True)
+        print(f"collect: listening on http://{host}:{port}/v1/traces and /v1/logs ({guard}); "
+              f"finished traces go to {inbox}/; {collector.counters['recovered_spans']} spans "
+              f"and {collector.counters['recovered_log_records']} log records recovered from "
+              f"the journal", flush=True)
         server = uvicorn.Server(uvicorn.Config(app(collector), log_level="warning",
                                                access_log=False, lifespan="off"))
         # uvicorn stops gracefully on SIGINT/SIGTERM, then raises the signal again for the
@@ -783,11 +942,15 @@ def read_status(url: str, token: str) -> dict:
 def status_text(status: dict) -> str:
     """The counters, for a terminal."""
     rejected = ", ".join(f"{k} {v}" for k, v in status["rejected"].items() if v) or "none"
-    return (f"collect: {status['spans']} spans accepted in {status['requests']} requests "
-            f"({status['bytes']} bytes), {status['traces_written']} traces written in "
-            f"{status['files_written']} files to {status['inbox']}; held now: {status['pending_traces']} traces, "
-            f"{status['pending_spans']} spans; rejected: {rejected}; duplicate spans "
-            f"{status['duplicate_spans']}, late {status['late_spans']}, invalid "
-            f"{status['invalid_spans']}; recovered at start {status['recovered_spans']}; disk "
-            f"{status['disk']}; up {status['uptime_seconds']} s")
+    return (f"collect: {status['spans']} spans and {status['log_records']} log records accepted "
+            f"in {status['requests']} requests ({status['bytes']} bytes), "
+            f"{status['traces_written']} traces written in {status['files_written']} files to "
+            f"{status['inbox']}; held now: {status['pending_traces']} traces, "
+            f"{status['pending_spans']} spans, {status['pending_log_records']} log records; "
+            f"rejected: {rejected}; duplicate spans {status['duplicate_spans']}, late "
+            f"{status['late_spans']}, invalid {status['invalid_spans']}; log records duplicate "
+            f"{status['duplicate_log_records']}, late {status['late_log_records']}, of no trace "
+            f"(dropped) {status['untraced_log_records']}; recovered at start "
+            f"{status['recovered_spans']} spans, {status['recovered_log_records']} log records; "
+            f"disk {status['disk']}; up {status['uptime_seconds']} s")
 

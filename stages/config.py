@@ -561,7 +561,8 @@ class Collect:
     # finished traces are gathered this long into one inbox file: fewer, larger files for ingest
     # (and DVC) against a later arrival; 0 writes them every fifth of a second
     file_seconds: float = 10.0
-    # spans held (on disk in the journal, not yet in the inbox) before new requests get 429
+    # spans and log records held (on disk in the journal, not yet in the inbox) before new
+    # requests get 429
     max_pending_spans: int = 200_000
     max_request_bytes: int = 16_000_000  # a request body over this (decompressed) gets 413
     # free space the journal's and the inbox's disks keep; below it requests get 503

@@ -17,11 +17,15 @@ and every trace ingested in an earlier cycle). Formats, each a reader in `stages
 A file is JSONL, or one JSON document (an array of records, or an OTLP object). A span-based
 file is read whole, then trace by trace: in an OTLP file each trace by the convention its own
 spans follow (`otlp_traces`), with GenAI log events joined to their spans; a trace that cannot be
-read is quarantined alone, its reason naming the file and the trace. Every row ends up
-accepted, quarantined (`data/quarantine/ingest.jsonl`: file, line, format, reason, and the raw
-text, scrubbed) or counted as a duplicate, and `metrics/ingest.json` adds up, overall and per
-format. A line that cannot be read at all (invalid JSON, not UTF-8, over `ingest.max_line_bytes`)
-is a row of its own.
+read is quarantined alone. Every row ends up accepted, quarantined
+(`data/quarantine/ingest.jsonl`: file, line, format, reason, and the raw text, scrubbed) or
+counted as a duplicate, and `metrics/ingest.json` adds up, overall and per format. Every reason
+says where, what and what to change (`quarantine_reason`): `<file>, trace <id>: <what is wrong>;
+to fix: <what to change>` for a trace, `<file> line <n>[, trace <id>]: ...` for a line (the id
+where the record has one). The readers raise BadRecord with the fix where they know it (the
+content-capture switch of the format when a trace has no messages, `schema.CAPTURE`), else the
+format's own `FIX` applies. A line that cannot be read at all (invalid JSON, not UTF-8, over
+`ingest.max_line_bytes`) is a row of its own.
 
 Writes `data/traces/` (a persistent DVC output: one Parquet part per inbox file, plus a manifest;
 the history that duplicates are checked against), `data/ingested.parquet` (this cycle's new traces)
@@ -41,6 +45,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
@@ -50,7 +55,7 @@ import pyarrow.parquet as pq
 from stages import config as cfg
 from stages import io
 from stages.traces.pii import KINDS, Scrubber
-from stages.traces.schema import READER_ERRORS, SCHEMA, BadRecord, make_row
+from stages.traces.schema import CAPTURE, READER_ERRORS, SCHEMA, BadRecord, NoContent, make_row
 from stages.traces.sources import (
     langfuse,
     langsmith,
@@ -72,13 +77,29 @@ TRACE_FORMATS = {m.NAME: m for m in (openinference, otel_genai, langfuse, langsm
 FORMATS = [openai_chat, openai_responses, openinference, otel_genai, langfuse, langsmith]
 
 
-class Unreadable:
-    """A line that is not a JSON value; `reason` says why."""
+# what to change for a line that is no JSON value, by how it failed
+_REEXPORT = "re-export the file whole from its source (a line cut short, or two run together)"
 
-    def __init__(self, reason: str, raw: str, parsed: bool = False):
+
+class Unreadable:
+    """A line that is not a JSON value; `reason` says why, `fix` what to change."""
+
+    def __init__(self, reason: str, raw: str, parsed: bool = False, fix: str = _REEXPORT):
         """A line refused for `reason`; `parsed` if it decoded before being refused."""
         # parsed: decoded whole, then refused (nested too deep, an unpaired surrogate)
-        self.reason, self.raw, self.parsed = reason, raw, parsed
+        self.reason, self.raw, self.parsed, self.fix = reason, raw, parsed, fix
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A row that cannot become a trace: why, its raw text, the trace id it names (None where
+    it names none) and what to change (None: its format's own `FIX`).
+    """
+
+    reason: str
+    raw: str
+    trace_id: str | None = None
+    fix: str | None = None
 
 
 def _open(path: Path):
@@ -111,14 +132,17 @@ def read_records(path: Path, max_line_bytes: int) -> Iterator[tuple[int, object]
                 if raw.strip():
                     yield from _items(number, _parse_line(raw, max_line_bytes))
     except (OSError, EOFError) as err:
-        yield number + 1, Unreadable(f"file cut off after line {number}: {err}", "")
+        yield number + 1, Unreadable(f"file cut off after line {number}: {err}", "",
+                                     fix="copy the whole file into the inbox again (a copy or "
+                                     "a gzip stream interrupted)")
 
 
 def _items(number: int, value, numbered: bool = False) -> Iterator[tuple[int, object]]:
     """A JSON array holds records; anything else is one record."""
     if isinstance(value, list):
         if not value and not numbered:  # a line is counted, even one that holds no record
-            yield number, Unreadable("an empty JSON array: no trace in it", "[]")
+            yield number, Unreadable("an empty JSON array: no trace in it", "[]",
+                                     fix="leave empty batches out of the export")
         for i, item in enumerate(value, start=1):
             yield (i if numbered else number), item
     else:
@@ -136,12 +160,15 @@ def _is_json(raw: bytes) -> bool:
 def _parse_line(raw: bytes, max_line_bytes: int):
     if len(raw) > max_line_bytes:
         return Unreadable(f"line of {len(raw):,} bytes is longer than ingest.max_line_bytes="
-                          f"{max_line_bytes:,}", raw[:2000].decode("utf-8", "replace"))
+                          f"{max_line_bytes:,}", raw[:2000].decode("utf-8", "replace"),
+                          fix="raise ingest.max_line_bytes in params.yaml if such traces are "
+                          "real, or export smaller batches a line")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         return Unreadable(f"not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})",
-                          raw[:2000].decode("utf-8", "replace"))
+                          raw[:2000].decode("utf-8", "replace"),
+                          fix="write the export as UTF-8 (JSON's encoding)")
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
@@ -149,14 +176,22 @@ def _parse_line(raw: bytes, max_line_bytes: int):
     except ValueError as err:  # valid JSON that Python will not convert: a number of 5000 digits
         return Unreadable(f"not readable JSON ({str(err)[:200]})", text[:2000])
     except RecursionError:
-        return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000])
+        return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000],
+                          fix=_NO_TRACE)
     # cheap tests first: most lines have neither many brackets nor \u escapes
     if text.count("[") + text.count("{") > MAX_DEPTH and json_depth(value) > MAX_DEPTH:
-        return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000], parsed=True)
+        return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000], parsed=True,
+                          fix=_NO_TRACE)
     if ("\\ud" in text or "\\uD" in text) and _lone_surrogate(value):
         return Unreadable("an unpaired UTF-16 surrogate escape (\\ud800-\\udfff): not valid "
-                          "Unicode text", text[:2000], parsed=True)
+                          "Unicode text", text[:2000], parsed=True,
+                          fix="fix what writes it: it cut a character in half (text truncated "
+                          "by UTF-16 units)")
     return value
+
+
+# no trace format nests this deep: not a trace
+_NO_TRACE = "take this line out of the inbox: no trace format nests so deep"
 
 
 def json_depth(value) -> int:
@@ -199,8 +234,8 @@ def _keys(record) -> str:
             else f"a JSON {type(record).__name__}")
 
 
-def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, object]]:
-    """(line, format, normalized trace or a quarantine reason with its raw text) for one file."""
+def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, dict | Refusal]]:
+    """(line, format, normalized trace or the Refusal that quarantines it) for one file."""
     records = read_records(path, config.max_line_bytes)  # a generator: line formats stream
     fmt, held = None, []
     # the first record a format recognizes decides: a junk first line does not sink the file
@@ -214,24 +249,27 @@ def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, o
         expected = ", ".join(m.NAME for m in FORMATS)
         first = next((r for _, r in held if not isinstance(r, Unreadable)), None)
         for number, record in chain(held, records):
-            reason = record.reason if isinstance(record, Unreadable) else \
-                f"unknown format (first record has {_keys(first)}); expected one of {expected}"
-            yield number, "unknown", (reason, _raw(record))
+            yield number, "unknown", _unreadable(record) if isinstance(record, Unreadable) else \
+                Refusal(f"unknown format (first record has {_keys(first)}); expected one of "
+                        f"{expected}", _raw(record), fix="convert the file into one of those "
+                        "formats (README, \"Traces in\"), or take it out of the inbox")
         return
     if fmt in LINE_FORMATS:
         module = LINE_FORMATS[fmt]
         for number, record in chain(held, records):
             if isinstance(record, Unreadable):
-                yield number, fmt, (record.reason, record.raw)
+                yield number, fmt, _unreadable(record)
                 continue
+            own_id = record.get("id") if isinstance(record, dict) else None
             try:
                 if not isinstance(record, dict):
                     raise BadRecord(f"a line must be a JSON object, got {type(record).__name__}")
-                if record.get("id") is None:
+                if own_id is None:
                     record = {**record, "id": f"{path.name}:{number}"}
                 yield number, fmt, module.parse(record)
             except READER_ERRORS as err:
-                yield number, fmt, (_reason(fmt, err), _raw(record))
+                yield number, fmt, _refusal(fmt, err, _raw(record),
+                                            None if own_id is None else str(own_id))
         return
     # Span-based formats: the records of one trace can be anywhere in the file, so it is read
     # whole, then trace by trace: one trace that cannot be read is quarantined alone.
@@ -240,13 +278,13 @@ def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, o
     good = []
     for number, record in stream:
         if isinstance(record, Unreadable):
-            yield number, fmt, (record.reason, record.raw)
+            yield number, fmt, _unreadable(record)
         elif otlp_file and not otlp.detect(record):
             other = detect(record)
-            yield number, other or "unknown", (
-                f"{path.name} line {number}: not an OTLP JSON document ({_keys(record)}"
-                + (f", a {other} record" if other else "") + ") among OTLP ones; put records "
-                "of another format in a file of their own", _raw(record))
+            yield number, other or "unknown", Refusal(
+                f"not an OTLP JSON document ({_keys(record)}"
+                + (f", a {other} record" if other else "") + ") among OTLP ones", _raw(record),
+                fix="put records of another format in a file of their own")
         else:
             good.append((number, record))
     if not good:
@@ -259,16 +297,16 @@ def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, o
                 [r for _, r in good])]
     except READER_ERRORS as err:  # a record that names no trace: the file cannot be split
         for number, record in good:
-            yield number, fmt, (f"{path.name}: {_reason(fmt, err)} (the file's {len(good)} "
-                                f"records are quarantined together)", _raw(record))
+            refusal = _refusal(fmt, err, _raw(record))
+            yield number, fmt, Refusal(f"{refusal.reason} (the file's {len(good)} records are "
+                                       f"quarantined together)", refusal.raw, fix=refusal.fix)
         return
     starts = first_lines({str(tid) for tid, _, _ in results}, good)
     for trace_id, trace_fmt, result in results:
         number = starts.get(str(trace_id), good[0][0])
         if isinstance(result, Exception):
             record = next(r for n, r in good if n == number)
-            yield number, trace_fmt, (_trace_reason(path, trace_id, _reason(trace_fmt, result)),
-                                      _raw(record))
+            yield number, trace_fmt, _refusal(trace_fmt, result, _raw(record), str(trace_id))
         else:
             yield number, trace_fmt, result
 
@@ -296,10 +334,36 @@ def otlp_traces(documents: list[dict]) -> list[tuple[str, str, dict | Exception]
     return out
 
 
-def _trace_reason(path: Path, trace_id: str, reason: str) -> str:
-    """A reason that names the file and the trace, once."""
-    reason = reason.removeprefix(f"trace {trace_id}: ").removeprefix(f"trace {trace_id} ")
-    return f"{path.name}, trace {trace_id}: {reason}"
+def _unreadable(record: Unreadable) -> Refusal:
+    return Refusal(record.reason, record.raw, fix=record.fix)
+
+
+def _refusal(fmt: str, err: Exception, raw: str, trace_id: str | None = None) -> Refusal:
+    """A reader's error as a Refusal: its message, and the fix it names (a NoContent's: the
+    format's content-capture switch), else none (then the format's own FIX applies).
+    """
+    if isinstance(err, NoContent):
+        return Refusal(str(err), raw, trace_id, err.fix or CAPTURE[fmt])
+    if isinstance(err, BadRecord):
+        return Refusal(str(err), raw, trace_id, err.fix)
+    # a record shaped in a way the reader did not foresee: quarantined and named, never a crash
+    return Refusal(f"the {fmt} reader could not map this record ({type(err).__name__}: {err})",
+                   raw, trace_id, "report it with this row (the reader did not foresee the "
+                   "record's shape); meanwhile the record stays here")
+
+
+def quarantine_reason(file: str, line: int, fmt: str, refusal: Refusal) -> str:
+    """The reason a quarantine row gives: where (the file; the trace id where one is known,
+    else the line, and a line format's line always), what is wrong, and what to change.
+    """
+    reason, trace_id = refusal.reason, refusal.trace_id
+    if trace_id is not None:  # named once
+        reason = reason.removeprefix(f"trace {trace_id}: ").removeprefix(f"trace {trace_id} ")
+    where = f"{file}, trace {trace_id}" if trace_id is not None and fmt in TRACE_FORMATS else \
+        f"{file} line {line}" + ("" if trace_id is None else f", trace {trace_id}")
+    module = LINE_FORMATS.get(fmt) or TRACE_FORMATS.get(fmt)
+    fix = refusal.fix or (module.FIX if module else "take it out of the inbox")
+    return f"{where}: {reason}; to fix: {fix}"
 
 
 def first_lines(ids: set[str], records: list[tuple[int, object]]) -> dict[str, int]:
@@ -324,13 +388,6 @@ def first_lines(ids: set[str], records: list[tuple[int, object]]) -> dict[str, i
             break
         walk(record, number)
     return found
-
-
-def _reason(fmt: str, err: Exception) -> str:
-    if isinstance(err, BadRecord):
-        return str(err)
-    # a record shaped in a way the reader did not foresee: quarantined and named, never a crash
-    return f"the {fmt} reader could not map this record ({type(err).__name__}: {err})"
 
 
 def _raw(record) -> str:
@@ -444,20 +501,27 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
                 for bucket in (counts, fmt_counts):
                     bucket["rows_read"] += 1
                 scrubber = Scrubber(kinds)
-                try:
-                    if isinstance(item, tuple):
-                        raise BadRecord(item[0])
-                    row = make_row(item, path.name, number, fmt, scrubber)
-                    if row["n_messages"] > config.max_messages:
-                        raise BadRecord(f"{row['n_messages']} messages, more than "
-                                        f"ingest.max_messages={config.max_messages}")
-                except BadRecord as err:
-                    raw = item[1] if isinstance(item, tuple) else json.dumps(item, default=str)[:2000]
+                refusal = item if isinstance(item, Refusal) else None
+                if refusal is None:
+                    try:
+                        row = make_row(item, path.name, number, fmt, scrubber)
+                        if row["n_messages"] > config.max_messages:
+                            raise BadRecord(f"{row['n_messages']} messages, more than "
+                                            f"ingest.max_messages={config.max_messages}",
+                                            fix="raise ingest.max_messages in params.yaml if "
+                                            "conversations this long are the agent's work")
+                    except BadRecord as err:
+                        trace_id = item.get("trace_id")
+                        # a line format's stand-in id (<file>:<line>) names nothing
+                        named = None if trace_id in (None, f"{path.name}:{number}") else str(trace_id)
+                        refusal = _refusal(fmt, err, json.dumps(item, default=str)[:2000], named)
+                if refusal is not None:
                     for bucket in (counts, fmt_counts):
                         bucket["quarantined"] += 1
                     bad_rows.append({"source_file": path.name, "source_line": number, "format": fmt,
-                                     "stage": "ingest", "reason": str(err),
-                                     "raw": Scrubber(kinds).text(raw)})
+                                     "stage": "ingest",
+                                     "reason": quarantine_reason(path.name, number, fmt, refusal),
+                                     "raw": Scrubber(kinds).text(refusal.raw)})
                     continue
                 digest = bytes.fromhex(row["content_hash"])
                 if digest in seen:

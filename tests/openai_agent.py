@@ -5,6 +5,7 @@ runs each as a process of its own (the instrumentation patches `openai` for the 
     python tests/openai_agent.py server PORT
     python tests/openai_agent.py agent SERVER_PORT OTLP_TRACES_URL "What is 2+3?"
     python tests/openai_agent.py events SERVER_PORT OUT.jsonl events|legacy "What is 2+3?"
+    python tests/openai_agent.py export SERVER_PORT OTLP_ENDPOINT events|legacy spans|logs "What is 2+3?"
 """
 
 from __future__ import annotations
@@ -89,6 +90,57 @@ def agent(port: int, otlp_url: str, question: str) -> None:
     provider.shutdown()  # exports what is left
 
 
+def capture_as_events(capture: str) -> None:
+    """Set the instrumentation to record messages as log events: "events" (one
+    `gen_ai.client.inference.operation.details` a call) or "legacy" (an event a message); before
+    it is imported. The opentelemetry-instrumentation-openai-v2 installed now (2.4b0) follows the
+    current conventions whatever is asked: "legacy" gets it to capture nothing (it warns that
+    "true" is no valid mode), so tests build the older events in process instead.
+    """
+    if capture == "events":
+        os.environ["OTEL_SEMCONV_STABILITY_OPT_IN"] = "gen_ai_latest_experimental"
+        os.environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "EVENT_ONLY"
+    else:
+        os.environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "true"
+
+
+def export(port: int, endpoint: str, capture: str, first: str, question: str) -> None:
+    """One agent turn, messages captured as log events (`capture` as in `events`), exported live
+    the way a deployed agent does: spans by the OTLP/HTTP span exporter to `endpoint`/v1/traces,
+    log records by the OTLP/HTTP log exporter to `endpoint`/v1/logs, each in batches. `first`
+    ("spans" or "logs") is the signal flushed first: the receiver must take log records that come
+    before their spans and those that come after.
+    """
+    capture_as_events(capture)
+    import openai
+    from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
+    from opentelemetry.sdk._logs import LoggerProvider
+    from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    resource = Resource.create({"service.name": f"calc-agent-{capture}"})
+    tracer_provider = TracerProvider(resource=resource)
+    tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(
+        endpoint=f"{endpoint}/v1/traces")))
+    logger_provider = LoggerProvider(resource=resource)
+    logger_provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter(
+        endpoint=f"{endpoint}/v1/logs")))
+    OpenAIInstrumentor().instrument(tracer_provider=tracer_provider,
+                                    logger_provider=logger_provider)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    messages = [{"role": "system", "content": "Use the calculator."},
+                {"role": "user", "content": question}]
+    with tracer_provider.get_tracer("calc-agent").start_as_current_span("invoke_agent calc"):
+        calculator_turn(client, messages)
+    order = [tracer_provider, logger_provider]
+    for provider in order if first == "spans" else order[::-1]:
+        provider.shutdown()  # exports what is left
+
+
 def events(port: int, out: str, capture: str, question: str) -> None:
     """One agent turn with the messages captured as GenAI events in log records, not on the
     spans: `capture` "events" (the current conventions: one
@@ -96,11 +148,7 @@ def events(port: int, out: str, capture: str, question: str) -> None:
     `gen_ai.user.message`, `gen_ai.choice`, ... an event a message). Spans and log records go to
     `out` as OTLP JSON, a document a line, as a Collector's file exporter writes them.
     """
-    if capture == "events":
-        os.environ["OTEL_SEMCONV_STABILITY_OPT_IN"] = "gen_ai_latest_experimental"
-        os.environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "EVENT_ONLY"
-    else:
-        os.environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "true"
+    capture_as_events(capture)
     import base64
 
     import openai
@@ -147,5 +195,7 @@ if __name__ == "__main__":
         server(int(sys.argv[2]))
     elif sys.argv[1] == "events":
         events(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+    elif sys.argv[1] == "export":
+        export(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6])
     else:
         agent(int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -1,7 +1,8 @@
 """`offseason collect` (flows/collect.py) with real clients: the OpenTelemetry SDK's OTLP/HTTP
-exporter, and OTLP JSON and gzip bodies posted with httpx, to the receiver running as the CLI on
-a free loopback port; then the ingest stage reads what it wrote. Also a kill -9 mid-stream, the
-token, load shedding, and the grouping and journal on their own.
+span and log exporters, the openai client instrumented by opentelemetry-instrumentation-openai-v2,
+and OTLP JSON and gzip bodies posted with httpx, to the receiver running as the CLI on a free
+loopback port; then the ingest stage reads what it wrote. Also a kill -9 mid-stream, the token,
+load shedding, and the grouping and journal on their own.
 """
 
 import gzip
@@ -18,10 +19,19 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from opentelemetry._logs import LogRecord
+from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
+from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
+)
+from opentelemetry.sdk._logs import LoggerProvider
+from opentelemetry.sdk._logs.export import (
+    InMemoryLogRecordExporter,
+    LogRecordExportResult,
+    SimpleLogRecordProcessor,
 )
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -186,7 +196,7 @@ def test_sdk_export_over_protobuf_is_ingested_as_exactly_those_conversations(rec
                             str(rx.port)], cwd=rx.root, env={**os.environ, "PYTHONPATH": str(REPO)},
                            capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
-    assert "8 spans accepted" in shown.stdout and "3 traces written" in shown.stdout
+    assert "8 spans and 0 log records accepted" in shown.stdout and "3 traces written" in shown.stdout
 
 
 def test_the_openai_client_instrumented_by_opentelemetry_exports_to_collect(receiver, tmp_path):
@@ -476,7 +486,7 @@ def test_the_journal_replays_held_spans_and_forgets_written_ones(tmp_path):
     journal.append(collect.SPANS, as_request(spans).SerializeToString()).result()
     first = spans[0].context.trace_id.to_bytes(16, "big")
     [(trace_id, trace)] = [(t, tr) for t, tr in traces.finished(now=5.0) if t == first]
-    journal.append(collect.WRITTEN, trace_id + b"".join(sorted(trace.span_ids))).result()
+    journal.append(collect.WRITTEN, collect.written_record(trace_id, trace)).result()
     journal.close()
     with open(journal.segments()[-1], "ab") as handle:  # a record cut short by the kill
         handle.write(b"S\x00\x00\x10\x00")
@@ -522,3 +532,157 @@ def test_compacting_the_journal_while_receiving_keeps_every_held_span(tmp_path, 
     assert int(segment.stem.split("-")[1]) > 2  # compacted while receiving, not only at start
     again = collect.Traces(idle_seconds=10)
     assert collect.Journal(tmp_path / "journal", again).recovered == sent
+
+
+# --- log records: message content captured as GenAI events, exported to /v1/logs ---------------
+
+def test_the_openai_client_s_message_events_come_to_v1_logs_and_are_ingested_with_their_spans(
+        receiver, tmp_path):
+    pytest.importorskip("opentelemetry.instrumentation.openai_v2")  # the dev extra has it
+    rx = receiver()
+    port = free_port()
+    script = Path(__file__).parent / "openai_agent.py"
+    server = subprocess.Popen([sys.executable, str(script), "server", str(port)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        # an operation-details event a call (the earlier event-a-message conventions are no
+        # longer emitted by this instrumentation: recorded_turn_with_events has them); log
+        # records flushed after the spans, then before them
+        for first, question in (("spans", "What is 2+3?"), ("logs", "What is 40+2?")):
+            subprocess.run([sys.executable, str(script), "export", str(port), rx.url, "events",
+                            first, question], check=True, timeout=60)
+    finally:
+        server.terminate()
+        server.wait()
+    documents = wait_for_traces(rx.root, 2)
+    time.sleep(collect.ROOT_WAIT + 3 * collect.TICK)  # a log record written late would show
+    assert len(inbox_documents(rx.root)) == 2
+    for document in documents:  # each trace's spans and log records on one line
+        assert document["resourceSpans"] and document["resourceLogs"]
+        assert "gen_ai.input.messages" not in json.dumps(document["resourceSpans"])
+    metrics, rows = ingested(rx.root, tmp_path)
+    assert (metrics["accepted"], metrics["quarantined"]) == (2, 0)
+    for row, answer in zip(rows, ("2+3 is 5.", "40+2 is 42.")):
+        messages = json.loads(row["messages"])
+        assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool",
+                                                 "assistant"]
+        assert messages[2]["tool_calls"][0]["function"]["name"] == "calculator"
+        assert messages[-1]["content"] == answer
+    status = httpx.get(f"{rx.url}/status").json()
+    assert status["log_records"] > 0 and status["late_log_records"] == 0
+    assert (status["pending_spans"], status["pending_log_records"]) == (0, 0)
+    shown = subprocess.run([sys.executable, "-m", "flows.cli", "collect", "--status", "--port",
+                            str(rx.port)], cwd=rx.root, env={**os.environ, "PYTHONPATH": str(REPO)},
+                           capture_output=True, text=True)
+    assert f"{status['log_records']} log records accepted" in shown.stdout, shown.stderr
+
+
+def recorded_turn_with_events(question: str, answer: str) -> tuple[list, list]:
+    """Finished SDK spans and log records of one agent turn whose messages are GenAI events
+    (`gen_ai.user.message`, `gen_ai.choice`) in log records, not span attributes; plus a log
+    record outside any span (no trace id).
+    """
+    spans, logs = InMemorySpanExporter(), InMemoryLogRecordExporter()
+    resource = Resource.create({"service.name": "calc-agent"})
+    tracer_provider = TracerProvider(resource=resource)
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    logger_provider = LoggerProvider(resource=resource)
+    logger_provider.add_log_record_processor(SimpleLogRecordProcessor(logs))
+    logger = logger_provider.get_logger("test")
+    logger.emit(LogRecord(body="agent starting"))  # a plain log line: no trace
+    tracer = tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("invoke_agent calc") as root:
+        root.set_attribute("gen_ai.operation.name", "invoke_agent")
+        with tracer.start_as_current_span("chat tiny") as span:
+            span.set_attribute("gen_ai.operation.name", "chat")  # content only in the events
+            span.set_attribute("gen_ai.request.model", "tiny")
+            logger.emit(LogRecord(event_name="gen_ai.user.message", body={"content": question}))
+            logger.emit(LogRecord(event_name="gen_ai.choice", body={
+                "index": 0, "finish_reason": "stop",
+                "message": {"role": "assistant", "content": answer}}))
+    return list(spans.get_finished_spans()), list(logs.get_finished_logs())
+
+
+def test_log_records_join_their_trace_before_or_after_its_spans_and_others_are_counted():
+    spans, logs = recorded_turn_with_events("What is 1+1?", "2")
+    events = logs[1:]  # logs[0]: outside any span
+    trace_id = spans[0].context.trace_id.to_bytes(16, "big")
+    traces = collect.Traces(idle_seconds=10)
+    counts = traces.add(encode_logs(logs), now=100.0)  # before the spans
+    assert counts == {"new_logs": 2, "duplicate_logs": 0, "untraced_logs": 1, "late_logs": 0}
+    assert traces.add(encode_logs(events[:1]), now=100.1)["duplicate_logs"] == 1  # a retry
+    assert traces.finished(now=105.0) == []  # no root yet: log records alone wait idle_seconds
+    traces.add(as_request(spans), now=105.0)
+    [(taken, trace)] = traces.finished(now=105.0 + collect.ROOT_WAIT)
+    assert taken == trace_id and trace.root and len(trace.log_keys) == 2
+    document = collect.otlp_json(trace.resources, trace.logs)
+    [record, _] = document["resourceLogs"][0]["scopeLogs"][0]["logRecords"]
+    assert record["traceId"] == format(spans[0].context.trace_id, "032x")  # hex, as OTLP JSON
+    traces.written(trace_id)
+    assert traces.counts() == {"pending_traces": 0, "pending_spans": 0, "pending_log_records": 0}
+
+    # spans first, a log record within ROOT_WAIT after them: written with them
+    spans, logs = recorded_turn_with_events("What is 2+2?", "4")
+    traces.add(as_request(spans), now=200.0)
+    traces.add(encode_logs(logs[1:2]), now=200.0 + collect.ROOT_WAIT / 2)
+    assert traces.finished(now=200.0 + collect.ROOT_WAIT) == []  # the wait counts from it
+    [(_, trace)] = traces.finished(now=200.0 + 1.5 * collect.ROOT_WAIT)
+    assert len(trace.log_keys) == 1
+    traces.written(spans[0].context.trace_id.to_bytes(16, "big"))
+    # after the trace was written: held again, written as a trace of its own
+    assert traces.add(encode_logs(logs[2:]), now=210.0)["late_logs"] == 1
+
+
+def test_acknowledged_log_records_survive_a_kill_9_and_join_their_spans(receiver, tmp_path):
+    port = free_port()
+    rx = receiver(port=port, idle_seconds=600)  # held until their spans come
+    (spans, logs), (spans2, logs2) = (recorded_turn_with_events(f"What is {i}+{i}?", str(2 * i))
+                                      for i in (1, 2))
+    assert OTLPLogExporter(endpoint=f"{rx.url}/v1/logs").export(logs) == \
+        LogRecordExportResult.SUCCESS
+    body = json.dumps(collect.otlp_json([], list(encode_logs(logs2[1:]).resource_logs)))
+    answer = httpx.post(f"{rx.url}/v1/logs", content=gzip.compress(body.encode()),
+                        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert answer.status_code == 200 and answer.json() == {}  # an ExportLogsServiceResponse
+    bad = httpx.post(f"{rx.url}/v1/logs", content=b"\xff\x00garbage",
+                     headers={"Content-Type": "application/x-protobuf"})
+    assert bad.status_code == 400 and "ExportLogsServiceRequest" in bad.json()["message"]
+    status = httpx.get(f"{rx.url}/status").json()
+    assert (status["log_records"], status["spans"]) == (5, 0)
+    time.sleep(3 * collect.TICK)  # grouped by the writer
+    status = httpx.get(f"{rx.url}/status").json()
+    assert (status["untraced_log_records"], status["pending_log_records"]) == (1, 4)
+    rx.proc.send_signal(signal.SIGKILL)
+    rx.proc.wait()
+
+    again = receiver(port=port, idle_seconds=600)
+    assert "0 spans and 4 log records recovered" in again.banner
+    assert httpx.get(f"{again.url}/status").json()["recovered_log_records"] == 4
+    exporter = OTLPSpanExporter(endpoint=f"{again.url}/v1/traces")
+    assert exporter.export(spans + spans2) == SpanExportResult.SUCCESS
+    documents = wait_for_traces(again.root, 2)
+    assert all(len(d["resourceLogs"][0]["scopeLogs"][0]["logRecords"]) == 2 for d in documents)
+    metrics, rows = ingested(again.root, tmp_path)
+    assert (metrics["accepted"], metrics["quarantined"]) == (2, 0)
+    assert [json.loads(r["messages"]) for r in rows] == [
+        [{"role": "user", "content": "What is 1+1?"}, {"role": "assistant", "content": "2"}],
+        [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]]
+
+
+def test_the_journal_forgets_written_log_records(tmp_path):
+    spans, logs = recorded_turn_with_events("What is 3+3?", "6")
+    traces = collect.Traces(idle_seconds=10)
+    journal = collect.Journal(tmp_path / "journal", traces)
+    for kind, request in ((collect.LOGS, encode_logs(logs)), (collect.SPANS, as_request(spans))):
+        traces.add(request, now=0.0)
+        journal.append(kind, request.SerializeToString()).result()
+    [(trace_id, trace)] = traces.finished(now=5.0)
+    journal.close()
+    journal = collect.Journal(tmp_path / "journal", collect.Traces(idle_seconds=10))
+    assert journal.recovered_logs == 2  # acknowledged, not yet written: back
+    journal.append(collect.WRITTEN, collect.written_record(trace_id, trace)).result()
+    journal.close()
+    reopened = collect.Journal(tmp_path / "journal", collect.Traces(idle_seconds=10))
+    assert (reopened.recovered, reopened.recovered_logs) == (0, 0)
+    reopened.close()

@@ -47,7 +47,51 @@ SCHEMA = pa.schema([
 
 
 class BadRecord(ValueError):
-    """A line that cannot become a trace; the message is the quarantine reason."""
+    """A record that cannot become a trace; the message is the quarantine reason, `fix` what to
+    change where the reader knows it (else ingest gives the format's own, its reader's `FIX`).
+    Ingest adds the file, the line or trace id, and the fix (stages/ingest.quarantine_reason).
+    """
+
+    def __init__(self, message: str, fix: str | None = None):
+        """A refusal for `message`; `fix`: what to change so that such a record is read."""
+        super().__init__(message)
+        self.fix = fix
+
+
+class NoContent(BadRecord):
+    """A trace whose model calls recorded no messages, or no user turn: the instrumentation does
+    not capture the content (or the log holds only the answer). The fix is the format's
+    content-capture switch, `CAPTURE[format]`.
+    """
+
+
+# The fixes readers of several formats give (a quarantine's "to fix").
+TEXT_ONLY = ("nothing in the export: offseason learns from text and function-tool turns only, so "
+             "a trace with this content stays out (leave it quarantined, or take it out of the "
+             "inbox)")
+ROLES = ("log the messages with the roles system, developer, user, assistant and tool (map the "
+         "agent's own role names onto them where it logs them)")
+TOOL_TURNS = ("log the whole conversation of each model call: every tool result after the "
+              "assistant message that made its call, with that call's id")
+
+# What to change when a format's traces come without their messages: each tool's own switch.
+CAPTURE = {
+    "otel-genai": "turn the instrumentation's content capture on: "
+                  "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true for OpenTelemetry's "
+                  "(SPAN_ONLY, or EVENT_ONLY with its log records exported too, under the "
+                  "current conventions); for Semantic Kernel "
+                  "SEMANTICKERNEL_EXPERIMENTAL_GENAI_ENABLE_OTEL_DIAGNOSTICS_SENSITIVE=true",
+    "openinference": "let the instrumentation record messages: unset OPENINFERENCE_HIDE_INPUTS, "
+                     "OPENINFERENCE_HIDE_OUTPUTS, OPENINFERENCE_HIDE_INPUT_MESSAGES and "
+                     "OPENINFERENCE_HIDE_OUTPUT_MESSAGES (TraceConfig's hide_* fields)",
+    "langfuse": "record the generations' input and output (no `mask` that empties them; "
+                "@observe with capture_input and capture_output on)",
+    "langsmith": "let LangSmith record inputs and outputs: unset LANGSMITH_HIDE_INPUTS and "
+                 "LANGSMITH_HIDE_OUTPUTS (Client's hide_inputs / hide_outputs)",
+    "openai-responses": "a Responses object as the SDK returns it carries no `input`: log the "
+                        "request's `input` beside it",
+    "openai-chat": "log the request's `messages`, the user's turn included, on each line",
+}
 
 
 # What a reader raises on a record shaped in a way it did not foresee: quarantined, never a crash.
@@ -94,7 +138,7 @@ def _dump(value) -> str:
 def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber) -> dict:
     """A normalized trace as one row of SCHEMA, every string scrubbed by `scrubber` first."""
     if not trace["messages"]:
-        raise BadRecord("the trace has no messages")
+        raise NoContent("the trace has no messages")
     parts = {"messages": trace["messages"], "tools": trace.get("tools") or [],
              "feedback": trace.get("feedback") or {}}
     text = {key: _dump(value) for key, value in parts.items()}
@@ -106,11 +150,8 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
     user_text = next((str(m.get("content") or "") for m in messages if m.get("role") == "user"),
                      None)
     if user_text is None:  # a conversation with no request is no task to learn from
-        hint = ("a Responses object as the SDK returns it carries no `input`: log the request's "
-                "`input` beside it" if fmt == "openai-responses" else
-                "check that the instrumentation records the prompt (its content-capture switch)")
-        raise BadRecord(f"no user turn in the trace ({len(messages)} messages, roles "
-                        f"{sorted({str(m.get('role')) for m in messages})}); {hint}")
+        raise NoContent(f"no user turn in the trace ({len(messages)} messages, roles "
+                        f"{sorted({str(m.get('role')) for m in messages})})")
     trace_id = trace.get("trace_id")
     return {
         "trace_id": str(trace_id) if trace_id is not None else f"{source_file}:{source_line}",

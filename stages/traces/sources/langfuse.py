@@ -58,6 +58,9 @@ from stages.traces.sources.messages import (
 )
 
 NAME = "langfuse"
+# what to change when a record does not have the shape this reader maps (a quarantine's fix)
+FIX = ("drop in the export as Langfuse writes it, unchanged: the trace page's Download JSON, "
+       "/api/public pages, or the UI's table exports")
 
 _OBSERVATION_TYPES = ("GENERATION", "SPAN", "EVENT", "AGENT", "TOOL", "CHAIN", "RETRIEVER",
                       "EVALUATOR", "EMBEDDING", "GUARDRAIL")
@@ -170,11 +173,17 @@ def _trace(trace_id: str, trace: dict | None, observations: list[dict],
     where = f"trace {trace_id}"
     if trace is None and not observations:
         raise BadRecord(f"{where}: the file has scores for it but not the trace or its "
-                        f"observations")
+                        f"observations", fix="put the trace and its observations in the same file "
+                        "as its scores")
     generations = [o for o in observations if o.get("type") == "GENERATION"]
     if not generations:
         raise BadRecord(f"{where}: no GENERATION observation among its "
-                        f"{len(observations)} observation(s)")
+                        f"{len(observations)} observation(s)",
+                        fix="export the trace with its observations (the trace page's Download "
+                        "JSON, or /api/public/observations?traceId=<id>: a trace list item "
+                        "carries only their ids); if they are there, record the model calls as "
+                        "generations (Langfuse's OpenAI or LangChain integration, or "
+                        "@observe(as_type=\"generation\"))")
     calls = [_call(o, f"{where}: generation {o.get('id')}") for o in generations]
     feedback: dict[str, Any] = {}
     if scores:

@@ -46,6 +46,10 @@ from stages.traces.sources.messages import (
 )
 
 NAME = "langsmith"
+# what to change when a run does not have the shape this reader maps (a quarantine's fix)
+FIX = ("drop in the runs as LangSmith's Client.list_runs or a bulk export writes them, unchanged, "
+       "one run a line")
+_ONE_PROMPT = "a batch is no conversation: call the model with one prompt a run to learn from it"
 
 
 def detect(record: dict) -> bool:
@@ -88,7 +92,9 @@ def _trace_id(run: dict, by_id: dict[str, dict], n: int) -> str:
         parent = str(current["parent_run_id"])
         if parent not in by_id or parent in seen:
             raise BadRecord(f"record {n}: run {run.get('id')} has no trace_id and its root run "
-                            f"is not in the file")
+                            f"is not in the file", fix="export the runs with their trace_id "
+                            "(Client.list_runs writes it), or with their root run in the same "
+                            "file")
         seen.add(parent)
         current = by_id[parent]
     if current.get("id") is None:
@@ -101,7 +107,10 @@ def _trace(trace_id: str, runs: list[dict]) -> dict:
     llm_runs = [r for r in runs if r.get("run_type") == "llm"]
     if not llm_runs:
         kinds = ", ".join(sorted({str(r.get("run_type")) for r in runs}))
-        raise BadRecord(f"{where}: no llm run among its {len(runs)} run(s) ({kinds})")
+        raise BadRecord(f"{where}: no llm run among its {len(runs)} run(s) ({kinds})",
+                        fix="export every run of the trace (Client.list_runs(trace_id=...)), not "
+                        "only its root; if they are there, trace the model calls as llm runs "
+                        "(langsmith.wrappers.wrap_openai, or @traceable(run_type=\"llm\"))")
     calls = [_call(r, f"{where}: run {r.get('id')}") for r in llm_runs]
     ids = {str(r.get("id")) for r in runs}
     ordered = sorted(runs, key=lambda r: _start(r, where))
@@ -207,7 +216,7 @@ def _inputs(inputs: dict, where: str) -> list[dict]:
         prompts = inputs["prompts"]
         if len(prompts) != 1:
             raise BadRecord(f"{where}: inputs.prompts holds {len(prompts)} prompts; only "
-                            f"single-prompt runs map to one conversation")
+                            f"single-prompt runs map to one conversation", fix=_ONE_PROMPT)
         return [{"role": "user", "content": str(prompts[0])}]
     if not isinstance(messages, list):
         raise BadRecord(f"{where}: an llm run whose inputs have no 'messages' list "
@@ -215,7 +224,8 @@ def _inputs(inputs: dict, where: str) -> list[dict]:
     if messages and isinstance(messages[0], list):  # LangChain: one message list per prompt
         if len(messages) != 1:
             raise BadRecord(f"{where}: inputs.messages holds a batch of {len(messages)} "
-                            f"prompts; only single-prompt runs map to one conversation")
+                            f"prompts; only single-prompt runs map to one conversation",
+                            fix=_ONE_PROMPT)
         messages = messages[0]
     return [m for i, item in enumerate(messages)
             for m in chat_messages(item, f"{where} inputs.messages[{i}]")]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from stages.traces.schema import BadRecord
+from stages.traces.schema import ROLES, TEXT_ONLY, TOOL_TURNS, BadRecord, NoContent
 
 _ROLES = {"user": "user", "human": "user", "assistant": "assistant", "ai": "assistant",
           "model": "assistant", "system": "system", "developer": "developer", "tool": "tool",
@@ -54,7 +54,7 @@ def make_trace(trace_id: str, calls: list[Call], *, created_at: str | None, feed
     calls = sorted(calls, key=lambda c: (c.start is None, c.start or 0.0))  # stable on ties
     messages, used = join_calls(calls)
     if not messages:
-        raise BadRecord(f"{where}: its {len(calls)} LLM call(s) recorded no messages")
+        raise NoContent(f"{where}: its {len(calls)} LLM call(s) recorded no messages")
     messages = finish_messages(messages, where)
     tools: list[dict] = []
     for call in used:
@@ -188,11 +188,12 @@ def finish_messages(messages: list[dict], where: str) -> list[dict]:
             if not call_id:
                 if not pending:
                     raise BadRecord(f"{where}: message {i} is a tool result with no "
-                                    f"tool_call_id and no unanswered tool call before it")
+                                    f"tool_call_id and no unanswered tool call before it",
+                                    fix=TOOL_TURNS)
                 call_id = pending[0]
             elif call_id not in made:
                 raise BadRecord(f"{where}: message {i} answers tool call {call_id!r}, "
-                                f"which no earlier assistant message made")
+                                f"which no earlier assistant message made", fix=TOOL_TURNS)
             message["tool_call_id"] = call_id
             if call_id in pending:
                 pending.remove(call_id)
@@ -271,7 +272,7 @@ def _role(value: Any, where: str) -> str:
     role = _ROLES.get(str(value).lower()) if isinstance(value, str) else None
     if role is None:
         raise BadRecord(f"{where} has role {value!r}; expected one of "
-                        f"system, developer, user, assistant, tool")
+                        f"system, developer, user, assistant, tool", fix=ROLES)
     return role
 
 
@@ -315,7 +316,7 @@ def _content(content: Any, where: str) -> tuple[str | None, str | None, list[dic
             continue
         else:
             raise BadRecord(f"{here} is a {kind!r} part, which the text-only normalized "
-                            f"form cannot hold")
+                            f"form cannot hold", fix=TEXT_ONLY)
     return "\n".join(texts), "\n".join(t for t in thoughts if t) or None, calls, results
 
 

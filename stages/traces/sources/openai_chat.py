@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import datetime as dt
 
-from stages.traces.schema import BadRecord
+from stages.traces.schema import TOOL_TURNS, BadRecord
 
 NAME = "openai-chat"
+# what to change when a line does not have the shape this reader maps (a quarantine's fix)
+FIX = ("write each line as a chat completions request with its answer: {\"messages\": [...], "
+       "\"tools\": [...]}, tool calls' arguments as JSON strings, each tool result after its call")
 
 
 def detect(record) -> bool:
@@ -53,11 +56,12 @@ def parse(record: dict) -> dict:
         if message["role"] == "tool":
             if not message.get("tool_call_id"):
                 if not pending:
-                    raise BadRecord(f"messages[{i}] is a tool result with no tool call before it")
+                    raise BadRecord(f"messages[{i}] is a tool result with no tool call before it",
+                                    fix=TOOL_TURNS)
                 message["tool_call_id"] = pending[0]
             if message["tool_call_id"] not in made:
                 raise BadRecord(f"messages[{i}] answers tool call {message['tool_call_id']!r}, "
-                                f"which no assistant message made")
+                                f"which no assistant message made", fix=TOOL_TURNS)
             if message["tool_call_id"] in pending:
                 pending.remove(message["tool_call_id"])
         out.append(message)

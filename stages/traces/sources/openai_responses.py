@@ -36,9 +36,12 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 
-from stages.traces.schema import BadRecord
+from stages.traces.schema import ROLES, TEXT_ONLY, BadRecord, NoContent
 
 NAME = "openai-responses"
+# what to change when a line does not have the shape this reader maps (a quarantine's fix)
+FIX = ("log each Responses API object as the SDK returns it (response.model_dump()), with the "
+       "request's `input` beside it, one a line")
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -58,7 +61,9 @@ def parse(record: dict) -> dict:
     if isinstance(trace_id, int) and not isinstance(trace_id, bool):
         trace_id = str(trace_id)
     if not isinstance(trace_id, str) or not trace_id:
-        raise BadRecord("no 'id': a Responses record must carry its response id")
+        raise BadRecord("no 'id': a Responses record must carry its response id",
+                        fix="log the Response object whole (response.model_dump()), its id "
+                        "included")
     output = record.get("output")
     if not isinstance(output, list):
         raise BadRecord("'output' is missing or not a list of items")
@@ -86,7 +91,7 @@ def parse(record: dict) -> dict:
             _add_item(state, item, f"{where}[{i}]")
     state.flush_reasoning()
     if not state.messages:
-        raise BadRecord("no messages: 'input' and 'output' hold no items")
+        raise NoContent("no messages: 'input' and 'output' hold no items")
 
     return {
         "trace_id": trace_id,
@@ -152,7 +157,8 @@ def _add_item(state: _State, item: object, where: str) -> None:
             state.reasoning.append(text)
             state.open = None  # reasoning starts a new assistant turn
     elif isinstance(kind, str):
-        raise BadRecord(f"{where}: item type {kind!r} has no chat completions equivalent")
+        raise BadRecord(f"{where}: item type {kind!r} has no chat completions equivalent",
+                        fix=TEXT_ONLY)
     else:
         raise BadRecord(f"{where} has no 'type'")
 
@@ -161,7 +167,7 @@ def _add_message(state: _State, item: dict, where: str) -> None:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
         raise BadRecord(f"{where}: message role {role!r} is not user, system, developer or "
-                        "assistant")
+                        "assistant", fix=ROLES)
     content = _text(item.get("content"), f"{where}.content")
     if role == "assistant":
         message = state.assistant()
@@ -236,7 +242,7 @@ def _text(content: object, where: str) -> str | None:
             texts.append(part["refusal"])
         else:
             raise BadRecord(f"{where}[{i}]: content part type {kind!r} is not text; only text "
-                            "content can be mapped to chat messages")
+                            "content can be mapped to chat messages", fix=TEXT_ONLY)
     return "\n".join(texts)
 
 

@@ -49,7 +49,7 @@ import json
 import re
 from typing import Any
 
-from stages.traces.schema import BadRecord, attempt, first_error
+from stages.traces.schema import TEXT_ONLY, BadRecord, attempt, first_error
 from stages.traces.sources import otlp
 from stages.traces.sources.messages import (
     Call,
@@ -62,6 +62,9 @@ from stages.traces.sources.messages import (
 )
 
 NAME = "openinference"
+# what to change when a trace's spans do not have the shape this reader maps (a quarantine's fix)
+FIX = ("export the spans as an openinference-instrumentation-<x> package writes them "
+       "(llm.input_messages.* / llm.output_messages.*), unchanged, or take the trace out of the file")
 
 _KINDS = {"LLM", "EMBEDDING", "CHAIN", "RETRIEVER", "RERANKER", "TOOL", "AGENT", "GUARDRAIL",
           "EVALUATOR", "PROMPT", "DECISION", "UNKNOWN"}
@@ -135,7 +138,8 @@ def parse_each(records: list[dict]) -> list[tuple[str, dict | Exception]]:
         if trace_id not in groups:
             target = record.get("span_id") or record.get("trace_id")
             raise BadRecord(f"annotation {record.get('name')!r} is for {target!r}, "
-                            f"which is not a span or trace in this file")
+                            f"which is not a span or trace in this file",
+                            fix="put annotations in the same file as the spans they score")
         result = record.get("result") or {}
         value = result.get("score") if result.get("score") is not None else result.get("label")
         scores.setdefault(trace_id, {})[str(record["name"])] = value
@@ -150,7 +154,10 @@ def _trace(trace_id: str, spans: list[dict], extra_scores: dict[str, Any]) -> di
              if span["kind"] == "LLM"]
     if not calls:
         raise BadRecord(f"{where}: no LLM span (openinference.span.kind = LLM) among its "
-                        f"{len(spans)} span(s)")
+                        f"{len(spans)} span(s)",
+                        fix="instrument the LLM client too, with openinference-instrumentation-<x> "
+                        "(openai, anthropic, langchain, ...), so that each model call is an LLM "
+                        "span; or export every span of the trace, not only the agent's")
     feedback: dict[str, Any] = {}
     scores: dict[str, Any] = {}
     for span in sorted(spans, key=_start_key):
@@ -215,7 +222,7 @@ def _oi_messages(attributes: dict, prefix: str, where: str) -> list[dict]:
                 continue  # the same call is recorded under message.tool_calls
             if kind not in ("text", "reasoning"):
                 raise BadRecord(f"{here} message.contents.{j} is a {kind!r} part, which the "
-                                f"text-only normalized form cannot hold")
+                                f"text-only normalized form cannot hold", fix=TEXT_ONLY)
             contents.append({"type": kind, "text": part.get("message_content.text")})
         content: Any = fields.get("message.content")
         if contents and not content:

@@ -6,7 +6,9 @@ or one a line): `resourceSpans[].scopeSpans[].spans[]`, each span with hex `trac
 `[{"key": ..., "value": {"stringValue" | "intValue" | "doubleValue" | "boolValue" | "arrayValue" |
 "kvlistValue": ...}}]`. Spans are grouped by `traceId`; each trace that holds GenAI content
 becomes one normalized trace whose `trace_id` is the OTel trace id. Traces with no GenAI span at
-all (health checks, plain HTTP) are skipped.
+all (health checks, plain HTTP) are skipped; a trace whose model calls (a `chat`-like operation,
+Semantic Kernel's `chat.completions`, OpenLLMetry's `llm.request.type` chat) recorded no messages
+is refused (`NoContent`: quarantined, naming the instrumentation's content-capture switch).
 
 Span attributes read (GenAI semantic conventions, `docs/gen-ai/gen-ai-spans.md`):
 
@@ -52,10 +54,22 @@ import json
 import re
 from datetime import datetime, timedelta, timezone
 
-from stages.traces.schema import BadRecord, attempt, first_error
+from stages.traces.schema import (
+    ROLES,
+    TEXT_ONLY,
+    TOOL_TURNS,
+    BadRecord,
+    NoContent,
+    attempt,
+    first_error,
+)
 from stages.traces.sources import otlp
 
 NAME = "otel-genai"
+# what to change when a trace's spans do not have the shape this reader maps (a quarantine's fix)
+FIX = ("make the instrumentation write the GenAI semantic conventions "
+       "(gen_ai.input.messages / gen_ai.output.messages as the spec's JSON schemas; update it), "
+       "or take the trace out of the file")
 
 _INFERENCE_OPS = ("chat", "text_completion", "generate_content")
 _AGENT_OPS = ("invoke_agent", "create_agent", "invoke_workflow")
@@ -228,9 +242,16 @@ def _trace(trace_id: str, spans: list[dict]) -> dict | None:
     with_content = [s for s in spans if _has_content(s["attrs"])]
     calls = [s for s in with_content if _op(s) not in _AGENT_OPS] or with_content
     if not calls:
-        if any(_op(s) in _INFERENCE_OPS + ("invoke_agent",) for s in spans):
-            raise BadRecord(f"trace {trace_id}: its GenAI spans record no messages (is content "
-                            "capture off? set OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT)")
+        # OpenLLMetry's model calls name no operation (and have a switch of their own), Semantic
+        # Kernel's name it "chat.completions" (its content switch is in CAPTURE)
+        openllmetry = any(s["attrs"].get("llm.request.type") in ("chat", "completion")
+                          for s in spans)
+        if openllmetry or any(_op(s) in _INFERENCE_OPS + ("invoke_agent", "chat.completions")
+                              for s in spans):
+            raise NoContent(f"trace {trace_id}: its GenAI spans record no messages (content "
+                            "capture is off, or its log records were not exported with them)",
+                            fix="turn OpenLLMetry's content tracing on: TRACELOOP_TRACE_CONTENT="
+                            "true" if openllmetry else None)
         return None  # not a GenAI trace
 
     threads: list[list[dict]] = []
@@ -257,7 +278,7 @@ def _trace(trace_id: str, spans: list[dict]) -> dict | None:
             touched.append(n)
     messages = threads[max(range(len(threads)), key=lambda t: (len(threads[t]), touched[t]))]
     if not messages:
-        raise BadRecord(f"trace {trace_id}: its GenAI spans hold no messages")
+        raise NoContent(f"trace {trace_id}: its GenAI spans hold no messages")
 
     return {
         "trace_id": trace_id,
@@ -431,14 +452,14 @@ class _Calls:
             call_id = str(call_id).strip()
             if call_id not in self.known:
                 raise BadRecord(f"{self.label}: {where}: tool_call_response id {call_id!r} has "
-                                "no matching tool_call")
+                                "no matching tool_call", fix=TOOL_TURNS)
             if call_id in self.waiting:
                 self.waiting.remove(call_id)
         elif self.waiting:
             call_id = self.waiting.pop(0)  # no id: it answers the oldest open call
         else:
             raise BadRecord(f"{self.label}: {where}: tool_call_response has no id and no tool "
-                            "call is waiting for one")
+                            "call is waiting for one", fix=TOOL_TURNS)
         if response is None:
             content = ""
         elif isinstance(response, str):
@@ -529,7 +550,7 @@ def _messages(raw: object, name: str, calls: _Calls, default_role: str,
         role = _ROLE_ALIASES.get(role, role)
         if role not in _ROLES:
             raise BadRecord(f"{calls.label}: {where} has role {role!r}, not one of "
-                            f"{', '.join(_ROLES)}")
+                            f"{', '.join(_ROLES)}", fix=ROLES)
         if current or "parts" in message:
             out += _from_parts(role, message.get("parts"), calls, where)
         else:
@@ -558,7 +579,8 @@ def _from_parts(role: str, parts: object, calls: _Calls, where: str) -> list[dic
             replies.append(calls.reply(part.get("id"), response, at))
         elif kind in _UNMAPPABLE_PARTS:
             raise BadRecord(f"{calls.label}: {at}: part type {kind!r} cannot be mapped to a "
-                            "chat message (only text, reasoning and tool parts can)")
+                            "chat message (only text, reasoning and tool parts can)",
+                            fix=TEXT_ONLY)
         elif not isinstance(kind, str):
             raise BadRecord(f"{calls.label}: {at} has no 'type'")
     text = "\n".join(texts)
