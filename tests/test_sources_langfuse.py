@@ -161,8 +161,9 @@ def test_usage_details_parts_add_up_and_tool_output_objects_become_json():
      "record 1: observation 'o' has no traceId"),
     ([{"messages": [{"role": "user", "content": "hi"}]}],
      r"record 1 is not a Langfuse trace, observation or score \(keys: messages\)"),
-    ([generation("t", "g", "2025-01-01T00:00:00Z", {"prompt": "hi"}, "yo")],
-     r"trace t: generation g: input is an object without 'messages' \(keys: prompt\)"),
+    # ({"prompt": ...} is the Vercel AI SDK's generateText input, read as a user message)
+    ([generation("t", "g", "2025-01-01T00:00:00Z", {"question": "hi"}, "yo")],
+     r"trace t: generation g: input is an object without 'messages' \(keys: question\)"),
     ([generation("t", "g", "2025-01-01T00:00:00Z",
                  [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "ok")],
      r"trace t: generation g input\[0\] content\[0\] is a 'image_url' part"),
