@@ -37,7 +37,11 @@ frameworks' own shapes, as Langfuse's published downloads of their traces show t
 pydantic-ai's GenAI events (`gen_ai.choice`), Koog's tool calls written as JSON text,
 LangChain JS's tool results named by the tool, Microsoft.Extensions.AI's reasoning parts
 (see `_framework_message`), and Agno's OpenInference spans, which leave out the assistant's
-tool-call message and the output messages (see `_fill_dropped`). `usageDetails`
+tool-call message and the output messages (see `_fill_dropped`). LangSmith's Claude Agent SDK
+integration records each assistant message of a query as a generation of its own whose input
+holds no history (after the first): those turns continue the call before them, with the TOOL
+observations between them as the tool results (see `_add_turn`); the Vercel AI SDK's
+`ai.generateText` wrapper is left out for the provider calls under it. `usageDetails`
 (`input` plus its `input_*` parts, likewise `output`; else `usage`) -> `usage`, summed over the
 generations; the `model` of the
 last generation in the conversation -> `model`; scores -> `feedback["scores"]` (`{name: value}`,
@@ -184,7 +188,8 @@ def _trace(trace_id: str, trace: dict | None, observations: list[dict],
     if not generations:
         raise BadRecord(f"{where}: no GENERATION observation among its "
                         f"{len(observations)} observation(s)")
-    calls = [_call(o, f"{where}: generation {o.get('id')}") for o in generations]
+    read = _read_generations(_without_wrappers(generations, where), observations, where)
+    generations, calls = [g for g, _ in read], [c for _, c in read]
     _fill_dropped(generations, calls, where)
     feedback: dict[str, Any] = {}
     if scores:
@@ -201,6 +206,149 @@ def _trace(trace_id: str, trace: dict | None, observations: list[dict],
         created = min(observations, key=lambda o: _start(o, where)).get("startTime")
     return make_trace(trace_id, calls, created_at=iso_time(created), feedback=feedback,
                       where=where, conversation_id=(trace or {}).get("sessionId"))
+
+
+# The Vercel AI SDK's spans for a whole call, whose `.doGenerate` / `.doStream` children are the
+# provider calls that make it up.
+_AI_SDK_WRAPPERS = ("ai.generateText", "ai.streamText", "ai.generateObject", "ai.streamObject")
+
+
+def _without_wrappers(generations: list[dict], where: str) -> list[dict]:
+    """The generations less the Vercel AI SDK's wrappers of the provider calls under them.
+
+    A wrapper's input is the caller's prompt and its usage the sum of its steps, so reading it
+    as a call of its own would count tokens twice and lose the tools its children offered.
+    """
+    parents = {o.get("parentObservationId") for o in generations}
+    return [o for o in generations if not (
+        o.get("id") in parents and _attributes(o, where).get("ai.operationId") in _AI_SDK_WRAPPERS)]
+
+
+def _read_generations(generations: list[dict], observations: list[dict],
+                      where: str) -> list[tuple[dict, Call]]:
+    """Each generation with its call, in start order; a turn recorded without its history
+    (see `_is_bare_turn`) is added to the call before it instead.
+    """
+    read: list[tuple[dict, Call]] = []
+    latest: dict[Any, Call] = {}  # parent observation id -> the latest call under it
+    ran: set = set()  # the TOOL observations already read as results
+    for generation in sorted(generations, key=lambda o: _start(o, where)):
+        here = f"{where}: generation {generation.get('id')}"
+        try:
+            call = _call(generation, here)
+        except BadRecord:
+            head = latest.get(generation.get("parentObservationId"))
+            if head is None or not _is_bare_turn(generation):
+                raise
+            _add_turn(head, generation, observations, ran, here)
+            continue
+        read.append((generation, call))
+        latest[generation.get("parentObservationId")] = call
+    for generation, call in read:
+        _add_system(call, generation, observations)
+    return read
+
+
+def _is_bare_turn(generation: dict) -> bool:
+    """A generation whose output is an assistant message and whose input holds no messages.
+
+    LangSmith's Claude Agent SDK integration records each assistant message of a query as a run
+    of its own: the first with the prompt as input, the others with `{"content": "role"}`.
+    """
+    value = _decoded(generation.get("input"))
+    output = _decoded(generation.get("output"))
+    return (isinstance(value, dict) and not any(k in value for k in ("messages", "role", "lc"))
+            and isinstance(output, dict) and output.get("role") == "assistant")
+
+
+def _add_turn(head: Call, generation: dict, observations: list[dict], ran: set,
+              where: str) -> None:
+    """Continue `head` with a bare turn: the results of the tools its calls ran (TOOL
+    observations under the same parent, started before the turn, matched to a call by name and
+    arguments), then the turn's reply. Assistant messages with nothing between them are one
+    reply (the API returns one message; the integration records each content block).
+    """
+    start = epoch(generation.get("startTime"), where)
+    pending = _unanswered(head.input + head.output)
+    results = []
+    for tool in sorted(observations, key=lambda o: _start(o, where)):
+        if (tool.get("type") != "TOOL" or tool.get("parentObservationId")
+                != generation.get("parentObservationId") or tool.get("id") in ran
+                or (epoch(tool.get("startTime"), where) or 0.0) > (start or 0.0)):
+            continue
+        arguments = _decoded(tool.get("input"))
+        if isinstance(arguments, dict) and set(arguments) == {"input"}:
+            arguments = arguments["input"]  # LangSmith's tool run: {"input": <arguments>}
+        call = next((c for c in pending if c["function"]["name"] == tool.get("name")
+                     and _json_or_text(c["function"]["arguments"]) == arguments), None)
+        if call is not None:
+            pending.remove(call)
+            ran.add(tool.get("id"))
+            results.append({"role": "tool", "tool_call_id": call["id"],
+                            "content": _result_text(_decoded(tool.get("output")))})
+    reply = _output(_decoded(generation.get("output")), where)
+    if pending and (results or not any(m.get("tool_calls") for m in reply)):
+        # (a turn of more tool calls with no result before it is the same reply going on)
+        names = ", ".join(c["function"]["name"] for c in pending)
+        raise BadRecord(f"{where}: the tool call(s) {names} before this turn have no TOOL "
+                        f"observation with that name and input under the same parent")
+    if not results and head.output and head.output[-1]["role"] == "assistant" and len(reply) == 1:
+        head.output[-1] = _merged(head.output[-1], reply[0])
+    else:
+        head.output.extend(results + reply)
+    input_tokens, output_tokens = _usage(generation)
+    if input_tokens is not None:
+        head.input_tokens = (head.input_tokens or 0) + input_tokens
+    if output_tokens is not None:
+        head.output_tokens = (head.output_tokens or 0) + output_tokens
+
+
+def _merged(first: dict, second: dict) -> dict:
+    """Two assistant messages as the one reply they are parts of."""
+    text = "\n".join(m["content"] for m in (first, second) if m.get("content"))
+    merged = {"role": "assistant", "content": text or None}
+    calls = (first.get("tool_calls") or []) + (second.get("tool_calls") or [])
+    if calls:
+        merged["tool_calls"] = calls
+    reasoning = "\n".join(m["reasoning_content"] for m in (first, second)
+                          if m.get("reasoning_content"))
+    if reasoning:
+        merged["reasoning_content"] = reasoning
+    return merged
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _result_text(value: Any) -> str:
+    """A tool observation's output as a tool message's text.
+
+    MCP's `{"content": [text parts]}` becomes its text; other JSON stays JSON.
+    """
+    if isinstance(value, dict) and isinstance(value.get("content"), list) and all(
+            isinstance(p, dict) and p.get("type") == "text" for p in value["content"]):
+        return "\n".join(str(p.get("text") or "") for p in value["content"])
+    if value is None or isinstance(value, str):
+        return value or ""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _add_system(call: Call, generation: dict, observations: list[dict]) -> None:
+    """The system prompt a call's parent got as `{"prompt", "system"}` (the Claude Agent SDK's
+    query options, as LangSmith records the conversation), when the call opens with that prompt
+    and has no system message of its own.
+    """
+    parent = next((o for o in observations if o.get("id") is not None
+                   and o.get("id") == generation.get("parentObservationId")), None)
+    options = _decoded(parent.get("input")) if parent else None
+    if (isinstance(options, dict) and isinstance(options.get("system"), str)
+            and call.input and call.input[0]["role"] == "user"
+            and options.get("prompt") == call.input[0].get("content")):
+        call.input.insert(0, {"role": "system", "content": options["system"]})
 
 
 def _start(observation: dict, where: str) -> tuple[bool, float]:
