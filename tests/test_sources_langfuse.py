@@ -330,3 +330,18 @@ def test_langfuse_download_of_each_agent_framework(name):
     for message in messages:
         if message["role"] == "tool" and message["tool_call_id"] in oracle_results:
             assert as_json(message["content"]) == as_json(oracle_results[message["tool_call_id"]])
+
+
+def test_framework_traces_missing_what_the_reader_puts_back_say_so():
+    agno = json.loads((FRAMEWORKS / "agno-2025-06-11.trace.json").read_text())
+    # without the first call, nothing supplies the assistant message Agno left out
+    agno["observations"] = [o for o in agno["observations"] if o["id"] != "ca136de468e156c9"]
+    [(_, error)] = langfuse.parse_each([agno])
+    assert re.search(r"generation b38a82eaa62b551e: llm.input_messages.2 is missing \(the "
+                     r"instrumentation left it out\) and no earlier call", str(error))
+
+    claude = json.loads((FRAMEWORKS / "claude-agent-2025-12-22.trace.json").read_text())
+    claude["observations"] = [o for o in claude["observations"] if o["id"] != "edbd987c5f361fdf"]
+    [(_, error)] = langfuse.parse_each([claude])
+    assert re.search(r"generation 371496f71d82baed: the tool call\(s\) mcp__weather__get_weather "
+                     r"before this turn have no TOOL observation", str(error))
