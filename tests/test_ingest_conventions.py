@@ -81,6 +81,20 @@ def test_langfuse_downloads_and_api_pages_are_read(tmp_path):
     assert (m["rows_read"], m["duplicates"]) == (1, 1)
 
 
+def test_langfuse_downloads_of_twenty_agent_frameworks(tmp_path):
+    # Langfuse's published downloads (fixtures/traces/langfuse_frameworks, one trace a file;
+    # what each reads as: tests/test_sources_langfuse.py)
+    (tmp_path / "inbox").mkdir()
+    for path in (FIXTURES / "langfuse_frameworks").glob("*.trace.json"):
+        shutil.copy(path, tmp_path / "inbox" / path.name)
+    m, rows, bad = run(tmp_path)
+    # pydantic-ai-tools-2025-06-06 is pydantic-ai-2025-06-06's trace, observations reordered
+    assert (m["rows_read"], m["accepted"], m["duplicates"]) == (20, 18, 1), bad
+    assert [b["source_file"] for b in bad] == ["beeai-2025-08-01.trace.json"]
+    assert "the first 233 output message(s) (stream chunks) are missing" in bad[0]["reason"]
+    assert all(json.loads(r["messages"])[-1]["role"] == "assistant" for r in rows)
+
+
 def test_a_bad_langfuse_trace_is_quarantined_alone_with_file_trace_and_fix(tmp_path):
     (tmp_path / "inbox").mkdir()
     good = json.loads((FIXTURES / "langfuse_export_genai.json").read_text())
