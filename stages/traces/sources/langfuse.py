@@ -379,8 +379,9 @@ def _call(generation: dict, where: str) -> Call:
         if outputs and outputs[0] != 0:
             raise BadRecord(f"{where}: its llm.output_messages start at index {outputs[0]}: "
                             f"the first {outputs[0]} output message(s) (stream chunks) are "
-                            f"missing, so the reply is incomplete; export the trace with all its output "
-                            f"messages, or trace the calls unstreamed")
+                            f"missing, so the reply is incomplete",
+                            fix="export the trace with all its output messages, or trace the "
+                            "calls unstreamed")
         if not call.output and generation.get("output") is not None:
             # Agno's instrumentation records no llm.output_messages; the response is the
             # observation's output (the provider's raw response)
