@@ -742,6 +742,7 @@ th:first-child, td:first-child {{ text-align: left; }}
 {rows}
 </table></div>
 <p class="note">{run_note}</p>
+<p class="note" id="collect">{collect}</p>
 <h2>Benchmark score per generation</h2>
 <div class="box"><img id="plot-scores" alt="pass@1 per generation with the gate's intervals"
 src="{scores}"></div>
@@ -768,6 +769,35 @@ def _img(element_id: str, alt: str, src: str | None, missing: str) -> str:
     if src is None:
         return f'<p class="note">{missing}</p>'
     return f'<div class="box"><img id="{element_id}" alt="{_esc(alt)}" src="{src}"></div>'
+
+
+def collect_status_url(settings) -> str:
+    """Where a receiver with `runtime.collect` settings answers `GET /status` (a wildcard
+    address is asked on loopback).
+    """
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{settings.port}/status"
+
+
+def collect_note(root: Path) -> str:
+    """The report's line on traces received live: the counters of the `offseason collect`
+    running at `runtime.collect`'s address, or that none answers there and how to start one.
+    """
+    import os
+
+    from flows import collect
+    from flows.workspace import WorkspaceError
+    from stages import config as cfg
+
+    settings = cfg.collect(root / "params.yaml")
+    url = collect_status_url(settings)
+    try:
+        found = collect.read_status(url, os.environ.get(settings.token_env, ""))
+    except WorkspaceError as err:
+        return (f"Traces in live: {err} (`offseason collect`, or `offseason serve --collect`, "
+                f"receives OTLP traces into the inbox)")
+    return f"Traces in live, at {url.removesuffix('/status')}: {collect.status_text(found)}"
 
 
 def html_report(root: Path, rows: list[dict], generation: str | None, out: Path) -> Path:
@@ -832,7 +862,8 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
     svg, layout = lineage_svg(chain)
     page = PAGE.format(
         workspace=_esc(root.name), summary=_esc(summary), links=" · ".join(top),
-        rows="\n".join(table), run_note=run_note, scores=score_plot(rows),
+        rows="\n".join(table), run_note=run_note, collect=_esc(collect_note(root)),
+        scores=score_plot(rows),
         gain=_img("plot-gain", "cumulative gain against cumulative spend per generation",
                   gain_plot(rows), "No cycle has a cost ledger (metrics/cost.json) yet."),
         stage_cost=_img("plot-stage-cost", f"cost per stage of {ledger_tag}",

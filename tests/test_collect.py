@@ -196,7 +196,16 @@ def test_sdk_export_over_protobuf_is_ingested_as_exactly_those_conversations(rec
                             str(rx.port)], cwd=rx.root, env={**os.environ, "PYTHONPATH": str(REPO)},
                            capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
-    assert "8 spans and 0 log records accepted" in shown.stdout and "3 traces written" in shown.stdout
+    assert "8 spans and 0 log records accepted" in shown.stdout
+    # the HTML report's line: the receiver at runtime.collect's address, or none there
+    from flows import report
+
+    params = (rx.root / "params.yaml").read_text()
+    (rx.root / "params.yaml").write_text(params.replace("port: 4318", f"port: {free_port()}"))
+    assert "no `offseason collect` answers there" in report.collect_note(rx.root)
+    (rx.root / "params.yaml").write_text(params.replace("port: 4318", f"port: {rx.port}"))
+    note = report.collect_note(rx.root)
+    assert f"at http://127.0.0.1:{rx.port}: collect: 8 spans" in note and "3 traces written" in note and "3 traces written" in shown.stdout
 
 
 def test_the_openai_client_instrumented_by_opentelemetry_exports_to_collect(receiver, tmp_path):
