@@ -2,12 +2,12 @@
 `opentelemetry-instrumentation-openai-v2` (GenAI conventions) or by OpenInference's
 `openinference-instrumentation-openai`, exporting over OTLP/HTTP as protobuf
 (`opentelemetry-exporter-otlp-proto-http`) or JSON (`opentelemetry-exporter-otlp-json-http`):
-tests/test_collect.py runs each as a process of its own (an instrumentation patches `openai` for
-the whole process); `traffic` runs all four against `offseason collect` in a project, for
+tests/test_collect.py runs each as a process of its own; `traffic` runs the agent with each
+instrumentation and each encoding against `offseason collect` in a project, for
 tests/test_security.py's cycle.
 
     python tests/openai_agent.py server PORT
-    python tests/openai_agent.py agent SERVER_PORT OTLP_TRACES_URL "What is 2+3?" [genai|openinference] [protobuf|json]
+    python tests/openai_agent.py agent SERVER_PORT OTLP_TRACES_URL "What is 2+3?" genai|openinference protobuf|json [...]
     python tests/openai_agent.py events SERVER_PORT OUT.jsonl events|legacy "What is 2+3?"
     python tests/openai_agent.py traffic PROJECT COLLECT_PORT
 """
@@ -75,40 +75,39 @@ def calculator_turn(client, messages: list[dict]) -> None:
     client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
 
 
-def agent(port: int, otlp_url: str, question: str, instrumentation: str = "genai",
-          encoding: str = "protobuf") -> None:
-    """One agent turn (a tool call, its result, the answer) under an agent root span, recorded by
-    `instrumentation` ("genai": OpenTelemetry's, "openinference": OpenInference's) and exported
-    to `otlp_url` as `encoding` ("protobuf" or "json").
+def agent(port: int, otlp_url: str, turns: list[tuple[str, str, str]]) -> None:
+    """For each (question, instrumentation, encoding) of `turns`, one agent turn (a tool call, its
+    result, the answer) under an agent root span, recorded by `instrumentation` ("genai":
+    OpenTelemetry's, "openinference": OpenInference's) and exported to `otlp_url` as `encoding`
+    ("protobuf" or "json"); between turns the instrumentation is taken off `openai` again.
     """
     # the GenAI conventions' current shape: messages as span attributes, content captured
     # (OpenInference captures content unless told not to)
     os.environ["OTEL_SEMCONV_STABILITY_OPT_IN"] = "gen_ai_latest_experimental"
     os.environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "SPAN_ONLY"
     import openai
+    from openinference.instrumentation.openai import OpenAIInstrumentor as OpenInference
+    from opentelemetry.exporter.otlp.json.http.trace_exporter import OTLPSpanExporter as Json
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Protobuf
+    from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor as GenAI
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    if encoding == "json":
-        from opentelemetry.exporter.otlp.json.http.trace_exporter import OTLPSpanExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    if instrumentation == "openinference":
-        from openinference.instrumentation.openai import OpenAIInstrumentor
-        root_kind = ("openinference.span.kind", "AGENT")
-    else:
-        from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
-        root_kind = ("gen_ai.operation.name", "invoke_agent")
-
-    provider = TracerProvider(resource=Resource.create({"service.name": "calc-agent"}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_url)))
-    OpenAIInstrumentor().instrument(tracer_provider=provider)
+    instrumentors = {"genai": (GenAI, ("gen_ai.operation.name", "invoke_agent")),
+                     "openinference": (OpenInference, ("openinference.span.kind", "AGENT"))}
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-    with provider.get_tracer("calc-agent").start_as_current_span("invoke_agent calc") as root:
-        root.set_attribute(*root_kind)
-        calculator_turn(client, [{"role": "user", "content": question}])
-    provider.shutdown()  # exports what is left
+    for question, instrumentation, encoding in turns:
+        instrumentor, root_kind = instrumentors[instrumentation]
+        exporter = {"protobuf": Protobuf, "json": Json}[encoding](endpoint=otlp_url)
+        provider = TracerProvider(resource=Resource.create({"service.name": "calc-agent"}))
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        instrumentor().instrument(tracer_provider=provider)
+        with provider.get_tracer("calc-agent").start_as_current_span("invoke_agent calc") as root:
+            root.set_attribute(*root_kind)
+            calculator_turn(client, [{"role": "user", "content": question}])
+        provider.shutdown()  # exports what is left
+        instrumentor().uninstrument()
 
 
 # what `traffic` asks, and how: each instrumentation with each encoding
@@ -118,8 +117,8 @@ TRAFFIC = [("What is 2+3?", "genai", "protobuf"), ("What is 11+4?", "genai", "js
 
 
 def traffic(project: Path, collect_port: int, timeout: float = 60) -> None:
-    """`offseason collect` in `project` on `collect_port`, the scripted server, and one agent
-    per TRAFFIC line against them; returns once collect wrote their traces into the project's
+    """`offseason collect` in `project` on `collect_port`, the scripted server, and the agent's
+    TRAFFIC turns against them; returns once collect wrote their traces into the project's
     inbox (runtime.collect.file_seconds 0 there: at once), after stopping it.
     """
     here = Path(__file__)
@@ -134,11 +133,11 @@ def traffic(project: Path, collect_port: int, timeout: float = 60) -> None:
     try:
         assert "listening on" in receiver.stdout.readline()
         assert server.stdout.readline().strip() == "listening"
-        agents = [subprocess.Popen([sys.executable, str(here), "agent", str(port),
-                                    f"http://127.0.0.1:{collect_port}/v1/traces", question,
-                                    instrumentation, encoding])
-                  for question, instrumentation, encoding in TRAFFIC]
-        assert [one.wait(timeout) for one in agents] == [0] * len(agents)
+        # one process: an instrumentation patches `openai` only until it is taken off again
+        turns = subprocess.run([sys.executable, str(here), "agent", str(port),
+                                f"http://127.0.0.1:{collect_port}/v1/traces",
+                                *[word for turn in TRAFFIC for word in turn]], timeout=timeout)
+        assert turns.returncode == 0
         deadline = time.monotonic() + timeout
         while sum(len(path.read_text().splitlines()) for path in (project / "data" / "inbox")
                   .glob("otlp-*.jsonl")) < len(TRAFFIC):
@@ -213,4 +212,5 @@ if __name__ == "__main__":
     elif sys.argv[1] == "traffic":
         traffic(Path(sys.argv[2]), int(sys.argv[3]))
     else:
-        agent(int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
+        rest = sys.argv[4:]
+        agent(int(sys.argv[2]), sys.argv[3], [tuple(rest[i:i + 3]) for i in range(0, len(rest), 3)])

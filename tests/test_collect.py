@@ -203,10 +203,9 @@ def test_the_openai_client_instrumented_by_opentelemetry_exports_to_collect(rece
                               stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().strip() == "listening"
-        for question, how in (("What is 2+3?", ["genai", "protobuf"]),
-                              ("What is 40+2?", ["openinference", "json"])):
-            subprocess.run([sys.executable, str(script), "agent", str(port),
-                            f"{rx.url}/v1/traces", question, *how], check=True, timeout=60)
+        subprocess.run([sys.executable, str(script), "agent", str(port), f"{rx.url}/v1/traces",
+                        "What is 2+3?", "genai", "protobuf",
+                        "What is 40+2?", "openinference", "json"], check=True, timeout=60)
     finally:
         server.terminate()
         server.wait()
