@@ -1,11 +1,16 @@
 """A scripted OpenAI-compatible server and an agent on the real `openai` client, instrumented by
-`opentelemetry-instrumentation-openai-v2` and exporting over OTLP/HTTP: tests/test_collect.py
-runs each as a process of its own (the instrumentation patches `openai` for the whole process).
+`opentelemetry-instrumentation-openai-v2` (GenAI conventions) or by OpenInference's
+`openinference-instrumentation-openai`, exporting over OTLP/HTTP as protobuf
+(`opentelemetry-exporter-otlp-proto-http`) or JSON (`opentelemetry-exporter-otlp-json-http`):
+tests/test_collect.py runs each as a process of its own; `traffic` runs the agent with each
+instrumentation and each encoding against `offseason collect` in a project, for
+tests/test_security.py's cycle.
 
     python tests/openai_agent.py server PORT
-    python tests/openai_agent.py agent SERVER_PORT OTLP_TRACES_URL "What is 2+3?"
+    python tests/openai_agent.py agent SERVER_PORT OTLP_TRACES_URL "What is 2+3?" genai|openinference protobuf|json [...]
     python tests/openai_agent.py events SERVER_PORT OUT.jsonl events|legacy "What is 2+3?"
     python tests/openai_agent.py export SERVER_PORT OTLP_ENDPOINT events|legacy spans|logs "What is 2+3?"
+    python tests/openai_agent.py traffic PROJECT COLLECT_PORT
 """
 
 from __future__ import annotations
@@ -13,9 +18,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def server(port: int) -> None:
@@ -68,26 +76,80 @@ def calculator_turn(client, messages: list[dict]) -> None:
     client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
 
 
-def agent(port: int, otlp_url: str, question: str) -> None:
-    """One agent turn (a tool call, its result, the answer) under an `invoke_agent` root span."""
+def agent(port: int, otlp_url: str, turns: list[tuple[str, str, str]]) -> None:
+    """For each (question, instrumentation, encoding) of `turns`, one agent turn (a tool call, its
+    result, the answer) under an agent root span, recorded by `instrumentation` ("genai":
+    OpenTelemetry's, "openinference": OpenInference's) and exported to `otlp_url` as `encoding`
+    ("protobuf" or "json"); between turns the instrumentation is taken off `openai` again.
+    """
     # the GenAI conventions' current shape: messages as span attributes, content captured
+    # (OpenInference captures content unless told not to)
     os.environ["OTEL_SEMCONV_STABILITY_OPT_IN"] = "gen_ai_latest_experimental"
     os.environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "SPAN_ONLY"
     import openai
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
+    from openinference.instrumentation.openai import OpenAIInstrumentor as OpenInference
+    from opentelemetry.exporter.otlp.json.http.trace_exporter import OTLPSpanExporter as Json
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Protobuf
+    from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor as GenAI
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": "calc-agent"}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_url)))
-    OpenAIInstrumentor().instrument(tracer_provider=provider)
+    instrumentors = {"genai": (GenAI, ("gen_ai.operation.name", "invoke_agent")),
+                     "openinference": (OpenInference, ("openinference.span.kind", "AGENT"))}
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-    with provider.get_tracer("calc-agent").start_as_current_span("invoke_agent calc") as root:
-        root.set_attribute("gen_ai.operation.name", "invoke_agent")
-        calculator_turn(client, [{"role": "user", "content": question}])
-    provider.shutdown()  # exports what is left
+    for question, instrumentation, encoding in turns:
+        instrumentor, root_kind = instrumentors[instrumentation]
+        exporter = {"protobuf": Protobuf, "json": Json}[encoding](endpoint=otlp_url)
+        provider = TracerProvider(resource=Resource.create({"service.name": "calc-agent"}))
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        instrumentor().instrument(tracer_provider=provider)
+        with provider.get_tracer("calc-agent").start_as_current_span("invoke_agent calc") as root:
+            root.set_attribute(*root_kind)
+            calculator_turn(client, [{"role": "user", "content": question}])
+        provider.shutdown()  # exports what is left
+        instrumentor().uninstrument()
+
+
+# what `traffic` asks, and how: each instrumentation with each encoding
+TRAFFIC = [("What is 2+3?", "genai", "protobuf"), ("What is 11+4?", "genai", "json"),
+           ("What is 6+7?", "openinference", "protobuf"),
+           ("What is 20+22?", "openinference", "json")]
+
+
+def traffic(project: Path, collect_port: int, timeout: float = 60) -> None:
+    """`offseason collect` in `project` on `collect_port`, the scripted server, and the agent's
+    TRAFFIC turns against them; returns once collect wrote their traces into the project's
+    inbox (runtime.collect.file_seconds 0 there: at once), after stopping it.
+    """
+    here = Path(__file__)
+    with socket.socket() as sock:  # a free port for the scripted server
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    offseason = Path(sys.executable).parent / "offseason"
+    receiver = subprocess.Popen([str(offseason), "collect", "--port", str(collect_port)],
+                                cwd=project, stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, str(here), "server", str(port)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert "listening on" in receiver.stdout.readline()
+        assert server.stdout.readline().strip() == "listening"
+        # one process: an instrumentation patches `openai` only until it is taken off again
+        turns = subprocess.run([sys.executable, str(here), "agent", str(port),
+                                f"http://127.0.0.1:{collect_port}/v1/traces",
+                                *[word for turn in TRAFFIC for word in turn]], timeout=timeout)
+        assert turns.returncode == 0
+        deadline = time.monotonic() + timeout
+        while sum(len(path.read_text().splitlines()) for path in (project / "data" / "inbox")
+                  .glob("otlp-*.jsonl")) < len(TRAFFIC):
+            assert time.monotonic() < deadline, "collect did not write the agents' traces"
+            time.sleep(0.1)
+    finally:
+        server.terminate()
+        receiver.send_signal(signal.SIGTERM)
+        server.wait(timeout)
+        receiver.wait(timeout)
+    assert receiver.returncode == 0
 
 
 def capture_as_events(capture: str) -> None:
@@ -197,5 +259,8 @@ if __name__ == "__main__":
         events(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
     elif sys.argv[1] == "export":
         export(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6])
+    elif sys.argv[1] == "traffic":
+        traffic(Path(sys.argv[2]), int(sys.argv[3]))
     else:
-        agent(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+        rest = sys.argv[4:]
+        agent(int(sys.argv[2]), sys.argv[3], [tuple(rest[i:i + 3]) for i in range(0, len(rest), 3)])

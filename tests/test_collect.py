@@ -209,7 +209,12 @@ def test_sdk_export_over_protobuf_is_ingested_as_exactly_those_conversations(rec
 
 
 def test_the_openai_client_instrumented_by_opentelemetry_exports_to_collect(receiver, tmp_path):
-    pytest.importorskip("opentelemetry.instrumentation.openai_v2")  # the dev extra has it
+    """One agent instrumented by OpenTelemetry's GenAI instrumentation exporting protobuf, one by
+    OpenInference's exporting JSON (OpenTelemetry's JSON exporter): the same conversation each.
+    """
+    pytest.importorskip("opentelemetry.instrumentation.openai_v2")  # the dev extra has them
+    pytest.importorskip("openinference.instrumentation.openai")
+    pytest.importorskip("opentelemetry.exporter.otlp.json.http")
     rx = receiver()
     port = free_port()
     script = Path(__file__).parent / "openai_agent.py"
@@ -217,22 +222,26 @@ def test_the_openai_client_instrumented_by_opentelemetry_exports_to_collect(rece
                               stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().strip() == "listening"
-        for question in ("What is 2+3?", "What is 40+2?"):
-            subprocess.run([sys.executable, str(script), "agent", str(port),
-                            f"{rx.url}/v1/traces", question], check=True, timeout=60)
+        subprocess.run([sys.executable, str(script), "agent", str(port), f"{rx.url}/v1/traces",
+                        "What is 2+3?", "genai", "protobuf",
+                        "What is 40+2?", "openinference", "json"], check=True, timeout=60)
     finally:
         server.terminate()
         server.wait()
     wait_for_traces(rx.root, 2)
     metrics, rows = ingested(rx.root, tmp_path)
     assert (metrics["accepted"], metrics["quarantined"]) == (2, 0)
+    assert [r["format"] for r in rows] == ["otel-genai", "openinference"]
     first = json.loads(rows[0]["messages"])
     assert [m["role"] for m in first] == ["user", "assistant", "tool", "assistant"]
     assert first[1]["tool_calls"][0]["function"]["name"] == "calculator"
     assert json.loads(first[1]["tool_calls"][0]["function"]["arguments"]) == {"expression": "2+3"}
     assert (first[2]["content"], first[3]["content"]) == ("5", "2+3 is 5.")
-    assert json.loads(rows[1]["messages"])[-1]["content"] == "40+2 is 42."
-    assert rows[0]["model"] == "tiny"
+    # the same turn, recorded by the other instrumentation: the same messages
+    second = json.loads(rows[1]["messages"])
+    assert second == json.loads(json.dumps(first).replace("2+3", "40+2").replace('"5"', '"42"')
+                                .replace(" is 5.", " is 42."))
+    assert rows[0]["model"] == rows[1]["model"] == "tiny"
 
 
 def recorded_spans(n_traces: int, start: int = 0) -> list:

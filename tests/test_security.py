@@ -3,8 +3,13 @@ and what a fresh clone's first cycle leaves behind.
 
 One whole cycle (init, simulate, run; the TINY config) runs in a network namespace of its own
 (`unshare -n`: only a loopback interface, no route anywhere), with an API key in the environment
-and secrets in a trace. While it runs, every listening socket in that namespace is recorded
-(all of them are offseason's: the namespace is new). Then every MLflow param, tag, metric name
+and secrets in a trace. Before `run`, the traces come in by the two other ways than files:
+`offseason collect` receives an agent on the real `openai` client, instrumented by OpenTelemetry's
+GenAI instrumentation and by OpenInference's, each exporting over OTLP/HTTP protobuf and JSON
+(tests/openai_agent.py, against a scripted OpenAI-compatible server); and params.yaml's `pull:`
+makes the cycle pull from a scripted Langfuse server first (tests/trace_services.py). While it
+runs, every listening socket in that namespace is recorded (all of them are offseason's or
+the tests' scripted servers': the namespace is new). Then every MLflow param, tag, metric name
 and artifact, the Prefect database (flow run logs included) and every DVC output and cache
 object are searched for the secrets.
 """
@@ -15,14 +20,18 @@ import os
 import socket
 import sqlite3
 import subprocess
+import sys
 import threading
 import time
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import BIN, cli_env, make_project, netns_available
+from conftest import BIN, REPO, TINY, cli_env, make_project, netns_available
+from openai_agent import TRAFFIC
+from trace_services import LF_NEW, LF_OLD, NEW, Service, after, iso
 
 # one xdist worker runs this module: its module-scoped fixture is built once
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("security")]
@@ -33,9 +42,17 @@ TRACE_SECRETS = ["sk-proj-" + "Hf3kLp9QxT" * 3, "ghp_" + "Yb7Nc2Vd4Fg6Hj8Kl0Mn" 
                  "c2lnbmF0dXJlc2lnbmF0dXJl"]
 STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
 BEARER = "Tk9TZWNyZXRGb3JZb3U5ODc2NTQzMjE"
+# what tests/trace_services.py's scripted Langfuse server takes
+LANGFUSE_KEYS = {"LANGFUSE_PUBLIC_KEY": "pk-lf-test", "LANGFUSE_SECRET_KEY": "sk-lf-test"}
 
 
 NETNS = netns_available()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def listeners(pid: int) -> set[str]:
@@ -80,17 +97,28 @@ def listeners(pid: int) -> set[str]:
 @pytest.fixture(scope="module")
 def cycle(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("security")
-    root = make_project(tmp / "project")
+    # every cycle pulls from Langfuse first; `offseason collect` writes a trace as soon as it ended
+    root = make_project(tmp / "project", {**TINY, "pull": {"service": "langfuse"},
+                                          "runtime": {"collect": {"file_seconds": 0.0}}})
+    langfuse_port, collect_port = free_port(), free_port()
     env = {**cli_env(root, shared_prefect=False), "PREFECT_HOME": str(tmp / "prefect"), "OPENAI_API_KEY": ENV_SECRET,
-           "ANTHROPIC_API_KEY": ENV_SECRET, "HF_TOKEN": ENV_SECRET}
+           "ANTHROPIC_API_KEY": ENV_SECRET, "HF_TOKEN": ENV_SECRET, **LANGFUSE_KEYS,
+           "LANGFUSE_HOST": f"http://127.0.0.1:{langfuse_port}"}
     trace = {"id": "leaky-1", "messages": [
         {"role": "user", "content": f"What is 12+30? (my key is {TRACE_SECRETS[0]}, use "
                                     f"Authorization: Bearer {BEARER})"},
         {"role": "assistant", "content": f"answer:42 (also {TRACE_SECRETS[1]})"}],
         "feedback": {"thumbs_up": True, "comment": f"aws {TRACE_SECRETS[2]} jwt {TRACE_SECRETS[3]}"}}
-    script = (f"{BIN / 'offseason'} init && {BIN / 'offseason'} simulate && "
-              f"printf '%s\\n' '{json.dumps(trace)}' >> data/inbox/traffic-000.jsonl && "
-              f"{BIN / 'offseason'} run")
+    tests, started = REPO / "tests", tmp / "langfuse.out"
+    # the scripted Langfuse server starts first (listening while init runs), and is stopped when
+    # the script ends, however it ends
+    script = (f"{sys.executable} {tests / 'trace_services.py'} {langfuse_port} > {started} & "
+              f"service=$!; trap 'kill $service' EXIT; set -e; "
+              f"{BIN / 'offseason'} init; {BIN / 'offseason'} simulate; "
+              f"printf '%s\\n' '{json.dumps(trace)}' >> data/inbox/traffic-000.jsonl; "
+              # the instrumented agents' traces, through `offseason collect` into data/inbox/
+              f"{sys.executable} {tests / 'openai_agent.py'} traffic {root} {collect_port}; "
+              f"grep -q listening {started}; {BIN / 'offseason'} run")
     command = ["unshare", "-n", "sh", "-c", f"ip link set lo up && {script}"] if NETNS else \
         ["sh", "-c", script]
     proc = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE,
@@ -164,7 +192,7 @@ def test_no_secret_reaches_mlflow_prefect_or_dvc_outputs(cycle):
             continue
         searched += 1
         for text in texts_of(path):
-            for secret in [ENV_SECRET, BEARER, *TRACE_SECRETS]:
+            for secret in [ENV_SECRET, BEARER, *TRACE_SECRETS, LANGFUSE_KEYS["LANGFUSE_SECRET_KEY"]]:
                 if secret in text:
                     leaks.append(f"{path.relative_to(path.anchor)}: {secret[:12]}...")
     assert not leaks, leaks
@@ -179,6 +207,48 @@ def test_no_secret_reaches_mlflow_prefect_or_dvc_outputs(cycle):
     assert any("ingest |" in message for message in logs)
     assert any("<SECRET_" in text for text in texts_of(root / "data/ingested.parquet"))
     assert searched > 50
+
+
+def calculator_turn(question: str) -> list[dict]:
+    """The messages of tests/openai_agent.py's turn for "What is A+B?", as ingest writes them."""
+    a, b = question.removeprefix("What is ").removesuffix("?").split("+")
+    call = {"id": "call_1", "type": "function", "function": {
+        "name": "calculator", "arguments": json.dumps({"expression": f"{a}+{b}"})}}
+    return [{"role": "user", "content": question},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": str(int(a) + int(b))},
+            {"role": "assistant", "content": f"{a}+{b} is {int(a) + int(b)}."}]
+
+
+def test_the_cycle_ingested_the_collected_and_the_pulled_traces(cycle):
+    """The agents' traces that `offseason collect` received (each instrumentation, each
+    encoding) and the traces the cycle pulled from Langfuse are ingested by that cycle, exactly
+    those conversations, tool calls included, beside the demo's traffic.
+    """
+    assert cycle["rc"] == 0, cycle["output"][-4000:]
+    root = cycle["root"]
+    assert "pull: 2 new trace(s) from langfuse" in cycle["output"]
+    rows = pq.read_table(root / "data/ingested.parquet").to_pylist()
+    collected = {r["user_text"]: r for r in rows if r["format"] in ("otel-genai", "openinference")}
+    assert {q: collected[q]["format"] for q in collected} == {
+        q: "otel-genai" if how == "genai" else "openinference" for q, how, _ in TRAFFIC}
+    for question, row in collected.items():
+        assert json.loads(row["messages"]) == calculator_turn(question), question
+        assert row["n_tool_calls"] == 1 and row["model"] == "tiny"
+    pulled = {r["trace_id"]: r for r in rows if r["format"] == "langfuse"}
+    assert set(pulled) == {LF_NEW, LF_OLD}
+    messages = json.loads(pulled[LF_NEW]["messages"])
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert messages[2]["tool_calls"][0]["function"] == {
+        "name": "lookup_order", "arguments": '{"order_id": "A1043"}'}
+    assert messages[-1]["content"] == "It shipped with UPS."
+    assert sum(r["format"] == "openai-chat" for r in rows) == 50  # the demo's day, and the leak
+    ingest = json.loads((root / "metrics/ingest.json").read_text())
+    assert {f: c["accepted"] for f, c in ingest["per_format"].items()} == {
+        "openai-chat": 50, "otel-genai": 2, "openinference": 2, "langfuse": 2}
+    # collect's files and pull's, in the inbox the cycle snapshotted
+    names = {p.name.split("-")[0] for p in (root / "data/inbox").glob("*.jsonl")}
+    assert names == {"langfuse", "otlp", "traffic"}
 
 
 def git(root, *args):
@@ -200,9 +270,9 @@ def test_a_fresh_clones_first_cycle_is_committed_tracked_and_counted(cycle):
     assert cycle["rc"] == 0, cycle["output"][-4000:]
     project = cycle["root"]
 
-    def offseason(root, *args):
-        result = subprocess.run([str(BIN / "offseason"), *args], cwd=root, env=cycle["env"],
-                                capture_output=True, text=True)
+    def offseason(root, *args, env=None):
+        result = subprocess.run([str(BIN / "offseason"), *args], cwd=root,
+                                env=env or cycle["env"], capture_output=True, text=True)
         assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
         return result
 
@@ -225,12 +295,13 @@ def test_a_fresh_clones_first_cycle_is_committed_tracked_and_counted(cycle):
     assert verdict["interval"][0] <= verdict["difference"] <= verdict["interval"][1]
     assert git(project, "status", "--porcelain", "--", "dvc.lock", "metrics") == ""
 
-    # ingest and validate counted every line
+    # ingest and validate counted every line: the day's 52, the 4 collected, the 2 pulled
     ingest = json.loads((project / "metrics/ingest.json").read_text())
-    assert (ingest["rows_read"], ingest["duplicates"], ingest["quarantined"]) == (52, 1, 1)
-    assert ingest["accepted"] == 50 and ingest["pii_redactions"]["email"] == 1
+    assert (ingest["rows_read"], ingest["duplicates"], ingest["quarantined"]) == (58, 1, 1)
+    assert ingest["accepted"] == 56 and ingest["pii_redactions"]["email"] == 1
     validate = json.loads((project / "metrics/validate.json").read_text())
-    assert validate["rows_read"] == 50 and validate["quarantined"] == 1  # the small talk
+    # quarantined: the small talk, and the two pulled support questions no environment claims
+    assert validate["rows_read"] == 56 and validate["quarantined"] == 3, validate
     traces = (project / "data/ingested.parquet").read_bytes()
     assert b"jane.doe@example.com" not in traces
 
@@ -254,7 +325,7 @@ def test_a_fresh_clones_first_cycle_is_committed_tracked_and_counted(cycle):
                                   f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     assert sorted(c.data.tags["offseason.stage"] for c in children) == sorted(STAGES)
     ingest_run = next(c for c in children if c.data.tags["offseason.stage"] == "ingest")
-    assert ingest_run.data.metrics["accepted"] == 50
+    assert ingest_run.data.metrics["accepted"] == 56
     assert ingest_run.data.tags["dvc.out.data/ingested.parquet"] == next(
         o["md5"] for o in lock["ingest"]["outs"] if o["path"] == "data/ingested.parquet")
     train_run = next(c for c in children if c.data.tags["offseason.stage"] == "train")
@@ -306,7 +377,21 @@ def test_a_fresh_clones_first_cycle_is_committed_tracked_and_counted(cycle):
         "judge": {"url": "http://127.0.0.1:9/v1", "request_timeout": 5.0, "retries": 1,
                   "api_key_env": "JUDGE_KEY"}}
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    again = offseason(project, "run")
+    # it pulls first (params.yaml's `pull:`), from the scripted Langfuse server, here outside
+    # the namespace: the traces it took last time are there still, and remembered
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Service)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    Service.calls = []
+    try:
+        again = offseason(project, "run", env={
+            **cycle["env"], "LANGFUSE_HOST": f"http://127.0.0.1:{server.server_address[1]}"})
+    finally:
+        server.shutdown()
+        server.server_close()
+    # the server offered the newer of the two again (the window opens before gen-1): not written
+    asked = [c[2] for c in Service.calls if c[1] == "/api/public/v2/observations"]
+    assert asked and after(iso(NEW), asked[0].get("fromStartTime")), asked
+    assert "no new traces" in again.stderr, again.stderr[-3000:]
     assert "nothing changed since gen-1" in again.stdout and "no stage reran" in again.stdout
     assert git(project, "tag", "--list").split() == ["gen-0", "gen-1"]
     dvc_status = subprocess.run([str(BIN / "dvc"), "status", "--json"], cwd=project,
