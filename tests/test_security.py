@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime, timedelta, timezone
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import pytest
 import yaml
 from conftest import BIN, REPO, TINY, cli_env, make_project, netns_available
 from openai_agent import TRAFFIC
-from trace_services import LF_NEW, LF_OLD, NEW, Service, after, iso
+from trace_services import LF_NEW, LF_OLD, Service, after, iso, langfuse_data
 
 # one xdist worker runs this module: its module-scoped fixture is built once
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("security")]
@@ -379,6 +380,9 @@ def test_a_fresh_clones_first_cycle_is_committed_tracked_and_counted(cycle):
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     # it pulls first (params.yaml's `pull:`), from the scripted Langfuse server, here outside
     # the namespace: the traces it took last time are there still, and remembered
+    # (the newer trace started two minutes ago again, so that it is inside the pull's window
+    # however long the first cycle took)
+    new = langfuse_data(datetime.now(timezone.utc) - timedelta(minutes=2))
     server = ThreadingHTTPServer(("127.0.0.1", 0), Service)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     Service.calls = []
@@ -390,7 +394,7 @@ def test_a_fresh_clones_first_cycle_is_committed_tracked_and_counted(cycle):
         server.server_close()
     # the server offered the newer of the two again (the window opens before gen-1): not written
     asked = [c[2] for c in Service.calls if c[1] == "/api/public/v2/observations"]
-    assert asked and after(iso(NEW), asked[0].get("fromStartTime")), asked
+    assert asked and after(iso(new), asked[0].get("fromStartTime")), asked
     assert "no new traces" in again.stderr, again.stderr[-3000:]
     assert "nothing changed since gen-1" in again.stdout and "no stage reran" in again.stdout
     assert git(project, "tag", "--list").split() == ["gen-0", "gen-1"]

@@ -93,12 +93,26 @@ def lf_trace(trace_id: str, start: datetime, order: str, answer: str) -> tuple[l
 
 
 LF_NEW, LF_OLD = "c2a1e0d4-5b6f-4e3a-9d2c-7f8e1a0b3c4d", "7d9e3b1f-2a4c-4f6e-8b0d-1c3e5a7f9b2d"
-LF_OBS, LF_SCORES = [], []
-for _id, _start, _order, _answer in ((LF_NEW, NEW, "A1043", "It shipped with UPS."),
-                                     (LF_OLD, OLD, "B2200", "It is on its way.")):
-    _o, _s = lf_trace(_id, _start, _order, _answer)
-    LF_OBS += _o
-    LF_SCORES += _s
+LF_OBS: list[dict] = []
+LF_SCORES: list[dict] = []
+
+
+def langfuse_data(new: datetime) -> datetime:
+    """(Re)build the Langfuse server's traces in place, the newer one started at `new`; returns
+    `new`. A test that pulls again later moves it on, so that the newer trace is inside the pull's
+    window however long after this module was imported that pull runs.
+    """
+    LF_OBS.clear()
+    LF_SCORES.clear()
+    for trace_id, start, order, answer in ((LF_NEW, new, "A1043", "It shipped with UPS."),
+                                           (LF_OLD, OLD, "B2200", "It is on its way.")):
+        observations, scores = lf_trace(trace_id, start, order, answer)
+        LF_OBS.extend(observations)
+        LF_SCORES.extend(scores)
+    return new
+
+
+langfuse_data(NEW)
 
 # --- LangSmith: a root chain run, two llm runs (the OpenAI wrapper's shape), a tool run --------
 
