@@ -245,28 +245,29 @@ class Traces:
             for scope in resource.scope_spans:
                 scoped: dict[bytes, ScopeSpans] = {}
                 for span in scope.spans:
-                    if len(span.trace_id) != 16 or len(span.span_id) != 8:
+                    trace_id, span_id = span.trace_id, span.span_id  # each read makes a bytes
+                    if len(trace_id) != 16 or len(span_id) != 8:
                         counts["invalid"] += 1
                         continue
-                    trace = self.pending.get(span.trace_id)
+                    trace = self.pending.get(trace_id)
                     if trace is None:
-                        trace = self.pending[span.trace_id] = Trace()
-                        if span.trace_id in self.recent:
+                        trace = self.pending[trace_id] = Trace()
+                        if trace_id in self.recent:
                             counts["late"] += 1
-                    if span.span_id in trace.span_ids:
+                    if span_id in trace.span_ids:
                         counts["duplicate"] += 1
                         continue
-                    trace.span_ids.add(span.span_id)
+                    trace.span_ids.add(span_id)
                     trace.root = trace.root or not span.parent_span_id
                     trace.last = now
                     counts["new"] += 1
-                    into = scoped.get(span.trace_id)
+                    into = scoped.get(trace_id)
                     if into is None:
-                        part = parts.get(span.trace_id)
+                        part = parts.get(trace_id)
                         if part is None:
-                            part = parts[span.trace_id] = ResourceSpans(
+                            part = parts[trace_id] = ResourceSpans(
                                 resource=resource.resource, schema_url=resource.schema_url)
-                        into = scoped[span.trace_id] = part.scope_spans.add(
+                        into = scoped[trace_id] = part.scope_spans.add(
                             scope=scope.scope, schema_url=scope.schema_url)
                     into.spans.append(span)
             for trace_id, part in parts.items():
