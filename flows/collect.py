@@ -7,11 +7,12 @@ Any OpenTelemetry SDK or Collector exports to it as to any OTLP endpoint
 is finished once its root span (no parent) has come and `ROOT_WAIT` seconds passed without another
 of its spans, or after `runtime.collect.idle_seconds` without a new span when no root comes (its
 root lives in a service that does not export here). Finished traces are gathered for
-`runtime.collect.file_seconds` into one JSONL file, `<inbox>/otlp-<UTC time>-<n>.jsonl`: an OTLP
-JSON `TracesData` document a line, one trace each, hex ids, as a Collector's file exporter writes
-them, which `stages/ingest.py` reads unchanged (each trace by its own convention, GenAI or
-OpenInference; a trace it cannot read is quarantined alone). Each file is
-written to a hidden temporary name, fsynced and renamed, so a cycle never reads half a trace.
+`runtime.collect.file_seconds` into JSONL files of at most `FILE_TRACES` traces,
+`<inbox>/otlp-<UTC time>-<n>.jsonl`: an OTLP JSON `TracesData` document a line, one trace each,
+hex ids, as a Collector's file exporter writes them, which `stages/ingest.py` reads unchanged
+(each trace by its own convention, GenAI or OpenInference; a trace it cannot read is quarantined
+alone). Each file is written to a hidden temporary name, fsynced and renamed, so a cycle never
+reads half a trace.
 
 Durability: a request is answered 200 only once its spans are in the journal
 (`.offseason/collect/journal-*.log`, append-only, fsynced; concurrent requests share one fsync).
@@ -77,6 +78,9 @@ from stages import io
 # exported by another service, or in the SDK's next batch) before writing it.
 ROOT_WAIT = 1.0
 TICK = 0.2  # how often finished traces are looked for
+# at most this many traces an inbox file (~17 MB of OTLP JSON for agent turns of four spans):
+# ingest reads an OTLP file whole, so its memory grows with the largest file
+FILE_TRACES = 5_000
 SEGMENT_BYTES = 64 << 20  # the journal is compacted past this size (or twice what it kept)
 RETRY_AFTER = 5  # seconds, in 429/503 answers
 RECENT = 1 << 16  # trace ids remembered after writing, to count spans that come too late
@@ -591,21 +595,32 @@ class Collector:
                                  and not everything):
             return 0
         gathered, self.gathered = self.gathered, []
+        for number, at in enumerate(range(0, len(gathered), FILE_TRACES)):
+            if not self._write(gathered[at:at + FILE_TRACES], number):
+                for trace_id, _ in gathered[at + FILE_TRACES:]:  # kept for the next try too
+                    self.traces.put_back(trace_id)
+                return at
+        return len(gathered)
+
+    def _write(self, traces: list[tuple[bytes, Trace]], number: int) -> bool:
+        """One inbox file of these traces, recorded in the journal; False if it failed (they are
+        held again, and tried again shortly).
+        """
         try:
-            documents = [(trace_id, otlp_json(trace.resources)) for trace_id, trace in gathered]
             # one file: ingest reads each trace by its own convention, and quarantines alone
             # a trace it cannot read
-            write_file(self.inbox, [document for _, document in documents], 0)  # fsynced
+            write_file(self.inbox, [otlp_json(trace.resources) for _, trace in traces],
+                       number)  # fsynced
         except Exception as err:  # a full disk, say: kept (and journaled), tried again shortly
             self.counters["write_errors"] += 1
-            for trace_id, _ in gathered:
+            for trace_id, _ in traces:
                 self.traces.put_back(trace_id)
-            print(f"collect: could not write {len(gathered)} traces into {self.inbox} ({err}); "
+            print(f"collect: could not write {len(traces)} traces into {self.inbox} ({err}); "
                   f"kept, tried again shortly", file=sys.stderr, flush=True)
-            return 0
+            return False
         try:
             futures = [self.journal.append(WRITTEN, trace_id + b"".join(sorted(trace.span_ids)))
-                       for trace_id, trace in gathered]
+                       for trace_id, trace in traces]
             for future in futures:
                 future.result()
         except OSError as err:
@@ -613,11 +628,11 @@ class Collector:
             # ingest counts as duplicates: nothing is lost
             print(f"collect: could not record written traces in the journal ({err})",
                   file=sys.stderr, flush=True)
-        for trace_id, _ in gathered:
+        for trace_id, _ in traces:
             self.traces.written(trace_id)
-        self.counters["traces_written"] += len(gathered)
+        self.counters["traces_written"] += len(traces)
         self.counters["files_written"] += 1
-        return len(gathered)
+        return True
 
     def close(self) -> None:
         """Stop writing; the traces still held stay in the journal for the next start."""

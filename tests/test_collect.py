@@ -547,3 +547,19 @@ def test_the_journal_is_not_compacted_while_most_of_it_is_held(tmp_path, monkeyp
     [segment] = journal.segments()
     assert segment.name != "journal-00000001.log"  # compacted once most of it was written
     assert collect.Journal(tmp_path / "journal", collect.Traces(idle_seconds=10)).recovered == sent
+
+
+def test_a_burst_is_written_in_files_of_at_most_file_traces(tmp_path, monkeypatch):
+    monkeypatch.setattr(collect, "FILE_TRACES", 2)  # ingest reads an OTLP file whole
+    monkeypatch.setattr(collect, "ROOT_WAIT", 0.0)
+    collector = collect.Collector(cfg.Collect(file_seconds=0.0), tmp_path / "inbox",
+                                  tmp_path / "spool")
+    request = as_request(recorded_spans(5))
+    collector.traces.receive(request, request.SerializeToString())
+    collector.journal.append(collect.SPANS, request.SerializeToString()).result()
+    collector.close()  # writes every finished trace
+    files = sorted((tmp_path / "inbox").glob("otlp-*.jsonl"))
+    assert [len(f.read_text().splitlines()) for f in files] == [2, 2, 1]
+    assert collector.counters["traces_written"] == 5
+    again = collect.Traces(idle_seconds=10)
+    assert collect.Journal(tmp_path / "spool" / "journal", again).recovered == 0
