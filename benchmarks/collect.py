@@ -1,18 +1,22 @@
-"""`offseason collect` against a bare `opentelemetry-proto` decode loop of the same payloads.
+"""`offseason collect` against a bare `opentelemetry-proto` decode loop of the same payloads, and
+100,000 collected traces end to end through the ingest stage.
 
-    .venv/bin/python benchmarks/collect.py --spans 200000     # the issue's goal: >= 0.5x the loop
+    .venv/bin/python benchmarks/collect.py     # 400,000 spans = 100,000 traces; goal >= 0.5x the loop
 
 Builds `--spans` GenAI spans (agent turns of one `invoke_agent` root and three `chat` spans with
 their messages, about 500 bytes a span) into OTLP/HTTP protobuf requests of `--batch` spans, as a
 BatchSpanProcessor sends them. Then times (1) the baseline: `ExportTraceServiceRequest`
-`.ParseFromString` over every request in one loop, and (2) the receiver: `offseason collect` started
-in a temporary workspace (this checkout's code), `--clients` concurrent clients posting the
-same requests; spans/s counts from the first request to the last 200 (each acknowledged only once
-journaled and fsynced), then the time until every trace is in an inbox file, and the ingest stage
-on those files (the end to end of a cycle's first step). Between the first two, the
-HTTP ceiling: the same uvicorn + starlette server and clients, with a handler that only decodes.
-Clients are threads with a `requests` session each, as the SDK's exporter; they run on the same
-cores as the receiver. Prints a Markdown table.
+`.ParseFromString` over every request in one loop; (2) the HTTP ceiling: the same uvicorn +
+starlette server as collect's (uvloop, httptools) with a handler that only decodes; (3) the
+receiver: `offseason collect` started in a temporary workspace (this checkout's code). (2) and (3)
+each with two kinds of `--clients` concurrent clients, on the same cores as the server: `requests`,
+threads with a `requests` session each as the SDK's exporter, and `raw`, threads sending each
+request pre-encoded on a keep-alive socket (what a C load generator costs: little CPU). Spans/s
+count from the first request to the last 200 (collect answers only once journaled and fsynced);
+the server's CPU seconds meanwhile (/proc) are compared with the loop's, a figure the load of
+other work on the machine moves less. Each is the best of `--repeat` runs. The last `raw` run of
+collect goes on until every trace is in an inbox file, then the ingest stage reads those files in
+a process of its own (its peak memory: getrusage's maxrss). Prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -34,6 +39,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
+from flows import collect
 from stages import config as cfg
 from stages import ingest
 
@@ -118,6 +124,50 @@ def post_all(url: str, bodies: list[bytes], clients: int) -> tuple[float, dict]:
                         raise SystemExit(f"{url} answered {answer.status_code}: {answer.text}")
                     time.sleep(float(answer.headers.get("retry-after", 1)))
 
+    return _run_clients(client, clients, seen)
+
+
+def post_raw(url: str, bodies: list[bytes], clients: int) -> tuple[float, dict]:
+    """As `post_all`, with clients that cost little CPU: each request encoded whole beforehand
+    (headers and body) and sent with one `sendall` on a keep-alive socket, the answer read with
+    no more parsing than its status and length (a load generator's work, not an SDK's).
+    """
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    path = "/" + url.split("//")[1].split("/", 1)[1]
+    queue = [f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/x-protobuf\r\n"
+             f"Content-Length: {len(body)}\r\n\r\n".encode() + body for body in reversed(bodies)]
+    seen: dict[int, int] = {}
+
+    def client() -> None:
+        with socket.create_connection((host, int(port))) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            pending = b""
+            while queue:
+                request = queue.pop()
+                while True:
+                    sock.sendall(request)
+                    while b"\r\n\r\n" not in pending:
+                        pending += sock.recv(65536)
+                    head, _, pending = pending.partition(b"\r\n\r\n")
+                    status, length = int(head[9:12]), 0
+                    for line in head.split(b"\r\n")[1:]:
+                        name, _, value = line.partition(b":")
+                        if name.strip().lower() == b"content-length":
+                            length = int(value)
+                    while len(pending) < length:
+                        pending += sock.recv(65536)
+                    pending = pending[length:]
+                    seen[status] = seen.get(status, 0) + 1
+                    if status == 200:
+                        break
+                    if status not in (429, 503):
+                        raise SystemExit(f"{url} answered {status}")
+                    time.sleep(5)
+
+    return _run_clients(client, clients, seen)
+
+
+def _run_clients(client, clients: int, seen: dict) -> tuple[float, dict]:
     threads = [threading.Thread(target=client) for _ in range(clients)]
     started = time.perf_counter()
     for thread in threads:
@@ -125,6 +175,23 @@ def post_all(url: str, bodies: list[bytes], clients: int) -> tuple[float, dict]:
     for thread in threads:
         thread.join()
     return time.perf_counter() - started, seen
+
+
+CLIENTS = {"requests": post_all, "raw": post_raw}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds a process (all its threads) used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def peak_mb(pid: int) -> float:
+    """A running process's peak resident memory (VmHWM), MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise ValueError(f"no VmHWM for process {pid}")
 
 
 def decode_only(port: int) -> None:
@@ -143,7 +210,22 @@ def decode_only(port: int) -> None:
     sock.listen(2048)
     print("listening", flush=True)
     uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/v1/traces", traces, methods=["POST"])]),
-                                  log_level="warning")).run(sockets=[sock])
+                                  log_level="warning", **collect.FAST)).run(sockets=[sock])
+
+
+def ingest_child(inbox: Path, work: Path) -> None:
+    """The ingest stage on `inbox`, in this (fresh) process: prints its seconds, accepted traces
+    and the process's peak memory (MB) as JSON.
+    """
+    started = time.perf_counter()
+    metrics = ingest.run(cfg.Ingest(), inbox, work / "traces", work / "ingested.parquet",
+                         work / "quarantine.jsonl")
+    seconds = time.perf_counter() - started
+    # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss across exec, so a child started
+    # from this benchmark (holding its payloads) would report the benchmark's peak as its own
+    print(json.dumps({"seconds": seconds, "accepted": metrics["accepted"],
+                      "peak_mb": peak_mb(os.getpid()),
+                      "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 def free_port() -> int:
@@ -153,75 +235,139 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def workspace(folder: Path, spans: int) -> Path:
+    """A temporary workspace for `offseason collect` (this checkout's dvc.yaml and params.yaml)."""
+    (folder / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["runtime"]["collect"]["max_pending_spans"] = 10 * spans  # never sheds here
+    (folder / "params.yaml").write_text(yaml.safe_dump(params))
+    return folder
+
+
+def receive(command: list[str], cwd: Path | None, bodies: list[bytes], client: str,
+            clients: int) -> tuple[subprocess.Popen, int, float, tuple[float, float], dict]:
+    """Start a server (`command` plus `--port <port>`, which prints "listening" once it does), post
+    every body with `client`; the running server, its port, the seconds until the last 200, the
+    server's and the clients' CPU seconds meanwhile, and the statuses seen.
+    """
+    port = free_port()
+    server = subprocess.Popen(command + [str(port)], cwd=cwd, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "listening" in server.stdout.readline()
+    cpu, mine = cpu_seconds(server.pid), time.process_time()
+    seconds, seen = CLIENTS[client](f"http://127.0.0.1:{port}/v1/traces", bodies, clients)
+    return (server, port, seconds, (cpu_seconds(server.pid) - cpu, time.process_time() - mine),
+            seen)
+
+
 def main() -> None:
-    """Time the decode loop and `offseason collect` on the same requests; print the table."""
+    """Time the decode loop, the HTTP ceiling and `offseason collect` on the same requests, with
+    both clients, best of `--repeat`; then the inbox and ingest; print the tables.
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spans", type=int, default=200_000, help="spans in all (default 200000)")
+    parser.add_argument("--spans", type=int, default=400_000,
+                        help="spans in all, 4 a trace (default 400000: 100,000 traces)")
     parser.add_argument("--batch", type=int, default=512,
                         help="spans per request (default 512, the SDK's OTEL_BSP_MAX_EXPORT_BATCH_SIZE)")
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
-    parser.add_argument("--decode-only-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--repeat", type=int, default=2,
+                        help="runs of each measurement, the best kept (default 2)")
+    parser.add_argument("--decode-only-server", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ingest-child", nargs=2, type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("port", nargs="?", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.decode_only_server:  # the ceiling's server, run by this script in a child process
-        decode_only(args.decode_only_server)
+        decode_only(args.port)
+        return
+    if args.ingest_child:
+        ingest_child(*args.ingest_child)
         return
     bodies = payloads(args.spans, args.batch)
     size = sum(map(len, bodies))
-    baseline, spans = decode_loop(bodies)
-    port = free_port()
-    ceiling = subprocess.Popen([sys.executable, __file__, "--decode-only-server", str(port)],
-                               stdout=subprocess.PIPE, text=True)
-    try:
-        assert "listening" in ceiling.stdout.readline()
-        http_only, _ = post_all(f"http://127.0.0.1:{port}/v1/traces", bodies, args.clients)
-    finally:
-        ceiling.terminate()
-        ceiling.wait()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        (work / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text())
-        params = yaml.safe_load((ROOT / "params.yaml").read_text())
-        params["runtime"]["collect"]["max_pending_spans"] = 10 * args.spans  # never sheds here
-        (work / "params.yaml").write_text(yaml.safe_dump(params))
-        port = free_port()
-        receiver = subprocess.Popen([sys.executable, "-m", "flows.cli", "collect", "--port",
-                                     str(port)], cwd=work, stdout=subprocess.PIPE, text=True,
-                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
-        try:
-            assert "listening" in receiver.stdout.readline()
-            seconds, seen = post_all(f"http://127.0.0.1:{port}/v1/traces", bodies, args.clients)
-            started = time.perf_counter()
-            while True:
-                status = requests.get(f"http://127.0.0.1:{port}/status", timeout=10).json()
-                if status["traces_written"] >= spans // 4:
-                    break
-                time.sleep(0.1)
-            written = seconds + time.perf_counter() - started
-        finally:
-            receiver.terminate()
-            receiver.wait()
-        inbox = work / "data" / "inbox"
-        files = len([p for p in inbox.iterdir() if not p.name.startswith(".")])
-        started = time.perf_counter()
-        metrics = ingest.run(cfg.Ingest(), inbox, work / "traces", work / "ingested.parquet",
-                             work / "quarantine.jsonl")
-        ingest_seconds = time.perf_counter() - started
-        assert metrics["accepted"] == spans // 4, metrics
+    best: dict[tuple[str, str], tuple[float, tuple]] = {}  # (what, client): (seconds, cpus)
+    answers: dict[str, dict] = {}
+
+    def keep(key: tuple[str, str], seconds: float, cpu: tuple) -> None:
+        if key not in best or seconds < best[key][0]:
+            best[key] = (seconds, cpu)
+
+    loads = [os.getloadavg()[0]]
+    for repeat in range(args.repeat):
+        cpu = time.process_time()
+        seconds, spans = decode_loop(bodies)
+        keep(("loop", ""), seconds, (time.process_time() - cpu, 0.0))
+        for client in CLIENTS:
+            server, _, seconds, cpu, _ = receive(
+                [sys.executable, __file__, "--decode-only-server"], None, bodies, client,
+                args.clients)
+            server.terminate()
+            server.wait()
+            keep(("ceiling", client), seconds, cpu)
+        for client in CLIENTS:
+            last = repeat == args.repeat - 1 and client == "raw"
+            with tempfile.TemporaryDirectory() as tmp:
+                work = workspace(Path(tmp), args.spans)
+                server, port, seconds, cpu, answers[client] = receive(
+                    [sys.executable, "-m", "flows.cli", "collect", "--port"], work, bodies,
+                    client, args.clients)
+                keep(("collect", client), seconds, cpu)
+                if not last:  # what it holds stays in its journal, thrown away with the folder
+                    server.kill()
+                    server.wait()
+                    continue
+                try:  # the last run goes on: every trace into the inbox, then ingest
+                    started = time.perf_counter()
+                    while True:
+                        status = requests.get(f"http://127.0.0.1:{port}/status", timeout=10).json()
+                        if status["traces_written"] >= spans // 4:
+                            break
+                        time.sleep(0.1)
+                    writing = time.perf_counter() - started
+                    collect_peak = peak_mb(server.pid)
+                finally:
+                    server.terminate()
+                    server.wait()
+                accepting = seconds
+                inbox = work / "data" / "inbox"
+                files = [p for p in inbox.iterdir() if not p.name.startswith(".")]
+                inbox_mb = sum(p.stat().st_size for p in files) / 1e6
+                child = subprocess.run([sys.executable, __file__, "--ingest-child", str(inbox),
+                                        str(work)], capture_output=True, text=True, check=True,
+                                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                ingested = json.loads(child.stdout.splitlines()[-1])
+                assert ingested["accepted"] == spans // 4, ingested
+        loads.append(os.getloadavg()[0])
+    baseline, (baseline_cpu, _) = best[("loop", "")]
     print(f"\n{spans:,} spans ({spans // 4:,} traces) in {len(bodies)} requests of {args.batch} "
-          f"spans, {size / 1e6:.0f} MB of protobuf; {args.clients} clients; answers {seen}\n")
-    print("| what | seconds | spans/s | vs the decode loop |")
+          f"spans, {size / 1e6:.0f} MB of protobuf; {args.clients} clients; best of "
+          f"{args.repeat}; load average (1 min) {', '.join(f'{x:.1f}' for x in loads)}; "
+          f"collect's answers {answers}\n")
+    print("| what | client | seconds | spans/s | vs the decode loop | server CPU s | "
+          "vs the loop's CPU | clients' CPU s |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| `ExportTraceServiceRequest.ParseFromString` loop (baseline) | - | {baseline:.2f} | "
+          f"{spans / baseline:,.0f} | 1.00x | {baseline_cpu:.3f} | 1.00x | - |")
+    names = {"ceiling": "uvicorn + starlette, the handler only decoding (the HTTP ceiling)",
+             "collect": "`offseason collect`: accepted (200, journaled, fsynced)"}
+    for what in ("ceiling", "collect"):
+        for client in CLIENTS:
+            seconds, (cpu, theirs) = best[(what, client)]
+            print(f"| {names[what]} | {client} | {seconds:.2f} | {spans / seconds:,.0f} | "
+                  f"{baseline / seconds:.2f}x | {cpu:.3f} | {baseline_cpu / cpu:.2f}x | "
+                  f"{theirs:.2f} |")
+    print(f"\nEnd to end (the last `raw` run): {spans // 4:,} traces accepted in {accepting:.1f} "
+          f"s, all in the inbox {writing:.1f} s after the last 200 ({len(files)} files, "
+          f"{inbox_mb:.0f} MB); collect's peak memory {collect_peak:,.0f} MB.\n")
+    print("| step | seconds | traces/s | peak memory (MB) |")
     print("|---|---|---|---|")
-    print(f"| `ExportTraceServiceRequest.ParseFromString` loop (baseline) | {baseline:.2f} | "
-          f"{spans / baseline:,.0f} | 1.00x |")
-    print(f"| the same HTTP server and clients, the handler only decoding (the HTTP ceiling) | "
-          f"{http_only:.2f} | {spans / http_only:,.0f} | {baseline / http_only:.2f}x |")
-    print(f"| `offseason collect`: accepted (200, journaled, fsynced) | {seconds:.2f} | "
-          f"{spans / seconds:,.0f} | {baseline / seconds:.2f}x |")
-    print(f"| `offseason collect`: every trace in an inbox file | {written:.2f} | "
-          f"{spans / written:,.0f} | {baseline / written:.2f}x |")
-    print(f"\nThen the ingest stage on those {files} inbox files: {metrics['accepted']:,} traces "
-          f"accepted in {ingest_seconds:.1f} s, {metrics['accepted'] / ingest_seconds:,.0f} "
-          f"traces/s (imports not counted).")
+    total = accepting + writing
+    print(f"| collect: first request to every trace in the inbox | {total:.1f} | "
+          f"{spans // 4 / total:,.0f} | {collect_peak:,.0f} |")
+    print(f"| ingest stage on those files (own process, imports not timed) | "
+          f"{ingested['seconds']:.1f} | {ingested['accepted'] / ingested['seconds']:,.0f} | "
+          f"{ingested['peak_mb']:,.0f} |")
+    print("\n(peak memory: each process's VmHWM; ingest's getrusage ru_maxrss read "
+          f"{ingested['ru_maxrss_mb']:,.0f} MB, this benchmark's own peak carried across exec)")
 
 
 if __name__ == "__main__":

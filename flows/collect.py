@@ -17,7 +17,8 @@ two in separate batches): those that come before the trace is finished are writt
 later one is held again and written alone (counted `late_log_records`). Log records with no trace
 id (plain application logs outside any span) are not trace data: counted
 (`untraced_log_records`) and dropped. Finished traces are gathered for
-`runtime.collect.file_seconds` into one JSONL file, `<inbox>/otlp-<UTC time>-<n>.jsonl`: an OTLP
+`runtime.collect.file_seconds` into JSONL files of at most `FILE_TRACES` traces,
+`<inbox>/otlp-<UTC time>-<n>.jsonl`: an OTLP
 JSON document a line, one trace each, holding the trace's `resourceSpans` and its `resourceLogs`,
 hex ids, as a Collector's file exporter writes them, which `stages/ingest.py` reads unchanged
 (each trace by its own convention, GenAI or OpenInference, its GenAI events joined to their spans;
@@ -95,10 +96,16 @@ from stages import io
 # exported by another service, or in the SDK's next batch) before writing it.
 ROOT_WAIT = 1.0
 TICK = 0.2  # how often finished traces are looked for
+# at most this many traces an inbox file (~17 MB of OTLP JSON for agent turns of four spans):
+# ingest reads an OTLP file whole, so its memory grows with the largest file
+FILE_TRACES = 5_000
 SEGMENT_BYTES = 64 << 20  # the journal is compacted past this size (or twice what it kept)
 RETRY_AFTER = 5  # seconds, in 429/503 answers
 RECENT = 1 << 16  # trace ids remembered after writing, to count spans that come too late
 PROTOBUF = "application/x-protobuf"
+# uvicorn's C event loop and HTTP parser (dependencies): a third less CPU a request than asyncio's
+# loop and h11 (BENCHMARKS.md, "Traces in live")
+FAST = {"loop": "uvloop", "http": "httptools"}
 
 
 class Refused(Exception):
@@ -236,11 +243,13 @@ class Traces:
         self.writing: dict[bytes, Trace] = {}  # taken to be written, not yet recorded as written
         self.spans = 0  # in pending and writing
         self.log_records = 0  # in pending and writing
-        # requests received, not yet grouped: grouping costs ~10 us a span in Python, so it is
+        # requests received, not yet grouped: grouping costs 6-8 us a span in Python, so it is
         # done off the request's path (a request is answered once its bytes are journaled)
         self.inbound: deque[tuple[ExportTraceServiceRequest | ExportLogsServiceRequest, bytes,
                                   int]] = deque()
         self.queued, self.queued_logs = 0, 0  # spans, and log records, in inbound
+        # spans and log records queued since start (for the journal's compaction)
+        self.received = 0
         self.recent: OrderedDict[bytes, None] = OrderedDict()  # written lately
         self.lock = threading.Lock()
 
@@ -262,6 +271,7 @@ class Traces:
                 self.queued_logs += n
             else:
                 self.queued += n
+            self.received += n
         return n
 
     def group(self, now: float) -> dict:
@@ -302,24 +312,25 @@ class Traces:
             for scope in resource.scope_spans:
                 scoped: dict[bytes, ScopeSpans] = {}
                 for span in scope.spans:
-                    if len(span.trace_id) != 16 or len(span.span_id) != 8:
+                    trace_id, span_id = span.trace_id, span.span_id  # each read makes a bytes
+                    if len(trace_id) != 16 or len(span_id) != 8:
                         counts["invalid"] += 1
                         continue
-                    trace = self._held(span.trace_id, counts, "late")
-                    if span.span_id in trace.span_ids:
+                    trace = self._held(trace_id, counts, "late")
+                    if span_id in trace.span_ids:
                         counts["duplicate"] += 1
                         continue
-                    trace.span_ids.add(span.span_id)
+                    trace.span_ids.add(span_id)
                     trace.root = trace.root or not span.parent_span_id
                     trace.last = now
                     counts["new"] += 1
-                    into = scoped.get(span.trace_id)
+                    into = scoped.get(trace_id)
                     if into is None:
-                        part = parts.get(span.trace_id)
+                        part = parts.get(trace_id)
                         if part is None:
-                            part = parts[span.trace_id] = ResourceSpans(
+                            part = parts[trace_id] = ResourceSpans(
                                 resource=resource.resource, schema_url=resource.schema_url)
-                        into = scoped[span.trace_id] = part.scope_spans.add(
+                        into = scoped[trace_id] = part.scope_spans.add(
                             scope=scope.scope, schema_url=scope.schema_url)
                     into.spans.append(span)
             for trace_id, part in parts.items():
@@ -447,6 +458,10 @@ class Traces:
                     kept_logs.append(resource)
             trace.logs = kept_logs
 
+    def held(self) -> int:
+        """Spans and log records held, grouped or still queued (the caller holds the lock)."""
+        return self.spans + self.log_records + self.queued + self.queued_logs
+
     def snapshot(self) -> list[tuple[bytes, bytes]]:
         """Every span and log record held (queued, pending or being written), as journal
         records: (SPANS, a serialized ExportTraceServiceRequest) or (LOGS, an
@@ -544,6 +559,8 @@ class Journal:
         number = int(old[-1].stem.split("-")[1]) + 1 if old else 1
         path = self.folder / f"journal-{number:08d}.log"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # traces hold PII
+        with self.traces.lock:  # about what the snapshot holds, and where what comes after starts
+            held, received_at = self.traces.held(), self.traces.received
         data = b"".join(_record(kind, p) for kind, p in self.traces.snapshot())
         try:
             os.write(fd, data)
@@ -555,7 +572,7 @@ class Journal:
             raise
         if self.fd >= 0:
             os.close(self.fd)
-        self.fd, self.size = fd, len(data)
+        self.fd, self.size, self.held_at, self.received_at = fd, len(data), held, received_at
         # the next compaction once the segment doubled: when most of it is still held (a burst),
         # compacting at a fixed size would rewrite it after every batch
         self.compact_at = max(SEGMENT_BYTES, 2 * self.size)
@@ -569,14 +586,16 @@ class Journal:
         with self.cond:
             if self.closed:
                 raise OSError("the journal is closed (collect is stopping)")
-            self.queue.append((_record(kind, payload), done))
+            # framed (CRC-32) by the journal's thread: zlib.crc32 costs ~0.2 ms a 256 kB request
+            # and releases the GIL, so there it runs beside the event loop instead of on it
+            self.queue.append((kind, payload, done))
             self.cond.notify()
         return done
 
     def queued_bytes(self) -> int:
         """Bytes appended but not on disk yet."""
         with self.cond:
-            return sum(len(r) for r, _ in self.queue)
+            return sum(_HEAD.size + len(p) for _, p, _ in self.queue)
 
     def _run(self) -> None:
         while True:
@@ -586,29 +605,41 @@ class Journal:
                 batch, self.queue = self.queue, []
                 if not batch and self.closed:
                     return
-            data = b"".join(record for record, _ in batch)
-            written = 0
+            parts = [part for kind, payload, _ in batch
+                     for part in (_HEAD.pack(kind, len(payload), zlib.crc32(payload)), payload)]
+            size = sum(map(len, parts))
             try:
-                while written < len(data):
-                    written += os.write(self.fd, data[written:])
+                _write_all(self.fd, parts)
                 os.fsync(self.fd)
             except OSError as err:
                 # a full disk: cut the segment back to its last whole record, so that the records
                 # after this failed batch stay readable at replay
                 with contextlib.suppress(OSError):
                     os.ftruncate(self.fd, self.size)
-                for _, done in batch:
+                for _, _, done in batch:
                     done.set_exception(err)
                 continue
-            self.size += len(data)
-            for _, done in batch:
+            self.size += size
+            for _, _, done in batch:
                 done.set_result(None)
-            if self.size > self.compact_at:
+            if self.size > self.compact_at and self._mostly_held():
+                # compacting now would rewrite most of the segment (a burst not yet written
+                # into the inbox): again once it doubled
+                self.compact_at = 2 * self.size
+            elif self.size > self.compact_at:
                 try:
                     self._compact()
                 except OSError as err:  # the old segments still hold everything: go on with them
                     print(f"collect: compacting the journal in {self.folder} failed ({err}); "
                           f"it keeps growing until that works", file=sys.stderr, flush=True)
+
+    def _mostly_held(self) -> bool:
+        """Whether more than half of the spans and log records this segment journaled are still
+        held.
+        """
+        with self.traces.lock:
+            journaled = self.held_at + self.traces.received - self.received_at
+            return 2 * self.traces.held() > journaled
 
     def close(self) -> None:
         """Write what is queued, then stop."""
@@ -626,6 +657,19 @@ def _record(kind: bytes, payload: bytes) -> bytes:
 def _ids(payload: bytes, start: int, end: int) -> set[bytes]:
     """The 8-byte ids (span ids, log record keys) packed in payload[start:end]."""
     return {payload[i:i + 8] for i in range(start, end, 8)}
+
+
+def _write_all(fd: int, parts: list[bytes]) -> None:
+    """Write the parts in order, without joining them first (a burst's batch is tens of MB)."""
+    limit = os.sysconf("SC_IOV_MAX")
+    for at in range(0, len(parts), limit):
+        chunk = parts[at:at + limit]
+        written = os.writev(fd, chunk)
+        total = sum(map(len, chunk))
+        if written < total:  # short only on a full disk; the rest by plain writes (or the error)
+            rest = b"".join(chunk)[written:]
+            while rest:
+                rest = rest[os.write(fd, rest):]
 
 
 # --- writing finished traces ------------------------------------------------------------------
@@ -704,24 +748,34 @@ class Collector:
                                  and not everything):
             return 0
         gathered, self.gathered = self.gathered, []
+        for number, at in enumerate(range(0, len(gathered), FILE_TRACES)):
+            if not self._write(gathered[at:at + FILE_TRACES], number):
+                for trace_id, _ in gathered[at + FILE_TRACES:]:  # kept for the next try too
+                    self.traces.put_back(trace_id)
+                return at
+        return len(gathered)
+
+    def _write(self, traces: list[tuple[bytes, Trace]], number: int) -> bool:
+        """One inbox file of these traces, recorded in the journal; False if it failed (they are
+        held again, and tried again shortly).
+        """
         try:
-            # a trace's spans and log records in one document: ingest joins the GenAI events
-            # of log records to their spans only within one file
-            documents = [(trace_id, otlp_json(trace.resources, trace.logs))
-                         for trace_id, trace in gathered]
             # one file: ingest reads each trace by its own convention, and quarantines alone
             # a trace it cannot read
-            write_file(self.inbox, [document for _, document in documents], 0)  # fsynced
+            # a trace's spans and log records in one document: ingest joins the GenAI events
+            # of log records to their spans only within one file
+            write_file(self.inbox, [otlp_json(trace.resources, trace.logs) for _, trace in traces],
+                       number)  # fsynced
         except Exception as err:  # a full disk, say: kept (and journaled), tried again shortly
             self.counters["write_errors"] += 1
-            for trace_id, _ in gathered:
+            for trace_id, _ in traces:
                 self.traces.put_back(trace_id)
-            print(f"collect: could not write {len(gathered)} traces into {self.inbox} ({err}); "
+            print(f"collect: could not write {len(traces)} traces into {self.inbox} ({err}); "
                   f"kept, tried again shortly", file=sys.stderr, flush=True)
-            return 0
+            return False
         try:
             futures = [self.journal.append(WRITTEN, written_record(trace_id, trace))
-                       for trace_id, trace in gathered]
+                       for trace_id, trace in traces]
             for future in futures:
                 future.result()
         except OSError as err:
@@ -729,11 +783,11 @@ class Collector:
             # ingest counts as duplicates: nothing is lost
             print(f"collect: could not record written traces in the journal ({err})",
                   file=sys.stderr, flush=True)
-        for trace_id, _ in gathered:
+        for trace_id, _ in traces:
             self.traces.written(trace_id)
-        self.counters["traces_written"] += len(gathered)
+        self.counters["traces_written"] += len(traces)
         self.counters["files_written"] += 1
-        return len(gathered)
+        return True
 
     def close(self) -> None:
         """Stop writing; the traces still held stay in the journal for the next start."""
@@ -883,7 +937,7 @@ def serve(settings: cfg.Collect, inbox: Path, spool: Path) -> int:
               f"and {collector.counters['recovered_log_records']} log records recovered from "
               f"the journal", flush=True)
         server = uvicorn.Server(uvicorn.Config(app(collector), log_level="warning",
-                                               access_log=False, lifespan="off"))
+                                               access_log=False, lifespan="off", **FAST))
         # uvicorn stops gracefully on SIGINT/SIGTERM, then raises the signal again for the
         # handler it found: this one, which ends the process through the `finally` below (the
         # default handler would end it at once, before the finished traces are written)

@@ -533,7 +533,8 @@ def test_runtime_collect_is_checked(tmp_path):
 
 
 def test_compacting_the_journal_while_receiving_keeps_every_held_span(tmp_path, monkeypatch):
-    monkeypatch.setattr(collect, "SEGMENT_BYTES", 1)  # compact whenever the segment doubled
+    monkeypatch.setattr(collect, "SEGMENT_BYTES", 1)  # compact whenever the segment doubled,
+    monkeypatch.setattr(collect.Journal, "_mostly_held", lambda self: False)  # held or not
     traces = collect.Traces(idle_seconds=10)
     journal = collect.Journal(tmp_path / "journal", traces)
     sent = 0
@@ -704,3 +705,43 @@ def test_the_journal_forgets_written_log_records(tmp_path):
     reopened = collect.Journal(tmp_path / "journal", collect.Traces(idle_seconds=10))
     assert (reopened.recovered, reopened.recovered_logs) == (0, 0)
     reopened.close()
+
+
+def test_the_journal_is_not_compacted_while_most_of_it_is_held(tmp_path, monkeypatch):
+    monkeypatch.setattr(collect, "SEGMENT_BYTES", 1)
+    traces = collect.Traces(idle_seconds=10)
+    journal = collect.Journal(tmp_path / "journal", traces)
+    for i in range(4):  # a burst: nothing written yet, a compaction would rewrite all of it
+        request = as_request(recorded_spans(2, start=10 * i))
+        traces.receive(request, request.SerializeToString())
+        journal.append(collect.SPANS, request.SerializeToString()).result()
+    assert [p.name for p in journal.segments()] == ["journal-00000001.log"]
+    traces.group(now=0.0)
+    for trace_id, trace in traces.finished(now=0.0, everything=True):  # written into the inbox
+        journal.append(collect.WRITTEN, collect.written_record(trace_id, trace)).result()
+        traces.written(trace_id)
+    sent = 0
+    for i in range(4):  # the segment grows on, now mostly spans no longer held
+        request = as_request(recorded_spans(2, start=100 + 10 * i))
+        sent += traces.receive(request, request.SerializeToString())
+        journal.append(collect.SPANS, request.SerializeToString()).result()
+    journal.close()
+    [segment] = journal.segments()
+    assert segment.name != "journal-00000001.log"  # compacted once most of it was written
+    assert collect.Journal(tmp_path / "journal", collect.Traces(idle_seconds=10)).recovered == sent
+
+
+def test_a_burst_is_written_in_files_of_at_most_file_traces(tmp_path, monkeypatch):
+    monkeypatch.setattr(collect, "FILE_TRACES", 2)  # ingest reads an OTLP file whole
+    monkeypatch.setattr(collect, "ROOT_WAIT", 0.0)
+    collector = collect.Collector(cfg.Collect(file_seconds=0.0), tmp_path / "inbox",
+                                  tmp_path / "spool")
+    request = as_request(recorded_spans(5))
+    collector.traces.receive(request, request.SerializeToString())
+    collector.journal.append(collect.SPANS, request.SerializeToString()).result()
+    collector.close()  # writes every finished trace
+    files = sorted((tmp_path / "inbox").glob("otlp-*.jsonl"))
+    assert [len(f.read_text().splitlines()) for f in files] == [2, 2, 1]
+    assert collector.counters["traces_written"] == 5
+    again = collect.Traces(idle_seconds=10)
+    assert collect.Journal(tmp_path / "spool" / "journal", again).recovered == 0
