@@ -86,7 +86,7 @@ def simulate_like_lines(n: int = 12) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
-SEEDS = {p.name: p.read_bytes() for p in sorted(FIXTURES.iterdir())}
+SEEDS = {p.name: p.read_bytes() for p in sorted(FIXTURES.iterdir()) if p.is_file()}
 SEEDS["traffic-000.jsonl"] = simulate_like_lines()
 
 # Raw JSON texts a serializer would never write, but a broken exporter might.
