@@ -314,13 +314,6 @@ def estimate(root: Path, configs: dict, last: int = 3) -> dict:
                      "cycles' own spread around the fit"}
 
 
-def month_spent(root: Path, now: datetime | None = None) -> tuple[float, list[str]]:
-    """Dollars the committed cycles of this calendar month (UTC) cost, and their tags (the
-    stages' meters count them the same way: stages/budget.py).
-    """
-    return budgets.month_spent(root, now)
-
-
 def budget_refusal(root: Path, guess: dict, budget: Budget) -> str | None:
     """Why a cycle of this estimate may not start under `budget`, or None."""
     if guess.get("status") != "ok":
@@ -336,7 +329,7 @@ def budget_refusal(root: Path, guess: dict, budget: Budget) -> str | None:
         over.append(f"budget.max_judge_tokens={budget.max_judge_tokens}: estimated "
                     f"{total['judge_tokens'][1]:.0f} judge tokens")
     if budget.monthly_usd:
-        spent, tags = month_spent(root)
+        spent, tags = budgets.month_spent(root)
         if spent + total["usd"][1] > budget.monthly_usd:
             over.append(f"budget.monthly_usd={budget.monthly_usd:g}: ${spent:.4f} spent this "
                         f"month ({', '.join(tags) or 'no cycle'}) + estimated "

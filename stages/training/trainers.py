@@ -139,7 +139,6 @@ class StepLog:
         """One training step, counting its tokens."""
         tokens = sum(int(v.sum()) for k, v in inputs.items() if k.endswith("attention_mask"))
         self._tokens = getattr(self, "_tokens", 0) + tokens
-        self._counted = getattr(self, "_counted", 0) + tokens
         self._loss_tokens = getattr(self, "_loss_tokens", 0) + loss_tokens(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
 
@@ -150,9 +149,9 @@ class StepLog:
             since = getattr(self, "_since", None)
             if since is not None:
                 logs["tokens_per_second"] = round(self._tokens / max(now - since, 1e-9), 1)
-            logs["tokens"] = getattr(self, "_counted", 0)
+            logs["tokens"] = getattr(self, "_tokens", 0)
             logs["loss_tokens"] = getattr(self, "_loss_tokens", 0)
-            self._since, self._tokens, self._counted, self._loss_tokens = now, 0, 0, 0
+            self._since, self._tokens, self._loss_tokens = now, 0, 0
             logs.update(getattr(self, "_extra", {}))
         super().log(logs, start_time)
 
