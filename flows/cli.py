@@ -232,7 +232,8 @@ def cmd_simulate(args) -> int:
 
     for _ in range(args.days):
         out = simulate.run(configs["base"], configs["simulate"], root / "models" / "champion",
-                           root / "data" / "inbox", benchmark_path(root))
+                           root / "data" / "inbox", benchmark_path(root),
+                           configs["environments"], configs["rollout"], root)
         print(f"simulate: day {out['day']}: {out['lines']} lines in {out['file']} (the champion "
               f"answered {out['champion_correct']:.1%} correctly)")
     return 0

@@ -59,8 +59,10 @@ def skip_unless_long(request) -> None:
 
 
 def simulate_like_lines(n: int = 12) -> bytes:
-    """Traffic shaped exactly like `offseason simulate` writes it (stages/simulate.py), with its
-    junk: tool calls, feedback, an e-mail address, a duplicate, a cut line, small talk.
+    """Traffic shaped exactly like `offseason simulate` writes it with `environments: {}`
+    (stages/simulate.py), with its junk: tool calls, feedback, an e-mail address, a duplicate, a
+    cut line, small talk. The chat path's lines have the same keys; their texts differ (the bare
+    expression as the request, `answer:N` as the final answer, ids `call-<day>-<trace>-<n>`).
     """
     rng = random.Random(7)
     lines = []
