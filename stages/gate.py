@@ -124,22 +124,13 @@ def score_chat(model_dir: Path, suites: dict[str, tuple], rollout: cfg.Rollout, 
     """
     import json
 
-    import torch
-
     from stages.generation import chat
 
     model, tokenizer = tinylm.load(model_dir)
     model.eval()
     rows = []
     for name, (env, tasks) in suites.items():
-        parser, max_turns = chat.resolve(rollout, tokenizer, env)
-        template = chat.Template.of(tokenizer, list(env.tools), chat.end_ids(model, tokenizer))
-        episodes = []
-        for start in range(0, len(tasks), rollout.batch_size):  # memory bounded by the batch
-            episodes += chat.rollout(
-                model, tokenizer, env, tasks[start:start + rollout.batch_size], parser=parser,
-                temperature=0.0, max_new_tokens=rollout.max_new_tokens, max_turns=max_turns,
-                generator=torch.Generator().manual_seed(seed), template=template)
+        episodes = chat.greedy(model, tokenizer, env, tasks, rollout, seed)
         for task, episode in zip(tasks, episodes):
             where = f"{env.where}, benchmark task {task['task_id']!r}"
             if episode.error:

@@ -99,21 +99,12 @@ def chat_answers(champion: Path, env, rollout: cfg.Rollout, tasks: list[dict], s
     """(messages, right) per task: the champion's greedy episode on the chat path, right when the
     environment's reward gives it full marks.
     """
-    import torch
-
     from stages.envs import contract
     from stages.generation import chat
 
     model, tokenizer = tinylm.load(champion)
     model.eval()
-    parser, max_turns = chat.resolve(rollout, tokenizer, env)
-    template = chat.Template.of(tokenizer, list(env.tools), chat.end_ids(model, tokenizer))
-    episodes = []
-    for start in range(0, len(tasks), rollout.batch_size):  # memory bounded by the batch
-        episodes += chat.rollout(
-            model, tokenizer, env, tasks[start:start + rollout.batch_size], parser=parser,
-            temperature=0.0, max_new_tokens=rollout.max_new_tokens, max_turns=max_turns,
-            generator=torch.Generator().manual_seed(seed), template=template)
+    episodes = chat.greedy(model, tokenizer, env, tasks, rollout, seed)
     out = []
     for i, (task, episode) in enumerate(zip(tasks, episodes)):
         if episode.error:  # a broken tool: said, never logged as the agent's wrong answer

@@ -347,6 +347,25 @@ def rollout(model, tokenizer, env: contract.Environment, tasks: list[dict], *, p
     return episodes_checked(play.episodes)
 
 
+def greedy(model, tokenizer, env: contract.Environment, tasks: list[dict], settings,
+           seed: int) -> list[ChatEpisode]:
+    """One greedy episode per task, as the rollout `settings` say (tool parser, turns, tokens a
+    turn), in batches of `settings.batch_size`: how the gate scores a model on a benchmark and
+    simulate has the champion answer a day's traffic.
+    """
+    import torch
+
+    parser, max_turns = resolve(settings, tokenizer, env)
+    template = Template.of(tokenizer, list(env.tools), end_ids(model, tokenizer))
+    episodes: list[ChatEpisode] = []
+    for start in range(0, len(tasks), settings.batch_size):  # memory bounded by the batch
+        episodes += rollout(
+            model, tokenizer, env, tasks[start:start + settings.batch_size], parser=parser,
+            temperature=0.0, max_new_tokens=settings.max_new_tokens, max_turns=max_turns,
+            generator=torch.Generator().manual_seed(seed), template=template)
+    return episodes
+
+
 def settle(play: _Play, index: int, prompt: list[int], ids: list[int], mask: list[int],
            logprobs: list[float], finish: str, closes: list[int]) -> ChatEpisode:
     """Episode `index` of `play` from what the model and the environment wrote after its prompt
