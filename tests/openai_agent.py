@@ -166,6 +166,22 @@ def capture_as_events(capture: str) -> None:
         os.environ["OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"] = "true"
 
 
+def instrumented_turn(port: int, question: str, tracer_provider, logger_provider) -> None:
+    """One agent turn on the openai client, instrumented by opentelemetry-instrumentation-openai-v2
+    into these providers (its content capture set before, `capture_as_events`).
+    """
+    import openai
+    from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
+
+    OpenAIInstrumentor().instrument(tracer_provider=tracer_provider,
+                                    logger_provider=logger_provider)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    messages = [{"role": "system", "content": "Use the calculator."},
+                {"role": "user", "content": question}]
+    with tracer_provider.get_tracer("calc-agent").start_as_current_span("invoke_agent calc"):
+        calculator_turn(client, messages)
+
+
 def export(port: int, endpoint: str, capture: str, first: str, question: str) -> None:
     """One agent turn, messages captured as log events (`capture` as in `events`), exported live
     the way a deployed agent does: spans by the OTLP/HTTP span exporter to `endpoint`/v1/traces,
@@ -174,10 +190,8 @@ def export(port: int, endpoint: str, capture: str, first: str, question: str) ->
     before their spans and those that come after.
     """
     capture_as_events(capture)
-    import openai
     from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
     from opentelemetry.sdk._logs import LoggerProvider
     from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
     from opentelemetry.sdk.resources import Resource
@@ -191,13 +205,7 @@ def export(port: int, endpoint: str, capture: str, first: str, question: str) ->
     logger_provider = LoggerProvider(resource=resource)
     logger_provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter(
         endpoint=f"{endpoint}/v1/logs")))
-    OpenAIInstrumentor().instrument(tracer_provider=tracer_provider,
-                                    logger_provider=logger_provider)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-    messages = [{"role": "system", "content": "Use the calculator."},
-                {"role": "user", "content": question}]
-    with tracer_provider.get_tracer("calc-agent").start_as_current_span("invoke_agent calc"):
-        calculator_turn(client, messages)
+    instrumented_turn(port, question, tracer_provider, logger_provider)
     order = [tracer_provider, logger_provider]
     for provider in order if first == "spans" else order[::-1]:
         provider.shutdown()  # exports what is left
@@ -213,11 +221,9 @@ def events(port: int, out: str, capture: str, question: str) -> None:
     capture_as_events(capture)
     import base64
 
-    import openai
     from google.protobuf import json_format
     from opentelemetry.exporter.otlp.proto.common._log_encoder import encode_logs
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-    from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
     from opentelemetry.sdk._logs import LoggerProvider
     from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
     from opentelemetry.sdk.resources import Resource
@@ -231,13 +237,7 @@ def events(port: int, out: str, capture: str, question: str) -> None:
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
     logger_provider = LoggerProvider(resource=resource)
     logger_provider.add_log_record_processor(SimpleLogRecordProcessor(logs))
-    OpenAIInstrumentor().instrument(tracer_provider=tracer_provider,
-                                    logger_provider=logger_provider)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-    messages = [{"role": "system", "content": "Use the calculator."},
-                {"role": "user", "content": question}]
-    with tracer_provider.get_tracer("calc-agent").start_as_current_span("invoke_agent calc"):
-        calculator_turn(client, messages)
+    instrumented_turn(port, question, tracer_provider, logger_provider)
 
     def hex_ids(value):  # OTLP JSON writes ids as hex, protobuf's JSON mapping as base64
         if isinstance(value, dict):

@@ -5,6 +5,7 @@ loopback port; then the ingest stage reads what it wrote. Also a kill -9 mid-str
 load shedding, and the grouping and journal on their own.
 """
 
+import contextlib
 import gzip
 import json
 import os
@@ -196,7 +197,7 @@ def test_sdk_export_over_protobuf_is_ingested_as_exactly_those_conversations(rec
                             str(rx.port)], cwd=rx.root, env={**os.environ, "PYTHONPATH": str(REPO)},
                            capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
-    assert "8 spans and 0 log records accepted" in shown.stdout
+    assert "8 spans and 0 log records accepted" in shown.stdout and "3 traces written" in shown.stdout
     # the HTML report's line: the receiver at runtime.collect's address, or none there
     from flows import report
 
@@ -205,7 +206,22 @@ def test_sdk_export_over_protobuf_is_ingested_as_exactly_those_conversations(rec
     assert "no `offseason collect` answers there" in report.collect_note(rx.root)
     (rx.root / "params.yaml").write_text(params.replace("port: 4318", f"port: {rx.port}"))
     note = report.collect_note(rx.root)
-    assert f"at http://127.0.0.1:{rx.port}: collect: 8 spans" in note and "3 traces written" in note and "3 traces written" in shown.stdout
+    assert f"at http://127.0.0.1:{rx.port}: collect: 8 spans" in note and "3 traces written" in note
+
+
+@contextlib.contextmanager
+def scripted_openai_server():
+    """tests/openai_agent.py's scripted OpenAI-compatible server on a free port: (port, script)."""
+    port = free_port()
+    script = Path(__file__).parent / "openai_agent.py"
+    server = subprocess.Popen([sys.executable, str(script), "server", str(port)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        yield port, script
+    finally:
+        server.terminate()
+        server.wait()
 
 
 def test_the_openai_client_instrumented_by_opentelemetry_exports_to_collect(receiver, tmp_path):
@@ -216,18 +232,10 @@ def test_the_openai_client_instrumented_by_opentelemetry_exports_to_collect(rece
     pytest.importorskip("openinference.instrumentation.openai")
     pytest.importorskip("opentelemetry.exporter.otlp.json.http")
     rx = receiver()
-    port = free_port()
-    script = Path(__file__).parent / "openai_agent.py"
-    server = subprocess.Popen([sys.executable, str(script), "server", str(port)],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout.readline().strip() == "listening"
+    with scripted_openai_server() as (port, script):
         subprocess.run([sys.executable, str(script), "agent", str(port), f"{rx.url}/v1/traces",
                         "What is 2+3?", "genai", "protobuf",
                         "What is 40+2?", "openinference", "json"], check=True, timeout=60)
-    finally:
-        server.terminate()
-        server.wait()
     wait_for_traces(rx.root, 2)
     metrics, rows = ingested(rx.root, tmp_path)
     assert (metrics["accepted"], metrics["quarantined"]) == (2, 0)
@@ -559,21 +567,13 @@ def test_the_openai_client_s_message_events_come_to_v1_logs_and_are_ingested_wit
         receiver, tmp_path):
     pytest.importorskip("opentelemetry.instrumentation.openai_v2")  # the dev extra has it
     rx = receiver()
-    port = free_port()
-    script = Path(__file__).parent / "openai_agent.py"
-    server = subprocess.Popen([sys.executable, str(script), "server", str(port)],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout.readline().strip() == "listening"
+    with scripted_openai_server() as (port, script):
         # an operation-details event a call (the earlier event-a-message conventions are no
         # longer emitted by this instrumentation: recorded_turn_with_events has them); log
         # records flushed after the spans, then before them
         for first, question in (("spans", "What is 2+3?"), ("logs", "What is 40+2?")):
             subprocess.run([sys.executable, str(script), "export", str(port), rx.url, "events",
                             first, question], check=True, timeout=60)
-    finally:
-        server.terminate()
-        server.wait()
     documents = wait_for_traces(rx.root, 2)
     time.sleep(collect.ROOT_WAIT + 3 * collect.TICK)  # a log record written late would show
     assert len(inbox_documents(rx.root)) == 2
