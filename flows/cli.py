@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import json
 import sys
 import time
@@ -1095,17 +1094,10 @@ def service_commands(sub) -> None:
 def console() -> int:
     """The `offseason` command: main(), then a quick exit."""
     code = main()
-    exit_soon()
+    from stages import io
+
+    io.exit_soon()
     return code
-
-
-def exit_soon() -> None:
-    """The process ends next. Python's last garbage collections would walk every object Prefect,
-    MLflow and pandas made (about a second on 2 cores) only to free memory the OS frees anyway:
-    moved out of their way. atexit handlers (Prefect sending its last logs) still run.
-    """
-    sys.stdout.flush()
-    gc.freeze()
 
 
 def main(argv: list[str] | None = None) -> int:

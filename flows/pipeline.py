@@ -20,14 +20,15 @@
   of a deployment calls it itself.
 
 DVC still runs each stage command as a child process of its own, so `dvc repro` alone runs the same
-cycle. BENCHMARKS.md ("Orchestration overhead") measures what this saves.
+cycle. BENCHMARKS.md ("Orchestration overhead") measures what this saves. With the first `dvc
+repro`, the session also starts a fork server (flows/forkserver.py), from which the model stages'
+processes are forked with torch and transformers already imported.
 
     python -m flows.pipeline MARKER   # the session process (internal): one JSON argv per stdin line
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import queue
@@ -43,8 +44,9 @@ from pathlib import Path
 
 import yaml
 
-from flows import workspace
+from flows import forkserver, workspace
 from flows.workspace import WorkspaceError, generations, inputs_fingerprint, read_at
+from stages import io
 
 # DVC's lines that open a stage's part of the output (dvc/stage/run.py, dvc/stage/__init__.py)
 ANNOUNCED = re.compile(r"(?:Running stage '([^']+)':|Stage '([^']+)' (?:didn't change, skipping|"
@@ -438,15 +440,22 @@ def main(argv: list[str] | None = None) -> int:
     from dvc.repo import Repo  # noqa: F401
 
     parse_args(["status"])  # builds DVC's parser: every command's module
+    server = None
     try:
         for line in sys.stdin:
-            code = dvc_main(json.loads(line))
+            args = json.loads(line)
+            if server is None and forkserver.precedes_served(args):
+                server = forkserver.start(Path.cwd())
+            code = dvc_main(args)
             sys.stderr.flush()
             # on a line of its own, whatever the stage's last output line ended with
             print(f"\n{marker}{code}", flush=True)
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group
         return 130
-    gc.freeze()  # exiting: no last garbage collections over DVC's objects (see flows/cli.py)
+    finally:
+        if server is not None:
+            server.stop()
+    io.exit_soon()
     return 0
 
 

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from stages import config as cfg
-from stages import tinylm
+from stages import io, tinylm
 from stages.envs.registry import ENVIRONMENTS
 from stages.training import warmstart
 
@@ -85,3 +85,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    io.exit_soon()

@@ -597,3 +597,4 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     with budgets.stops_cleanly("reward"):
         main()
+    io.exit_soon()

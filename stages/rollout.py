@@ -363,3 +363,4 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     with budgets.stops_cleanly("rollout"):
         main()
+    io.exit_soon()

@@ -443,3 +443,4 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     with budgets.stops_cleanly("train"):
         main()
+    io.exit_soon()
