@@ -28,6 +28,7 @@ import gc
 import json
 import os
 import selectors
+import shlex
 import shutil
 import signal
 import socket
@@ -74,14 +75,15 @@ def comparable(env: dict) -> dict:
 def shim(folder: Path, modules: list[str]) -> Path:
     """Write the `python` that DVC's stage commands find first on PATH; returns its folder.
 
-    It is the real interpreter with `-S` (no site-packages: the client needs only the standard
-    library, and starts in about 15 ms), running `client()` for the served `modules`.
+    A shell script (a `#!` line naming the interpreter could outgrow the kernel's limit in a deep
+    folder) that runs the real interpreter with `-S` (no site-packages: the client needs only the
+    standard library, and starts in about 15 ms) on `client()` for the served `modules`.
     """
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "python"
-    path.write_text(f"#!{sys.executable} -S\n"
-                    f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
-                    f"from flows.forkserver import client\nclient({sys.executable!r}, {modules!r})\n")
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); "
+            f"from flows.forkserver import client; client({sys.executable!r}, {modules!r})")
+    path.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S -c {shlex.quote(code)} "$@"\n')
     path.chmod(0o755)
     return folder
 
@@ -151,13 +153,12 @@ def _through_server(address: str, args: list[str]) -> int | None:
         body = json.dumps({"args": args, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
         socket.send_fds(sock, [HEADER.pack(len(body)) + body], [0, 1, 2])
         reply = _read_message(sock)
-    except OSError:
-        sock.close()
-        return None
+    except OSError as err:
+        reply = {"refused": f"no server answers ({err})"}
     if reply is None or "pid" not in reply:  # refused, or the server ended before forking
         sock.close()
-        if reply is not None:  # a refusal is a slow start: say why
-            print(f"forkserver: {args[1]} starts cold: {reply['refused']}", file=sys.stderr)
+        why = "the server ended (see its error above)" if reply is None else reply["refused"]
+        print(f"forkserver: {args[1]} starts cold: {why}", file=sys.stderr)  # a slower start
         return None
     pid = reply["pid"]
 
@@ -229,6 +230,9 @@ def serve(fd: int, modules: list[str]) -> int:
     # SIGTERM (a cancelled cycle's kill_tree) ends the server through its `finally`, which kills
     # its children: none runs on unseen, its client gone
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # Ctrl-C reaches the children from the terminal; the server must not end (and kill them)
+    # before they have handled it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     own = comparable(dict(os.environ))
     import importlib
 
@@ -337,7 +341,6 @@ def _become(conn, fds: list[int], args: list[str], cwd: str, env: dict) -> None:
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        gc.unfreeze()
         code = _run_module(args[1], args[2:])
     finally:
         _exit(code)

@@ -61,7 +61,10 @@ def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_pat
     for name in ("mlflow.db", "mlartifacts"):  # its own MLflow: only git, DVC and data copied
         shutil.rmtree(killed / name, ignore_errors=True) if (killed / name).is_dir() else \
             (killed / name).unlink(missing_ok=True)
-    offseason(reference, "run")
+    done = offseason(reference, "run")
+    # the model stages were forked from the session's warm server (flows/forkserver.py), and
+    # what they wrote is what the killed runs below must reproduce
+    assert "starts cold" not in done.stdout + done.stderr, done.stderr[-3000:]
 
     for i, stage in enumerate(STAGES):
         stamps = {s: newest(killed, s) for s in STAGES}

@@ -95,6 +95,8 @@ def test_what_the_server_does_not_serve_runs_cold(served):
     assert python(root, env, "-c", "print(6 * 7)").stdout == "42\n"
     changed = python(root, {**env, "PROBE": "changed since the server started"}, "-m",
                      "probe.stage", "report", "0")
+    assert "probe.stage starts cold: its environment differs from the server's in PROBE" in \
+        changed.stderr
     seen = report(changed)
     assert seen["ppid"] != server.proc.pid and seen["probe"] == "changed since the server started"
     shutil.copytree(root / "probe", root / "sub" / "probe")
@@ -160,6 +162,7 @@ def test_with_the_server_gone_every_command_runs_cold(served):
     server.proc.wait()
     out = python(root, env, "-m", "probe.stage", "report", "0")
     assert out.returncode == 0 and report(out)["ppid"] != server.proc.pid
+    assert "probe.stage starts cold: no server answers" in out.stderr
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
