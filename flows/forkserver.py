@@ -47,6 +47,7 @@ SERVED = ("stages.rollout", "stages.reward", "stages.train", "stages.champion_sc
 UNCOMPARED = {"PATH", "PWD", "OLDPWD", "SHLVL", "_"}
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 HEADER = struct.Struct("!I")
+PREFIX = "offseason-fork-"  # the temporary folder of a session's socket and shim
 
 
 def available() -> bool:
@@ -95,7 +96,9 @@ class Server:
         """Start the server of `modules` (importable from `root`, the commands' working folder)
         and point this process's environment, which DVC's stage commands inherit, at it.
         """
-        self.folder = Path(tempfile.mkdtemp(prefix="offseason-fork-"))
+        _remove_stale()
+        self.folder = Path(tempfile.mkdtemp(prefix=PREFIX))
+        (self.folder / "owner").write_text(str(os.getpid()))
         self.address = str(self.folder / "socket")
         self.bin = shim(self.folder / "bin", list(modules))
         os.environ[ADDRESS] = self.address
@@ -121,6 +124,18 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _remove_stale() -> None:
+    """Remove the socket and shim folders of sessions that were killed before `stop()`."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
+        try:
+            owner = int((folder / "owner").read_text())
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (OSError, ValueError):  # another user's, or still being made: not ours to judge
+            continue
 
 
 def start(root: Path) -> Server | None:

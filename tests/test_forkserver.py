@@ -180,3 +180,28 @@ def test_the_session_starts_a_server_only_for_commands_that_lead_to_model_stages
                          (["repro", "ingest"], False), (["add", "models/champion"], False),
                          (["push"], False)):
         assert forkserver.precedes_served(args) is starts, args
+
+
+def test_the_folders_of_killed_sessions_are_removed_by_the_next_server(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale, live = tmp_path / f"{forkserver.PREFIX}stale", tmp_path / f"{forkserver.PREFIX}live"
+    for folder, owner in ((stale, dead.pid), (live, os.getpid())):
+        folder.mkdir()
+        (folder / "owner").write_text(str(owner))
+        (folder / "socket").touch()
+    (tmp_path / "root" / "probe").mkdir(parents=True)
+    for name in ("__init__.py", "stage.py"):
+        (tmp_path / "root" / "probe" / name).write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    server = forkserver.Server(tmp_path / "root", ("probe.stage",))
+    try:
+        assert not stale.exists() and live.exists()
+        assert server.folder.parent == tmp_path and (server.folder / "owner").read_text() == \
+            str(os.getpid())
+    finally:
+        server.stop()
+    assert not server.folder.exists()
