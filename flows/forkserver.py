@@ -128,14 +128,25 @@ class Server:
 
 def _remove_stale() -> None:
     """Remove the socket and shim folders of sessions that were killed before `stop()`."""
+    import time
+
     for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
         try:
-            owner = int((folder / "owner").read_text())
-            os.kill(owner, 0)
+            if not (folder / "owner").exists():  # still being made, or made before owners
+                if time.time() - folder.stat().st_mtime > 60 and folder.owner() == _me():
+                    shutil.rmtree(folder, ignore_errors=True)
+                continue
+            os.kill(int((folder / "owner").read_text()), 0)
         except ProcessLookupError:
             shutil.rmtree(folder, ignore_errors=True)
-        except (OSError, ValueError):  # another user's, or still being made: not ours to judge
+        except (OSError, ValueError, KeyError):  # another user's: not ours to judge
             continue
+
+
+def _me() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
 
 
 def start(root: Path) -> Server | None:

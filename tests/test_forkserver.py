@@ -193,6 +193,11 @@ def test_the_folders_of_killed_sessions_are_removed_by_the_next_server(tmp_path,
         folder.mkdir()
         (folder / "owner").write_text(str(owner))
         (folder / "socket").touch()
+    # no owner: one being made now is left alone, an old one (from before owners) removed
+    young, old = tmp_path / f"{forkserver.PREFIX}young", tmp_path / f"{forkserver.PREFIX}old"
+    young.mkdir()
+    old.mkdir()
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
     (tmp_path / "root" / "probe").mkdir(parents=True)
     for name in ("__init__.py", "stage.py"):
         (tmp_path / "root" / "probe" / name).write_text("")
@@ -200,6 +205,7 @@ def test_the_folders_of_killed_sessions_are_removed_by_the_next_server(tmp_path,
     server = forkserver.Server(tmp_path / "root", ("probe.stage",))
     try:
         assert not stale.exists() and live.exists()
+        assert young.exists() and not old.exists()
         assert server.folder.parent == tmp_path and (server.folder / "owner").read_text() == \
             str(os.getpid())
     finally:
