@@ -197,12 +197,10 @@ def _through_server(address: str, args: list[str]) -> int | None:
     for signum in FORWARDED:
         signal.signal(signum, forward)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C reaches the child itself
-    while True:
-        try:
-            done = _read_message(sock)
-            break
-        except InterruptedError:
-            continue
+    try:  # (a forwarded signal's handler interrupts the wait; Python resumes it)
+        done = _read_message(sock)
+    except OSError:  # reset: the server was killed
+        done = None
     if done is None or "status" not in done:  # the server was killed, and the child with it
         return signal.SIGKILL  # a wait status: killed by SIGKILL
     return done["status"]
