@@ -133,20 +133,15 @@ def _remove_stale() -> None:
     for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
         try:
             if not (folder / "owner").exists():  # still being made, or made before owners
-                if time.time() - folder.stat().st_mtime > 60 and folder.owner() == _me():
+                made = folder.stat()
+                if time.time() - made.st_mtime > 60 and made.st_uid == os.getuid():
                     shutil.rmtree(folder, ignore_errors=True)
                 continue
             os.kill(int((folder / "owner").read_text()), 0)
         except ProcessLookupError:
             shutil.rmtree(folder, ignore_errors=True)
-        except (OSError, ValueError, KeyError):  # another user's: not ours to judge
+        except (OSError, ValueError):  # another user's: not ours to judge
             continue
-
-
-def _me() -> str:
-    import pwd
-
-    return pwd.getpwuid(os.getuid()).pw_name
 
 
 def start(root: Path) -> Server | None:
@@ -327,9 +322,8 @@ def _start(conn: socket.socket, own: dict, modules: list[str], listener, selecto
     refusal = None
     if len(fds) != 3 or args[:1] != ["-m"] or args[1] not in modules:
         refusal = "not a served stage command"
-    elif comparable(env) != own:
-        differ = sorted(k for k in set(comparable(env)) | set(own)
-                        if comparable(env).get(k) != own.get(k))
+    elif (theirs := comparable(env)) != own:
+        differ = sorted(k for k in theirs.keys() | own.keys() if theirs.get(k) != own.get(k))
         refusal = f"its environment differs from the server's in {', '.join(differ)}"
     elif os.path.realpath(cwd) != os.path.realpath(sys.path[0] or os.getcwd()):
         refusal = "another working folder"
