@@ -46,18 +46,21 @@ report-tools:
 # torch first, by pip and pinned: pip finds the CPU build of 2.13.0 that this machine keeps on disk
 # (uv does not look there); an unpinned torch would pull a multi-GB CUDA build. The rest, pinned by
 # constraints.txt to versions tested together, comes through uv, which keeps that torch (its version
-# matches) and fetches and unpacks about 280 packages in parallel: about 10 s where pip took 2.4
-# minutes, most of it compiling every module to bytecode (--no-compile: Python compiles the modules
-# that are imported, once, when they are). Where uv cannot be had, pip does it all.
-# g++: DeepSpeed compiles its small CPU ops (shared-memory comm) on first use.
+# matches), fetches and unpacks about 280 packages in parallel and compiles them to bytecode on
+# every core: about a minute in all, where pip took 2.8. The bytecode matters: where
+# PYTHONDONTWRITEBYTECODE is set (as on this project's machines) nothing imported is ever cached,
+# and every process would compile Prefect, MLflow and torch from source again.
+# Where uv cannot be had, pip does it all.
+# g++: DeepSpeed probes for a compiler when it starts (it compiles none of its ops for our training:
+# stages/training/trainers.py, no_shm_comm_op).
 UV_VERSION := 0.13.9
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0
+	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
 	{ $(BIN)/python -m pip install -q --disable-pip-version-check uv==$(UV_VERSION) && \
-	  $(BIN)/uv pip install -q --python $(BIN)/python -c constraints.txt -e '.[dev]'; } || \
-	  $(BIN)/python -m pip install -q --disable-pip-version-check --no-compile -c constraints.txt -e '.[dev]'
+	  $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c constraints.txt -e '.[dev]'; } || \
+	  $(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $@
 
 demo: setup

@@ -216,9 +216,12 @@ def test_deepspeed_zero2_trains_on_cpu(tmp_path, champion, one_process_group):
     assert m["trained"] is True and m["deepspeed"] == 2 and m["precision"] == "fp32"
     assert m["steps"] == 2 and len(steps(tmp_path)) == 2
     assert gate.weights_hash(tmp_path / "candidate") != gate.weights_hash(champion)
+    import deepspeed.comm.comm
     from deepspeed.accelerator import get_accelerator
 
     assert get_accelerator().device_name() == "cpu"
+    # its comm backend started without compiling the shared-memory op (`no_shm_comm_op`)
+    assert deepspeed.comm.comm.cdb is not None and deepspeed.comm.comm.cdb.shm_comm_op is None
 
 
 @pytest.mark.gpu

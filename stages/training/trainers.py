@@ -41,7 +41,8 @@ def deepspeed_config(setting: int | str, bf16: bool) -> dict | None:
     """The DeepSpeed config for `train.deepspeed`: None (off), a ZeRO stage, or a JSON file.
 
     The optimizer stays the Trainer's torch AdamW (handed to DeepSpeed, hence
-    `zero_allow_untested_optimizer`): the same update as without DeepSpeed, and no op to compile.
+    `zero_allow_untested_optimizer`): the same update as without DeepSpeed, and no optimizer op to
+    compile (nor, on a CPU, the comm op: `no_shm_comm_op`).
     "auto" values are filled in by transformers from the TrainingArguments.
     """
     if setting in (0, "0"):
@@ -80,6 +81,19 @@ def single_process_distributed(device: str) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def no_shm_comm_op() -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce op when it starts on a CPU.
+
+    DeepSpeed's comm backend builds that op (g++, about 45 s on 2 cores, again for every new
+    venv) whenever it starts on a CPU, yet only its inference all_reduce (tensor-parallel
+    inference) calls it; ZeRO training reduces through torch.distributed (gloo here). Marked as
+    DeepSpeed marks an op that cannot build on this machine, so the backend starts without it.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 @dataclass(frozen=True)
 class ArgumentsFor:
     """The TrainingArguments of one training, by the number of rows it trains on: the steps are
@@ -102,6 +116,8 @@ class ArgumentsFor:
         hw = hardware()
         if self.deepspeed is not None:
             single_process_distributed(hw["device"])
+            if hw["device"] == "cpu":
+                no_shm_comm_op()
         return cls(
             output_dir=str(self.work), max_steps=steps, per_device_train_batch_size=self.batch_size,
             # no warm-up under 20 steps: HF's warm-up gives step 0 a learning rate of 0
