@@ -266,26 +266,44 @@ def copy_project(source: Path, target: Path) -> Path:
     return target
 
 
-@pytest.fixture(scope="session")
-def simulated_once(tmp_path_factory) -> Path:
-    """One project (TINY params) after `offseason init` and a day of `offseason simulate`, made
-    once per test session and shared by the xdist workers (the first one builds it, under a file
-    lock, in the folder above the workers' own); tests take copies of it, never it.
+# TINY with a warm start long enough that some rollouts are verified correct, so that a cycle's
+# train stage has examples to learn from (and trace ids to trace): the lineage and the served
+# deployment start from it
+LEARN = {**TINY, "init": {**TINY["init"], "n_layer": 2, "n_embd": 64, "warmup_steps": 150,
+                          "tool_fraction": 0.9}}
+
+
+def built_once(tmp_path_factory, name: str, params: dict) -> Path:
+    """One project (`params`) after `offseason init` and a day of `offseason simulate`, made once
+    per test session and shared by the xdist workers (the first one builds it, under a file lock,
+    in the folder above the workers' own); tests take copies of it, never it.
     """
     from filelock import FileLock
 
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent
-    root = shared / "simulated" / "project"
-    with FileLock(str(shared / "simulated.lock")):
+    root = shared / name / "project"
+    with FileLock(str(shared / f"{name}.lock")):
         if not (root.parent / "done").exists():
             shutil.rmtree(root.parent, ignore_errors=True)
-            make_project(root)
+            make_project(root, params)
             offseason(root, "init")
             offseason(root, "simulate")
             (root.parent / "done").touch()
     return root
+
+
+@pytest.fixture(scope="session")
+def simulated_once(tmp_path_factory) -> Path:
+    """The TINY project after `offseason init` and one day of `offseason simulate` (`built_once`)."""
+    return built_once(tmp_path_factory, "simulated", TINY)
+
+
+@pytest.fixture(scope="session")
+def learned_once(tmp_path_factory) -> Path:
+    """The LEARN project after `offseason init` and one day of `offseason simulate` (`built_once`)."""
+    return built_once(tmp_path_factory, "learned", LEARN)
 
 
 @pytest.fixture

@@ -12,16 +12,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TINY, cli_env, make_project, offseason
+from conftest import cli_env, copy_project, offseason, write_params
 
 # one xdist worker runs this module: its module-scoped fixture is built once
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lineage")]
 
-# TINY, with a warm start long enough that some rollouts are verified correct, so the train stage
-# has examples (and trace ids) to learn from
-LEARN = {**TINY, "init": {**TINY["init"], "n_layer": 2, "n_embd": 64, "warmup_steps": 150,
-                          "tool_fraction": 0.9},
-         "rollout": {"samples_per_task": 4, "batch_size": 256}}
+# the shared warm-started project (conftest.LEARN: some rollouts verified correct, so the train
+# stage has examples and trace ids to learn from), four samples per task
+LEARN_HERE = {"rollout": {"samples_per_task": 4, "batch_size": 256}}
 
 
 def git(root, *args):
@@ -30,12 +28,13 @@ def git(root, *args):
 
 
 @pytest.fixture(scope="module")
-def learned(tmp_path_factory):
-    root = make_project(tmp_path_factory.mktemp("lineage") / "project", LEARN)
-    offseason(root, "init")
-    for _ in range(2):
-        offseason(root, "simulate")
-        offseason(root, "run")
+def learned(tmp_path_factory, learned_once):
+    """Two cycles, each on a day of traffic, from the shared warm start."""
+    root = copy_project(learned_once, tmp_path_factory.mktemp("lineage") / "project")
+    write_params(root, LEARN_HERE)
+    offseason(root, "run")
+    offseason(root, "simulate")
+    offseason(root, "run")
     return root
 
 

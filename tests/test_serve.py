@@ -11,16 +11,14 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 import yaml
-from conftest import BIN, TINY, cli_env, hold_cycle_lock, make_project, offseason
+from conftest import BIN, cli_env, copy_project, hold_cycle_lock, offseason, write_params
 
 pytestmark = pytest.mark.slow
 
-# TINY, with a warm start long enough that some rollouts are verified correct (so a candidate is
-# trained: one identical to the champion never passes) and gate margins no trained candidate can
-# miss: the run must reach the approval, whatever the tiny model learned
-APPROVABLE = {**TINY, "init": {**TINY["init"], "n_layer": 2, "n_embd": 64, "warmup_steps": 300,
-                               "tool_fraction": 0.9},
-              "gate": {**TINY["gate"], "min_improvement": -1.0, "max_length_increase": 100.0,
+# the shared warm-started project (conftest.LEARN: some rollouts verified correct, so a candidate
+# is trained: one identical to the champion never passes), with gate margins no trained candidate
+# can miss: the run must reach the approval, whatever the tiny model learned
+APPROVABLE = {"gate": {"min_improvement": -1.0, "max_length_increase": 100.0,
                        "max_format_regression": 1.0, "max_tool_error_regression": 1.0}}
 
 
@@ -96,7 +94,8 @@ def prefect_server(tmp_path):
         stop(proc)
 
 
-def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, tmp_path):
+def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, learned_once,
+                                                             tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -106,12 +105,13 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, tmp_
     # Saturday 04:00, the default weekly) would start a cycle of its own and make a gen-2
     far = datetime.now(timezone.utc) + timedelta(hours=12)
     nightly_cron = f"{far.minute} {far.hour} * * *"
-    project = make_project(tmp_path / "project", {**APPROVABLE, "deployments": {
+    project = copy_project(learned_once, tmp_path / "project")
+    write_params(project, {**APPROVABLE, "deployments": {
         "timezone": "UTC", "nightly": {"cron": nightly_cron},
         "weekly": {"cron": f"{far.minute} {far.hour} * * {far.isoweekday() % 7}",
                    "parameters": {"samples_per_task": 8}}}})
-    offseason(project, "init")
-    offseason(project, "simulate")
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam",
+                    "the project's settings"], cwd=project, check=True)
     standing = (project / "params.yaml").read_text()
     # the served process looks for scheduled (and resumed) runs every 2 s instead of 10
     env = {**cli_env(project), "PREFECT_API_URL": prefect_server,
