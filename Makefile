@@ -66,12 +66,13 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/offseason demo
 
-# The tests run on pytest-xdist workers, one per core (`auto`), one torch thread in each
-# (tests/conftest.py): about half the suite waits on processes, servers and disks, so two workers
-# on 2 cores beat one process (BENCHMARKS.md, "The test suite"). A module with an expensive module
-# fixture stays on one worker (`--dist loadgroup`); modules with slow tests start first.
-# `make test TEST_WORKERS=0` runs them in one process. The slowest tests are listed at the end.
-TEST_WORKERS ?= auto
+# The tests run on pytest-xdist workers, one more than the cores, one torch thread in each
+# (tests/conftest.py): part of the suite waits on processes, servers and disks (both cores are
+# about 86 % busy with one worker per core), so a third worker on 2 cores fills some of that
+# (9:49 and 9:58 against 10:37 in one tree; BENCHMARKS.md, "The test suite"). A module with an
+# expensive module fixture stays on one worker (`--dist loadgroup`); modules with slow tests start
+# first. `make test TEST_WORKERS=0` runs them in one process. The slowest tests are listed at the end.
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
