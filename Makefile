@@ -47,7 +47,7 @@ report-tools:
 # (uv does not look there); an unpinned torch would pull a multi-GB CUDA build. The rest, pinned by
 # constraints.txt to versions tested together, comes through uv, which keeps that torch (its version
 # matches), fetches and unpacks about 280 packages in parallel and compiles them to bytecode on
-# every core: about a minute in all, where pip took 2.8. The bytecode matters: where
+# every core (a minute where pip alone took three: BENCHMARKS.md, "The demo"). The bytecode matters: where
 # PYTHONDONTWRITEBYTECODE is set (as on this project's machines) nothing imported is ever cached,
 # and every process would compile Prefect, MLflow and torch from source again.
 # Where uv cannot be had, pip does it all.
@@ -69,7 +69,7 @@ demo: setup
 # The tests run on pytest-xdist workers, one more than the cores, one torch thread in each
 # (tests/conftest.py): part of the suite waits on processes, servers and disks (both cores are
 # about 86 % busy with one worker per core), so a third worker on 2 cores fills some of that
-# (9:49 and 9:58 against 10:37 in one tree; BENCHMARKS.md, "The test suite"). A module with an
+# (BENCHMARKS.md, "The test suite"). A module with an
 # expensive module fixture stays on one worker (`--dist loadgroup`); modules with slow tests start
 # first. `make test TEST_WORKERS=0` runs them in one process. The slowest tests are listed at the end.
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) + 1 )))
