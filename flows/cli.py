@@ -755,7 +755,7 @@ def cmd_collect(args) -> int:
     """`offseason collect`: the OTLP/HTTP receiver until Ctrl-C, or --status of a running one."""
     import os
 
-    from flows import collect, report
+    from flows import collect  # not the report: the receiver needs no MLflow
 
     root, _ = workspace(env=False)
     settings = cfg.collect(root / "params.yaml")
@@ -763,7 +763,7 @@ def cmd_collect(args) -> int:
                                                 (("host", args.host), ("port", args.port))
                                                 if value is not None})
     if args.status:
-        found = collect.read_status(report.collect_status_url(settings),
+        found = collect.read_status(collect.status_url(settings),
                                     os.environ.get(settings.token_env, ""))
         print(json.dumps(found, indent=2) if args.json else collect.status_text(found))
         return 0

@@ -119,6 +119,15 @@ class Refused(Exception):
 
 # --- decoding ---------------------------------------------------------------------------------
 
+def status_url(settings) -> str:
+    """Where a receiver with `runtime.collect` settings answers `GET /status` (a wildcard
+    address is asked on loopback).
+    """
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{settings.port}/status"
+
+
 def decode(body: bytes, content_type: str, encoding: str, limit: int,
            kind: type = ExportTraceServiceRequest
            ) -> tuple[ExportTraceServiceRequest | ExportLogsServiceRequest, bytes]:

@@ -4,10 +4,12 @@ Each of a cycle's model stages (rollout, reward, train, champion_scores, gate) s
 its 4.5 seconds on 2 cores importing torch and transformers (`python -X importtime`), which is
 most of a small cycle's time and all of it repeated. A cycle's DVC session (flows/pipeline.py)
 starts one fork server as its first `dvc repro` begins: a process that imports those stage modules
-once, while ingest and validate run, then forks a child for each of those stage commands that runs
-it exactly as `python -m stages.X ARGS` would: the command's argv, working folder, environment,
-stdin/stdout/stderr (handed over as file descriptors), exit status or death by signal. What the
-stage computes does not change; only where its process comes from.
+once, while ingest and validate run (from the moment the first stage command starts: a `dvc repro`
+that runs no stage, all up to date or failing before the first, imports nothing), then forks a
+child for each of those stage commands that runs it exactly as `python -m stages.X ARGS` would:
+the command's argv, working folder, environment, stdin/stdout/stderr (handed over as file
+descriptors), exit status or death by signal. What the stage computes does not change; only where
+its process comes from.
 
 DVC still starts each `python -m stages.X` that dvc.yaml names: the session puts a `python` first
 on DVC's PATH (`shim`), a small client that hands the command to the server and waits for its
@@ -161,7 +163,22 @@ def client(python: str, modules: list[str]) -> None:
         status = _through_server(address, args)
         if status is not None:
             _end_as(status)
+    elif address and len(args) >= 2 and args[0] == "-m" and \
+            args[1].split(".")[0] in {m.split(".")[0] for m in modules}:
+        _wake(address)  # an earlier stage (ingest, validate): time for the server to import
     os.execv(python, [python, *args])
+
+
+def _wake(address: str) -> None:
+    """Tell the server a stage has started: a connection that sends nothing. It imports then (if
+    it has not yet), and drops the connection as a request too short to run.
+    """
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.setblocking(False)  # a full backlog must not hold the stage up
+            sock.connect(address)
+    except OSError:
+        pass
 
 
 def _through_server(address: str, args: list[str]) -> int | None:
@@ -242,8 +259,8 @@ def _send(sock: socket.socket, message: dict) -> None:
 # --- the server ---------------------------------------------------------------------------------
 
 def serve(fd: int, modules: list[str]) -> int:
-    """Import `modules`, then, on the listening socket `fd`, fork one child per command that
-    runs one of them, until stdin (the DVC session) closes.
+    """Import `modules` once the first command connects, then, on the listening socket `fd`,
+    fork one child per command that runs one of them, until stdin (the DVC session) closes.
     """
     listener = socket.socket(fileno=fd)
     # SIGTERM (a cancelled cycle's kill_tree) ends the server through its `finally`, which kills
@@ -253,6 +270,13 @@ def serve(fd: int, modules: list[str]) -> int:
     # before they have handled it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     own = comparable(dict(os.environ))
+    # nothing imported until a stage command comes, served or woken by `_wake`: a session whose
+    # `dvc repro` runs no stage spends nothing (the connection waits in the backlog meanwhile)
+    import select
+
+    if sys.stdin in select.select([listener, sys.stdin], [], [])[0] and \
+            not os.read(sys.stdin.fileno(), 4096):
+        return 0
     import importlib
 
     for name in modules:

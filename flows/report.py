@@ -771,15 +771,6 @@ def _img(element_id: str, alt: str, src: str | None, missing: str) -> str:
     return f'<div class="box"><img id="{element_id}" alt="{_esc(alt)}" src="{src}"></div>'
 
 
-def collect_status_url(settings) -> str:
-    """Where a receiver with `runtime.collect` settings answers `GET /status` (a wildcard
-    address is asked on loopback).
-    """
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
-    host = f"[{host}]" if ":" in host else host
-    return f"http://{host}:{settings.port}/status"
-
-
 def collect_note(root: Path) -> str:
     """The report's line on traces received live: the counters of the `offseason collect`
     running at `runtime.collect`'s address, or that none answers there and how to start one.
@@ -791,7 +782,7 @@ def collect_note(root: Path) -> str:
     from stages import config as cfg
 
     settings = cfg.collect(root / "params.yaml")
-    url = collect_status_url(settings)
+    url = collect.status_url(settings)
     try:
         found = collect.read_status(url, os.environ.get(settings.token_env, ""))
     except WorkspaceError as err:

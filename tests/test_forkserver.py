@@ -174,6 +174,39 @@ def test_a_server_that_dies_takes_its_children_and_their_clients_end(served, tmp
     assert proc.wait(timeout=30) == -signal.SIGKILL  # the stage did not finish: DVC sees it
 
 
+def test_the_server_imports_only_once_a_stage_command_starts(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    (root / "probe").mkdir(parents=True)
+    (root / "probe" / "__init__.py").write_text("")
+    # the served module notes each process that imports it; an earlier stage prints
+    (root / "probe" / "stage.py").write_text(
+        "import os\nwith open(os.environ['IMPORTED'], 'a') as f:\n    f.write(f'{os.getpid()}\\n')\n")
+    (root / "probe" / "earlier.py").write_text("print('an earlier stage')")
+    imported = tmp_path / "imported"
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("IMPORTED", str(imported))
+    # a session that runs no stage: its server imports nothing, and ends when told
+    idle = forkserver.Server(root, ("probe.stage",))
+    idle.stop()
+    assert idle.proc.returncode == 0 and not imported.exists()
+    # an earlier stage's command (not served: it runs cold) is the server's cue to import
+    server = forkserver.Server(root, ("probe.stage",))
+    try:
+        env = dict(os.environ)
+        earlier = python(root, env, "-m", "probe.earlier")
+        assert earlier.returncode == 0 and earlier.stdout == "an earlier stage\n", earlier.stderr
+        deadline = time.time() + 60
+        while not imported.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert imported.read_text() == f"{server.proc.pid}\n"
+        served = python(root, env, "-m", "probe.stage")  # forked: it runs as __main__ in a child
+        assert served.returncode == 0, served.stderr
+        lines = imported.read_text().split()
+        assert len(lines) == 2 and lines[1] != lines[0] and "starts cold" not in served.stderr
+    finally:
+        server.stop()
+
+
 def test_the_session_starts_a_server_only_for_commands_that_lead_to_model_stages():
     for args, starts in ((["repro", "validate"], True), (["repro"], True),
                          (["repro", "--single-item", "rollout", "reward"], True),
