@@ -273,25 +273,35 @@ LEARN = {**TINY, "init": {**TINY["init"], "n_layer": 2, "n_embd": 64, "warmup_st
                           "tool_fraction": 0.9}}
 
 
-def built_once(tmp_path_factory, name: str, params: dict) -> Path:
-    """One project (`params`) after `offseason init` and a day of `offseason simulate`, made once
-    per test session and shared by the xdist workers (the first one builds it, under a file lock,
-    in the folder above the workers' own); tests take copies of it, never it.
+def made_once(tmp_path_factory, name: str, make, leaf: str = "made") -> Path:
+    """`make(folder)` run once per test session and shared by the xdist workers (the first one
+    makes it, under a file lock, in the folder above the workers' own); returns the folder, which
+    tests read or copy, never change.
     """
     from filelock import FileLock
 
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = shared.parent
-    root = shared / name / "project"
+    folder = shared / name / leaf
     with FileLock(str(shared / f"{name}.lock")):
-        if not (root.parent / "done").exists():
-            shutil.rmtree(root.parent, ignore_errors=True)
-            make_project(root, params)
-            offseason(root, "init")
-            offseason(root, "simulate")
-            (root.parent / "done").touch()
-    return root
+        if not (folder.parent / "done").exists():
+            shutil.rmtree(folder.parent, ignore_errors=True)
+            make(folder)
+            (folder.parent / "done").touch()
+    return folder
+
+
+def built_once(tmp_path_factory, name: str, params: dict) -> Path:
+    """One project (`params`) after `offseason init` and a day of `offseason simulate`, made once
+    per test session (`made_once`); tests take copies of it, never it.
+    """
+    def make(root: Path) -> None:
+        make_project(root, params)
+        offseason(root, "init")
+        offseason(root, "simulate")
+
+    return made_once(tmp_path_factory, name, make, leaf="project")
 
 
 @pytest.fixture(scope="session")
@@ -304,6 +314,46 @@ def simulated_once(tmp_path_factory) -> Path:
 def learned_once(tmp_path_factory) -> Path:
     """The LEARN project after `offseason init` and one day of `offseason simulate` (`built_once`)."""
     return built_once(tmp_path_factory, "learned", LEARN)
+
+
+@pytest.fixture(scope="session")
+def chat_champion_once(tmp_path_factory) -> Path:
+    """A tiny Qwen2 chat model folder (tests/chat_model.py) after a few seconds of SFT on the
+    support example's gold conversations through `chat.encode`: enough that it calls lookup_order
+    in some episodes and answers in some. Made once per session (`made_once`): read it, never
+    change it (copy it first).
+    """
+    def make(folder: Path) -> None:
+        import torch
+        from chat_model import build
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from stages.envs import contract
+        from stages.generation import chat
+
+        torch.manual_seed(0)
+        build(folder)
+        tok = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        support = contract.load("support", "examples.support.support_env", REPO)
+        tasks = contract.load_tasks(REPO / "examples/support/tasks.jsonl", support)
+        template = chat.Template.of(tok, list(support.tools), chat.end_ids(model, tok))
+        data = [chat.encode(template, t["messages"] + support.gold(t)) for t in tasks[:6]]
+        width = max(len(ids) for ids, _ in data)
+        inputs = torch.full((len(data), width), tok.pad_token_id)
+        labels = torch.full((len(data), width), -100)
+        attention = torch.zeros((len(data), width), dtype=torch.long)
+        for row, (ids, mask) in enumerate(data):
+            inputs[row, :len(ids)], attention[row, :len(ids)] = torch.tensor(ids), 1
+            labels[row, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for _ in range(90):
+            model(input_ids=inputs, attention_mask=attention, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model.save_pretrained(folder)
+
+    return made_once(tmp_path_factory, "chat-champion", make)
 
 
 @pytest.fixture

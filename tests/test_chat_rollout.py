@@ -96,28 +96,14 @@ def test_the_mask_token_by_token_on_two_tool_calls(family, support):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, support, tasks):
+def trained(chat_champion_once, support):
     """The tiny Qwen2 after a few seconds of SFT on the support example's gold conversations,
-    through `chat.encode`: enough that it calls lookup_order and answers.
+    through `chat.encode` (conftest's `chat_champion_once`): enough that it calls lookup_order and
+    answers.
     """
-    torch.manual_seed(0)
-    folder = build(tmp_path_factory.mktemp("trained"))
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(chat_champion_once)
+    model = AutoModelForCausalLM.from_pretrained(chat_champion_once)
     template = chat.Template.of(tok, list(support.tools), chat.end_ids(model, tok))
-    data = [chat.encode(template, t["messages"] + support.gold(t)) for t in tasks[:6]]
-    width = max(len(ids) for ids, _ in data)
-    inputs = torch.full((len(data), width), tok.pad_token_id)
-    labels = torch.full((len(data), width), -100)
-    attention = torch.zeros((len(data), width), dtype=torch.long)
-    for row, (ids, mask) in enumerate(data):
-        inputs[row, :len(ids)], attention[row, :len(ids)] = torch.tensor(ids), 1
-        labels[row, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(90):
-        model(input_ids=inputs, attention_mask=attention, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
     return tok, model.eval(), template
 
 

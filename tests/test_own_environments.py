@@ -38,32 +38,12 @@ def reward(task, messages):
 
 
 @pytest.fixture(scope="module")
-def champion(tmp_path_factory) -> Path:
-    """A tiny Qwen2 chat model after a few seconds of SFT on the support example's gold
-    conversations (so that some of its rollouts call the tool and some get it right).
+def champion(chat_champion_once, tmp_path_factory) -> Path:
+    """The session's tiny Qwen2 chat model after a few seconds of SFT on the support example's
+    gold conversations (conftest: some of its rollouts call the tool and some get it right): this
+    module's own copy.
     """
-    torch.manual_seed(0)
-    folder = build(tmp_path_factory.mktemp("champion"))
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    support = contract.load("support", "examples.support.support_env", REPO)
-    tasks = contract.load_tasks(REPO / "examples/support/tasks.jsonl", support)
-    template = chat.Template.of(tok, list(support.tools), chat.end_ids(model, tok))
-    data = [chat.encode(template, t["messages"] + support.gold(t)) for t in tasks[:6]]
-    width = max(len(ids) for ids, _ in data)
-    inputs = torch.full((len(data), width), tok.pad_token_id)
-    labels = torch.full((len(data), width), -100)
-    for row, (ids, mask) in enumerate(data):
-        inputs[row, :len(ids)] = torch.tensor(ids)
-        labels[row, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(90):
-        model(input_ids=inputs, attention_mask=(inputs != tok.pad_token_id).long(),
-              labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.save_pretrained(folder)
-    return folder
+    return Path(shutil.copytree(chat_champion_once, tmp_path_factory.mktemp("champion") / "model"))
 
 
 @pytest.fixture
