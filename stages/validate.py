@@ -130,7 +130,6 @@ class Checker:
     def __init__(self, docs: Path):
         """Build the context, suites and checkpoints, with data docs in `docs`."""
         import great_expectations as gx
-        from great_expectations.checkpoint import UpdateDataDocsAction
         from great_expectations.data_context.types.base import ProgressBarsConfig
 
         context = gx.get_context(mode="ephemeral")
@@ -150,11 +149,14 @@ class Checker:
             suite = context.suites.add(gx.ExpectationSuite(name=name, expectations=expectations))
             validation = context.validation_definitions.add(
                 gx.ValidationDefinition(name=name, data=definition, suite=suite))
+            # no UpdateDataDocsAction: it renders the suite's pages and the index again after
+            # each suite of each batch; `render_docs` renders every page once, at the end
             self.checkpoints[name] = context.checkpoints.add(gx.Checkpoint(
                 name=name, validation_definitions=[validation],
-                actions=[UpdateDataDocsAction(name="data_docs", site_names=["offseason"])],
                 result_format={"result_format": "COMPLETE",
                                "unexpected_index_column_names": ["row"]}))
+        self.context = context
+        self.results: list = []  # the identifiers of the stored validation results
         self.batches = 0
 
     def check(self, frames: dict[str, pd.DataFrame]) -> dict[int, list[str]]:
@@ -169,6 +171,7 @@ class Checker:
             if frame.empty:
                 continue
             run = checkpoint.run(batch_parameters={"dataframe": frame}, run_id=run_id)
+            self.results += run.run_results
             for result in run.run_results.values():
                 for outcome in result.results:
                     if outcome.success:
@@ -182,6 +185,16 @@ class Checker:
                     for item in outcome.result.get("unexpected_index_list") or []:
                         failures.setdefault(int(item["row"]), []).append(label)
         return failures
+
+    def render_docs(self) -> None:
+        """Render the Data Docs site: each suite's page, each stored result's, the index."""
+        from great_expectations.data_context.types.resource_identifiers import (
+            ExpectationSuiteIdentifier,
+        )
+
+        suites = [ExpectationSuiteIdentifier(name=name) for name in self.checkpoints]
+        self.context.build_data_docs(site_names=["offseason"],
+                                     resource_identifiers=[*self.results, *suites])
 
 
 def _empty_counts() -> dict:
@@ -293,6 +306,8 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
         writer.write_table(pa.Table.from_pandas(good, schema=schema, preserve_index=False))
     writer.close()
     os.replace(tmp, validated)
+    if checker is not None:
+        checker.render_docs()
     settle_docs(docs_tmp)
     if checker is not None:
         datadocs.localize(docs_tmp)  # nothing fetched from outside when they are opened
