@@ -60,16 +60,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages import config as cfg
-from stages import io, tinylm
+from stages import io
 from stages.envs import contract
 from stages.envs.registry import ENVIRONMENTS
-from stages.generation import transformers_backend
+
+# tinylm and the backends (torch, transformers: seconds) are imported where a model is loaded:
+# the statistics and `offseason benchmark refresh` (item_decisions, refreshed) need neither
 
 MAX_NEW_TOKENS = 48
 
 
 def weights_hash(folder: Path) -> str:
     """The SHA-256 of a model folder's weights (sharded folders too: `tinylm.weights_digest`)."""
+    from stages import tinylm
+
     return tinylm.weights_digest(folder)
 
 
@@ -86,6 +90,9 @@ def components(env, question: str, answer: str, completion: str) -> dict[str, fl
 
 def score(model_dir: Path, env, items: list[dict], seed: int) -> list[dict]:
     """One row per item: correct, format, tool_ok (None when unjudgeable), tokens, completion."""
+    from stages import tinylm
+    from stages.generation import transformers_backend
+
     model, tokenizer = tinylm.load(model_dir)
     episodes = transformers_backend.generate(model, tokenizer, env, [env.prompt(i["question"]) for i in items],
                                  temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, seed=seed,
@@ -124,6 +131,7 @@ def score_chat(model_dir: Path, suites: dict[str, tuple], rollout: cfg.Rollout, 
     """
     import json
 
+    from stages import tinylm
     from stages.generation import chat
 
     model, tokenizer = tinylm.load(model_dir)
@@ -385,6 +393,8 @@ def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path
     (`suites` unused), attempted as the rollout settings say and guarded by each one's
     `max_regression`.
     """
+    from stages import tinylm
+
     tinylm.set_threads(base.threads)
     items, cand, chats = score_all(candidate, config, suites, base.seed, specs, rollout, root)
     margins = None if chats is None else {
