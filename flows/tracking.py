@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 
 import mlflow
-import yaml
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
+
+from stages import config as cfg
 
 EXPERIMENT = "offseason"
 ALIAS = "champion"
@@ -58,7 +59,7 @@ def dvc_hashes(root: Path, stage: str, lock_text: str | None = None) -> dict[str
     if lock_text is None:
         path = root / "dvc.lock"
         lock_text = path.read_text() if path.exists() else ""
-    lock = yaml.safe_load(lock_text) if lock_text else {}
+    lock = cfg.parse_yaml(lock_text) if lock_text else {}
     entry = (lock or {}).get("stages", {}).get(stage, {})
     hashes = {}
     for kind in ("deps", "outs"):

@@ -10,8 +10,10 @@ file, the key's full name, the value it got and what to write instead.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
 import math
 import typing
 from dataclasses import dataclass
@@ -843,13 +845,26 @@ def _build(cls: type, section: str, raw, where: str):
         _fail(where, str(err))
 
 
+@functools.lru_cache(maxsize=32)
+def _parsed(text: str):
+    return yaml.safe_load(text)
+
+
+def parse_yaml(text: str):
+    """`yaml.safe_load(text)`, parsed once per process for each distinct text (a cycle's process
+    reads params.yaml and dvc.lock again and again, and pure-Python YAML takes 20 ms a parse): a
+    copy of its own for the caller to change. Errors are raised each time, as safe_load raises.
+    """
+    return copy.deepcopy(_parsed(text))
+
+
 def read_params(path: str | Path = "params.yaml") -> dict:
     """params.yaml as a dict; raises ParamsError when missing or not YAML."""
     path = Path(path)
     if not path.exists():
         raise ParamsError(f"{path}: not found; run from the project root (where dvc.yaml is)")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = parse_yaml(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as err:
         raise ParamsError(f"{path}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at "
                           f"offset {err.start})") from None
