@@ -152,7 +152,6 @@ def cmd_init(args) -> int:
                       flush=True)
     else:
         items = read_benchmark(root)
-    from flows import promotion, tracking
     from stages import gate, init, io
 
     with cycle_lock(root, "offseason init"):
@@ -182,7 +181,9 @@ def cmd_init(args) -> int:
         io.write_json(root / "metrics" / "init.json", metrics)
         dvc(root, "add", "--quiet", "models/champion")
 
-        import mlflow
+        import mlflow  # only now: a model folder that does not load fails before MLflow's import
+
+        from flows import promotion, tracking
 
         experiment_id = tracking.experiment(root)
         client = mlflow.MlflowClient()

@@ -19,7 +19,6 @@ from pathlib import Path
 from stages import config as cfg
 from stages import io, tinylm
 from stages.envs.registry import ENVIRONMENTS
-from stages.training import warmstart
 
 
 def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None = None,
@@ -44,6 +43,8 @@ def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None 
         metrics = {"source": "import", "base_model": str(base_model),
                    "parameters": sum(p.numel() for p in model.parameters())}
     else:
+        from stages.training import warmstart  # the trainers' imports: only to build a model
+
         env = ENVIRONMENTS[base.environment]
         tokenizer = tinylm.build_tokenizer(env, chat=chat)
         model = tinylm.build_model(tokenizer, config.n_layer, config.n_embd, config.n_head,
