@@ -4,18 +4,14 @@ import hashlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
-from conftest import BIN, REPO, cli_env, make_project, offseason
+from conftest import BIN, REPO, cli_env, make_project, offseason, shared_prefect_api
 
-# one xdist worker runs this module: its module-scoped fixture is built once
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("promotion")]
+pytestmark = pytest.mark.slow
 
 FLOW = '''
 import json, sys
@@ -38,35 +34,15 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
+@pytest.fixture
+def prefect_api():
     """A real Prefect server on 127.0.0.1, shared by the flow runs and the CLI as a team would
-    share one (`offseason ui`). The embedded default works too, each process opening the same
-    database in PREFECT_HOME through a temporary server, but every command then pays for starting
-    one, which makes a test of three decisions slow."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    home = tmp_path_factory.mktemp("prefect-server")
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
-                               "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            time.sleep(1)
-    else:
-        server.kill()
-        pytest.fail("the Prefect server did not start within 240 s")
-    yield {"PREFECT_API_URL": url, "PREFECT_HOME": str(home)}
-    os.killpg(server.pid, signal.SIGTERM)
-    server.wait(timeout=60)
+    share one (`offseason ui`): the test session's (conftest.shared_prefect_api). The embedded
+    default works too, each process opening the same database in PREFECT_HOME through a temporary
+    server, but every command then pays for starting one, which makes a test of three decisions
+    slow. No other test leaves a run waiting for a decision on it (`pending` lists them all).
+    """
+    return {"PREFECT_API_URL": shared_prefect_api()}
 
 
 def cli(root, api, *args, check=True):
