@@ -2,7 +2,8 @@
 folder (random-initialised Qwen2 weights, a byte-level BPE tokenizer trained here, Qwen2.5's chat
 template with tools) that `AutoModelForCausalLM` / `AutoTokenizer` load like any hub model;
 `build(folder, "llama")` the same with Llama weights, Llama 3's special tokens and Llama 3.1's JSON
-tool template.
+tool template. `build_support_agent(folder)`: the Qwen2 one after a few seconds of SFT on the support
+example's gold conversations (conftest's session-wide `chat_champion_once`).
 
 Not a test file: tests import it (`from chat_model import build`).
 """
@@ -302,7 +303,6 @@ def build(folder: Path, family: str = "qwen2") -> Path:
     (`LLAMA31_TEMPLATE`: the llama3_json parser).
     """
     import torch
-    from safetensors.torch import save_file
     from transformers import (
         GenerationConfig,
         LlamaConfig,
@@ -337,7 +337,52 @@ def build(folder: Path, family: str = "qwen2") -> Path:
     # (seconds): the config, the generation config, and the weights less the tied output layer.
     config.save_pretrained(folder)
     GenerationConfig(eos_token_id=stops, pad_token_id=pad, bos_token_id=bos).save_pretrained(folder)
+    save_weights(model, folder)
+    return folder
+
+
+def save_weights(model, folder: Path) -> None:
+    """The model's weights into `folder`/model.safetensors as save_pretrained writes them (less
+    the tied output layer), without its detour through accelerate and DeepSpeed.
+    """
+    from safetensors.torch import save_file
+
     weights = {name: tensor.contiguous() for name, tensor in model.state_dict().items()
                if name != "lm_head.weight"}
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    save_file(weights, Path(folder) / "model.safetensors", metadata={"format": "pt"})
+
+
+def build_support_agent(folder: Path) -> Path:
+    """`build(folder)` (Qwen2), then a few seconds of SFT on the support example's gold
+    conversations through `chat.encode`: enough that it calls lookup_order in some episodes and
+    answers in some. Returns the folder.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.envs import contract
+    from stages.generation import chat
+
+    repo = Path(__file__).resolve().parents[1]
+    torch.manual_seed(0)
+    build(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    support = contract.load("support", "examples.support.support_env", repo)
+    tasks = contract.load_tasks(repo / "examples/support/tasks.jsonl", support)
+    template = chat.Template.of(tok, list(support.tools), chat.end_ids(model, tok))
+    data = [chat.encode(template, t["messages"] + support.gold(t)) for t in tasks[:6]]
+    width = max(len(ids) for ids, _ in data)
+    inputs = torch.full((len(data), width), tok.pad_token_id)
+    labels = torch.full((len(data), width), -100)
+    attention = torch.zeros((len(data), width), dtype=torch.long)
+    for row, (ids, mask) in enumerate(data):
+        inputs[row, :len(ids)], attention[row, :len(ids)] = torch.tensor(ids), 1
+        labels[row, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(90):
+        model(input_ids=inputs, attention_mask=attention, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    save_weights(model, folder)
     return folder

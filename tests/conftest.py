@@ -318,42 +318,13 @@ def learned_once(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def chat_champion_once(tmp_path_factory) -> Path:
-    """A tiny Qwen2 chat model folder (tests/chat_model.py) after a few seconds of SFT on the
-    support example's gold conversations through `chat.encode`: enough that it calls lookup_order
-    in some episodes and answers in some. Made once per session (`made_once`): read it, never
-    change it (copy it first).
+    """A tiny Qwen2 chat model folder after a few seconds of SFT on the support example's gold
+    conversations (`chat_model.build_support_agent`). Made once per session (`made_once`): read
+    it, never change it (copy it first).
     """
-    def make(folder: Path) -> None:
-        import torch
-        from chat_model import build
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    from chat_model import build_support_agent
 
-        from stages.envs import contract
-        from stages.generation import chat
-
-        torch.manual_seed(0)
-        build(folder)
-        tok = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder)
-        support = contract.load("support", "examples.support.support_env", REPO)
-        tasks = contract.load_tasks(REPO / "examples/support/tasks.jsonl", support)
-        template = chat.Template.of(tok, list(support.tools), chat.end_ids(model, tok))
-        data = [chat.encode(template, t["messages"] + support.gold(t)) for t in tasks[:6]]
-        width = max(len(ids) for ids, _ in data)
-        inputs = torch.full((len(data), width), tok.pad_token_id)
-        labels = torch.full((len(data), width), -100)
-        attention = torch.zeros((len(data), width), dtype=torch.long)
-        for row, (ids, mask) in enumerate(data):
-            inputs[row, :len(ids)], attention[row, :len(ids)] = torch.tensor(ids), 1
-            labels[row, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        for _ in range(90):
-            model(input_ids=inputs, attention_mask=attention, labels=labels).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        model.save_pretrained(folder)
-
-    return made_once(tmp_path_factory, "chat-champion", make)
+    return made_once(tmp_path_factory, "chat-champion", build_support_agent)
 
 
 @pytest.fixture
