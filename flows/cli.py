@@ -135,6 +135,9 @@ def cmd_init(args) -> int:
             """The model's chat template for each environment's tools; a folder without its
             files, or a model without a chat template, fails naming what to fix.
             """
+            from stages import modelfiles
+
+            modelfiles.check(folder)  # a missing file fails before torch loads (seconds)
             from stages import tinylm
             from stages.generation import chat
 

@@ -4,6 +4,7 @@
       ingest validate rollout reward train champion_scores gate   the DVC stages (dvc.yaml)
       init simulate                  generation 0 and the demo's traffic (`offseason init/simulate`)
       config io tinylm               typed params, atomic writes, loading and saving model folders
+      modelfiles                     what a model folder must hold, checked without torch
       envs/        the environments: registry, errors, arith, coding (+ its sandbox), toolcall,
                    contract (a user's own environment module, checked), replay (any trace as a
                    task, its tool calls answered from the record), judge (the LLM judge a reward
@@ -25,6 +26,7 @@ nothing in stages/ imports Prefect or flows/):
   call is answered); an environment comes in as an argument;
 - `training/` imports `tinylm` and itself (`trainers` and `sft` are its leaves);
 - `traces/` imports only itself (`schema` and `pii` are its leaves; `sources/` read formats).
-`config` and `io` import nothing of stages/ but the environment registry (for name checks).
+`config` and `io` import nothing of stages/ but the environment registry (for name checks);
+`modelfiles` imports nothing, so `tinylm` and the CLI can check a folder before torch loads.
 dvc.yaml lists, for each stage, the files and folders it imports (tests/test_layout.py checks it).
 """

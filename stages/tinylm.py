@@ -24,6 +24,9 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from stages import modelfiles
+from stages.modelfiles import ModelFolderError
+
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 # The demo's chat protocol (`build_tokenizer(env, chat=True)`): the roles and Hermes/Qwen2.5's
@@ -85,27 +88,12 @@ def build_model(tokenizer, n_layer: int, n_embd: int, n_head: int, n_positions: 
     return GPT2LMHeadModel(config)
 
 
-class ModelFolderError(FileNotFoundError):
-    """The folder is not a usable model: a file missing, corrupt, or not matching the others."""
-
-
 def load_tokenizer(path: str | Path):
     """The tokenizer of a Hugging Face model folder, after checking the folder has its files
     (config.json, tokenizer.json, the weights); ModelFolderError names the file to fix.
     """
     path = Path(path)
-    missing = [name for name in ("config.json", "tokenizer.json") if not (path / name).exists()]
-    if missing:
-        raise ModelFolderError(
-            f"{path} is not a Hugging Face model folder (missing {', '.join(missing)}); "
-            f"run `offseason init` to create generation 0"
-        )
-    if not any((path / name).exists() for name in ("model.safetensors",
-                                                    "model.safetensors.index.json")):
-        raise ModelFolderError(
-            f"{path / 'model.safetensors'}: the model's weights are missing (no model.safetensors "
-            f"or model.safetensors.index.json in {path}); restore the folder (`dvc checkout`) or "
-            f"rebuild it with `offseason init --force`")
+    modelfiles.check(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError) as err:
