@@ -98,54 +98,101 @@ def make_project(path: Path, overrides: dict | None = None) -> Path:
 
 
 _PREFECT: dict = {"embedded": False}
+# The folder of the session's Prefect server (its home, database, log, url and pid files), named by
+# the process that runs the session (`pytest_configure`) and inherited by the xdist workers it starts.
+PREFECT_DIR = "OFFSEASON_TESTS_PREFECT_DIR"
+
+
+def pytest_configure(config):
+    """The session's process (xdist's controller, or the only one) names the shared Prefect
+    server's folder before any worker starts, so that all of them find the one server.
+    """
+    if not hasattr(config, "workerinput") and PREFECT_DIR not in os.environ:
+        os.environ[PREFECT_DIR] = tempfile.mkdtemp(prefix="offseason-tests-prefect-")
+        _PREFECT["owner"] = True
+
+
+def pytest_unconfigure(config):
+    """The session's process stops the shared Prefect server once every worker is done with it
+    (a worker cannot: xdist ends each one as its tests run out, while the others go on).
+    """
+    if _PREFECT.pop("owner", False):
+        folder = Path(os.environ.pop(PREFECT_DIR))
+        pid = folder / "server.pid"
+        if pid.exists():
+            _stop_pid(int(pid.read_text()))
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def shared_prefect_api() -> str:
-    """One Prefect server on loopback for the whole test session, started on first use.
+    """One Prefect server on loopback for the whole test session, started on first use by
+    whichever xdist worker needs it first and shared by all of them.
 
     Each CLI process in Prefect's embedded mode starts a temporary server of its own (about 7 s
     on 2 cores); the tests' cycles talk to this one instead, as a team's processes talk to the
-    server of `offseason ui`. The embedded default keeps its own tests: those marked
-    `embedded_prefect` (a fresh clone's first cycle), and the no-network and `offseason ui`
-    tests, which start their own.
+    server of `offseason ui` (one server per worker cost each worker its start-up, about 8 CPU
+    seconds). The embedded default keeps its own tests: those marked `embedded_prefect` (a fresh
+    clone's first cycle), and the no-network and `offseason ui` tests, which start their own.
     """
     if "url" not in _PREFECT:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        home = Path(tempfile.mkdtemp(prefix="offseason-tests-prefect-"))
-        env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-        env.pop("PREFECT_API_URL", None)
-        log = home / "server.log"
-        proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
-                                 "--port", str(port), "--no-services", "--no-ui"], env=env,
-                                stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        atexit.register(_stop_group, proc)
-        url = f"http://127.0.0.1:{port}/api"
-        deadline = time.time() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"the tests' Prefect server did not start:\n"
-                                   f"{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        _PREFECT["url"] = url
+        from filelock import FileLock
+
+        home = Path(os.environ.get(PREFECT_DIR) or tempfile.mkdtemp(prefix="offseason-tests-prefect-"))
+        with FileLock(str(home / "server.lock")):
+            if not (home / "server.url").exists():
+                _start_prefect(home)
+            _PREFECT["url"] = (home / "server.url").read_text()
     return _PREFECT["url"]
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
+def _start_prefect(home: Path) -> None:
+    """Start `prefect server` in `home` (without the services no test needs) and write its url
+    and pid once it answers; stopped by `pytest_unconfigure`, or at exit where no session owns it.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    log = home / "server.log"
+    proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
+                             "--port", str(port), "--no-services", "--no-ui"], env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    if PREFECT_DIR not in os.environ:  # run outside a pytest session: nobody else will stop it
+        atexit.register(_stop_pid, proc.pid)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.time() + 300
+    while True:
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"the tests' Prefect server did not start:\n"
+                               f"{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    (home / "server.pid").write_text(str(proc.pid))
+    (home / "server.url").write_text(url)
+
+
+def _stop_pid(pid: int) -> None:
+    """SIGTERM the process group of `pid` (a server started with start_new_session), SIGKILL it
+    if it is still there 20 s later.
+    """
+    try:
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            with contextlib.suppress(ChildProcessError):  # reaped here if it is our child
+                os.waitpid(pid, os.WNOHANG)
+            os.killpg(pid, 0)  # raises once the group is gone
+            time.sleep(0.2)
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 @pytest.fixture(autouse=True)
