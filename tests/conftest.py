@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import os
@@ -130,14 +129,14 @@ def shared_prefect_api() -> str:
 
     Each CLI process in Prefect's embedded mode starts a temporary server of its own (about 7 s
     on 2 cores); the tests' cycles talk to this one instead, as a team's processes talk to the
-    server of `offseason ui` (one server per worker cost each worker its start-up, about 8 CPU
-    seconds). The embedded default keeps its own tests: those marked `embedded_prefect` (a fresh
-    clone's first cycle), and the no-network and `offseason ui` tests, which start their own.
+    server of `offseason ui` (a server per worker cost 13 to 15 CPU seconds each; one serving
+    all three, 15). The embedded default keeps its own tests: those marked `embedded_prefect` (a
+    fresh clone's first cycle), and the no-network and `offseason ui` tests, which start their own.
     """
     if "url" not in _PREFECT:
         from filelock import FileLock
 
-        home = Path(os.environ.get(PREFECT_DIR) or tempfile.mkdtemp(prefix="offseason-tests-prefect-"))
+        home = Path(os.environ[PREFECT_DIR])  # named by pytest_configure
         with FileLock(str(home / "server.lock")):
             if not (home / "server.url").exists():
                 _start_prefect(home)
@@ -147,7 +146,7 @@ def shared_prefect_api() -> str:
 
 def _start_prefect(home: Path) -> None:
     """Start `prefect server` in `home` (without the services no test needs) and write its url
-    and pid once it answers; stopped by `pytest_unconfigure`, or at exit where no session owns it.
+    and pid once it answers; `pytest_unconfigure` stops it.
     """
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -159,8 +158,6 @@ def _start_prefect(home: Path) -> None:
                              "--port", str(port), "--no-services", "--no-ui"], env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
-    if PREFECT_DIR not in os.environ:  # run outside a pytest session: nobody else will stop it
-        atexit.register(_stop_pid, proc.pid)
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.time() + 300
     while True:
