@@ -101,6 +101,11 @@ def agent_traces() -> list[str]:
     return lines
 
 
+# the corpora the peers run on, and the mixes of them whose rates are compared
+MIXES = {"mixed": ("code sample", "the peers' cases"),
+         "mixed with agent traces": ("code sample", "agent traces", "the peers' cases")}
+
+
 def revision(rev: str) -> types.ModuleType:
     """stages/traces/pii.py as it was at `rev`, as a module."""
     source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:stages/traces/pii.py"],
@@ -155,10 +160,10 @@ def presidio_engine():
     from presidio_analyzer import AnalyzerEngine
     from presidio_analyzer.nlp_engine import SpacyNlpEngine
 
-    folder = Path(tempfile.mkdtemp(prefix="spacy-blank-en-"))
-    spacy.blank("en").to_disk(folder)
-    engine = SpacyNlpEngine(models=[{"lang_code": "en", "model_name": str(folder)}])
-    analyzer = AnalyzerEngine(nlp_engine=engine, supported_languages=["en"])
+    with tempfile.TemporaryDirectory(prefix="spacy-blank-en-") as folder:  # loaded, then gone
+        spacy.blank("en").to_disk(folder)
+        engine = SpacyNlpEngine(models=[{"lang_code": "en", "model_name": folder}])
+        analyzer = AnalyzerEngine(nlp_engine=engine, supported_languages=["en"])
     names = {"EMAIL_ADDRESS": "email", "CREDIT_CARD": "card", "IP_ADDRESS": "ip", "PHONE_NUMBER": "phone"}
 
     def scrub(line: str) -> tuple[bool, set[str]]:
@@ -221,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     rates, timed = {}, {}
     for corpus, lines in corpora().items():
-        mixed = corpus in ("code sample", "agent traces", "the peers' cases")
-        todo = {**scrubbers, **(peers if mixed else {})}
+        todo = {**scrubbers, **(peers if any(corpus in parts for parts in MIXES.values()) else {})}
         for name, scrub in todo.items():
             seconds, changed, kinds = measure(scrub, lines, 1 if name in peers else args.repeat)
             rates[name, corpus] = len(lines) / seconds
@@ -231,15 +235,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {corpus} | {len(lines):,} | {seconds:.2f} | {len(lines) / seconds:,.0f} | "
                   f"{changed:,} ({100 * changed / len(lines):.3f} %: {per_kind}) |")
     print()
-    mixes = {"mixed": ("code sample", "the peers' cases"),
-             "mixed with agent traces": ("code sample", "agent traces", "the peers' cases")}
     for name in {**scrubbers, **peers}:
-        for mix, parts in mixes.items():
+        for mix, parts in MIXES.items():
             counted = [timed[name, corpus] for corpus in parts]
             rates[name, mix] = sum(n for n, _ in counted) / sum(t for _, t in counted)
             print(f"{name}, {mix}: {rates[name, mix]:,.0f} lines/s  ")
     for name in peers:
-        for corpus in ("code sample", "agent traces", "the peers' cases", *mixes):
+        for corpus in (*MIXES["mixed with agent traces"], *MIXES):
             print(f"offseason (this tree) / {name}, {corpus}: "
                   f"{rates['offseason (this tree)', corpus] / rates[name, corpus]:,.0f}x  ")
     return 0
