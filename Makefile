@@ -51,9 +51,10 @@ report-tools:
 # bytecode matters: where PYTHONDONTWRITEBYTECODE is set (as on this project's machines) nothing
 # imported is ever cached, and every process would compile Prefect, MLflow and torch from source
 # again. Compiling is most of the set-up (about 30 of its 50 s on 2 cores), so the packages' own test
-# suites (`tests/` and `test/` folders: 3,600 files that nothing imports) are left out: 10 s less
-# than uv's `--compile-bytecode`, which compiles every file. compileall skips, as pip does, the files
-# that are not Python 3.11 (torch ships one), hence `|| true`. Where uv cannot be had, pip installs.
+# suites (`tests/` and `test/` folders: 3,600 files that nothing imports) are left out: 30 s instead
+# of 40 for every file, as uv's `--compile-bytecode` did (BENCHMARKS.md, "The test suite"). compileall
+# skips, as pip does, the files that are not Python 3.11 (torch ships one), hence `|| true`. Where
+# uv cannot be had, pip installs.
 # g++: DeepSpeed probes for a compiler when it starts (it compiles none of its ops for our training:
 # stages/training/trainers.py, no_shm_comm_op).
 UV_VERSION := 0.13.9
