@@ -3,6 +3,7 @@ the openai backend against a real HTTP server (stages.generation.serve_tiny) ser
 
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -336,6 +337,32 @@ def test_a_server_command_that_dies_is_reported_with_its_output(tmp_path):
         with openai_backend.serve(command, tmp_path, timeout=60):
             pass
     assert "no GPU found" in str(err.value)
+    log = Path(re.search(r"its last output \((\S+)\)", str(err.value))[1])
+    assert log.exists()  # kept: the error names it
+    log.unlink()
+
+
+HEALTHY = (f"{sys.executable} -c \"import http.server as h\n"
+           "class H(h.BaseHTTPRequestHandler):\n"
+           "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+           "    def log_message(self, *a): pass\n"
+           "print('serving', flush=True); h.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\"")
+
+
+def test_a_server_s_log_is_removed_when_all_went_well_and_kept_when_not(tmp_path, capsys):
+    with openai_backend.serve(HEALTHY, tmp_path, timeout=60) as url:
+        assert url.endswith("/v1")
+    said = capsys.readouterr().err
+    log = Path(re.search(r"\(log: (\S+)\)", said)[1])
+    assert not log.exists() and "server stopped\n" in said
+    with pytest.raises(RuntimeError, match="the rollout failed"):
+        with openai_backend.serve(HEALTHY, tmp_path, timeout=60):
+            raise RuntimeError("the rollout failed")
+    said = capsys.readouterr().err
+    log = Path(re.search(r"\(log: (\S+)\)", said)[1])
+    assert f"server stopped; its log: {log}" in said
+    assert "serving" in log.read_text()
+    log.unlink()
 
 
 @pytest.mark.parametrize("values, key", [

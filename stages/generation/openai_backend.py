@@ -595,7 +595,9 @@ def stop_process_group(process: subprocess.Popen, grace: float = 20.0) -> None:
 def serve(command: str, model: Path | str, *, timeout: float = 600.0, host: str = "127.0.0.1",
           setting: str = "runtime.rollout.server_command", who: str = "rollout"):
     """Start `command` ({model} and {port} filled in), yield its base URL once healthy, stop it.
-    `setting` (the params key of the command) and `who` (the stage) name it in messages.
+    `setting` (the params key of the command) and `who` (the stage) name it in messages. The
+    server's output goes to a log in the temporary folder, kept (and named) when the server or
+    the work beside it failed, removed when all went well: one per stage run would pile up.
     """
     port = free_port()
     argv = shlex.split(command.format(model=model, port=port))
@@ -618,16 +620,22 @@ def serve(command: str, model: Path | str, *, timeout: float = 600.0, host: str 
     in_main = _main_thread()
     if in_main:
         signal.signal(signal.SIGTERM, terminated)
+    failed = True
     try:
         base = f"http://{host}:{port}"
         _wait_healthy(base, process, timeout, log, setting)
         print(f"{who}: server up at {base}", file=sys.stderr, flush=True)
         yield f"{base}/v1"
+        failed = False
     finally:
         stop_process_group(process)
         if in_main:
             signal.signal(signal.SIGTERM, previous)
-        print(f"{who}: server stopped", file=sys.stderr, flush=True)
+        if failed:
+            print(f"{who}: server stopped; its log: {log}", file=sys.stderr, flush=True)
+        else:
+            log.unlink(missing_ok=True)
+            print(f"{who}: server stopped", file=sys.stderr, flush=True)
 
 
 def _main_thread() -> bool:
