@@ -155,7 +155,10 @@ def cmd_init(args) -> int:
                       flush=True)
     else:
         items = read_benchmark(root)
-    from stages import gate, init, io
+    from stages import io
+
+    with io.heavy_imports():  # torch and transformers
+        from stages import gate, init
 
     with cycle_lock(root, "offseason init"):
         print("init: building generation 0 ...", flush=True)
@@ -184,9 +187,10 @@ def cmd_init(args) -> int:
         io.write_json(root / "metrics" / "init.json", metrics)
         dvc(root, "add", "--quiet", "models/champion")
 
-        import mlflow  # only now: a model folder that does not load fails before MLflow's import
+        with io.heavy_imports():  # only now: a model folder that does not load fails before it
+            import mlflow
 
-        from flows import promotion, tracking
+            from flows import promotion, tracking
 
         experiment_id = tracking.experiment(root)
         client = mlflow.MlflowClient()
@@ -231,7 +235,10 @@ def cmd_simulate(args) -> int:
     root, configs = workspace()
     if not (root / "models" / "champion").exists():
         raise WorkspaceError("no champion to answer the traffic; run `offseason init` first")
-    from stages import simulate
+    from stages import io
+
+    with io.heavy_imports():  # torch and transformers
+        from stages import simulate
 
     for _ in range(args.days):
         out = simulate.run(configs["base"], configs["simulate"], root / "models" / "champion",
@@ -329,11 +336,14 @@ def run_flow(root: Path, start, prefect_ready) -> dict:
     """The cycle flow, adopting the stages `start` set going."""
     import os
 
-    from mlflow.exceptions import MlflowException
+    from stages import io
 
-    from flows import notify, pipeline
-    from flows.cycle import PROJECT_ENV, cycle
-    from flows.ui import on_temporary_prefect
+    with io.heavy_imports():  # Prefect and MLflow (stages/io.py)
+        from mlflow.exceptions import MlflowException
+
+        from flows import notify, pipeline
+        from flows.cycle import PROJECT_ENV, cycle
+        from flows.ui import on_temporary_prefect
 
     pipeline.hand_over(root, start)
     try:

@@ -435,11 +435,12 @@ def main(argv: list[str] | None = None) -> int:
     """The session process: each stdin line a JSON list of DVC arguments, run in turn."""
     marker = (argv if argv is not None else sys.argv[1:])[0]
     # loaded while the parent is still busy with its own checks, not when the first command comes
-    from dvc.cli import main as dvc_main
-    from dvc.cli import parse_args
-    from dvc.repo import Repo  # noqa: F401
+    with io.heavy_imports():
+        from dvc.cli import main as dvc_main
+        from dvc.cli import parse_args
+        from dvc.repo import Repo  # noqa: F401
 
-    parse_args(["status"])  # builds DVC's parser: every command's module
+        parse_args(["status"])  # builds DVC's parser: every command's module
     server = None
     try:
         for line in sys.stdin:

@@ -2,7 +2,8 @@
 stage killed midway never leaves a half-written file that a later stage could take for a whole one.
 
 `exit_soon()`: what a command calls as it ends, so that Python's exit does not spend a second on
-the objects of torch, transformers, Prefect or DVC.
+the objects of torch, transformers, Prefect or DVC; `heavy_imports()`: where a process loads them,
+without the garbage collector walking them again and again meanwhile.
 
 Also what a stage used, for the cost ledger (flows/cost.py): `resources()` (wall and CPU seconds,
 peak memory, from rusage) and, where a stage called `watch_gpus()` and NVML is there
@@ -265,6 +266,28 @@ def read_jsonl(path: str | Path) -> list[dict]:
     """The rows of a JSONL file."""
     # split on newlines only: splitlines() also breaks at U+2028, U+0085 and others
     return [json.loads(line) for line in Path(path).read_text().split("\n") if line.strip()]
+
+
+@contextmanager
+def heavy_imports():
+    """Imports of large libraries (torch, transformers, Prefect, MLflow, Great Expectations) with
+    the garbage collector paused, and what they made frozen out of its reach afterwards.
+
+    CPython walks every object there is whenever the objects that outlived a collection grew by a
+    quarter: while such a library loads (a million objects that live as long as the process), that
+    is a walk of an ever larger heap, again and again: five to nine times for each of a cycle's
+    processes, 3.0 of a TINY cycle's 16.8 CPU seconds, 1.6 of `offseason init`'s 8.3. A module is
+    never garbage; frozen (`gc.freeze`), the walks after the import leave it alone too. Cycles of
+    garbage an import leaves stay until exit (few: what a module makes lives with it).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def exit_soon() -> None:

@@ -129,8 +129,9 @@ class Checker:
 
     def __init__(self, docs: Path):
         """Build the context, suites and checkpoints, with data docs in `docs`."""
-        import great_expectations as gx
-        from great_expectations.data_context.types.base import ProgressBarsConfig
+        with io.heavy_imports():  # Great Expectations: 3 s of imports, a fifth of it collecting
+            import great_expectations as gx
+            from great_expectations.data_context.types.base import ProgressBarsConfig
 
         context = gx.get_context(mode="ephemeral")
         # the stage logs its own summary; per-metric bars would flood the Prefect log

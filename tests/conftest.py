@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import shutil
 import signal
@@ -46,6 +47,24 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 os.environ.update({"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
                    "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                    "HF_HUB_OFFLINE": "1", "GX_ANALYTICS_ENABLED": "False"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection(session):
+    """No garbage collection while the test modules are imported (see `pytest_collection_finish`)."""
+    gc.disable()
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, Prefect, MLflow: millions of objects that
+    live as long as the worker) moves out of the collector's reach, and collection resumes for
+    what the tests make. Each full collection walks every object there is: while the modules
+    import, the heap grows by a quarter again and again, and each growth triggered one (21 in a
+    worker's collection, 6 of its 11 seconds); later, every full collection of the tests' own
+    garbage walked them all again.
+    """
+    gc.freeze()
+    gc.enable()
 
 
 def pytest_collection_modifyitems(config, items):

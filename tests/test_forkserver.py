@@ -22,12 +22,13 @@ from flows import forkserver
 REPO = Path(__file__).resolve().parents[1]
 
 PROBE = '''
-import json, os, sys, time
+import gc, json, os, sys, time
 from pathlib import Path
 mode = sys.argv[1]
 if mode == "report":
     print(json.dumps({"ppid": os.getppid(), "argv": sys.argv[1:], "cwd": os.getcwd(),
-                      "name": __name__, "stdin": sys.stdin.read(), "probe": os.environ.get("PROBE")}))
+                      "name": __name__, "stdin": sys.stdin.read(), "probe": os.environ.get("PROBE"),
+                      "gc": gc.isenabled()}))
     print("to stderr", file=sys.stderr)
     sys.exit(int(sys.argv[2]))
 if mode == "hang":
@@ -77,7 +78,8 @@ def test_a_served_command_runs_in_a_child_of_the_server_as_python_m_would(served
     assert seen["ppid"] == server.proc.pid  # forked, not started
     assert seen == {"ppid": server.proc.pid, "argv": ["report", "3"], "cwd": str(root),
                     "name": "__main__", "stdin": "from stdin",
-                    "probe": "from the server's environment"}
+                    "probe": "from the server's environment",
+                    "gc": True}  # collecting, as a cold process: paused only while it imported
     assert out.stderr == "to stderr\n"
     # and the cold run of the same command says the same, from a process of its own
     cold = subprocess.run([sys.executable, "-m", "probe.stage", "report", "3"], cwd=root, env=env,
