@@ -138,8 +138,11 @@ def cmd_init(args) -> int:
             from stages import modelfiles
 
             modelfiles.check(folder)  # a missing file fails before torch loads (seconds)
-            from stages import tinylm
-            from stages.generation import chat
+            from stages import io
+
+            with io.heavy_imports():  # torch and transformers
+                from stages import tinylm
+                from stages.generation import chat
 
             tokenizer = tinylm.load_tokenizer(folder)
             return [chat.Template.of(tokenizer, list(env.tools)) for env, _ in chats.values()]

@@ -240,12 +240,15 @@ def mlflow_info(root: Path, generation: int, version) -> dict:
     from flows.workspace import configure_env
 
     configure_env(root)
-    import mlflow
+    from stages import io
 
-    from flows import tracking
+    with io.heavy_imports():
+        import mlflow
+
+        from flows import tracking
 
     client = mlflow.MlflowClient()
-    found = mlflow.get_experiment_by_name(tracking.EXPERIMENT)
+    found = tracking.find_experiment()
     if found is None:
         return {}
     runs = client.search_runs([found.experiment_id],

@@ -675,7 +675,7 @@ def run_links(root: Path, rows: list[dict]) -> dict[str, dict[str, str]]:
     configure_env(root)
     import mlflow
 
-    found = mlflow.get_experiment_by_name(tracking.EXPERIMENT)
+    found = tracking.find_experiment()
     if found is None:
         return {}
     chosen = {}

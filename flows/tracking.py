@@ -17,14 +17,25 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 
 from stages import config as cfg
+from stages import io
 
 EXPERIMENT = "offseason"
 ALIAS = "champion"
 
 
+def find_experiment():
+    """The project's MLflow experiment, or None. Often MLflow's first call in a process, which
+    loads its tracking store then (for the SQLite default, SQLAlchemy and MLflow's table models:
+    a second of imports), so with the garbage collector paused (`stages.io.heavy_imports`; 1.2 of
+    `offseason lineage`'s 3 CPU seconds were collections during that import).
+    """
+    with io.heavy_imports():
+        return mlflow.get_experiment_by_name(EXPERIMENT)
+
+
 def experiment(root: Path) -> str:
     """The id of the project's MLflow experiment, created when missing."""
-    found = mlflow.get_experiment_by_name(EXPERIMENT)
+    found = find_experiment()
     if found is None:
         return mlflow.create_experiment(EXPERIMENT,
                                         artifact_location=(root / "mlartifacts").as_uri())

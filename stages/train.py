@@ -75,7 +75,8 @@ def algorithm(name: str):
     """The module of `train.algorithm` (stages/training/<name>.py): `UNIT`, `examples(rows)` and
     `trainer(...)`. The algorithm's name is its module's name: one spelling, no table to keep.
     """
-    return importlib.import_module(f"stages.training.{name}")
+    with io.heavy_imports():  # transformers' Trainer and datasets, when not loaded yet
+        return importlib.import_module(f"stages.training.{name}")
 
 
 def encoded_traces(validated: Path, specs: dict, root: Path, tokenizer,

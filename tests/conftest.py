@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import os
 import shutil
 import signal
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from stages import config as cfg
+from stages import io
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ["flows", "stages", "dvc.yaml", "params.yaml", "data/benchmarks", "data/tasks", ".dvc/config",
@@ -49,22 +49,17 @@ os.environ.update({"DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true",
                    "HF_HUB_OFFLINE": "1", "GX_ANALYTICS_ENABLED": "False"})
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_collection(session):
-    """No garbage collection while the test modules are imported (see `pytest_collection_finish`)."""
-    gc.disable()
-
-
-def pytest_collection_finish(session):
-    """What collection imported (torch, transformers, Prefect, MLflow: millions of objects that
-    live as long as the worker) moves out of the collector's reach, and collection resumes for
-    what the tests make. Each full collection walks every object there is: while the modules
-    import, the heap grows by a quarter again and again, and each growth triggered one (21 in a
-    worker's collection, 6 of its 11 seconds); later, every full collection of the tests' own
-    garbage walked them all again.
+    """The test modules import (torch, transformers, Prefect, MLflow: millions of objects that
+    live as long as the worker) with the garbage collector paused, and what they made is then
+    frozen out of its reach (`stages.io.heavy_imports`): while they loaded, the heap grew by a
+    quarter again and again, and each growth set off a full collection (21 in a worker's
+    collection, 6 of its 11 seconds); afterwards, each full collection of the tests' own garbage
+    walked them all again. (Around the whole hook: xdist's controller collects nothing.)
     """
-    gc.freeze()
-    gc.enable()
+    with io.heavy_imports():
+        return (yield)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -89,7 +89,10 @@ def no_shm_comm_op() -> None:
     inference) calls it; ZeRO training reduces through torch.distributed (gloo here). Marked as
     DeepSpeed marks an op that cannot build on this machine, so the backend starts without it.
     """
-    import deepspeed.ops
+    from stages import io
+
+    with io.heavy_imports():  # DeepSpeed: a second of imports
+        import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
