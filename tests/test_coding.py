@@ -81,6 +81,10 @@ def test_unjudgeable_tasks_give_none():
 
 
 def test_a_broken_sandbox_raises_not_zero(monkeypatch):
+    # bubblewrap probed first, with the real interpreter: its answer is cached for the process,
+    # and a first probe under the patch below cached "bwrap does not work here" for every later
+    # test of this worker (test_sandbox's bwrap cases then skipped)
+    sandbox.bwrap_problem()
     monkeypatch.setattr(sandbox, "interpreter", lambda: "/nonexistent/bin/python3")
     with pytest.raises(VerifierError, match="not an executable file"):
         coding.verify(QUESTION, ANSWER, coding.gold_completion(QUESTION, ANSWER))
