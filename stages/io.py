@@ -278,14 +278,17 @@ def heavy_imports():
     is a walk of an ever larger heap, again and again: five to nine times for each of a cycle's
     processes, 3.0 of a TINY cycle's 16.8 CPU seconds, 1.6 of `offseason init`'s 8.3. A module is
     never garbage; frozen (`gc.freeze`), the walks after the import leave it alone too. Cycles of
-    garbage an import leaves stay until exit (few: what a module makes lives with it).
+    garbage an import leaves stay until exit (few: what a module makes lives with it). Where the
+    block imported nothing new (the modules were loaded already) nothing is frozen: the garbage
+    of a long process's work so far is not kept for good.
     """
-    enabled = gc.isenabled()
+    enabled, loaded = gc.isenabled(), len(sys.modules)
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
+        if len(sys.modules) > loaded:
+            gc.freeze()
         if enabled:
             gc.enable()
 
