@@ -151,13 +151,13 @@ PRIVATE_KEY = re.compile(r"-----BEGIN[ A-Z0-9_\-]{0,100}PRIVATE KEY(?: BLOCK)?--
 # `password = settings.DB_PASSWORD` and `token = request.headers["X"]` are code, and stay.
 _ASSIGNMENT_NAMES = "pass|pwd|secret|token|key|cred|auth|contribsys__com"
 ASSIGNMENT = re.compile(
-    r"(?P<k>(?i:" + _ASSIGNMENT_NAMES + r"))[\w.\-]{0,30}"
-    r"(?:[ \t]+[A-Za-z]\w{0,11})?"  # a type between name and value: `var apiToken string = "..."`
+    r"(?P<k>(?i:" + _ASSIGNMENT_NAMES + r"))[\w.\-]{0,30}+"
+    r"(?:[ \t]+[A-Za-z]\w{0,11}+)?"  # a type between name and value: `var apiToken string = "..."`
     # `=`, `:=`, `=>`, `?=`, `.=`, `==`, `:`, `>` (XML); a comma only between quoted strings:
     # `setProperty("API_TOKEN", "...")`, not `f(token, x)`
     r"(?:[\"'`]?\s{0,4}(?:=>|:{0,3}=|[=!]==?|\?=|\.=|\|\||[=:>])|(?P<c>[\"'`]\s{0,4},))"
     r"\s{0,8}(?P<q>\\?[\"'`])?"
-    r"(?P<v>[^\s\"'`;,<>(){}\[\]\\]{6,300})(?=[\"'`\s;,<)\]}]|\\[nrt\"]|$)")
+    r"(?P<v>[^\s\"'`;,<>(){}\[\]\\]{6,300}+)(?=[\"'`\s;,<)\]}]|\\[nrt\"]|$)")
 EMAIL = re.compile(r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9.\-]+\.[A-Za-z]{2,}")
 # never glued to letters: digit runs inside hex hashes and identifiers pass Luhn one time in ten
 # (the lookbehind after the first digit, not before it: a pattern that starts with a digit class
@@ -252,14 +252,32 @@ def _entropy_at_least(text: str, bits: float) -> bool:
 _NOT_A_SECRET = re.compile(r"%[\d.]*[sdfrx(]|\{\{|xxxxxx|XXXXXX|EXAMPLE|####|\*\*\*\*|\.\.\."
                            r"|fake|FAKE|dummy|DUMMY|changeme|CHANGEME|placeholder|PLACEHOLDER")
 _NOT_A_SECRET_ANY_CASE = re.compile(r"(?i:your[_\-]|redacted)")
-_NOT_A_SECRET_LOWER = re.compile(r"your[_\-]|redacted")  # the same, in lowercased ASCII text
+
+
+
+
+def _any_case(word: str, then: str = "") -> list[str]:
+    r"""Branches matching the ASCII word in any case, each beginning with a literal: `y[oO][uU]`
+    and `Y[oO][uU]` for `(?i:you)`, which makes `re` try its branches at every character (a
+    literal first lets it skip to where one can begin). The same as `(?i:` in ASCII text only:
+    to `(?i:`, other scripts' `ſ` and `K` are an `s` and a `k`.
+    """
+    rest = "".join(f"[{char}{char.upper()}]" if char.isalpha() else re.escape(char) for char in word[1:])
+    return [first + rest + then for first in (word[0], word[0].upper())]
+
+
+# `_NOT_A_SECRET` and `_NOT_A_SECRET_ANY_CASE` in one search, for ASCII text
+_NOT_A_SECRET_A = re.compile("|".join([_NOT_A_SECRET.pattern, *_any_case("your", r"[_\-]"),
+                                       *_any_case("redacted")]))
 
 
 def _not_a_secret(text: str) -> bool:
     """True if the text stands in for a secret (`_NOT_A_SECRET`, `${...}`, `your-key`, `REDACTED`)."""
-    return (text.startswith("$") or _NOT_A_SECRET.search(text) is not None
-            or (_NOT_A_SECRET_LOWER.search(text.lower()) if text.isascii()
-                else _NOT_A_SECRET_ANY_CASE.search(text)) is not None)
+    if text.startswith("$"):
+        return True
+    if text.isascii():
+        return _NOT_A_SECRET_A.search(text) is not None
+    return _NOT_A_SECRET.search(text) is not None or _NOT_A_SECRET_ANY_CASE.search(text) is not None
 
 
 # `$USER:$PASSWORD`, `<user:password>`, `neo4j:[PASSWORD]`, `test:test`, `xxx:yyy`, `username:token`
@@ -405,13 +423,10 @@ _DIGIT_A, _MAYBE_NUMBER_A, _MAYBE_IPV6_COLON_A, _MAYBE_IPV6_DIGIT_A, _MAYBE_KEY_
     for pattern in (DIGIT, _MAYBE_NUMBER, _MAYBE_IPV6_COLON, _MAYBE_IPV6_DIGIT, _MAYBE_KEY))
 # Twins of two patterns for ASCII text, finding there exactly what the patterns find. SECRET's
 # has no `\s` or `(?i:` (which re.ASCII would change). ASSIGNMENT's spells its names in both
-# cases (`p[aA][sS][sS]|P[aA][sS][sS]`) for `(?i:`, which made `re` try every branch at every
-# character: branches that begin with a literal let it skip, in C, to the next letter that can
-# begin a name (only other scripts' `ſ` and `K` are an `s` and a `k` to `(?i:`).
+# cases (`_any_case`) for `(?i:`, which made `re` try every branch at every character.
 _SECRET_A = re.compile(SECRET.pattern, re.ASCII)
 _ASSIGNMENT_A = re.compile(ASSIGNMENT.pattern.replace(f"(?i:{_ASSIGNMENT_NAMES})", "(?:" + "|".join(
-    first + "".join(f"[{char}{char.upper()}]" if char.isalpha() else char for char in name[1:])
-    for name in _ASSIGNMENT_NAMES.split("|") for first in (name[0], name[0].upper())) + ")"))
+    branch for name in _ASSIGNMENT_NAMES.split("|") for branch in _any_case(name)) + ")"))
 
 
 def _maybe_number(text: str) -> bool:
@@ -455,15 +470,18 @@ PATTERNS = [("secret", PRIVATE_KEY, PRIVATE_KEY, None, _maybe_pem),
             ("phone", PHONE, PHONE, _is_phone, _maybe_number)]
 
 
+_ZERO = dict.fromkeys(KINDS, 0)
+
+
 class Scrubber:
     """Scrubs one trace; `counts` holds the redactions per kind."""
 
     def __init__(self, kinds: set[str]):
         """A scrubber of the PII `kinds`, its counts at zero."""
         self.kinds = kinds
-        self.counts = dict.fromkeys(KINDS, 0)
+        self.counts = _ZERO.copy()  # (a copy is made 4 times as fast as `dict.fromkeys`)
         self.placeholders: dict[tuple[str, str], str] = {}
-        self.numbers = dict.fromkeys(KINDS, 0)
+        self.numbers = _ZERO.copy()
 
     def _placeholder(self, kind: str, value: str) -> str:
         key = (kind, value.lower() if kind == "email" else value)
@@ -477,6 +495,20 @@ class Scrubber:
         """The text with PII replaced by placeholders, counted."""
         tested: dict = {}  # each cheap test once per text (card, IP and phone share theirs)
         is_ascii = value.isascii()  # and stays so: placeholders are ASCII
+        kind = check = None
+
+        # one function for every pattern, made once a text: it reads the loop's `kind` and
+        # `check` when `sub` calls it, inside the loop
+        def replace(match: re.Match) -> str:
+            if check is not None and not check(match):
+                return match[0]
+            if pattern is ASSIGNMENT:  # an assignment: the value goes, its name stays
+                start, end = match.span("v")
+                whole = match.start()
+                return (match[0][:start - whole] + self._placeholder(kind, match["v"])
+                        + match[0][end - whole:])
+            return self._placeholder(kind, match[0])
+
         for kind, pattern, ascii_twin, check, maybe in PATTERNS:
             # cheap tests first: most strings hold no PII at all
             if kind not in self.kinds:
@@ -486,17 +518,6 @@ class Scrubber:
                     tested[maybe] = maybe(value)
                 if not tested[maybe]:
                     continue
-
-            def replace(match: re.Match, kind=kind, check=check) -> str:
-                if check is not None and not check(match):
-                    return match[0]
-                if "v" in match.re.groupindex:  # an assignment: the value goes, its name stays
-                    start, end = match.span("v")
-                    whole = match.start()
-                    return (match[0][:start - whole] + self._placeholder(kind, match["v"])
-                            + match[0][end - whole:])
-                return self._placeholder(kind, match[0])
-
             value = (ascii_twin if is_ascii else pattern).sub(replace, value)
         return value
 
