@@ -363,8 +363,8 @@ def _is_phone(match: re.Match) -> bool:
 # Cheap tests over a whole serialized trace: only text that might hold PII is scrubbed piece by
 # piece. Looser than the patterns above (they only have to see every candidate that their check
 # can accept); simple searches are several times faster than one alternation of everything. Each
-# pattern also has its own test in PATTERNS, so a text is searched only by the patterns that may
-# match in it. A test that starts with a literal or a character class lets `re` skip, in C, to
+# pattern also has its own test in `Scrubber.text`, so a text is searched only by the patterns
+# that may match in it. A test that starts with a literal or a character class lets `re` skip, in C, to
 # the next place where it can begin; one that starts with a lookbehind, `^` or `(?i:` enters its
 # branches at every character (`\b` is cheap: `_MAYBE_KEY` enters them only at a word's start).
 _NAMES = ("pass", "pwd", "secret", "token", "key", "cred", "auth", "contribsys")  # ASSIGNMENT's
@@ -385,20 +385,12 @@ _MAYBE_MARK = re.compile("|".join(sorted(
 _MAYBE_KEY = re.compile(r"\b(?=" + _trie(_SECRET_PREFIXES, shortest=13) + ")")
 
 
-def _maybe_marked(text: str) -> bool:
-    return _MAYBE_MARKED.search(text) is not None
-
-
 def _maybe_named(text: str) -> bool:
     # a value `_is_secret_value` takes has a digit (of any script: `not text.isascii()`). In
     # ASCII text the names are left to the search itself (`_ASSIGNMENT_A`): not looked for twice
     if text.isascii():
         return _DIGIT_A.search(text) is not None
     return _MAYBE_NAME.search(text.lower()) is not None
-
-
-def _maybe_pem(text: str) -> bool:
-    return "-----BEGIN" in text
 
 
 # phones, cards, IPv4 (8.8.8.8: 7 characters): each of them is such a run, so a text without one
@@ -456,20 +448,6 @@ def maybe_pii(text: str) -> bool:
             or (_MAYBE_KEY_A if is_ascii else _MAYBE_KEY).search(text) is not None)
 
 
-# (kind, pattern, its twin for ASCII text, the check of each match or None, the cheap test a text
-# must pass to be searched or None). SECRET has none: its own search, led by `\b` and the trie of
-# prefixes, is cheaper than any test of prefixes and long runs was (0.7 us a line of the peers'
-# cases against 1.8).
-PATTERNS = [("secret", PRIVATE_KEY, PRIVATE_KEY, None, _maybe_pem),
-            ("secret", SECRET, _SECRET_A, _is_token, None),
-            ("secret", MARKED, MARKED, _is_token, _maybe_marked),
-            ("secret", ASSIGNMENT, _ASSIGNMENT_A, _is_secret_value, _maybe_named),
-            ("email", EMAIL, EMAIL, None, lambda text: "@" in text),
-            ("card", CARD, CARD, _is_card, _maybe_number),
-            ("ip", IPV4, IPV4, None, _maybe_number), ("ip", IPV6, IPV6, _is_ipv6, _maybe_ipv6),
-            ("phone", PHONE, PHONE, _is_phone, _maybe_number)]
-
-
 _ZERO = dict.fromkeys(KINDS, 0)
 
 
@@ -485,41 +463,80 @@ class Scrubber:
 
     def _placeholder(self, kind: str, value: str) -> str:
         key = (kind, value.lower() if kind == "email" else value)
-        if key not in self.placeholders:
-            self.numbers[kind] += 1
-            self.placeholders[key] = f"<{kind.upper()}_{self.numbers[kind]}>"
+        placeholder = self.placeholders.get(key)
+        if placeholder is None:
+            number = self.numbers[kind] = self.numbers[kind] + 1
+            placeholder = self.placeholders[key] = f"<{kind.upper()}_{number}>"
         self.counts[kind] += 1
-        return self.placeholders[key]
+        return placeholder
 
     def text(self, value: str) -> str:
-        """The text with PII replaced by placeholders, counted."""
-        tested: dict = {}  # each cheap test once per text (card, IP and phone share theirs)
-        is_ascii = value.isascii()  # and stays so: placeholders are ASCII
-        kind = check = None
+        r"""The text with PII replaced by placeholders, counted.
 
-        # one function for every pattern, made once a text: it reads the loop's `kind` and
-        # `check` when `sub` calls it, inside the loop
-        def replace(match: re.Match) -> str:
-            if check is not None and not check(match):
-                return match[0]
-            if pattern is ASSIGNMENT:  # an assignment: the value goes, its name stays
-                start, end = match.span("v")
-                whole = match.start()
-                return (match[0][:start - whole] + self._placeholder(kind, match["v"])
-                        + match[0][end - whole:])
-            return self._placeholder(kind, match[0])
-
-        for kind, pattern, ascii_twin, check, maybe in PATTERNS:
-            # cheap tests first: most strings hold no PII at all
-            if kind not in self.kinds:
-                continue
-            if maybe is not None:
-                if maybe not in tested:
-                    tested[maybe] = maybe(value)
-                if not tested[maybe]:
-                    continue
-            value = (ascii_twin if is_ascii else pattern).sub(replace, value)
+        The patterns run in this order, each on what the ones before left: secrets first (a key
+        can hold digit runs that look like phone or card numbers), then e-mail, card, IP and phone.
+        Each runs only where its cheap test finds what it needs (most strings hold no PII at all),
+        and in ASCII text as its ASCII twin where it has one. SECRET has no test: its own search,
+        led by `\b` and the trie of prefixes, is cheaper than any test of prefixes and long runs
+        was (0.7 us a line of the peers' cases against 1.8).
+        """
+        kinds, is_ascii = self.kinds, value.isascii()  # ASCII stays so: placeholders are ASCII
+        if "secret" in kinds:
+            if "-----BEGIN" in value:
+                value = PRIVATE_KEY.sub(self._secret, value)
+            value = (_SECRET_A if is_ascii else SECRET).sub(self._token, value)
+            if _MAYBE_MARKED.search(value) is not None:
+                value = MARKED.sub(self._token, value)
+            if _maybe_named(value):
+                value = (_ASSIGNMENT_A if is_ascii else ASSIGNMENT).sub(self._assignment, value)
+        if "email" in kinds and "@" in value:
+            value = EMAIL.sub(self._email, value)
+        number = None  # card, IPv4 and phone share one test, made where the first of them runs
+        if "card" in kinds:
+            number = _maybe_number(value)
+            if number:
+                value = CARD.sub(self._card, value)
+        if "ip" in kinds:
+            if number is None:
+                number = _maybe_number(value)
+            if number:
+                value = IPV4.sub(self._ipv4, value)
+            if _maybe_ipv6(value):
+                value = IPV6.sub(self._ipv6, value)
+        if "phone" in kinds:
+            if number is None:
+                number = _maybe_number(value)
+            if number:
+                value = PHONE.sub(self._phone, value)
         return value
+
+    # what each pattern's match becomes: its placeholder, if the match passes its check
+    def _secret(self, match: re.Match) -> str:
+        return self._placeholder("secret", match[0])
+
+    def _token(self, match: re.Match) -> str:
+        return self._placeholder("secret", match[0]) if _is_token(match) else match[0]
+
+    def _assignment(self, match: re.Match) -> str:
+        if not _is_secret_value(match):
+            return match[0]
+        # the value goes, its name stays; the value ends the match (a lookahead follows it)
+        return match.string[match.start():match.start("v")] + self._placeholder("secret", match["v"])
+
+    def _email(self, match: re.Match) -> str:
+        return self._placeholder("email", match[0])
+
+    def _card(self, match: re.Match) -> str:
+        return self._placeholder("card", match[0]) if _is_card(match) else match[0]
+
+    def _ipv4(self, match: re.Match) -> str:
+        return self._placeholder("ip", match[0])
+
+    def _ipv6(self, match: re.Match) -> str:
+        return self._placeholder("ip", match[0]) if _is_ipv6(match) else match[0]
+
+    def _phone(self, match: re.Match) -> str:
+        return self._placeholder("phone", match[0]) if _is_phone(match) else match[0]
 
     def walk(self, value):
         """Every string inside lists and dicts (tool arguments, nested content parts) too."""
