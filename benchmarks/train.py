@@ -38,7 +38,7 @@ from stages import config as cfg  # noqa: E402
 from stages import tinylm, train  # noqa: E402
 from stages.envs import arith  # noqa: E402
 from stages.training import trainers, warmstart  # noqa: E402
-from stages.training.sft import encode_completion  # noqa: E402
+from stages.training.batches import encode_completion  # noqa: E402
 
 
 def demonstrations(tokenizer, n: int, seed: int) -> list[dict]:

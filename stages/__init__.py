@@ -13,7 +13,8 @@
                    serve_tiny (the demo model behind an OpenAI-compatible server), chat (a chat
                    model in a user's environment, token in and token out), tool_parsers
       training/    sft, dpo, grpo (one module per `train.algorithm`), trainers (what they share),
-                   warmstart (the plain loop behind generation 0)
+                   batches (examples as token ids, the collator), warmstart (the plain loop
+                   behind generation 0)
       traces/      schema, pii, drift, sources/ (one reader per trace format, messages: helpers)
 
 The one rule of each folder, which is what it may import (imports point down, never in a circle;
@@ -24,7 +25,7 @@ nothing in stages/ imports Prefect or flows/):
   `judge` and `replay` read `config` (the judge's params) and `remote` (the judge's probe);
 - `generation/` imports nothing of stages/ but `tinylm` and `envs/contract` (how a user's tool
   call is answered); an environment comes in as an argument;
-- `training/` imports `tinylm` and itself (`trainers` and `sft` are its leaves);
+- `training/` imports `tinylm` and itself (`trainers` and `batches` are its leaves);
 - `traces/` imports only itself (`schema` and `pii` are its leaves; `sources/` read formats).
 `config` and `io` import nothing of stages/ but the environment registry (for name checks);
 `modelfiles` imports nothing, so `tinylm` and the CLI can check a folder before torch loads.

@@ -10,7 +10,7 @@ from stages.envs.errors import TaskFileError, VerifierError
 from stages.envs.registry import ENVIRONMENTS, load_tasks
 from stages.generation import transformers_backend
 from stages.training import warmstart
-from stages.training.sft import encode_completion
+from stages.training.batches import encode_completion
 
 INTERFACE = ["NAME", "VERSION", "TAGS", "CHARS", "TOOL_CLOSE", "MAX_TURNS", "prompt",
              "on_tool_close", "verify", "score", "gold_completion", "task_from_messages",

@@ -15,7 +15,7 @@ from stages import champion_scores, gate, tinylm
 from stages import config as cfg
 from stages.envs import arith
 from stages.training import warmstart
-from stages.training.sft import encode_completion
+from stages.training.batches import encode_completion
 from stages.training.warmstart import demonstrations
 
 # one xdist worker runs this module: its module-scoped fixture is built once

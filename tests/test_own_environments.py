@@ -221,7 +221,7 @@ def test_rollout_reward_and_training_on_a_chat_model_in_two_own_environments(wor
     examples = train.examples_from(workspace / "data/rewards.parquet")
     assert examples and all(e["chat"] for e in examples)
     by_completion = {(r["task_id"], r["completion"]): r["token_ids"] for r in table}
-    from stages.training.sft import frame
+    from stages.training.batches import frame
     for example in examples:
         ids, mask = frame(example, bos=None, eos=0)
         assert ids == by_completion[(example["task_id"], example["completion"])]
@@ -582,7 +582,7 @@ def test_replayed_chat_rows_stay_chat_rows(tmp_path):
     train.store_and_replay(rows, tmp_path, "sft", 1.0, 0, [])
     replayed, available = train.store_and_replay([], tmp_path, "sft", 1.0, 0, [])
     assert available == 1 and replayed[0]["chat"] is True
-    from stages.training.sft import collate
+    from stages.training.batches import collate
     batch = collate(replayed, bos=None, eos=2, pad=0)  # as they are: no <bos>, no extra <eos>
     assert batch["input_ids"].tolist() == [[5, 6, 7]]  # nothing added, not even padding
     assert batch["labels"].tolist() == [[-100, 6, 7]]

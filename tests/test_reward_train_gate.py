@@ -9,7 +9,7 @@ from tiny_arith import build_champion
 from stages import champion_scores, gate, reward, rollout, tinylm, train
 from stages import config as cfg
 from stages.envs import arith
-from stages.training.sft import encode_completion
+from stages.training.batches import encode_completion
 
 # one xdist worker runs this module: its module-scoped fixture is built once
 pytestmark = pytest.mark.xdist_group("reward_train_gate")

@@ -6,8 +6,8 @@ import torch
 from stages import tinylm
 from stages.envs import arith
 from stages.generation import transformers_backend
-from stages.training import sft, warmstart
-from stages.training.sft import encode_completion
+from stages.training import batches, warmstart
+from stages.training.batches import encode_completion
 from stages.training.warmstart import demonstrations
 
 # one xdist worker runs this module: its module-scoped fixture is built once
@@ -107,7 +107,7 @@ def test_sft_loss_goes_down():
     examples = [dict(zip(("token_ids", "model_mask"),
                          encode_completion(tokenizer, arith, arith.prompt(q), arith.demonstration(q, True))))
                 for q in ["1+2", "3*4", "10-5", "7*8"]]
-    batch = sft.collate(examples[:2], tokenizer.bos_token_id, tokenizer.eos_token_id,
+    batch = batches.collate(examples[:2], tokenizer.bos_token_id, tokenizer.eos_token_id,
                         tokenizer.pad_token_id)
     inputs, attention, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
     with torch.no_grad():
@@ -179,7 +179,7 @@ def test_chat_episodes_at_the_context_limit_fit_every_collator():
             "logprobs": [0.0] * 24, "chat": True, "advantage": 1.0}
     short = {**full, "token_ids": full["token_ids"][:10], "model_mask": full["model_mask"][:10],
              "logprobs": [0.0] * 10}
-    batch = sft.collate([full, short], tokenizer.bos_token_id, tokenizer.eos_token_id,
+    batch = batches.collate([full, short], tokenizer.bos_token_id, tokenizer.eos_token_id,
                         tokenizer.pad_token_id)
     assert batch["input_ids"].shape == (2, 24)
     assert model(**batch).loss.isfinite()

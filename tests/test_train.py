@@ -20,7 +20,7 @@ from stages import config as cfg
 from stages import gate, tinylm, train
 from stages.envs import arith
 from stages.training import dpo, grpo
-from stages.training.sft import encode_completion
+from stages.training.batches import encode_completion
 
 # one xdist worker runs this module: its module-scoped fixture is built once
 pytestmark = pytest.mark.xdist_group("train")

@@ -15,7 +15,7 @@ from stages import config as cfg
 from stages import reward, rollout, tinylm
 from stages.envs import arith
 from stages.training import grpo, warmstart
-from stages.training.sft import encode_completion
+from stages.training.batches import encode_completion
 from stages.training.warmstart import demonstrations
 
 GOOD = "<calc>2*3</calc><result>6</result>answer:6"

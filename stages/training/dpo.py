@@ -22,7 +22,7 @@ from trl import DPOConfig, DPOTrainer
 
 from stages import tinylm
 from stages.training import trainers
-from stages.training.sft import encode_completion
+from stages.training.batches import encode_completion
 
 UNIT = "preference pairs"  # what one example is, for the stage's messages
 

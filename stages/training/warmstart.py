@@ -2,7 +2,7 @@
 
 Used by `offseason init` (`stages/init.py`) for the demo's tiny model, and by the tests and
 benchmarks as the baseline the train stage's Trainer is measured against. The examples are the
-same rows the train stage uses (`token_ids`, `model_mask`), collated by `stages.training.sft`, so
+same rows the train stage uses (`token_ids`, `model_mask`), collated by `stages.training.batches`, so
 the loss is on the model's own tokens only: prompts and injected tool results are context, not
 targets (teaching the model to predict a calculator's output would teach it to guess instead of
 calling the tool).
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from stages.training.sft import collate, encode_completion
+from stages.training.batches import collate, encode_completion
 
 
 def demonstrations(tokenizer, env, rng: random.Random, tool_fraction: float, batch_size: int):
