@@ -183,3 +183,62 @@ def test_the_python_standard_library_is_left_alone():
     assert total > 200_000, total
     assert changed["phone"] == changed["card"] == changed["secret"] == 0, examples
     assert (changed["email"] + changed["ip"]) / total <= 0.0015, examples
+
+
+def _ascii_lines() -> list[str]:
+    """ASCII lines that exercise the patterns: the peers' cases, and each with characters that
+    ASCII-only classes treat differently put in (the separators \\x1c-\\x1f, a tab, a form feed)."""
+    import json
+
+    folder = Path(__file__).parent / "fixtures" / "pii"
+    lines = [line for path in sorted(folder.glob("*.jsonl")) for row in path.open()
+             for line in json.loads(row)["text"].splitlines() if line.isascii() and line.strip()]
+    odd = [line[:i] + char + line[i:] for n, line in enumerate(lines)
+           for char in ("\x1c", "\x1f", "\t", "\f") for i in (len(line) // (2 + n % 5),)]
+    return lines + odd
+
+
+def test_ascii_twins_find_what_their_patterns_find():
+    """In ASCII text the scrubber searches with twins of SECRET, ASSIGNMENT and the placeholder
+    test (re.ASCII; names spelt in both cases instead of `(?i:`): they must find exactly what the
+    patterns find, or ASCII and other text would be scrubbed differently: a name changed in one
+    spelling only fails here (`\\s` in SECRET, which re.ASCII changes, fails the test above)."""
+    from stages.traces import pii
+
+    lines = _ascii_lines()
+    assert len(lines) > 30_000
+    for pattern, twin in ((pii.SECRET, pii._SECRET_A), (pii.ASSIGNMENT, pii._ASSIGNMENT_A)):
+        for line in lines:
+            assert ([(m.span(), m.groupdict()) for m in pattern.finditer(line)]
+                    == [(m.span(), m.groupdict()) for m in twin.finditer(line)]), (pattern.pattern[:40], line)
+    values = [m["v"] for line in lines for m in pii.ASSIGNMENT.finditer(line)]
+    values += ["${TOKEN}", "YOUR_API_KEY", "Your-Key-1", "<REDACTED>", "reDacted1", "xxxxxxxx", "%(pw)s"]
+    for value in values:  # the ASCII path's one search against the two of other text
+        other = (value.startswith("$") or pii._NOT_A_SECRET.search(value) is not None
+                 or pii._NOT_A_SECRET_ANY_CASE.search(value) is not None)
+        assert pii._not_a_secret(value) == other, value
+
+
+def test_the_entropy_bound_decides_as_the_count():
+    """`_entropy_at_least` accepts most keys by their number of distinct characters alone; it must
+    decide exactly as counting does, at each threshold the scrubber uses, whatever the text."""
+    import random
+    import string
+
+    from stages.traces import pii
+
+    rng = random.Random(0)
+    alphabets = [string.ascii_letters + string.digits, "0123456789abcdef", "ab", "a",
+                 string.printable, "xyzXYZ0123456789-_"]
+    texts = []
+    for _ in range(20_000):
+        alphabet = rng.choice(alphabets)
+        n = rng.choice([1, 2, 5, 8, 10, 12, 16, 20, 24, 32, 40, 64, 100, 511, 512, 513, 700])
+        text = "".join(rng.choice(alphabet) for _ in range(n))
+        if rng.random() < 0.3:  # a run of one character in a random key: a placeholder's shape
+            at = rng.randrange(n + 1)
+            text = text[:at] + rng.choice(alphabet) * rng.randrange(1, n + 1) + text[at:]
+        texts.append(text)
+    for text in texts:
+        for bits in (2.3, 2.5, 3.0):
+            assert pii._entropy_at_least(text, bits) == (pii.entropy(text) >= bits), (text, bits)
