@@ -258,8 +258,6 @@ _NOT_A_SECRET = re.compile(r"%[\d.]*[sdfrx(]|\{\{|xxxxxx|XXXXXX|EXAMPLE|####|\*\
 _NOT_A_SECRET_ANY_CASE = re.compile(r"(?i:your[_\-]|redacted)")
 
 
-
-
 def _any_case(word: str, then: str = "") -> list[str]:
     r"""Branches matching the ASCII word in any case, each beginning with a literal: `y[oO][uU]`
     and `Y[oO][uU]` for `(?i:you)`, which makes `re` try its branches at every character (a
@@ -368,9 +366,9 @@ def _is_phone(match: re.Match) -> bool:
 # piece. Looser than the patterns above (they only have to see every candidate that their check
 # can accept); simple searches are several times faster than one alternation of everything. Each
 # pattern also has its own test in `Scrubber.text`, so a text is searched only by the patterns
-# that may match in it. A test that starts with a literal or a character class lets `re` skip, in C, to
-# the next place where it can begin; one that starts with a lookbehind, `^` or `(?i:` enters its
-# branches at every character (`\b` is cheap: `_MAYBE_KEY` enters them only at a word's start).
+# that may match in it. A test that starts with a literal or a character class lets `re` skip, in
+# C, to the next place where it can begin; one that starts with a lookbehind, `^` or `(?i:` enters
+# its branches at every character (`\b` is cheap: `_MAYBE_KEY` enters them only at a word's start).
 _NAMES = ("pass", "pwd", "secret", "token", "key", "cred", "auth", "contribsys")  # ASSIGNMENT's
 _MAYBE_NAME = re.compile("|".join(_NAMES))  # in the lowercased text
 _MAYBE_MARKED = re.compile("|".join(re.escape(mark) for mark in _SECRET_MARKS))
@@ -496,23 +494,17 @@ class Scrubber:
                 value = (_ASSIGNMENT_A if is_ascii else ASSIGNMENT).sub(self._assignment, value)
         if "email" in kinds and "@" in value:
             value = EMAIL.sub(self._email, value)
-        number = None  # card, IPv4 and phone share one test, made where the first of them runs
-        if "card" in kinds:
-            number = _maybe_number(value)
-            if number:
-                value = CARD.sub(self._card, value)
+        # card, IPv4 and phone share one test (a run of digits), made before the first of them
+        number = ("card" in kinds or "ip" in kinds or "phone" in kinds) and _maybe_number(value)
+        if number and "card" in kinds:
+            value = CARD.sub(self._card, value)
         if "ip" in kinds:
-            if number is None:
-                number = _maybe_number(value)
             if number:
                 value = IPV4.sub(self._ipv4, value)
             if _maybe_ipv6(value):
                 value = IPV6.sub(self._ipv6, value)
-        if "phone" in kinds:
-            if number is None:
-                number = _maybe_number(value)
-            if number:
-                value = PHONE.sub(self._phone, value)
+        if number and "phone" in kinds:
+            value = PHONE.sub(self._phone, value)
         return value
 
     # what each pattern's match becomes: its placeholder, if the match passes its check
