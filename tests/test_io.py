@@ -25,8 +25,9 @@ def test_heavy_imports_pause_the_collector_and_freeze_what_they_made():
         made = [[i] for i in range(1000)]  # tracked objects, as an import makes
         import this_module_is_new  # noqa: F401
     assert gc.isenabled()
-    assert gc.get_freeze_count() >= frozen + len(made)
-    # frozen: tracked, but in no generation a collection walks
+    # frozen: tracked, but in no generation a collection walks. (The frozen count is no measure:
+    # other threads of a test worker free frozen objects meanwhile, and the count drops by them.)
+    assert gc.get_freeze_count() > frozen
     walked = {id(o) for o in gc.get_objects()}
     assert all(gc.is_tracked(x) and id(x) not in walked for x in made)
 
@@ -37,8 +38,11 @@ def test_heavy_imports_that_import_nothing_new_freeze_nothing():
         import json  # noqa: F401  (loaded already)
 
         garbage = [[i] for i in range(1000)]
-    assert gc.get_freeze_count() == frozen and gc.isenabled()
-    assert all(gc.is_tracked(x) for x in garbage)
+    # nothing frozen: the count did not grow (it may drop: other threads free frozen objects), and
+    # the block's objects are still where collections walk
+    assert gc.get_freeze_count() <= frozen and gc.isenabled()
+    walked = {id(o) for o in gc.get_objects()}
+    assert all(gc.is_tracked(x) and id(x) in walked for x in garbage)
 
 
 def test_heavy_imports_leave_a_paused_collector_paused_even_on_error():
