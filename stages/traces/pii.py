@@ -162,7 +162,9 @@ ASSIGNMENT = re.compile(
     r"(?:[\"'`]?\s{0,4}(?:=>|:{0,3}=|[=!]==?|\?=|\.=|\|\||[=:>])|(?P<c>[\"'`]\s{0,4},))"
     r"\s{0,8}(?P<q>\\?[\"'`])?"
     r"(?P<v>[^\s\"'`;,<>(){}\[\]\\]{6,300}+)(?=[\"'`\s;,<)\]}]|\\[nrt\"]|$)")
-EMAIL = re.compile(r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9.\-]+\.[A-Za-z]{2,}")
+# a top-level domain is letters that end the name: `sd_IN@devanagari.UTF-8` and
+# `ks_in@devanagari.utf8` are locales (language_territory@modifier.codeset), not addresses
+EMAIL = re.compile(r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9.\-]+\.[A-Za-z]{2,}(?!-?[A-Za-z0-9])")
 # never glued to letters: digit runs inside hex hashes and identifiers pass Luhn one time in ten
 # (the lookbehind after the first digit, not before it: a pattern that starts with a digit class
 # lets `re` skip to the next digit in C; `(?<![\w.]\d)` there is `(?<![\w.])` before it)
@@ -170,6 +172,12 @@ CARD = re.compile(r"\d(?<![\w.]\d)(?:[ \-]?\d){12,18}(?![\w.])")
 # an IPv4 address may end a sentence ("My IP is 10.0.0.1."), not a longer dotted number
 IPV4 = re.compile(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}"
                   r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?!\w|\.\d)")
+# a dotted number named as a section or a version is not an address: "section 17.4.1.2",
+# "subclause 7.3.5.1", `#section-7.1.1.1`, `__version__ = "0.5.1.2"` (19 of the 260 lines of the
+# C++ headers it changed before; clauses cited bare, `// 27.4.5.1` or `[23.2.4.1]`, still change:
+# nothing in them tells them from an address in a comment or an SMTP `[10.0.0.1]`)
+_NUMBERED = re.compile(r"(?<![A-Za-z])(?i:(?:sub)?(?:section|clause)s?|version_*|\u00a7)[\s:=\"'#\-]{0,4}"
+                       r"(?:[\d.]+(?:,\s*|,?\s+(?:and|or|to)\s+))?$")  # "clauses 21.1.3.1 and 21.1.3.2"
 # IPv6: hex groups standing on their own, never inside identifiers: `std::move`, `Foo::bar`,
 # `a[1::2]`, `Usage::` and CSS `::before` are code (`_is_ipv6` also wants the shape of an address)
 IPV6 = re.compile(r"(?<![\w:.])[0-9A-Fa-f]{0,4}(?::[0-9A-Fa-f]{0,4}){2,7}(?![\w:]|\.\d)")
@@ -526,6 +534,9 @@ class Scrubber:
         return self._placeholder("card", match[0]) if _is_card(match) else match[0]
 
     def _ipv4(self, match: re.Match) -> str:
+        start = match.start()
+        if _NUMBERED.search(match.string, max(0, start - 40), start):
+            return match[0]
         return self._placeholder("ip", match[0])
 
     def _ipv6(self, match: re.Match) -> str:
