@@ -6,7 +6,8 @@ its process and children, peak memory, and with NVML each GPU's busy seconds, pe
 utilisation; measured, so they vary run to run). The rollout counts its episodes' prompt and
 generated tokens and tool calls from their own token ids, per environment; the train stage the
 tokens of its batches (not padding, and those the loss saw); the reward stage its judge's requests
-and tokens as the server's `usage` reports them (all exact). The ledger sums the stages that ran
+and tokens as the server's `usage` reports them, champion_scores and the gate the held-out
+judge's likewise (all exact). The ledger sums the stages that ran
 in this cycle (a stage DVC skipped, because its inputs had not changed, was paid for in an earlier
 cycle and is listed as `reused`), and prices the units with params.yaml's `cost:` (per CPU-hour,
 per GPU-hour, per million judge tokens; with a rate of 0 the units still show). `offseason

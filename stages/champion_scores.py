@@ -13,8 +13,14 @@ items and none is ever dropped, so the gate's forgetting guard remembers what ol
 learned. The gate uses the items an earlier champion solved, not only the current one: items chosen
 because the current champion solved them would favour it (regression to the mean).
 
+Where an environment's reward calls the (held-out) judge, its paid judgments are kept in
+`--judgments` (data/champion_judgments, a persistent output) and the gate's read from
+`--judged-before` (data/gate_judgments: a promoted candidate's answers were judged there last
+cycle, so the new champion's cost nothing again); what the judge cost is in the metrics' `judges`.
+
     python -m stages.champion_scores models/champion data/champion_scores.parquet data/forgetting.jsonl \
-        metrics/champion_scores.json data/benchmarks/arith.jsonl
+        metrics/champion_scores.json data/benchmarks/arith.jsonl \
+        --judgments data/champion_judgments --judged-before data/gate_judgments
 """
 
 from __future__ import annotations
@@ -70,15 +76,22 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(name, type=Path)
     parser.add_argument("suites", type=Path, nargs="+", help="data/benchmarks/<suite>.jsonl")
     parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--judgments", type=Path, default=None,
+                        help="where the held-out judge keeps its paid judgments (a persistent "
+                        "output: data/champion_judgments)")
+    parser.add_argument("--judged-before", type=Path, action="append", default=[],
+                        help="judgments another stage paid for, read only (data/gate_judgments: "
+                        "a promoted candidate's answers were judged by the gate)")
     args = parser.parse_args(argv)
     io.watch_gpus()  # per GPU busy seconds, peak memory (the cost ledger); none: nothing
     from stages.envs import judge
 
-    judge.for_benchmarks()  # an environment's reward calls the held-out judge here
+    # an environment's reward calls the held-out judge here
+    judge.for_benchmarks(args.judgments, tuple(args.judged_before))
     metrics = run(cfg.load("base", args.params), cfg.load("gate", args.params), args.champion,
                   args.suites, args.scores, args.forgetting, cfg.environments(args.params),
                   cfg.load("rollout", args.params), Path(args.params).resolve().parent)
-    io.write_metrics(args.metrics, metrics)
+    io.write_metrics(args.metrics, {**metrics, **judge.spent()})
     print(f"champion_scores: {metrics['suites']}; forgetting set {metrics['forgetting_items']} "
           f"items (+{metrics['forgetting_added']})", file=sys.stderr)
 

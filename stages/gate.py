@@ -40,10 +40,15 @@ With an `environments:` section the suites are the user's environments with a `b
 (`contract.benchmark_suites`; `gate.primary` names the one that must improve, each other one is a
 guard with its own `environments.<name>.max_regression`), attempted greedily through the chat path
 with the rollout's `max_new_tokens`, `max_turns` and `tool_parser` (`score_chat`); `format` is then
-"the model ended its answer itself" and `tool_ok` "no tool call failed".
+"the model ended its answer itself" and `tool_ok` "no tool call failed". Where an environment's
+reward calls the judge (the held-out one here), its paid judgments are kept in `--judgments`
+(data/gate_judgments, a persistent output) and those of the champion's answers read from
+`--judged-before` (data/champion_judgments): an answer the candidate gives as the champion did is
+not paid for again, and scores as it did. What the judge cost is in the verdict's `judges`.
 
     python -m stages.gate models/candidate data/champion_scores.parquet data/forgetting.jsonl data/rewards.parquet \
-        data/replay data/gate.parquet metrics/gate.json data/benchmarks/arith.jsonl
+        data/replay data/gate.parquet metrics/gate.json data/benchmarks/arith.jsonl \
+        --judgments data/gate_judgments --judged-before data/champion_judgments
 """
 
 from __future__ import annotations
@@ -646,16 +651,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--history", type=Path, help="data/gate_history.jsonl: every cycle's "
                         "decision, for error control across cycles (gate.sequential)")
     parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--judgments", type=Path, default=None,
+                        help="where the held-out judge keeps its paid judgments (a persistent "
+                        "output: data/gate_judgments)")
+    parser.add_argument("--judged-before", type=Path, action="append", default=[],
+                        help="judgments another stage paid for, read only "
+                        "(data/champion_judgments: an answer given as the champion gave it)")
     args = parser.parse_args(argv)
     io.watch_gpus()  # per GPU busy seconds, peak memory (the cost ledger); none: nothing
     from stages.envs import judge
 
-    judge.for_benchmarks()  # an environment's reward calls the held-out judge here
+    # an environment's reward calls the held-out judge here
+    judge.for_benchmarks(args.judgments, tuple(args.judged_before))
     verdict = run(cfg.load("base", args.params), cfg.load("gate", args.params), args.candidate,
                   args.champion_scores, args.forgetting, args.rewards, args.replay, args.suites,
                   args.items, cfg.environments(args.params), cfg.load("rollout", args.params),
                   Path(args.params).resolve().parent, args.history)
-    io.write_metrics(args.metrics, verdict)
+    io.write_metrics(args.metrics, {**verdict, **judge.spent()})
     print(f"gate: candidate {verdict['candidate_score']:.3f} vs champion "
           f"{verdict['champion_score']:.3f} -> {'PASS' if verdict['passed'] else 'FAIL'} "
           f"({verdict['reason']})", file=sys.stderr)

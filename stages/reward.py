@@ -459,8 +459,7 @@ def score_chat(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | No
     every = list(range(len(rows)))
     from stages.envs import judge
 
-    judges = {"judges": [j.metrics() for j in judge.used()]} if judge.used() else {}
-    return out, {**summary(every), **judges, "unjudgeable": unjudged, FEEDBACK: rated,
+    return out, {**summary(every), **judge.spent(), "unjudgeable": unjudged, FEEDBACK: rated,
                  "tasks_set_aside": len(set_aside),
                  "components": {n: mean([c[n] for c in scores if c and n in c]) for n in names},
                  "environments": {name: {**summary([i for i in every

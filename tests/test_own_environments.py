@@ -243,6 +243,66 @@ def test_rollout_reward_and_training_on_a_chat_model_in_two_own_environments(wor
         assert any(not torch.equal(before[k], v) for k, v in after.state_dict().items())
 
 
+def test_the_benchmark_stages_count_and_keep_the_held_out_judges_judgments(workspace, champion):
+    """A benchmark the judge grades: champion_scores pays the held-out judge for each of its
+    tasks and says so in its metrics, which the cost ledger prices; its judgments are kept
+    under DVC; the gate of a candidate that answers as the champion did reads those and pays
+    for none (before, both stages judged in memory and reported nothing: the ledger missed the
+    held-out judge, and a promotion paid twice for the same answers).
+    """
+    from judge_server import Scripted
+
+    from flows import cost
+    from stages import champion_scores, gate
+    from stages import config as cfg
+    from stages.envs import judge
+
+    server = Scripted([{"reasoning": "fair", "score": 0.5}])
+    params = yaml.safe_load((workspace / "params.yaml").read_text())
+    params["judge"] = {"model": "judge-7b", "rubric": "examples/judged/rubric.md",
+                       "benchmark_model": "judge-70b"}
+    params.setdefault("runtime", {})["judge"] = {"url": server.url}
+    params["gate"]["primary"] = "judged"
+    params["environments"] = {  # one benchmark, the judged one: two tasks
+        "judged": {"module": "examples.judged.judged_env", "tasks": "examples/judged/tasks.jsonl",
+                   "benchmark": "data/judged-benchmark.jsonl"}}
+    (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (workspace / "data/judged-benchmark.jsonl").write_text("".join(
+        json.dumps({"task_id": f"b{i}", "messages": [{"role": "user", "content": q}]}) + "\n"
+        for i, q in enumerate(["What is 20+22?", "What is 9*9?"])))
+    judgments = ["--judgments", "data/champion_judgments", "--judged-before", "data/gate_judgments"]
+    try:
+        champion_scores.main([str(champion), "data/champion_scores.parquet",
+                              "data/forgetting.jsonl", "metrics/champion_scores.json",
+                              "data/benchmarks/arith.jsonl", *judgments])
+        scored = json.loads((workspace / "metrics/champion_scores.json").read_text())
+        [held_out] = scored["judges"]
+        assert held_out["judge"].startswith("judge-70b/rubric-")
+        assert held_out["requests"] == len(server.requests) == 2 and held_out["cache_hits"] == 0
+        assert held_out["tokens"] > 0
+        assert cost.stage_row(scored, 0, cfg.Cost())["judge_tokens"] == held_out["tokens"]
+        kept = [line for f in (workspace / "data/champion_judgments").glob("*.jsonl")
+                for line in f.read_text().splitlines()]
+        assert len(kept) == 2
+
+        gate.main([str(champion), "data/champion_scores.parquet", "data/forgetting.jsonl",
+                   "data/rewards.parquet", "data/replay", "data/gate.parquet", "metrics/gate.json",
+                   "data/benchmarks/arith.jsonl", "--judgments", "data/gate_judgments",
+                   "--judged-before", "data/champion_judgments"])
+        verdict = json.loads((workspace / "metrics/gate.json").read_text())
+        [again] = verdict["judges"]
+        assert again["requests"] == 0 and again["cache_hits"] == 2 and len(server.requests) == 2
+        assert (workspace / "data/gate_judgments").is_dir()  # an output, judged or not
+        assert not list((workspace / "data/gate_judgments").iterdir())  # nothing new bought
+        assert sorted(line for f in (workspace / "data/champion_judgments").glob("*.jsonl")
+                      for line in f.read_text().splitlines()) == sorted(kept)  # read, not written
+        assert verdict["suites"]["judged"]["items"] == 2
+    finally:
+        server.close()
+        judge.use_cache(None)
+        judge._HELD_OUT[0] = False
+
+
 def check(root: Path) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "offseason"), "check"], cwd=root, capture_output=True,
                           text=True)

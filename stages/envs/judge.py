@@ -23,7 +23,8 @@ the training reward never saw, so a policy that games the training judge cannot 
 
 Each judgment is cached by the hash of (judge model, rubric, mode, conversation(s)) in
 `data/judgments/` (the reward stage's persistent DVC output; `use_cache`), appended as it is paid for, so a
-rerun or a resumed cycle asks again for nothing; the model and the rubric's hash are recorded with
+rerun or a resumed cycle asks again for nothing; the benchmark stages keep theirs likewise
+(`data/champion_judgments/`, `data/gate_judgments/`), each reading the other's too; the model and the rubric's hash are recorded with
 each score, so a changed rubric re-scores. A judge that times out, refuses, answers with an HTTP
 error or with unparseable JSON is retried (`retries`), then raises `JudgeError`: a verifier's
 infrastructure failure, recorded with its cause, never a zero. The budget (`judge.max_calls`
@@ -108,6 +109,7 @@ class Judge:
     max_calls: int = 2000
     max_cost: int = 2_000_000
     cache_dir: Path | None = None
+    judged_before: tuple[Path, ...] = ()  # other stages' caches: read, never written
     calls: int = 0  # requests sent (retries included)
     tokens: int = 0  # as the server reported them
     prompt_tokens: int = 0  # of those, the server's `usage.prompt_tokens`
@@ -120,8 +122,8 @@ class Judge:
     _probed: bool = field(default=False, repr=False)
 
     @classmethod
-    def from_params(cls, params: str | Path = "params.yaml", cache_dir: Path | None = None
-                    ) -> Judge:
+    def from_params(cls, params: str | Path = "params.yaml", cache_dir: Path | None = None,
+                    judged_before: tuple[Path, ...] = ()) -> Judge:
         """The project's judge from params.yaml (`judge:` and `runtime.judge:`)."""
         from stages import config as cfg
 
@@ -143,7 +145,7 @@ class Judge:
                    api_key=os.environ.get(config.api_key_env) or None,
                    request_timeout=config.request_timeout, retries=config.retries,
                    max_calls=config.max_calls, max_cost=config.max_cost,
-                   cache_dir=cache_dir)
+                   cache_dir=cache_dir, judged_before=tuple(judged_before))
 
     @property
     def rubric_hash(self) -> str:
@@ -165,8 +167,10 @@ class Judge:
     def _load_cache(self) -> dict:
         if self._cache is None:
             self._cache = {}
-            if self.cache_dir is not None and self.cache_dir.is_dir():
-                for path in sorted(self.cache_dir.glob("*.jsonl")):
+            for folder in (*self.judged_before, self.cache_dir):
+                if folder is None or not folder.is_dir():
+                    continue
+                for path in sorted(folder.glob("*.jsonl")):
                     for line in path.read_text().splitlines():
                         try:
                             row = json.loads(line)
@@ -226,12 +230,12 @@ class Judge:
                 raise JudgeBudget(f"{where}: judge.max_calls={self.max_calls} requests spent "
                                   f"this stage run ({self.tokens} tokens, {self.hits} cache "
                                   f"hits); raise it in params.yaml, or judge fewer rollouts; "
-                                  f"the judgments paid for are kept in {CACHE}/")
+                                  f"the judgments paid for are kept in {self.cache_dir or CACHE}/")
             if self.tokens >= self.max_cost:  # checked before asking: what was paid is kept
                 raise JudgeBudget(f"{where}: judge.max_cost={self.max_cost} tokens spent this "
                                   f"stage run ({self.calls} requests); raise it in params.yaml, "
                                   f"or judge fewer rollouts; the judgments paid for are kept "
-                                  f"in {CACHE}/")
+                                  f"in {self.cache_dir or CACHE}/")
             if attempt:
                 time.sleep(min(8.0, 0.5 * 2 ** (attempt - 1)))
             self.calls += 1
@@ -406,22 +410,31 @@ def stop_servers() -> None:
 
 _PROJECT: dict[str, Judge] = {}
 _CACHE_DIR: list[Path | None] = [None]
+_JUDGED_BEFORE: list[tuple[Path, ...]] = [()]
 _HELD_OUT: list[bool] = [False]
 
 
-def for_benchmarks() -> None:
+def for_benchmarks(cache: Path | None = None, judged_before: tuple[Path, ...] = ()) -> None:
     """This process scores benchmarks (champion_scores, gate): the project's judge is the
-    held-out one (`judge.benchmark_model`, `judge.benchmark_rubric`) where params name it.
+    held-out one (`judge.benchmark_model`, `judge.benchmark_rubric`) where params name it, its
+    judgments kept in `cache` (the stage's persistent output, made here: an output whether a
+    judge is used or not) and found in `judged_before` too (`use_cache`).
     """
     _HELD_OUT[0] = True
-    _PROJECT.clear()
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+    use_cache(cache, judged_before)
 
 
-def use_cache(folder: Path | None) -> None:
-    """Where this process's project judge keeps its judgments: the reward stage's persistent
-    output (`data/judgments`); None (the default, e.g. in the gate) keeps them in memory only.
+def use_cache(folder: Path | None, judged_before: tuple[Path, ...] = ()) -> None:
+    """Where this process's project judge keeps its judgments: its stage's persistent output
+    (`data/judgments`, the reward stage's; `data/champion_judgments`, `data/gate_judgments`, the
+    benchmark stages'); None (the default) keeps them in memory only. `judged_before`: other
+    stages' caches it reads and never writes (the gate, the champion's judgments: an answer the
+    candidate gives as the champion did is not paid for twice, and scores as it did).
     """
     _CACHE_DIR[0] = folder
+    _JUDGED_BEFORE[0] = tuple(judged_before)
     _PROJECT.clear()
 
 
@@ -429,7 +442,8 @@ def project(params: str | Path = "params.yaml") -> Judge:
     """The project's judge (one per process and params file, so its cache and budget are one)."""
     key = str(Path(params).resolve())
     if key not in _PROJECT:
-        _PROJECT[key] = Judge.from_params(params, cache_dir=_CACHE_DIR[0])
+        _PROJECT[key] = Judge.from_params(params, cache_dir=_CACHE_DIR[0],
+                                          judged_before=_JUDGED_BEFORE[0])
     return _PROJECT[key]
 
 
@@ -446,6 +460,13 @@ def rank(task: dict, episodes: list[list[dict]]) -> list[Scores]:
 def used() -> list[Judge]:
     """The judges this process has used (the reward stage reports their metrics)."""
     return list(_PROJECT.values())
+
+
+def spent() -> dict:
+    """`{"judges": [...]}`, what each judge this process used cost and did (requests, tokens,
+    cache hits), for a stage's metrics and so the cost ledger; {} where none was used.
+    """
+    return {"judges": [j.metrics() for j in used()]} if _PROJECT else {}
 
 
 def main(argv: list[str] | None = None) -> None:
