@@ -22,14 +22,15 @@ held-out one, `judge.benchmark_model` and `judge.benchmark_rubric` where params 
 the training reward never saw, so a policy that games the training judge cannot promote on it.
 
 Each judgment is cached by the hash of (judge model, rubric, mode, conversation(s)) in
-`data/judgments/` (the reward stage's persistent DVC output; `use_cache`), appended as it is paid for, so a
-rerun or a resumed cycle asks again for nothing; the benchmark stages keep theirs likewise
-(`data/champion_judgments/`, `data/gate_judgments/`), each reading the other's too; the model and the rubric's hash are recorded with
-each score, so a changed rubric re-scores. A judge that times out, refuses, answers with an HTTP
-error or with unparseable JSON is retried (`retries`), then raises `JudgeError`: a verifier's
-infrastructure failure, recorded with its cause, never a zero. The budget (`judge.max_calls`
-requests, `judge.max_cost` tokens, per stage run; cache hits are free) raises `JudgeBudget`,
-which stops the stage with what was spent instead of a surprise bill.
+`data/judgments/` (the reward stage's persistent DVC output; `use_cache`), appended as it is paid
+for, so a rerun or a resumed cycle asks again for nothing; the benchmark stages keep theirs
+likewise (`data/champion_judgments/`, `data/gate_judgments/`), each reading the other's too. The
+model and the rubric's hash are recorded with each score, so a changed rubric re-scores. A judge
+that times out, refuses, answers with an HTTP error or with unparseable JSON is retried
+(`retries`), then raises `JudgeError`: a verifier's infrastructure failure, recorded with its
+cause, never a zero. The budget (`judge.max_calls` requests, `judge.max_cost` tokens, per stage
+run; cache hits are free) raises `JudgeBudget`, which stops the stage with what was spent instead
+of a surprise bill.
 
     python -m stages.envs.judge --url http://127.0.0.1:8000/v1 --model m "What is 2+2?" "4"
 """
