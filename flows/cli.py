@@ -679,10 +679,14 @@ def cmd_rescore(args) -> int:
     out = args.output or root / "data" / "rescored.parquet"
     try:
         summary = reward.rescore(configs["base"], configs["reward"], source, out,
-                                 everything=args.all)
+                                 everything=args.all,
+                                 specs=cfg.environments(root / "params.yaml"), root=root)
     except reward.VerifierBroken as err:
         print(f"offseason rescore: error: {err}", file=sys.stderr)
         return 1
+    except ValueError as err:  # not a table of this path's rollouts: says which file and why
+        print(f"offseason rescore: error: {err}", file=sys.stderr)
+        return 2
     io.write_json(out.with_suffix(".json"), summary)
     print(json.dumps(summary, indent=2))
     print(f"rescore: {summary['rescored']} of {summary['rows']} rollouts re-scored with "

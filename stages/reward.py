@@ -157,6 +157,24 @@ def verifier_id(env) -> str:
     return f"{env.NAME}/{env.VERSION}"
 
 
+def chat_verifier(name: str, env) -> str:
+    """An `environments:` entry's verifier id, `<name>/<VERSION>` (the module where it has none),
+    recorded with each of its rewards.
+    """
+    return f"{name}/{env.version or env.module}"
+
+
+def rollout_error(cause: str | None) -> str | None:
+    """The rollout's own error (a tool call that broke) in a chat rewards table's `error`, which
+    also holds the reward stage's causes (a task set aside, a reward that raised): None for those,
+    which a re-score decides again.
+    """
+    if cause is None or cause.startswith(("task set aside", "reward() raised on the gold")) \
+            or ": reward() raised " in cause or ": reward_group() " in cause:
+        return None
+    return cause
+
+
 def _chunks(jobs: list, parts: int) -> list[list]:
     size = max(1, -(-len(jobs) // parts))
     return [jobs[i:i + size] for i in range(0, len(jobs), size)]
@@ -421,7 +439,7 @@ def score_chat(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | No
         raise VerifierBroken(f"no rollout could be scored: {errors} errors, {len(set_aside)} "
                              f"tasks set aside, e.g. {causes[0]}; fix the environment before "
                              f"training on its scores")
-    verifier = {name: f"{name}/{env.version or env.module}" for name, env in envs.items()}
+    verifier = {name: chat_verifier(name, env) for name, env in envs.items()}
     hacks = [contract.suspected(c) or None for c in scores]
     judgments = [json.dumps(c.judgment, ensure_ascii=False) if getattr(c, "judgment", None)
                  else None for c in scores]
@@ -493,28 +511,66 @@ def _same(a, b) -> bool:
 
 
 def rescore(base: cfg.Base, config: cfg.Reward, rewards: Path, out: Path,
-            everything: bool = False) -> dict:
+            everything: bool = False, specs: dict | None = None, root: Path | None = None
+            ) -> dict:
     """Re-score stored rewards whose verifier version is not the current one (all with
-    `everything`); writes the result to `out` and returns a summary of what changed.
+    `everything`); writes the result to `out` and returns a summary of what changed. `specs`:
+    the `environments:` section (chat rows, scored by the modules under `root`, each row by its
+    own environment's verifier; a `feedback` component the row had is kept).
     """
-    env = ENVIRONMENTS[base.environment]
+    import json
+
     table = pq.read_table(rewards)
-    missing = [c for c in ("task_id", "question", "answer", "completion") if c not in table.schema.names]
+    needed = ("task_id", "environment", "task", "messages") if specs else \
+        ("task_id", "question", "answer", "completion")
+    missing = [c for c in needed if c not in table.schema.names]
     if missing:
-        raise ValueError(f"{rewards}: not a rollouts or rewards table (no {', '.join(missing)} "
-                         f"column); give data/rewards.parquet or data/rollouts.parquet")
-    old_names = [n for n in table.schema.names if n in COLUMNS or n.startswith("score_")]
+        kind = "chat " if specs else ""
+        raise ValueError(f"{rewards}: not a {kind}rollouts or rewards table (no "
+                         f"{', '.join(missing)} column); give the data/rewards.parquet or "
+                         f"data/rollouts.parquet of a cycle run with these params"
+                         + (" (params.yaml has `environments:`: the chat path)" if specs else ""))
+    old_names = [n for n in table.schema.names
+                 if n in COLUMNS or n.startswith("score_") or n == "judgment"]
     old = {n: table.column(n).to_pylist() for n in old_names}
     rollouts = table.drop_columns(old_names)
-    current = verifier_id(env)
     before = old.get("verifier", [None] * len(table))
-    stale = [i for i, v in enumerate(before) if everything or v != current]
+    if specs:
+        envs = {name: contract.load(name, spec.module, root or Path.cwd())
+                for name, spec in specs.items()}
+        ids = {name: chat_verifier(name, env) for name, env in envs.items()}
+        environment = table.column("environment").to_pylist()
+        now = [ids.get(name) for name in environment]
+        current = ", ".join(sorted(set(filter(None, now)))) or "none"
+        # the rollout's error goes back in; the reward stage's own causes are decided again
+        errors = old.get("error", [None] * len(table))
+        rollouts = rollouts.append_column("error", pa.array(
+            [rollout_error(e) for e in errors] if "verifier" in old else errors, pa.string()))
+    else:
+        now = [verifier_id(ENVIRONMENTS[base.environment])] * len(table)
+        current = now[0] if now else verifier_id(ENVIRONMENTS[base.environment])
+    stale = [i for i, v in enumerate(before) if everything or v != now[i]]
     new_cols = {}
-    if stale:
+    if stale and specs:
+        # the users' ratings the rows had: the same component for the same answer
+        rows, kept = rollouts.take(stale).to_pylist(), old.get(f"score_{FEEDBACK}")
+        feedback = {}
+        for i, row in zip(stale, rows):
+            if kept and kept[i] is not None:
+                last = (json.loads(row["messages"]) or [{}])[-1]
+                feedback[row["task_id"].partition(":trace:")[2]] = (
+                    kept[i], contract.text_of(last.get("content")))
+        scored, _ = score_chat(specs, rollouts.take(stale), root or Path.cwd(), config, feedback)
+    elif stale:
         scored, _ = score_table(base.environment, config, rollouts.take(stale))
+    if stale:
         new_cols = {n: scored.column(n).to_pylist() for n in scored.schema.names
-                    if n in COLUMNS or n.startswith("score_")}
-    names = list(dict.fromkeys([*COLUMNS, *[n for n in new_cols if n.startswith("score_")],
+                    if n in COLUMNS or n.startswith("score_") or n == "judgment"}
+    if specs:
+        rollouts = rollouts.drop_columns(["error"])
+    names = list(dict.fromkeys([*COLUMNS, *(["judgment"] if "judgment" in {*old, *new_cols}
+                                            else []),
+                                *[n for n in new_cols if n.startswith("score_")],
                                 *[n for n in old_names if n.startswith("score_")]]))
     merged = {n: list(old.get(n, [None] * len(table))) for n in names}
     for j, i in enumerate(stale):
@@ -522,7 +578,8 @@ def rescore(base: cfg.Base, config: cfg.Reward, rewards: Path, out: Path,
             merged[n][i] = new_cols[n][j] if n in new_cols else None
     result = rollouts
     for n in names:
-        kind = pa.string() if n in ("verifier", "error", contract.HACK_SUSPECTED) else pa.float64()
+        kind = pa.string() if n in ("verifier", "error", "judgment", contract.HACK_SUSPECTED) \
+            else pa.float64()
         result = result.append_column(n, pa.array(merged[n], kind))
     io.write_parquet(out, result)
     old_reward = old.get("reward", [None] * len(table))

@@ -11,7 +11,7 @@ import yaml
 
 from flows import cli
 from stages import config as cfg
-from stages import reward, rollout
+from stages import io, reward, rollout
 from stages.envs import arith, toolcall
 from stages.envs.registry import load_tasks
 
@@ -251,8 +251,9 @@ def test_rescore_command(tmp_path, monkeypatch, capsys):
         (tmp_path / name).write_text((cli.find_root() / name).read_text())
     monkeypatch.chdir(tmp_path)
     params = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    # the patched verifier lives in this process
+    # the patched verifier lives in this process; the tag protocol's rewards (no environments)
     params.setdefault("runtime", {}).setdefault("reward", {})["workers"] = 1
+    params["environments"] = {}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     lenient(monkeypatch)
     assert cli.main(["rescore", "--output", "data/rescored.parquet"]) == 2  # no data/rewards
@@ -271,8 +272,9 @@ def test_rescore_a_generation_from_its_tag(tmp_path, monkeypatch, capsys):
     rewards_file(root / "data")
     (root / "data" / "rollouts.parquet").unlink()
     params = yaml.safe_load((cli.find_root() / "params.yaml").read_text())
-    # the patched verifier lives in this process
+    # the patched verifier lives in this process; the tag protocol's rewards (no environments)
     params.setdefault("runtime", {}).setdefault("reward", {})["workers"] = 1
+    params["environments"] = {}
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     (root / "dvc.yaml").write_text("stages: {}\n")  # the rewards tracked by `dvc add` here
     bin_dir = cli.Path(sys.executable).parent
@@ -291,3 +293,74 @@ def test_rescore_a_generation_from_its_tag(tmp_path, monkeypatch, capsys):
     summary = json.loads((root / "gen1.json").read_text())
     assert summary["input"].endswith(".offseason/rewards-gen-1.parquet")
     assert summary["rescored"] == 4 and summary["changed"] == 2
+
+
+# a user's environment, strict then lenient (VERSION 2: case and spaces no longer matter)
+GRADER = '''
+TOOLS = []
+VERSION = "{version}"
+
+
+def reward(task, messages):
+    said = messages[-1].get("content") or ""
+    if {lenient}:
+        said = said.strip().lower()
+    return {{"answer": float(said == task["answer"])}}
+'''
+
+
+def chat_rewards(tmp_path: Path, answers: list[str]) -> Path:
+    """A chat rewards table of the `grader` environment (strict, grader@1), as the reward stage
+    writes it: one task, one rated trace task, and one episode whose tool call broke."""
+    (tmp_path / "grader_v1.py").write_text(GRADER.format(version="grader@1", lenient=False))
+    task = {"task_id": "t1", "answer": "paris",
+            "messages": [{"role": "user", "content": "Capital of France?"}]}
+    rows = [{"task_id": task_id, "environment": "grader", "task": json.dumps(task), "sample": i,
+             "messages": json.dumps(task["messages"] + [{"role": "assistant", "content": a}]),
+             "error": error}
+            for i, (task_id, a, error) in enumerate(
+                [("t1", answers[0], None), ("t1", answers[1], None),
+                 ("grader:trace:tr9", answers[2], None),
+                 ("t1", "", "environment 'grader' (module 'grader_v1'): call_tool('x') raised "
+                            "KeyError: 'x'")])]
+    io.write_parquet(tmp_path / "rollouts.parquet", pa.Table.from_pylist(rows))
+    specs = {"grader": cfg.EnvironmentSpec(module="grader_v1")}
+    feedback = {"tr9": (1.0, answers[2])}  # a user's thumbs-up on production's answer
+    out, _ = reward.score_chat(specs, pq.read_table(tmp_path / "rollouts.parquet"), tmp_path,
+                               INLINE, feedback)
+    io.write_parquet(tmp_path / "rewards.parquet", out)
+    return tmp_path / "rewards.parquet"
+
+
+def test_rescore_on_the_chat_path_after_an_environment_changed(tmp_path):
+    """`offseason rescore` with an `environments:` section (the demo's path, and any user's):
+    each row re-scored by its own environment's current verifier, a user's rating kept as the
+    same `feedback` component, a tool call that broke at rollout still an error. It raised
+    "not a rollouts or rewards table (no question, answer column)" on the table it named."""
+    stored = chat_rewards(tmp_path, ["Paris", "paris", " PARIS "])
+    before = pq.read_table(stored).to_pylist()
+    assert [r["correct"] for r in before] == [0.0, 1.0, 0.0, None]
+    assert before[2]["score_feedback"] == 1.0 and before[3]["error"].endswith("KeyError: 'x'")
+    strict = {"grader": cfg.EnvironmentSpec(module="grader_v1")}
+    same = reward.rescore(cfg.Base(), INLINE, stored, tmp_path / "same.parquet", specs=strict,
+                          root=tmp_path)
+    assert same["rescored"] == 0 and same["verifier"] == "grader/grader@1"
+    (tmp_path / "grader_v2.py").write_text(GRADER.format(version="grader@2", lenient=True))
+    lenient = {"grader": cfg.EnvironmentSpec(module="grader_v2")}
+    summary = reward.rescore(cfg.Base(), INLINE, stored, tmp_path / "rescored.parquet",
+                             specs=lenient, root=tmp_path)
+    after = pq.read_table(tmp_path / "rescored.parquet").to_pylist()
+    assert [r["correct"] for r in after] == [1.0, 1.0, 1.0, None]
+    assert all(r["verifier"] == "grader/grader@2" for r in after)
+    assert after[2]["score_feedback"] == 1.0 and after[2]["score_answer"] == 1.0
+    assert before[2]["reward"] < 1.0 and after[2]["reward"] == 1.0  # the answer's component rose
+    assert after[3]["error"] == before[3]["error"] and after[3]["reward"] is None
+    assert summary["rescored"] == 4 and summary["changed"] == 2 and summary["became_correct"] == 2
+    assert summary["from_verifiers"] == {"grader/grader@1": 4}
+    assert [r["messages"] for r in after] == [r["messages"] for r in before]  # rollouts kept
+    # the tag protocol's table is not this path's: the file is named, and what to give instead
+    with pytest.raises(ValueError, match=r"rewards\.parquet: not a chat rollouts or rewards "
+                                         r"table \(no environment, task, messages column\)"):
+        (tmp_path / "tag").mkdir()
+        reward.rescore(cfg.Base(), INLINE, rewards_file(tmp_path / "tag"), tmp_path / "x.parquet",
+                       specs=lenient, root=tmp_path)
