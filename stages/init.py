@@ -29,8 +29,6 @@ def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None 
     """
     tinylm.set_threads(base.threads)
     output = Path(output)
-    if output.exists():
-        shutil.rmtree(output)
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     if base_model is not None:
@@ -68,6 +66,10 @@ def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None 
         metrics.update(source="warm-start", parameters=sum(p.numel() for p in model.parameters()))
         tinylm.save(model, tokenizer, tmp, card={"generation": 0, "environment": env.NAME,
                                                  "chat": chat})
+    # the old model goes only once the new one is whole: a folder that fails to import (`init
+    # --force --base-model` with a typo) leaves the champion as it was
+    if output.exists():
+        shutil.rmtree(output)
     tmp.rename(output)
     return metrics
 

@@ -21,9 +21,16 @@ def test_import_copies_a_local_model_folder(tmp_path):
     assert gate.weights_hash(tmp_path / "champion") == gate.weights_hash(tmp_path / "theirs")
 
 
-def test_import_of_a_broken_folder_names_it(tmp_path):
+def test_import_of_a_broken_folder_names_it_and_keeps_the_champion(tmp_path):
+    """`init --force` with a folder that is not a model fails naming it, and the champion that
+    was there stays (it was deleted before the import was tried)."""
+    init.run(cfg.Base(), TINY, tmp_path / "champion")
+    before = gate.weights_hash(tmp_path / "champion")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match=r"broken is not a Hugging Face model folder "
                                                 r"\(missing tokenizer.json\)"):
         init.run(cfg.Base(), TINY, tmp_path / "champion", base_model=tmp_path / "broken")
+    with pytest.raises(FileNotFoundError, match=r"doesnotexist: not a Hugging Face model folder"):
+        init.run(cfg.Base(), TINY, tmp_path / "champion", base_model=tmp_path / "doesnotexist")
+    assert gate.weights_hash(tmp_path / "champion") == before
