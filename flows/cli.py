@@ -38,6 +38,7 @@ from flows.workspace import (
     ENVIRONMENT_SOURCES,
     WorkspaceError,
     configure_env,
+    cycle_inputs,
     cycle_lock,
     dvc,
     find_root,
@@ -46,6 +47,7 @@ from flows.workspace import (
     inputs_fingerprint,
     note_environments,
     read_at,
+    uncommitted,
 )
 from stages import config as cfg
 
@@ -217,8 +219,13 @@ def cmd_init(args) -> int:
                  "gate_summary": f"benchmark pass@1 {metrics['benchmark_score']:.3f}",
                  "at": promotion.now()}
         promotion.append_log(root, entry)
+        # the environments' modules, task and benchmark files it scored on, as the cycles do
+        inputs = cycle_inputs(root)
+        if (fresh := uncommitted(root, inputs)):
+            print(f"init: committed with gen-0, which read them (they were not in git as they "
+                  f"are): {', '.join(fresh)}")
         git(root, "add", "--", "models/champion.dvc", "models/.gitignore", "metrics",
-            "params.yaml", promotion.LOG, str(ENVIRONMENT_SOURCES))
+            "params.yaml", promotion.LOG, str(ENVIRONMENT_SOURCES), *inputs)
         git(root, "commit", "--quiet", "-m",
             f"gen-0: first champion ({metrics['source']}), benchmark pass@1 "
             f"{metrics['benchmark_score']:.3f}")

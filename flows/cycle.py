@@ -192,6 +192,9 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
         record = promote(root, generation, verdict, decision, run_id,
                          configs["base"].registered_model, changes)
         message, commit = record["message"], record["commit"]
+        if record.get("committed_inputs"):
+            logger.info("committed with gen-%d, which read them (they were not in git as they "
+                        "are): %s", generation, ", ".join(record["committed_inputs"]))
         tracking.log_outcome(run_id, {
             "offseason.git_commit": commit, "offseason.git_tag": f"gen-{generation}",
             "offseason.outcome": "promoted" if record["promoted"] else "rejected",

@@ -46,10 +46,12 @@ from flows import params as settings
 from flows.workspace import (
     ENVIRONMENT_SOURCES,
     WorkspaceError,
+    cycle_inputs,
     dvc,
     git,
     inputs_fingerprint,
     read_at,
+    uncommitted,
 )
 from stages import io
 
@@ -429,13 +431,19 @@ def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: 
                                           reason, model_name)
         if changes:  # the values this run used instead of the standing params.yaml
             record["overrides"] = changes
+        # what the cycle read that git did not hold yet (a new environment module, a task
+        # file): committed with it, so gen-N traces back to the files it ran on
+        inputs = cycle_inputs(root)
+        if (fresh := uncommitted(root, inputs)):
+            record["committed_inputs"] = fresh
         if promoted:
             swap_champion(root, root / "models" / "candidate", tx)
         # the cycle's outputs and a new champion (a rollback pulls it from there); additive: the
         # remote keeps every version the tags name
         dvc(root, "push", "--quiet")
         write_records(root, record, entry, tx)
-        record["commit"] = commit(root, message, f"gen-{generation}", tx)
+        record["commit"] = commit(root, message, f"gen-{generation}", tx,
+                                  [*CYCLE_PATHS, *inputs])
         if promoted:
             move_alias(model_name, version, entry, tx)
     shutil.rmtree(root / "models" / "champion.prev", ignore_errors=True)

@@ -237,10 +237,7 @@ def note_environments(root: Path) -> dict:
     for name, spec in sorted(cfg.environments(root / "params.yaml").items()):
         env = contract.load(name, spec.module, root)
         source = Path(env.source).resolve() if env.source else None
-        files = [source] if source else []
-        if source and source.parent != root and source.is_relative_to(root):
-            files = sorted(f for f in source.parent.rglob("*") if f.is_file() and not any(
-                part.startswith((".", "__pycache__")) for part in f.relative_to(root).parts))
+        files = module_files(source, root)
         inside = bool(source) and source.is_relative_to(root)
         # where it is, the same on every machine: in the project, or by its dotted name
         shown = (source.relative_to(root).as_posix() if inside else
@@ -265,6 +262,63 @@ def note_environments(root: Path) -> dict:
         tmp.write_text(text)
         os.replace(tmp, path)
     return note
+
+
+def module_files(source: Path | None, root: Path) -> list[Path]:
+    """An environment module's files as the note hashes them: the module alone, or for a module
+    in a folder of the project the folder's files (the data its reward or tools read).
+    """
+    if source is None:
+        return []
+    if source.parent != root and source.is_relative_to(root):
+        return sorted(f for f in source.parent.rglob("*") if f.is_file() and not any(
+            part.startswith((".", "__pycache__")) for part in f.relative_to(root).parts))
+    return [source]
+
+
+def cycle_inputs(root: Path) -> list[str]:
+    """What a cycle reads that git keeps, not DVC: every dep in dvc.yaml that no stage writes and
+    no `.dvc` file tracks (the stages' code, the task and benchmark files), and the environments'
+    own files in the project (each module's files as `note_environments` hashes them, its task
+    and benchmark files, a judge rubric file). A cycle commits them with itself: one run on a
+    module or a task file never committed could not be traced back or verified (`offseason
+    lineage --verify`). Paths relative to `root`, those git ignores left out.
+    """
+    import yaml
+
+    from stages import config as cfg
+    from stages.envs import contract
+
+    root = root.resolve()
+    stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages") or {}
+    written = {next(iter(entry)) if isinstance(entry, dict) else entry
+               for stage in stages.values() for key in ("outs", "metrics", "plots")
+               for entry in stage.get(key) or []}
+    paths = {root / dep for stage in stages.values() for dep in stage.get("deps") or []
+             if isinstance(dep, str) and dep not in written and not (root / f"{dep}.dvc").exists()}
+    params = root / "params.yaml"
+    for name, spec in cfg.environments(params).items():
+        env = contract.load(name, spec.module, root)
+        paths.update(module_files(Path(env.source).resolve() if env.source else None, root))
+        paths.update(root / p for p in (spec.tasks, spec.benchmark) if p)
+    rubric = str(cfg.load("judge", params).rubric).strip()
+    if rubric and "\n" not in rubric and len(rubric) < 256:
+        paths.add(root / rubric)
+    inside = sorted({p.resolve().relative_to(root).as_posix() for p in paths
+                     if p.exists() and p.resolve().is_relative_to(root)})
+    ignored = set(subprocess.run(["git", "check-ignore", "--stdin"], cwd=root, text=True,
+                                 capture_output=True, input="\n".join(inside)
+                                 ).stdout.splitlines()) if inside else set()
+    return [p for p in inside if p not in ignored]
+
+
+def uncommitted(root: Path, paths: list[str]) -> list[str]:
+    """The files under `paths` that git does not hold as they are (new or changed)."""
+    if not paths:
+        return []
+    # porcelain lines are `XY path`: not stripped (` M` begins with a space)
+    status = run(["git", "status", "--porcelain", "--untracked-files=all", "--", *paths], root)
+    return sorted(line[3:] for line in status.stdout.splitlines() if line[3:])
 
 
 def inputs_fingerprint(root: Path) -> dict[str, str]:

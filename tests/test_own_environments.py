@@ -415,10 +415,12 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
         json.dumps({"task_id": f"g{i}", "name": name,
                     "messages": [{"role": "user", "content": f"Say hello to {name}."}]}) + "\n"
         for i, name in enumerate(["Ada", "Grace"])))
-    subprocess.run(["git", "add", "-A"], cwd=root, check=True)
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm",
-                    "my environments"], cwd=root, check=True)
-    offseason(root, "init")
+    # the user's module and task file, never committed: init commits what it read, and says so
+    # (a generation run on files git never held could not be traced back or verified)
+    said = offseason(root, "init").stdout
+    assert "init: committed with gen-0, which read them" in said, said
+    assert "my_envs/greeter.py" in said and "data/greeter.jsonl" in said, said
+    assert not git_status(root, "my_envs", "examples", "data/greeter.jsonl")
     init = json.loads((root / "metrics/init.json").read_text())
     assert init["source"] == "import" and init["template"] == "prefix-preserving"
     assert set(init["benchmarks"]) == {"support", "greeter", "code"}
@@ -508,6 +510,15 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
                if isinstance(entry, dict)
                and "data/environments.json" in entry.get("changed deps", {})}
     assert changed == {"validate", "rollout", "reward", "train", "champion_scores", "gate"}
+    # and the next cycle's commit would hold the edited module (it reads it)
+    from flows.workspace import cycle_inputs, uncommitted
+    assert uncommitted(root, cycle_inputs(root)) == ["data/environments.json", "my_envs/greeter.py"]
+
+
+def git_status(root: Path, *paths: str) -> str:
+    """What git does not hold as it is under `paths` (porcelain: new and changed files)."""
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", *paths],
+                          cwd=root, capture_output=True, text=True, check=True).stdout
 
 
 def test_a_thumbs_up_trace_is_trained_on_as_it_is_with_its_tool_calls(tmp_path, champion):
