@@ -402,7 +402,10 @@ def history_rows(root: Path) -> list[dict]:
             interval, traces = gate.get("interval"), ingest.get("accepted")
             verdict = "promoted" if promotion.get("promoted") else "rejected"
         date = git(root, "log", "-1", "--format=%cs", tag)
-        spent = (read_at(root, tag, "metrics/cost.json") or {}).get("total") or {}
+        ledger = read_at(root, tag, "metrics/cost.json") or {}
+        if (ledger.get("stages") or {}).get("ingest", {}).get("reused"):
+            traces = 0  # ingest did not run (a cycle for a changed module): its metrics are old
+        spent = ledger.get("total") or {}
         rows.append({"tag": tag, "date": date, "new_traces": traces, "score": score,
                      "cost_usd": spent.get("usd"), "cpu_seconds": spent.get("cpu_seconds"),
                      "champion_score": champ, "difference_interval": interval,

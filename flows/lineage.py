@@ -326,7 +326,8 @@ def lineage(root: Path, ref: str, *, with_mlflow: bool = True, with_traces: bool
 
 def text(chain: dict) -> str:
     """The chain for a person to read."""
-    lines = [f"{chain['tag']}: {chain['message']}",
+    message = chain["message"]  # a cycle's commit message begins with its tag already
+    lines = [message if message.startswith(f"{chain['tag']}:") else f"{chain['tag']}: {message}",
              f"  git commit     {chain['git_commit']} ({chain['committed']})",
              f"  model version  {chain['model_version']}"
              f"{' (promoted to champion)' if chain['promoted'] else ' (not promoted)'}"]

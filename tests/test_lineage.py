@@ -67,6 +67,7 @@ def test_lineage_of_a_generation(learned):
     assert chain(learned, str(found["model_version"]))["generation"] == 2
     text = offseason(learned, "lineage", "gen-2").stdout
     assert found["git_commit"] in text and "learned from" in text and "data/replay" in text
+    assert text.startswith("gen-2: ") and not text.startswith("gen-2: gen-2")  # said once
     bad = offseason(learned, "lineage", "gen-9", check=False)
     assert bad.returncode == 2 and "no generation gen-9" in bad.stderr
 

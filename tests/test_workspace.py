@@ -77,3 +77,26 @@ def test_the_environments_note_follows_each_modules_code_and_data(tmp_path):
     assert second["greeter"]["sha256"] != first["greeter"]["sha256"]
     assert second["arith"] == first["arith"]
     assert inputs_fingerprint(tmp_path)["environments"] != fingerprint
+
+
+def test_history_counts_no_new_traces_for_a_cycle_that_did_not_ingest(tmp_path):
+    """A cycle started by a changed module (or params) reuses ingest: its committed
+    metrics/ingest.json is the last cycle's, and history counted those traces again."""
+    from flows.cli import history_rows
+
+    def commit(tag, files):
+        for name, content in files.items():
+            (tmp_path / "metrics" / name).write_text(json.dumps(content))
+        subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True)
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", tag],
+                       cwd=tmp_path, check=True)
+        subprocess.run(["git", "tag", tag], cwd=tmp_path, check=True)
+
+    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=tmp_path, check=True)
+    (tmp_path / "metrics").mkdir()
+    verdict = {"candidate_score": 0.5, "champion_score": 0.4, "interval": [0.0, 0.2]}
+    commit("gen-0", {"init.json": {"benchmark_score": 0.4}, "promotion.json": {}})
+    commit("gen-1", {"gate.json": verdict, "ingest.json": {"accepted": 34},
+                     "cost.json": {"stages": {"ingest": {"cpu_seconds": 1.0}}, "total": {}}})
+    commit("gen-2", {"cost.json": {"stages": {"ingest": {"reused": True}}, "total": {}}})
+    assert [r["new_traces"] for r in history_rows(tmp_path)] == [None, 34, 0]
