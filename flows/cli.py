@@ -610,7 +610,7 @@ def cmd_check(args) -> int:
     shown["runtime"] = {section: {key: shown[section].pop(key) for key in keys}
                         for section, keys in cfg.RUNTIME.items() if section in shown}
     shown["runtime"]["collect"] = settings.plain(cfg.collect(root / "params.yaml"))
-    print(yaml.safe_dump(shown, sort_keys=False))
+    found_envs = []  # checked before the settings are printed: an error is then the last line
     for name, spec in configs["environments"].items():  # the user's modules import and comply
         env = contract.load(name, spec.module, root)
         counts = []
@@ -619,8 +619,12 @@ def cmd_check(args) -> int:
                 found = contract.load_tasks(root / getattr(spec, kind), env)
                 counts.append(f"{len(found)} {kind} tasks" if kind == "benchmark"
                               else f"{len(found)} tasks")
-        print(f"environment {name!r}: {env.module} ({env.source}), tools: "
-              f"{', '.join(env.tool_names) or 'none'}; {', '.join(counts) or 'no task files'}")
+        found_envs.append(f"environment {name!r}: {env.module} ({env.source}), tools: "
+                          f"{', '.join(env.tool_names) or 'none'}; "
+                          f"{', '.join(counts) or 'no task files'}")
+    print(yaml.safe_dump(shown, sort_keys=False))
+    for line in found_envs:
+        print(line)
     for line in power_lines(root):
         print(line)
     print("params.yaml is valid")

@@ -823,10 +823,14 @@ def _build(cls: type, section: str, raw, where: str):
                          "the old confidence 0.9 (a two-sided 90% interval) is alpha 0.05; write "
                          "`alpha: 0.05` instead")
         if key not in names:
-            near = difflib.get_close_matches(str(key), names, n=1)
+            # where work runs is no key of the section itself (`load` refuses it there)
+            shown = [n for n in names if n not in RUNTIME.get(section, ())]
+            near = difflib.get_close_matches(str(key), shown, n=1)
             hint = f" (did you mean '{section}.{near[0]}'?)" if near else ""
+            elsewhere = (f"; where work runs goes under runtime.{section}: "
+                         f"{', '.join(RUNTIME[section])}") if section in RUNTIME else ""
             _fail(where, f"unknown key '{section}.{key}'{hint}; valid keys in '{section}': "
-                         f"{', '.join(names)}")
+                         f"{', '.join(shown)}{elsewhere}")
         if dataclasses.is_dataclass(hints[key]):  # a sub-section, e.g. train.dpo
             values[key] = _build(hints[key], f"{section}.{key}", value, where)
             continue
@@ -900,8 +904,9 @@ def load(section: str, path: str | Path = "params.yaml", sections: dict | None =
         values.update(_runtime(raw, section, str(path)))
     config = _build((sections or SECTIONS)[section], section, values, str(path))
     if section == "gate":  # its primary names a suite or, with environments:, an environment
+        specs = environments(path)  # its errors name the file already
         try:
-            check_primary(config, environments(path))
+            check_primary(config, specs)
         except ParamsError as err:
             _fail(str(path), str(err))
     return config

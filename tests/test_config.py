@@ -40,6 +40,21 @@ def test_unknown_key_names_key_and_suggests(tmp_path):
     assert "params.yaml" in message and "train.sft.lrr" in message and "'train.sft.lr'" in message
 
 
+def test_unknown_keys_are_named_once_with_the_keys_that_belong_there(tmp_path):
+    """An environment's unknown key names the file once (it was said twice); a stage section's
+    lists its own keys and says apart which go under runtime (they are refused in the section)."""
+    path = write(tmp_path, full(environments={"mine": {"module": "m", "wieght": 1}}))
+    with pytest.raises(cfg.ParamsError) as err:
+        settings.load_all(path)
+    assert str(err.value).count("params.yaml") == 1, err.value
+    assert "'environments.mine.wieght' (did you mean 'environments.mine.weight'?)" in str(err.value)
+    with pytest.raises(cfg.ParamsError) as err:
+        settings.load_all(write(tmp_path, full(rollout={"colour": 1})))
+    own, _, runtime = str(err.value).partition("; where work runs goes under runtime.rollout: ")
+    assert "valid keys in 'rollout': backend," in own and "urls" not in own, err.value
+    assert runtime.startswith("urls, server_command"), err.value
+
+
 def test_wrong_type_names_key(tmp_path):
     with pytest.raises(cfg.ParamsError, match=r"rollout\.samples_per_task: expected a whole number"):
         settings.load_all(write(tmp_path, full(rollout={"samples_per_task": "four"})))

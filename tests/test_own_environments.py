@@ -339,6 +339,8 @@ def test_check_refuses_a_bad_environment_entry_naming_it(workspace, change, mess
     result = check(workspace)
     assert result.returncode == 2
     assert message in result.stderr
+    # the error is what a user sees: not below a print of every setting (170 lines)
+    assert result.stdout == "" and result.stderr.count("params.yaml:") <= 1, result
 
 
 def test_a_task_file_without_messages_fails_check_naming_the_line(workspace):
