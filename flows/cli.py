@@ -646,7 +646,13 @@ def power_lines(root: Path) -> list[str]:
         if usage:
             line += (f"; its items have informed {usage['decisions_mean']:g} decisions on "
                      f"average, at most {usage['decisions_max']}")
-        if suite.get("underpowered"):
+        if suite["detectable_change"] > 1:  # pass/fail items: fewer than the exact test needs
+            line += ("; WARNING: too few items for any change to be significant at gate.alpha "
+                     "(McNemar's exact test needs 5 items at alpha 0.05 that one model solves "
+                     "and the other not, all one way)"
+                     + (": no candidate can pass; add items" if suite.get("role") == "primary"
+                        else ": add items"))
+        elif suite.get("underpowered"):
             line += (f"; WARNING: underpowered, its max_regression {suite.get('threshold')} is "
                      f"below that: add items (about 6.2 x disagreement / margin^2 are needed) "
                      f"or widen the margin")

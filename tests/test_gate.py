@@ -351,11 +351,15 @@ def test_a_guard_too_small_for_its_margin_is_reported_underpowered_and_params_sa
     guard = decided["suites"]["small"]
     a = np.array([0, 0, 1] + [1] * 4 + [0] * 3, float)
     b = np.array([1, 1, 0] + [1] * 4 + [0] * 3, float)
-    # (z_0.95 + z_0.8) * sd / sqrt(n); on pass/fail items about sqrt(6.2 x disagreement / n)
-    assert guard["detectable_change"] == pytest.approx(
-        (stats.norm.ppf(0.95) + stats.norm.ppf(0.8)) * np.std(a - b, ddof=1) / np.sqrt(10),
-        abs=1e-4)
-    assert guard["detectable_change"] == pytest.approx(np.sqrt(6.19 * 0.3 / 10), rel=0.1)
+    # (z_0.95 + z_0.8) * sd / sqrt(n); on pass/fail items about sqrt(6.2 x disagreement / n),
+    # 0.43 here; but never below the 5 of 10 items the exact test needs to show anything at 0.05
+    approx = (stats.norm.ppf(0.95) + stats.norm.ppf(0.8)) * np.std(a - b, ddof=1) / np.sqrt(10)
+    assert approx == pytest.approx(np.sqrt(6.19 * 0.3 / 10), rel=0.1)
+    assert guard["detectable_change"] == 0.5 > approx
+    many = np.tile(a, 10), np.tile(b, 10)  # 100 items: the approximation, above 5/100
+    assert gate.detectable(*many, 0.05) == pytest.approx(
+        (stats.norm.ppf(0.95) + stats.norm.ppf(0.8)) * np.std(many[0] - many[1], ddof=1) / 10)
+    assert gate.detectable(np.ones(4), np.ones(4), 0.05) == 1.25  # agreeing on 4: said 0
     assert guard["underpowered"] is True and guard["passed"] is False
     assert "underpowered: with 10 items it detects a change of" in guard["reason"]
     assert decided["passed"] is False  # gate.underpowered: decide (the default) lets it block
@@ -366,6 +370,22 @@ def test_a_guard_too_small_for_its_margin_is_reported_underpowered_and_params_sa
     # the 200-item primary is not flagged, and reports what it can detect
     assert "underpowered" not in decided["suites"]["arith"]
     assert 0 < decided["suites"]["arith"]["detectable_change"] < 0.2
+
+
+def test_check_says_a_primary_suite_too_small_can_never_pass(tmp_path):
+    """Four benchmark items on which the two models agree: `offseason check` said they "detect a
+    change of 0.000"; no candidate can ever pass McNemar's exact test on them."""
+    from flows.cli import power_lines
+
+    tiny = pairs(rows([1, 0, 1, 0], "mine"), rows([1, 0, 1, 0], "mine"))
+    verdict = gate.decide(cfg.Gate(primary="mine", suites={"mine": cfg.Suite()}), 0, tiny, set(),
+                          [], False)
+    assert verdict["suites"]["mine"]["detectable_change"] == 1.25
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "gate.json").write_text(json.dumps(verdict))
+    [line] = power_lines(tmp_path)
+    assert line.startswith("gate suite 'mine' (primary): 4 items detect a change of 1.250")
+    assert "WARNING: too few items" in line and "no candidate can pass; add items" in line
 
 
 def test_the_old_confidence_key_says_what_replaced_it(tmp_path):
