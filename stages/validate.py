@@ -95,6 +95,34 @@ def suites() -> dict[str, list]:
     }
 
 
+def meanings(env) -> dict[str, str]:
+    """What each expectation's failure means for a trace, in words, with what to change: added
+    to the expectation's name in a quarantine reason (the name finds it in the Data Docs).
+    """
+    names = getattr(env, "envs", None)  # a Router: the user's environments, in order
+    if names:
+        claim = (f"no environment's task_from_trace claimed it (environments: "
+                 f"{', '.join(names)}, asked in that order); give the one it belongs to a "
+                 f"task_from_trace that finds its task, or list stages.envs.replay last to "
+                 f"replay any trace with a request and an answer")
+    else:
+        claim = (f"the {env.NAME} environment found no task in it (base.environment); an "
+                 f"environments: section can give your own")
+    return {
+        "traces: expect_column_values_to_not_be_null(trace_id)": "the trace has no id",
+        "traces: expect_column_values_to_not_be_null(user_text)":
+            "no user turn with text, so no task (for a Responses API object, log the "
+            "request's input beside it)",
+        "traces: expect_column_values_to_be_between(n_messages)":
+            "fewer than two messages: a request and at least one answer are needed",
+        "traces: expect_column_values_to_not_be_null(question)": claim,
+        "messages: expect_column_values_to_be_in_set(role)":
+            f"a message's role is none of {', '.join(sorted(ROLES))}",
+        "tool_calls: expect_column_values_to_be_json_parseable(arguments)":
+            "a tool call's arguments are not JSON",
+    }
+
+
 _STAMP = re.compile(r"\d{8}T\d{6}\.\d{6}Z")
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
@@ -264,6 +292,7 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
     tmp = validated.with_name(f".{validated.name}.tmp")
     writer = pq.ParquetWriter(tmp, schema)
     quarantined, failed, per_format, profile = [], {}, {}, drift.Profile()
+    meaning = meanings(env)
     pool: list[dict] = []
     for table in source.iter_batches(batch_size=BATCH):
         traces = table.to_pandas()
@@ -278,7 +307,9 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
                          "source_file": traces.source_file.iloc[r],
                          "source_line": int(traces.source_line.iloc[r]),
                          "format": traces.format.iloc[r], "stage": "validate",
-                         "reason": "; ".join(failures[r])} for r in bad]
+                         "reason": "; ".join(f"{label} ({meaning[label]})" if label in meaning
+                                             else label for label in failures[r])}
+                        for r in bad]
         bad_formats = traces.format.iloc[bad].value_counts().to_dict() if bad else {}
         for fmt, n in traces.format.value_counts().items():
             counts = per_format.setdefault(fmt, _empty_counts())

@@ -40,7 +40,10 @@ def test_ge_quarantines_failing_traces_with_reason(tmp_path, monkeypatch, batch)
     assert m["rows_read"] == m["accepted"] + m["quarantined"]
     bad = {b["trace_id"]: b for b in map(json.loads, (tmp_path / "q.jsonl").read_text().splitlines())}
     assert set(bad) == {"chat", "short", "r", "j"}
-    assert "expect_column_values_to_not_be_null(question)" in bad["chat"]["reason"]
+    assert "expect_column_values_to_not_be_null(question) (the arith environment found no " \
+        "task in it" in bad["chat"]["reason"]  # what it means, beside the expectation's name
+    assert "(a message's role is none of assistant, developer, system, tool, user)" in \
+        bad["r"]["reason"]
     assert "expect_column_values_to_be_between(n_messages)" in bad["short"]["reason"]
     assert "expect_column_values_to_be_in_set(role)" in bad["r"]["reason"]
     assert "expect_column_values_to_be_json_parseable(arguments)" in bad["j"]["reason"]
@@ -147,6 +150,21 @@ def test_a_share_of_traces_is_held_out_for_the_benchmarks_and_never_trained_on(t
                      tmp_path / "d2", holdout=holdout)
     with pytest.raises(cfg.ParamsError, match="must be between 0 and 0.5"):
         cfg.Validate(holdout_fraction=0.8)
+
+
+def test_a_trace_no_environment_claims_says_so_and_what_to_change(tmp_path):
+    """Its reason was the expectation's name alone ("traces: expect_column_values_to_not_be_null
+    (question)"); it now says which environments were asked and what would claim it."""
+    specs = {"arith": cfg.EnvironmentSpec(module="stages.envs.arith")}
+    path = ingested(tmp_path, [good("g1", "1+1"), {"id": "chat", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}])
+    validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.5), path,
+                 tmp_path / "valid.parquet", tmp_path / "q.jsonl", tmp_path / "profiles",
+                 tmp_path / "docs", specs, tmp_path)
+    [bad] = map(json.loads, (tmp_path / "q.jsonl").read_text().splitlines())
+    assert bad["trace_id"] == "chat"
+    assert "no environment's task_from_trace claimed it (environments: arith, asked in that " \
+        "order)" in bad["reason"] and "list stages.envs.replay last" in bad["reason"], bad
 
 
 DOCS_PROBE = """<script>
