@@ -210,7 +210,8 @@ def inbox_files_of(root: Path, traces_md5: str | None, ids: set[str]) -> dict[st
     if not traces_md5 or not ids:
         return counts
     for entry in manifest(root, traces_md5):
-        if not entry["relpath"].endswith(".parquet"):
+        if not entry["relpath"].endswith(".parquet") or \
+                entry["relpath"].startswith("duplicates-"):  # the accepted traces' parts only
             continue
         for row in parquet_column(root, entry["md5"], ["trace_id", "source_file"]):
             if row["trace_id"] in ids:
@@ -568,16 +569,62 @@ def trace(root: Path, trace_id: str, champion_tags: set[str]) -> dict:
     if direct:
         first = stage_files(root, direct[0])
         files = inbox_files_of(root, out_hash(first, "data/traces"), {trace_id})
-    return {"trace_id": trace_id, "generations": tags, "direct": direct, "inherited": inherited,
-            "inbox_files": sorted(files), "current_champion": sorted(champion_tags & set(tags)),
-            "champion_affected": bool(champion_tags & set(tags))}
+    found = {"trace_id": trace_id, "generations": tags, "direct": direct, "inherited": inherited,
+             "inbox_files": sorted(files), "current_champion": sorted(champion_tags & set(tags)),
+             "champion_affected": bool(champion_tags & set(tags))}
+    if not direct:
+        found["read"] = read_as(root, trace_id)
+        repeats = (found["read"] or {}).get("duplicate_of")
+        if repeats and repeats != trace_id:  # its content was learned, if at all, as that trace's
+            same = trace(root, repeats, champion_tags)
+            found.update({k: same[k] for k in ("generations", "direct", "inherited",
+                                               "current_champion", "champion_affected")},
+                         duplicate_of=repeats, inbox_files=[found["read"]["source_file"]])
+    return found
+
+
+def read_as(root: Path, trace_id: str) -> dict | None:
+    """How the ingest stage took a trace id, from the newest generation's `data/traces/` (it keeps
+    every cycle's): {source_file, source_line?, duplicate_of?} (`duplicate_of`: the id of the
+    trace it repeats, ingested instead), or None when no row with this id was accepted or counted
+    as a duplicate (quarantined, or never in the inbox).
+    """
+    tags = [f"gen-{g}" for g in generations(root) if g]
+    folder = out_hash(stage_files(root, tags[-1]), "data/traces") if tags else None
+    if not folder:
+        return None
+    entries = [e for e in manifest(root, folder) if e["relpath"].endswith(".parquet")]
+    # the accepted parts first: an id accepted once and repeated later is the accepted trace
+    for entry in sorted(entries, key=lambda e: e["relpath"].startswith("duplicates-")):
+        repeats = entry["relpath"].startswith("duplicates-")
+        columns = ["trace_id", "source_file", *(["source_line", "duplicate_of"] if repeats
+                                                else [])]
+        for row in parquet_column(root, entry["md5"], columns):
+            if row["trace_id"] == trace_id:
+                return {k: v for k, v in row.items() if k != "trace_id"}
+    return None
 
 
 def trace_text(found: dict) -> str:
     """Where a trace went, as text: the generations that learned from it."""
-    if not found["generations"]:
-        return f"trace {found['trace_id']}: no generation learned from it"
-    lines = [f"trace {found['trace_id']} (inbox file: {', '.join(found['inbox_files']) or '?'})",
+    read = found.get("read")
+    head = f"trace {found['trace_id']}"
+    if found.get("duplicate_of"):
+        head += (f" (inbox file {read['source_file']} line {read['source_line']}): a duplicate "
+                 f"of trace {found['duplicate_of']}, the same conversation, which ingest kept "
+                 f"instead; what learned from that one learned from this")
+        if not found["generations"]:
+            return f"{head}; no generation learned from it"
+    elif not found["generations"]:
+        if "read" in found and read is None:
+            return (f"{head}: no trace with this id was accepted or counted as a duplicate (see "
+                    f"data/quarantine/ for one refused, or it never reached the inbox); no "
+                    f"generation learned from it")
+        where = f" (inbox file {read['source_file']})" if read else ""
+        return f"{head}{where}: read, but no generation learned from it"
+    else:
+        head += f" (inbox file: {', '.join(found['inbox_files']) or '?'})"
+    lines = [head,
              f"  trained on it directly: {', '.join(found['direct']) or '-'}",
              f"  started from a champion that did: {', '.join(found['inherited']) or '-'}"]
     if found["champion_affected"]:

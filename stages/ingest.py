@@ -28,7 +28,8 @@ format's own `FIX` applies. A line that cannot be read at all (invalid JSON, not
 `ingest.max_line_bytes`) is a row of its own.
 
 Writes `data/traces/` (a persistent DVC output: one Parquet part per inbox file, plus a manifest;
-the history that duplicates are checked against), `data/ingested.parquet` (this cycle's new traces)
+the history that duplicates are checked against; and per file with duplicates, which trace each
+repeats: `duplicates-<file>.parquet`), `data/ingested.parquet` (this cycle's new traces)
 and `metrics/ingest.json`. Rows stream to Parquet in batches, so memory does not grow with the
 number of traces of a line format. Idempotent: each part records the inbox snapshot it came from,
 so a stage killed midway and run again gives the same outputs.
@@ -67,6 +68,10 @@ from stages.traces.sources import (
 )
 
 MANIFEST = "manifest.json"
+# a file's duplicates beside its part (`duplicates-<file>.parquet`): each row's id and place, and
+# the id of the trace it repeats, so `offseason lineage --trace` can follow a duplicate's id
+DUPLICATES = pa.schema([("trace_id", pa.string()), ("source_file", pa.string()),
+                        ("source_line", pa.int64()), ("duplicate_of", pa.string())])
 BATCH = 5000
 # Deeper JSON than any trace format nests is junk, and would overflow recursive code downstream.
 MAX_DEPTH = 100
@@ -475,10 +480,11 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
     # Parts from earlier cycles are history: their hashes are the duplicate set. Parts written from
     # this same inbox snapshot (a killed run) are recomputed, which gives the same result.
     earlier = {name: entry for name, entry in manifest.items() if entry["inbox_key"] != key}
-    seen: set[bytes] = set()
+    seen: dict[bytes, str] = {}  # content hash -> the trace id it was first accepted as
     for entry in earlier.values():
-        column = pq.read_table(traces / entry["part"], columns=["content_hash"]).column(0)
-        seen.update(bytes.fromhex(h) for h in column.to_pylist())
+        table = pq.read_table(traces / entry["part"], columns=["content_hash", "trace_id"])
+        seen.update(zip(map(bytes.fromhex, table.column(0).to_pylist()),
+                        table.column(1).to_pylist()))
 
     kinds = {kind for kind in KINDS if getattr(config, f"scrub_{kind}s")}
     totals, per_format = _counts(), {}
@@ -496,6 +502,7 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
             part = f"part-{path.name}.parquet"
             writer, counts = Writer(traces / part), _counts()
             writers.append(writer)
+            repeats = []  # this file's duplicates: which trace each repeats (lineage --trace)
             for number, fmt, item in traces_of_file(path, config):
                 fmt_counts = per_format.setdefault(fmt, _counts())
                 for bucket in (counts, fmt_counts):
@@ -527,8 +534,10 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
                 if digest in seen:
                     for bucket in (counts, fmt_counts):
                         bucket["duplicates"] += 1
+                    repeats.append({"trace_id": row["trace_id"], "source_file": path.name,
+                                    "source_line": number, "duplicate_of": seen[digest]})
                     continue
-                seen.add(digest)
+                seen[digest] = row["trace_id"]
                 for kind, n in scrubber.counts.items():
                     redactions[kind] += n
                 for bucket in (counts, fmt_counts):
@@ -537,6 +546,10 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
                 out.add(row)
             writer.close()
             manifest[path.name] = {"part": part, "inbox_key": key, **counts}
+            if repeats:
+                manifest[path.name]["duplicates_part"] = f"duplicates-{path.name}.parquet"
+                io.write_parquet(traces / manifest[path.name]["duplicates_part"],
+                                 pa.Table.from_pylist(repeats, DUPLICATES))
             for name, value in counts.items():
                 totals[name] += value
         out.close()

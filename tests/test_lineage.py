@@ -29,10 +29,16 @@ def git(root, *args):
 
 @pytest.fixture(scope="module")
 def learned(tmp_path_factory, learned_once):
-    """Two cycles, each on a day of traffic, from the shared warm start."""
+    """Two cycles, each on a day of traffic, from the shared warm start; the second day also
+    repeats a conversation gen-1 trained on, under another id (`repeats.jsonl`)."""
     root = copy_project(learned_once, tmp_path_factory.mktemp("lineage") / "project")
     write_params(root, LEARN_HERE)
     offseason(root, "run")
+    trained = chain(root, "gen-1")["training_traces"][0]
+    line = next(json.loads(line) for line in
+                (root / "data/inbox/traffic-000.jsonl").read_text().splitlines()
+                if json.loads(line)["id"] == trained)
+    (root / "data/inbox/repeats.jsonl").write_text(json.dumps({**line, "id": "repeat-1"}) + "\n")
     offseason(root, "simulate")
     offseason(root, "run")
     return root
@@ -132,7 +138,17 @@ def test_trace_finds_every_generation_that_learned_from_it(learned):
     text = offseason(learned, "lineage", "--trace", trace_id).stdout
     assert "trained on it directly: gen-1" in text
     none = offseason(learned, "lineage", "--trace", "no-such-trace").stdout
+    assert "no trace with this id was accepted or counted as a duplicate" in none
     assert "no generation learned from it" in none
+    # the same conversation under another id, dropped by ingest as a duplicate: its content was
+    # learned as the first one's, and a deletion request for it has to say so (it said "no
+    # generation learned from it")
+    again = json.loads(offseason(learned, "lineage", "--trace", "repeat-1", "--json").stdout)
+    assert again["duplicate_of"] == trace_id and again["generations"] == found["generations"]
+    assert again["read"] == {"source_file": "repeats.jsonl", "source_line": 1,
+                             "duplicate_of": trace_id}
+    text = offseason(learned, "lineage", "--trace", "repeat-1").stdout
+    assert f"a duplicate of trace {trace_id}" in text and "trained on it directly: gen-1" in text
 
 
 def test_estimate_from_two_cycles_is_within_30_percent_of_the_third(learned, tmp_path):
