@@ -235,6 +235,47 @@ def _champion_changed(root: Path) -> bool:
         != current
 
 
+def rerun_stages(root: Path) -> tuple[set[str], list[str]]:
+    """The stages the next cycle reruns when no traces are waiting, and why: what differs from
+    the last committed cycle's inputs (`inputs_fingerprint`, the environments' note made afresh:
+    a module edited since is seen before the cycle notes it). A changed environment module or
+    stage code reruns every stage after ingest; changed params those whose dvc.yaml params
+    differ, and every stage after them (champion_scores only for its own, or a new champion).
+    """
+    import yaml
+
+    from flows.pipeline import changed_since_last_cycle
+    from flows.workspace import note_environments
+
+    note_environments(root)  # as the cycle does first: the same note, written when it changed
+    reasons = [r for r in changed_since_last_cycle(root) if not r.startswith("new traces")]
+    changed = set()
+    if any(r.startswith(("an environment", "stage code")) for r in reasons):
+        changed = set(STAGES) - {"ingest"}
+    elif reasons:  # params.yaml: the stages whose own params differ, then what follows them
+        def value(params: dict, key: str):
+            for part in key.split("."):
+                params = params.get(part) if isinstance(params, dict) else None
+            return params
+
+        now = yaml.safe_load((root / "params.yaml").read_text()) or {}
+        before = _yaml_at(root, "HEAD", "params.yaml")
+        stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages") or {}
+        first = next((i for i, name in enumerate(STAGES) if any(
+            value(now, key) != value(before, key) for key in
+            (k for entry in (stages.get(name) or {}).get("params") or []
+             for k in (entry if isinstance(entry, dict) else [entry])))), None)
+        if first is not None:
+            changed = {n for n in STAGES[first:] if n != "champion_scores" or n == STAGES[first]}
+            if any(value(now, key) != value(before, key) for key in
+                   (k for entry in (stages.get("champion_scores") or {}).get("params") or []
+                    for k in (entry if isinstance(entry, dict) else [entry]))):
+                changed.add("champion_scores")
+    if changed and "champion_scores" not in changed and _champion_changed(root):
+        changed.add("champion_scores")
+    return changed, reasons
+
+
 def predict(points: list[tuple[float, float]], units: float) -> list[float]:
     """[low, estimate, high] of a cost at `units` from earlier (units, cost) points: a fixed
     part (a stage's process start-up: imports, model loading) plus a rate per unit, the line
@@ -273,6 +314,13 @@ def estimate(root: Path, configs: dict, last: int = 3) -> dict:
                            "from then on the estimate uses the last cycles' rates "
                            f"({lines} inbox lines are waiting)"}
     rollout, train = configs["rollout"], configs["train"]
+    if not lines:  # no traces waiting: a cycle for a changed module, stage code or params
+        rerun, reasons = rerun_stages(root)
+        # the stages rerun on what the last cycle read, so at its units
+        drivers = dict(cycles[-1]["drivers"]) if rerun else \
+            {"inbox_lines": 0, "episodes": 0, "example_epochs": 0, "runs": 0}
+        return _priced(cycles, drivers, {name: name in rerun for name in STAGES},
+                       configs, trains=cycles[-1]["trained"], reasons=reasons)
     mean = lambda values: sum(values) / len(values) if values else 0.0  # noqa: E731
     tasks = lines * mean([c["tasks_per_line"] for c in cycles if c["tasks_per_line"] is not None])
     if rollout.max_tasks:
@@ -285,11 +333,17 @@ def estimate(root: Path, configs: dict, last: int = 3) -> dict:
     drivers = {"inbox_lines": lines, "episodes": episodes,
                "example_epochs": round((examples + replayed) * train.method.epochs, 1)
                if trains else 0, "runs": 1}
-    reruns = {"champion_scores": _champion_changed(root)}
+    reruns = {name: True for name in STAGES} | {"champion_scores": _champion_changed(root)}
+    return _priced(cycles, drivers, reruns, configs, trains)
+
+
+def _priced(cycles: list[dict], drivers: dict, reruns: dict[str, bool], configs: dict,
+            trains: bool, reasons: list[str] | None = None) -> dict:
+    """The estimate of the stages in `reruns` at `drivers`' units, fitted to `cycles`."""
     stages, total = {}, {key: [0.0, 0.0, 0.0] for key in ESTIMATED}
     for name in STAGES:
         driver = DRIVERS[name]
-        if not lines or not reruns.get(name, True):
+        if not reruns.get(name, True):
             stages[name] = {"reused": True}
             continue
         points = [(cycle["drivers"][driver], cycle["ledger"]["stages"][name])
@@ -309,6 +363,7 @@ def estimate(root: Path, configs: dict, last: int = 3) -> dict:
     total["usd"] = [price({key: total[key][i] for key in ESTIMATED}, prices) for i in range(3)]
     return {"status": "ok", "made_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "from": [c["tag"] for c in cycles], "drivers": drivers, "stages": stages,
+            **({"reasons": reasons} if reasons is not None else {}),
             "total": total, "gpu_hours": [round(v / 3600, 4) for v in total["gpu_seconds"]],
             "range": "low, estimate, high: per stage a fixed part plus a rate per unit, fitted "
                      "to the cycles in `from`, at this cycle's units; low and high: those "
@@ -347,11 +402,15 @@ def format_estimate(guess: dict) -> str:
     """The estimate as a table for people."""
     if guess.get("status") != "ok":
         return guess["message"]
+    drivers = guess["drivers"]
     lines = [f"estimate of the next cycle from {', '.join(guess['from'])} "
              f"(low / estimate / high)",
-             f"  {guess['drivers']['inbox_lines']} inbox lines waiting -> about "
-             f"{guess['drivers']['episodes']} episodes, "
-             f"{guess['drivers']['example_epochs']:g} trained example-epochs",
+             f"  {drivers['inbox_lines']} inbox lines waiting -> about {drivers['episodes']} "
+             f"episodes, {drivers['example_epochs']:g} trained example-epochs"
+             if not guess.get("reasons") else
+             f"  no inbox lines waiting, but {'; '.join(guess['reasons'])}: the stages rerun on "
+             f"the last cycle's traces, about {drivers['episodes']} episodes, "
+             f"{drivers['example_epochs']:g} trained example-epochs",
              f"  {'stage':<16}{'units':>14}{'CPU s':>26}{'GPU s':>26}"]
     for name, row in guess["stages"].items():
         if row.get("reused"):

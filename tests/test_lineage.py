@@ -186,6 +186,19 @@ def test_estimate_from_two_cycles_is_within_30_percent_of_the_third(learned, tmp
     from flows import report
 
     assert "estimated before it $" in report.markdown(root, 3, {}, {})
+    # nothing waiting and nothing changed: every stage reused, and nothing to train either
+    idle = json.loads(offseason(root, "estimate", "--json").stdout)
+    assert all(row.get("reused") for row in idle["stages"].values()), idle["stages"]
+    assert idle["drivers"]["example_epochs"] == 0 and idle["total"]["usd"] == [0, 0, 0]
+    # a changed param reruns its stages and those after them, at the last cycle's units
+    hotter = yaml.safe_load(params)
+    hotter["rollout"]["temperature"] = 0.7
+    (root / "params.yaml").write_text(yaml.safe_dump(hotter, sort_keys=False))
+    warm = json.loads(offseason(root, "estimate", "--json").stdout)
+    assert warm["reasons"] == ["params.yaml changed"]
+    assert [n for n, row in warm["stages"].items() if not row.get("reused")] == \
+        ["rollout", "reward", "train", "gate"]
+    (root / "params.yaml").write_text(params)
     # without a committed cycle there are no rates, and it says what it needs
     for tag in ("gen-1", "gen-2", "gen-3"):
         git(root, "tag", "-d", tag)

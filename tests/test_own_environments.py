@@ -515,6 +515,13 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
     # and the next cycle's commit would hold the edited module (it reads it)
     from flows.workspace import cycle_inputs, uncommitted
     assert uncommitted(root, cycle_inputs(root)) == ["data/environments.json", "my_envs/greeter.py"]
+    # its estimate, with no trace waiting, prices those stages at the last cycle's units (it
+    # said every stage was reused, $0, and then the cycle ran six)
+    guess = json.loads(offseason(root, "estimate", "--json").stdout)
+    assert guess["reasons"] == ["an environment's module changed (data/environments.json)"]
+    assert [name for name, row in guess["stages"].items() if not row.get("reused")] == \
+        ["validate", "rollout", "reward", "train", "champion_scores", "gate"]
+    assert guess["drivers"]["episodes"] == rolled["episodes"] and guess["total"]["cpu_seconds"][1]
 
 
 def git_status(root: Path, *paths: str) -> str:
