@@ -984,16 +984,20 @@ def _stopped(signum: int, frame) -> None:
     raise SystemExit(0)
 
 
+class NotRunning(WorkspaceError):
+    """No receiver answers at the status address."""
+
+
 def read_status(url: str, token: str) -> dict:
-    """A running receiver's counters (GET /status)."""
+    """A running receiver's counters (GET /status); NotRunning when none answers there."""
     import httpx
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         response = httpx.get(url, headers=headers, timeout=5)
     except httpx.HTTPError as err:
-        raise WorkspaceError(f"{url}: no `offseason collect` answers there ({err}); start one, or "
-                             f"give --host/--port of the running one") from None
+        raise NotRunning(f"{url}: no `offseason collect` answers there ({err}); start one, or "
+                         f"give --host/--port of the running one") from None
     if response.status_code == 401:
         raise WorkspaceError(f"{url}: 401: set the receiver's token in the environment variable "
                              f"that runtime.collect.token_env names")

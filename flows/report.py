@@ -785,6 +785,10 @@ def collect_note(root: Path) -> str:
     url = collect.status_url(settings)
     try:
         found = collect.read_status(url, os.environ.get(settings.token_env, ""))
+    except collect.NotRunning:  # most projects drop files into the inbox: not an error
+        return (f"Traces in live: no `offseason collect` is running at "
+                f"{url.removesuffix('/status')} (`offseason collect`, or `offseason serve "
+                f"--collect`, receives OTLP traces into the inbox)")
     except WorkspaceError as err:
         return (f"Traces in live: {err} (`offseason collect`, or `offseason serve --collect`, "
                 f"receives OTLP traces into the inbox)")
