@@ -292,6 +292,7 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
     tmp = validated.with_name(f".{validated.name}.tmp")
     writer = pq.ParquetWriter(tmp, schema)
     quarantined, failed, per_format, profile = [], {}, {}, drift.Profile()
+    unknown: dict[str, dict[str, int]] = {}  # environment -> tool it lacks -> calls of it
     meaning = meanings(env)
     pool: list[dict] = []
     for table in source.iter_batches(batch_size=BATCH):
@@ -328,6 +329,8 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
                 kept, good.n_messages.tolist(), good.feedback.tolist(), questions.tolist()):
             profile.add(n_messages, tools_of.get(r, []), json.loads(feedback),
                         env.task_kind(question))
+            if specs:
+                offered_unknown(env, question, tools_of.get(r, []), unknown)
         if config.holdout_fraction:  # kept from training: the benchmarks' future items
             out = [i for i, (trace_id, question) in enumerate(zip(good.trace_id, questions))
                    if question is not None and not pd.isna(question)
@@ -357,7 +360,8 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
                "duplicates": 0, "held_out": len(pool), "held_out_new": added,
                "valid_fraction": round(valid_fraction, 4),
                "per_format": per_format, "failed_expectations": failed,
-               "profile": summary, "drift": changes}
+               "profile": summary, "drift": changes,
+               **({"unknown_tools": unknown} if unknown else {})}
     if valid_fraction < config.min_valid_fraction:
         raise ValidationFailed(
             f"only {accepted} of {total} traces passed validation ({valid_fraction:.1%}), below "
@@ -372,6 +376,21 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
             f"validate.max_drift in params.yaml"
         )
     return metrics
+
+
+def offered_unknown(router, question: str, called: list[str], unknown: dict) -> None:
+    """Count the tools a trace called that its task does not offer (its environment's TOOLS, or
+    the task's own `tools`): its rollouts cannot call them, so what production did is not what
+    the environment can replay. Accepted all the same (the task may still be learned); the
+    stage says which, so an environment can be given the tool.
+    """
+    task = json.loads(question)
+    env = router.envs[task["environment"]]
+    offered = {tool.get("function", tool).get("name") for tool in env.tools_of(task)}
+    for name in called:
+        if name not in offered:
+            tools = unknown.setdefault(task["environment"], {})
+            tools[name] = tools.get(name, 0) + 1
 
 
 def save_profile(profiles: Path, ingested: Path, summary: dict) -> dict | None:
@@ -413,6 +432,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{metrics['quarantined']} quarantined"
           + (f", {metrics['held_out']} held out for the benchmarks" if metrics["held_out"] else ""),
           file=sys.stderr)
+    for name, tools in (metrics.get("unknown_tools") or {}).items():
+        print(f"validate: warning: traces of environment {name!r} call tools it does not offer: "
+              + ", ".join(f"{tool} ({n} calls)" for tool, n in sorted(tools.items()))
+              + "; its rollouts cannot call them: add them to its TOOLS and call_tool, or check "
+              "which environment's task_from_trace should claim those traces", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -154,13 +154,18 @@ def test_a_share_of_traces_is_held_out_for_the_benchmarks_and_never_trained_on(t
 
 def test_a_trace_no_environment_claims_says_so_and_what_to_change(tmp_path):
     """Its reason was the expectation's name alone ("traces: expect_column_values_to_not_be_null
-    (question)"); it now says which environments were asked and what would claim it."""
+    (question)"); it now says which environments were asked and what would claim it. A trace
+    calling a tool its environment does not offer is counted in `unknown_tools`."""
     specs = {"arith": cfg.EnvironmentSpec(module="stages.envs.arith")}
-    path = ingested(tmp_path, [good("g1", "1+1"), {"id": "chat", "messages": [
+    # and one calling a tool the environment does not offer: accepted, and said (it was silent)
+    other = good("g2", "2+2")
+    other["messages"][1]["tool_calls"][0]["function"]["name"] = "get_forecast"
+    path = ingested(tmp_path, [good("g1", "1+1"), other, {"id": "chat", "messages": [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}])
-    validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.5), path,
-                 tmp_path / "valid.parquet", tmp_path / "q.jsonl", tmp_path / "profiles",
-                 tmp_path / "docs", specs, tmp_path)
+    metrics = validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.5), path,
+                           tmp_path / "valid.parquet", tmp_path / "q.jsonl",
+                           tmp_path / "profiles", tmp_path / "docs", specs, tmp_path)
+    assert metrics["accepted"] == 2 and metrics["unknown_tools"] == {"arith": {"get_forecast": 1}}
     [bad] = map(json.loads, (tmp_path / "q.jsonl").read_text().splitlines())
     assert bad["trace_id"] == "chat"
     assert "no environment's task_from_trace claimed it (environments: arith, asked in that " \
