@@ -69,9 +69,11 @@ from stages.traces.sources import (
 
 MANIFEST = "manifest.json"
 # a file's duplicates beside its part (`duplicates-<file>.parquet`): each row's id and place, and
-# the id of the trace it repeats, so `offseason lineage --trace` can follow a duplicate's id
+# the id of the trace it repeats, so `offseason lineage --trace` can follow a duplicate's id; and
+# its user's rating (scrubbed JSON, as the part keeps it), which the kept trace does not carry
 DUPLICATES = pa.schema([("trace_id", pa.string()), ("source_file", pa.string()),
-                        ("source_line", pa.int64()), ("duplicate_of", pa.string())])
+                        ("source_line", pa.int64()), ("duplicate_of", pa.string()),
+                        ("feedback", pa.string())])
 BATCH = 5000
 # Deeper JSON than any trace format nests is junk, and would overflow recursive code downstream.
 MAX_DEPTH = 100
@@ -535,7 +537,8 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
                     for bucket in (counts, fmt_counts):
                         bucket["duplicates"] += 1
                     repeats.append({"trace_id": row["trace_id"], "source_file": path.name,
-                                    "source_line": number, "duplicate_of": seen[digest]})
+                                    "source_line": number, "duplicate_of": seen[digest],
+                                    "feedback": row["feedback"]})
                     continue
                 seen[digest] = row["trace_id"]
                 for kind, n in scrubber.counts.items():

@@ -65,9 +65,14 @@ def test_incremental_never_ingests_twice(tmp_path):
     first = run(tmp_path)
     assert first["accepted"] == 2
     before = (inbox / "day-0.jsonl").read_bytes()
-    (inbox / "day-1.jsonl").write_text(chat("b2", "2+2") + "\n" + chat("c", "9*9") + "\n")
+    rated = {**json.loads(chat("b2", "2+2")), "feedback": {"thumbs_up": True}}
+    (inbox / "day-1.jsonl").write_text(json.dumps(rated) + "\n" + chat("c", "9*9") + "\n")
     second = run(tmp_path)
     assert (second["rows_read"], second["accepted"], second["duplicates"]) == (2, 1, 1)
+    # the duplicate's id, where it was, which trace it repeats and its user's rating are kept
+    [repeat] = pq.read_table(tmp_path / "traces/duplicates-day-1.jsonl.parquet").to_pylist()
+    assert repeat == {"trace_id": "b2", "source_file": "day-1.jsonl", "source_line": 1,
+                      "duplicate_of": "b", "feedback": '{"thumbs_up": true}'}
     assert second["files_seen_before"] == 1 and second["total_traces"] == 3
     assert [r["trace_id"] for r in pq.read_table(tmp_path / "ingested.parquet").to_pylist()] == ["c"]
     assert (inbox / "day-0.jsonl").read_bytes() == before  # raw files are never modified
