@@ -244,36 +244,36 @@ def rerun_stages(root: Path) -> tuple[set[str], list[str]]:
     """
     import yaml
 
-    from flows.pipeline import changed_since_last_cycle
+    from flows.pipeline import CHANGES, changed_inputs
     from flows.workspace import note_environments
 
     note_environments(root)  # as the cycle does first: the same note, written when it changed
-    reasons = [r for r in changed_since_last_cycle(root) if not r.startswith("new traces")]
+    keys = [key for key in changed_inputs(root) if key != "inbox"]
     changed = set()
-    if any(r.startswith(("an environment", "stage code")) for r in reasons):
+    if "environments" in keys or "code" in keys:
         changed = set(STAGES) - {"ingest"}
-    elif reasons:  # params.yaml: the stages whose own params differ, then what follows them
+    elif keys:  # params.yaml: the stages whose own params differ, then what follows them
+        now = yaml.safe_load((root / "params.yaml").read_text()) or {}
+        before = _yaml_at(root, "HEAD", "params.yaml")
+        stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages") or {}
+
         def value(params: dict, key: str):
             for part in key.split("."):
                 params = params.get(part) if isinstance(params, dict) else None
             return params
 
-        now = yaml.safe_load((root / "params.yaml").read_text()) or {}
-        before = _yaml_at(root, "HEAD", "params.yaml")
-        stages = (yaml.safe_load((root / "dvc.yaml").read_text()) or {}).get("stages") or {}
-        first = next((i for i, name in enumerate(STAGES) if any(
-            value(now, key) != value(before, key) for key in
-            (k for entry in (stages.get(name) or {}).get("params") or []
-             for k in (entry if isinstance(entry, dict) else [entry])))), None)
+        def differs(name: str) -> bool:  # one of the stage's dvc.yaml params has another value
+            keys = [k for entry in (stages.get(name) or {}).get("params") or []
+                    for k in (entry if isinstance(entry, dict) else [entry])]
+            return any(value(now, key) != value(before, key) for key in keys)
+
+        first = next((i for i, name in enumerate(STAGES) if differs(name)), None)
         if first is not None:
-            changed = {n for n in STAGES[first:] if n != "champion_scores" or n == STAGES[first]}
-            if any(value(now, key) != value(before, key) for key in
-                   (k for entry in (stages.get("champion_scores") or {}).get("params") or []
-                    for k in (entry if isinstance(entry, dict) else [entry]))):
-                changed.add("champion_scores")
+            changed = {n for n in STAGES[first:] if n != "champion_scores"}
+            changed |= {"champion_scores"} if differs("champion_scores") else set()
     if changed and "champion_scores" not in changed and _champion_changed(root):
         changed.add("champion_scores")
-    return changed, reasons
+    return changed, [CHANGES[key] for key in keys]
 
 
 def predict(points: list[tuple[float, float]], units: float) -> list[float]:

@@ -299,14 +299,21 @@ class Start:
             self.pipeline.session.close(kill=self.pipeline.running())
 
 
-def changed_since_last_cycle(root: Path) -> list[str]:
-    """Which inputs differ from the last committed cycle's, in words."""
+CHANGES = {"inbox": NEW_TRACES, "params": "params.yaml changed",
+           "code": "stage code or dvc.yaml changed",
+           "environments": "an environment's module changed (data/environments.json)"}
+
+
+def changed_inputs(root: Path) -> list[str]:
+    """Which inputs (`inputs_fingerprint`'s keys) differ from the last committed cycle's."""
     last = (read_at(root, "HEAD", "metrics/promotion.json") or {}).get("inputs", {})
     now = inputs_fingerprint(root)
-    words = {"inbox": NEW_TRACES, "params": "params.yaml changed",
-             "code": "stage code or dvc.yaml changed",
-             "environments": "an environment's module changed (data/environments.json)"}
-    return [words[key] for key in now if now[key] != last.get(key)]
+    return [key for key in now if now[key] != last.get(key)]
+
+
+def changed_since_last_cycle(root: Path) -> list[str]:
+    """Which inputs differ from the last committed cycle's, in words."""
+    return [CHANGES[key] for key in changed_inputs(root)]
 
 
 def begin(root: Path, session: Session | None = None) -> Start:
