@@ -38,10 +38,11 @@ class BudgetSpent(RuntimeError):
     """A `budget:` limit is reached: the stage stops, keeping what it did."""
 
 
-def price(units: dict, prices: cfg.Cost) -> float:
+def price(units: dict, prices: cfg.Cost, places: int | None = 6) -> float:
     """Dollars of `units` at `prices`: cpu_seconds; gpu_seconds (split evenly over
     `gpu_names`, each GPU at its own rate, where they are known); judge_tokens (by model where
-    `judge_tokens_by_model` says); `served_tokens` (a billing rollout server's).
+    `judge_tokens_by_model` says); `served_tokens` (a billing rollout server's). Rounded to
+    `places` for ledgers; None: not rounded (a budget compares what was spent, however little).
     """
     names = units.get("gpu_names") or []
     gpu_seconds = units.get("gpu_seconds", 0.0)
@@ -51,9 +52,9 @@ def price(units: dict, prices: cfg.Cost) -> float:
     judge = (sum(tokens / 1e6 * prices.judge_rate(model) for model, tokens in by_model.items())
              if by_model else
              units.get("judge_tokens", 0) / 1e6 * prices.judge_usd_per_million_tokens)
-    return round(units.get("cpu_seconds", 0.0) / 3600 * prices.cpu_hour_usd + gpu + judge
-                 + units.get("served_tokens", 0) / 1e6 * prices.rollout_usd_per_million_tokens,
-                 6)
+    usd = (units.get("cpu_seconds", 0.0) / 3600 * prices.cpu_hour_usd + gpu + judge
+           + units.get("served_tokens", 0) / 1e6 * prices.rollout_usd_per_million_tokens)
+    return usd if places is None else round(usd, places)
 
 
 def judge_model(judge: dict) -> str:
@@ -188,7 +189,9 @@ class Meter:
         stages = {**self.before, self.stage: self.own(judge_tokens)}
         total = {key: sum(u[key] for u in stages.values())
                  for key in ("cpu_seconds", "gpu_seconds", "judge_tokens")}
-        usd = sum(price(u, self.prices) for u in stages.values())
+        # unrounded: a step's cent-fractions add up, and under $5e-7 rounded to nothing (a
+        # 1e-9 budget then let a fast step or two through, as the tests' budget saw now and then)
+        usd = sum(price(u, self.prices, None) for u in stages.values())
         over = None
         if self.budget.max_usd and usd >= self.budget.max_usd:
             over = (f"budget.max_usd={self.budget.max_usd:g}", f"${usd:.4f}",
