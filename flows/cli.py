@@ -400,7 +400,10 @@ def history_rows(root: Path) -> list[dict]:
             ingest = read_at(root, tag, "metrics/ingest.json") or {}
             score, champ = gate.get("candidate_score"), gate.get("champion_score")
             interval, traces = gate.get("interval"), ingest.get("accepted")
-            verdict = "promoted" if promotion.get("promoted") else "rejected"
+            # who said no: the gate (rejected), a person (declined), or nobody in time
+            decided = (promotion.get("decision") or {}).get("decision")
+            verdict = "promoted" if promotion.get("promoted") else \
+                {"rejected": "declined", "timeout": "timed out"}.get(decided, "rejected")
         date = git(root, "log", "-1", "--format=%cs", tag)
         ledger = read_at(root, tag, "metrics/cost.json") or {}
         if (ledger.get("stages") or {}).get("ingest", {}).get("reused"):
@@ -453,7 +456,12 @@ def cmd_history(args) -> int:
     if args.plot and rows:
         from flows.report import plot_history
 
-        plot_history(rows, args.plot)
+        try:
+            plot_history(rows, args.plot)
+        except ValueError as err:  # matplotlib's: an extension it does not write
+            print(f"offseason history: error: --plot {args.plot}: {err}; name a .png, .svg or "
+                  f".pdf file", file=sys.stderr)
+            return 2
         print(f"history: plot written to {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -978,7 +986,8 @@ def approval_commands(sub) -> None:
                            f"reason and approver go into promotions.jsonl and the MLflow model "
                            f"version's tags.")
         s.add_argument("run_id", metavar="RUN_ID", help="the flow run id (`offseason pending`)")
-        s.add_argument("--reason", required=True, help="why, in a sentence (kept forever)")
+        s.add_argument("--reason", required=True, type=sentence,
+                       help="why, in a sentence (kept forever)")
         s.add_argument("--approver", help="who decides (default: the login name)")
         s.set_defaults(func=cmd_decide)
     s = sub.add_parser("rollback", help="make an earlier generation the champion again",
@@ -987,9 +996,19 @@ def approval_commands(sub) -> None:
                        "alias moved to its model version, a line appended to promotions.jsonl, "
                        "committed. Without --to: the champion before the current one.")
     s.add_argument("--to", metavar="gen-N", help="the generation to restore")
-    s.add_argument("--reason", required=True, help="why, in a sentence (kept forever)")
+    s.add_argument("--reason", required=True, type=sentence,
+                   help="why, in a sentence (kept forever)")
     s.add_argument("--approver", help="who decides (default: the login name)")
     s.set_defaults(func=cmd_rollback)
+
+
+def sentence(text: str) -> str:
+    """A --reason: words, not blank (it is kept forever)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give the reason in words: it is kept forever in "
+                                         "promotions.jsonl, the commit and the model version's "
+                                         "tags")
+    return text.strip()
 
 
 def audit_commands(sub) -> None:

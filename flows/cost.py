@@ -411,14 +411,14 @@ def format_estimate(guess: dict) -> str:
              f"  no inbox lines waiting, but {'; '.join(guess['reasons'])}: the stages rerun on "
              f"the last cycle's traces, about {drivers['episodes']} episodes, "
              f"{drivers['example_epochs']:g} trained example-epochs",
-             f"  {'stage':<16}{'units':>14}{'CPU s':>26}{'GPU s':>26}"]
+             f"  {'stage':<16}{'units':>10} {'of':<15}{'CPU s':>22}{'GPU s':>26}"]
     for name, row in guess["stages"].items():
         if row.get("reused"):
             lines.append(f"  {name:<16}{'reused (unchanged inputs)':>40}")
             continue
         fmt = lambda v: f"{v[0]:.1f} / {v[1]:.1f} / {v[2]:.1f}"  # noqa: E731
-        lines.append(f"  {name:<16}{row['units']:>8g} {row['driver']:<6.6}"
-                     f"{fmt(row['cpu_seconds']):>25}{fmt(row['gpu_seconds']):>26}")
+        lines.append(f"  {name:<16}{row['units']:>10g} {row['driver']:<15}"
+                     f"{fmt(row['cpu_seconds']):>22}{fmt(row['gpu_seconds']):>26}")
     total = guess["total"]
     lines.append(f"  total CPU seconds {total['cpu_seconds'][0]:.1f} / "
                  f"{total['cpu_seconds'][1]:.1f} / {total['cpu_seconds'][2]:.1f}; GPU hours "

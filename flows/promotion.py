@@ -233,7 +233,8 @@ def await_approval(root: Path, generation: int, verdict: dict, config: settings.
                 "reason": f"no decision within promotion.approval_timeout="
                           f"{config.approval_timeout}s: the champion stays"}
     decision = {"decision": "approved" if answer.approve else "rejected",
-                "approver": answer.approver or "unknown", "reason": answer.reason, "at": now()}
+                "approver": answer.approver or "unknown",
+                "reason": answer.reason.strip() or "(no reason given in the form)", "at": now()}
     logger.info("gen-%d %s by %s: %s", generation, decision["decision"], decision["approver"],
                 decision["reason"])
     return decision

@@ -100,3 +100,22 @@ def test_history_counts_no_new_traces_for_a_cycle_that_did_not_ingest(tmp_path):
                      "cost.json": {"stages": {"ingest": {"cpu_seconds": 1.0}}, "total": {}}})
     commit("gen-2", {"cost.json": {"stages": {"ingest": {"reused": True}}, "total": {}}})
     assert [r["new_traces"] for r in history_rows(tmp_path)] == [None, 34, 0]
+    # who said no: the gate, a person, or nobody in time (each was "rejected")
+    for tag, decision in (("gen-3", "rejected"), ("gen-4", "timeout"), ("gen-5", "not-required")):
+        commit(tag, {"promotion.json": {"promoted": False, "decision": {"decision": decision}}})
+    assert [r["verdict"] for r in history_rows(tmp_path)][3:] == \
+        ["declined", "timed out", "rejected"]
+
+
+@pytest.mark.parametrize("argv", [["approve", "some-run", "--reason", ""],
+                                  ["reject", "some-run", "--reason", "  "],
+                                  ["rollback", "--to", "gen-0", "--reason", " \t"]])
+def test_a_blank_reason_is_refused_before_anything_is_done(argv, capsys):
+    """A reason is kept forever (promotions.jsonl, the commit, the model version's tags): an empty
+    one was accepted and recorded as ""."""
+    from flows import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.parser().parse_args(argv)
+    assert exit_.value.code == 2
+    assert "argument --reason: give the reason in words" in capsys.readouterr().err
