@@ -35,6 +35,7 @@ import yaml
 
 from flows import params as settings
 from flows.workspace import (
+    COLLECT_SPOOL,
     ENVIRONMENT_SOURCES,
     WorkspaceError,
     configure_env,
@@ -816,7 +817,7 @@ def cmd_collect(args) -> int:
                                     os.environ.get(settings.token_env, ""))
         print(json.dumps(found, indent=2) if args.json else collect.status_text(found))
         return 0
-    return collect.serve(settings, inbox_path(root), root / ".offseason" / "collect")
+    return collect.serve(settings, inbox_path(root), root / COLLECT_SPOOL)
 
 
 def cmd_pull(args) -> int:

@@ -88,7 +88,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord, LogsData, ResourceLogs, ScopeLogs
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, TracesData
 
-from flows.workspace import WorkspaceError
+from flows.workspace import COLLECT_HELD, WorkspaceError
 from stages import config as cfg
 from stages import io
 
@@ -388,16 +388,20 @@ class Traces:
                 counts[late] += 1
         return trace
 
-    def finished(self, now: float, everything: bool = False) -> list[tuple[bytes, Trace]]:
+    def finished(self, now: float, everything: bool = False, closing: bool = False
+                 ) -> list[tuple[bytes, Trace]]:
         """Take the finished traces (all of them with `everything`) to be written; each stays
-        counted (and in journal snapshots) until `written` or `put_back`.
+        counted (and in journal snapshots) until `written` or `put_back`. `closing`: the
+        receiver stops, so a trace whose root ended goes without waiting ROOT_WAIT for late
+        spans (it waited for the next start before, the cycle in between not seeing it).
         """
         with self.lock:
             # a trace whose earlier spans are still being written waits for them (late spans)
             done = [(trace_id, trace) for trace_id, trace in self.pending.items()
                     if trace_id not in self.writing and (
-                        everything or now - trace.last >= (ROOT_WAIT if trace.root
-                                                           else self.idle_seconds))]
+                        everything or (closing and trace.root)
+                        or now - trace.last >= (ROOT_WAIT if trace.root
+                                                else self.idle_seconds))]
             for trace_id, trace in done:
                 del self.pending[trace_id]
                 self.writing[trace_id] = trace
@@ -713,6 +717,7 @@ class Collector:
             self.lock_file.close()
             raise WorkspaceError(f"{spool}: another `offseason collect` uses this journal; "
                                  f"stop it first (one receiver per workspace)") from None
+        (spool / COLLECT_HELD.name).unlink(missing_ok=True)  # what it held is this one's now
         self.token = os.environ.get(settings.token_env, "")
         self.counters = dict.fromkeys(
             ("requests", "bytes", "spans", "duplicate_spans", "invalid_spans", "late_spans",
@@ -737,10 +742,10 @@ class Collector:
         while not self.stopping.wait(TICK):
             self.write_finished()
 
-    def write_finished(self, everything: bool = False) -> int:
+    def write_finished(self, everything: bool = False, closing: bool = False) -> int:
         """Group what came; once the oldest finished trace waited `runtime.collect.file_seconds`
         (or with `everything`), write the finished traces into the inbox and record them in the
-        journal. The number of traces written.
+        journal (`closing`: see `Traces.finished`). The number of traces written.
         """
         now = time.monotonic()
         counts = self.traces.group(now)
@@ -749,7 +754,7 @@ class Collector:
                           ("untraced_logs", "untraced_log_records"),
                           ("late_logs", "late_log_records")):
             self.counters[name] += counts[key]
-        finished = self.traces.finished(now)
+        finished = self.traces.finished(now, closing=closing)
         if finished and not self.gathered:
             self.gathering_since = now
         self.gathered += finished
@@ -799,11 +804,27 @@ class Collector:
         return True
 
     def close(self) -> None:
-        """Stop writing; the traces still held stay in the journal for the next start."""
+        """Stop writing: every trace whose root ended goes into the inbox now; the unfinished
+        ones stay in the journal for the next start, said on stderr and in `held.json` (which
+        `offseason run` reports until collect starts again).
+        """
         self.stopping.set()
         self.writer.join()
-        self.write_finished(everything=True)  # what is finished goes out now, not after restart
+        written = self.counters["traces_written"]
+        self.write_finished(everything=True, closing=True)
         self.journal.close()
+        held = self.traces.counts()
+        note = self.spool / COLLECT_HELD.name
+        if held["pending_traces"]:
+            io.write_json(note, {**held, "stopped": datetime.now(timezone.utc).isoformat(
+                timespec="seconds")})
+        else:
+            note.unlink(missing_ok=True)
+        print(f"collect: stopped; {self.counters['traces_written'] - written} finished traces "
+              f"written on the way out" + (
+                  f"; {held['pending_traces']} unfinished traces ({held['pending_spans']} spans) "
+                  f"kept in {self.spool}, written once they finish after `offseason collect` "
+                  f"starts again" if held["pending_traces"] else ""), file=sys.stderr, flush=True)
         self.lock_file.close()
 
     # requests

@@ -336,6 +336,8 @@ def begin(root: Path, session: Session | None = None) -> Start:
         pulled = pull.before_cycle(root, root / "data" / "inbox", root / "params.yaml") or ""
         if pulled:
             print(pulled, file=sys.stderr, flush=True)
+        if (held := workspace.held_by_collect(root)):  # acknowledged, not yet in the inbox
+            print(f"warning: {held}", file=sys.stderr, flush=True)
         last = generations(root)
         if not list((root / "data" / "inbox").glob("*.jsonl")):
             session.close()

@@ -216,6 +216,9 @@ def _held_by(root: Path, path: Path) -> str:
 
 
 ENVIRONMENT_SOURCES = Path("data") / "environments.json"  # a dep of the stages in dvc.yaml
+COLLECT_SPOOL = Path(".offseason") / "collect"  # `offseason collect`'s journal and lock
+# what a stopped receiver kept in its journal, unfinished (`offseason run` says so)
+COLLECT_HELD = COLLECT_SPOOL / "held.json"
 
 
 def note_environments(root: Path) -> dict:
@@ -310,6 +313,20 @@ def cycle_inputs(root: Path) -> list[str]:
                                  capture_output=True, input="\n".join(inside)
                                  ).stdout.splitlines()) if inside else set()
     return [p for p in inside if p not in ignored]
+
+
+def held_by_collect(root: Path) -> str | None:
+    """What a stopped `offseason collect` keeps in its journal, unfinished (`COLLECT_HELD`), in
+    words, or None: traces it acknowledged that no cycle can see until they reach the inbox.
+    """
+    path = root / COLLECT_HELD
+    if not path.exists():
+        return None
+    note = json.loads(path.read_text())
+    return (f"`offseason collect`, stopped at {note.get('stopped')}, holds "
+            f"{note.get('pending_traces')} unfinished traces ({note.get('pending_spans')} spans) "
+            f"in {path.parent}; this cycle does not see them: they reach the inbox once they "
+            f"finish after it starts again")
 
 
 def uncommitted(root: Path, paths: list[str]) -> list[str]:

@@ -396,6 +396,33 @@ def test_sigterm_writes_the_finished_traces_before_it_ends(receiver):
     assert len(inbox_documents(rx.root)) == 1
 
 
+def test_stopped_at_once_it_writes_every_trace_whose_root_ended_and_says_what_it_keeps(receiver):
+    """Stopped within ROOT_WAIT of a trace's last span, a receiver held that finished trace in
+    its journal until its next start, silently; a cycle in between did not see it. Now it goes
+    out on the way; an unfinished one (its root never came) stays, said on stderr and in
+    held.json, which `offseason run` reports until collect starts again."""
+    from flows.workspace import held_by_collect
+
+    rx = receiver(file_seconds=600)
+    spans = recorded_spans(2)
+    rooted = spans[0].context.trace_id
+    orphans = [s for s in spans if s.context.trace_id != rooted and s.parent is not None]
+    exporter = OTLPSpanExporter(endpoint=f"{rx.url}/v1/traces")
+    assert exporter.export([s for s in spans if s.context.trace_id == rooted] + orphans) \
+        == SpanExportResult.SUCCESS
+    said = rx.stop(signal.SIGINT)  # at once: no ROOT_WAIT, no file_seconds
+    assert rx.proc.returncode == 0
+    [written] = inbox_documents(rx.root)
+    assert {s["traceId"] for r in written["resourceSpans"] for sc in r["scopeSpans"]
+            for s in sc["spans"]} == {format(rooted, "032x")}
+    assert "1 finished traces written on the way out; 1 unfinished traces " \
+        f"({len(orphans)} spans) kept in" in said, said
+    held = held_by_collect(rx.root)
+    assert held and f"holds 1 unfinished traces ({len(orphans)} spans)" in held
+    again = receiver(port=rx.port)  # the same workspace: it takes them over
+    assert held_by_collect(again.root) is None
+
+
 def test_a_second_receiver_on_the_same_workspace_is_refused(receiver):
     rx = receiver()
     second = subprocess.run([sys.executable, "-m", "flows.cli", "collect", "--port",
