@@ -557,6 +557,21 @@ def lineage_svg(chain: dict) -> tuple[str, str]:
                              "does where it can) and run <code>offseason report</code> again.")
 
 
+def champion_after(rows: list[dict]) -> list[float | None]:
+    """The champion's score after each generation's cycle: the candidate's when it was promoted,
+    else the champion it was gated against, which a rollback before the cycle may have changed
+    (counting promotions alone kept a rolled-back champion on the curve).
+    """
+    champion, out = None, []
+    for row in rows:
+        if row["promoted"]:
+            champion = row["score"]
+        elif row.get("champion_score") is not None:
+            champion = row["champion_score"]
+        out.append(champion)
+    return out
+
+
 def gain_plot(rows: list[dict]) -> str | None:
     """Cumulative gain against cumulative spend per generation, the learning curve per dollar (a
     PNG data URI; None before any cycle has a ledger). Gain: the champion's primary-suite score
@@ -569,12 +584,10 @@ def gain_plot(rows: list[dict]) -> str | None:
     dollars = sum(r["cost_usd"] for r in later) > 0
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    base, champion, spent = rows[0]["score"], rows[0]["score"], 0.0
+    base, spent = rows[0]["score"], 0.0
     xs, ys = [0.0], [0.0]
-    for r in rows[1:]:
+    for r, champion in zip(rows[1:], champion_after(rows)[1:]):
         spent += (r.get("cost_usd") if dollars else (r.get("cpu_seconds") or 0.0) / 3600) or 0.0
-        if r["promoted"]:
-            champion = r["score"]
         xs.append(spent)
         ys.append(100 * (champion - base))
         if r.get("score") is not None:
@@ -883,12 +896,8 @@ def plot_history(rows: list[dict], path: Path) -> None:
 
     x = list(range(len(rows)))
     fig, ax = plt.subplots(figsize=(7, 4))
-    champion, line = None, []
-    for row in rows:
-        if row["promoted"]:
-            champion = row["score"]
-        line.append(champion)
-    ax.step(x, line, where="post", color="tab:gray", label="champion after the cycle")
+    ax.step(x, champion_after(rows), where="post", color="tab:gray",
+            label="champion after the cycle")
     for i, row in enumerate(rows):
         low_high = row["difference_interval"]
         if low_high and row["champion_score"] is not None:

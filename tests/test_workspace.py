@@ -119,3 +119,15 @@ def test_a_blank_reason_is_refused_before_anything_is_done(argv, capsys):
         cli.parser().parse_args(argv)
     assert exit_.value.code == 2
     assert "argument --reason: give the reason in words" in capsys.readouterr().err
+
+
+def test_the_plotted_champion_follows_a_rollback():
+    """gen-1 promoted (0.58), then a rollback to gen-0 (0.05): gen-2 was gated against 0.05 and
+    rejected. The history and report plots kept the champion at 0.58 through gen-2."""
+    from flows.report import champion_after
+
+    rows = [{"score": 0.05, "promoted": True, "champion_score": None},
+            {"score": 0.58, "promoted": True, "champion_score": 0.05},
+            {"score": 0.04, "promoted": False, "champion_score": 0.05},
+            {"score": 0.30, "promoted": False, "champion_score": 0.05}]
+    assert champion_after(rows) == [0.05, 0.58, 0.05, 0.05]
