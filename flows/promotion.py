@@ -50,6 +50,7 @@ from flows.workspace import (
     dvc,
     git,
     inputs_fingerprint,
+    note_cycle,
     read_at,
     uncommitted,
 )
@@ -217,8 +218,14 @@ def await_approval(root: Path, generation: int, verdict: dict, config: settings.
             answer = suspend_flow_run(wait_for_input=form(generation, summary),
                                       timeout=config.approval_timeout, key=key)
         else:
-            answer = pause_flow_run(wait_for_input=form(generation, summary),
-                                    timeout=config.approval_timeout, poll_interval=2, key=key)
+            # a second `offseason run` or a rollback meanwhile is told what to do (the lock)
+            note_cycle(root, awaiting=f"gen-{generation}", awaiting_run=str(flow_run.id))
+            try:
+                answer = pause_flow_run(wait_for_input=form(generation, summary),
+                                        timeout=config.approval_timeout, poll_interval=2,
+                                        key=key)
+            finally:
+                note_cycle(root, awaiting="", awaiting_run="")
     except FlowPauseTimeout:
         # the run goes on (nothing promoted, the cycle committed as such): take it out of Paused,
         # or Prefect fails it at the end for never having been resumed

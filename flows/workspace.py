@@ -210,9 +210,14 @@ def _held_by(root: Path, path: Path) -> str:
         held = {}
     runs = "".join(f", {name} {held[key]}" for key, name in (
         ("flow_run", "Prefect flow run"), ("mlflow_run_id", "MLflow run")) if held.get(key))
-    return (f"another cycle is running in {root}: {held.get('what', 'offseason')} (pid "
-            f"{held.get('pid', '?')}, started {held.get('started', '?')}{runs}); wait for it, or "
-            f"stop that process")
+    running = (f"another cycle is running in {root}: {held.get('what', 'offseason')} (pid "
+               f"{held.get('pid', '?')}, started {held.get('started', '?')}{runs})")
+    if held.get("awaiting"):  # paused for a person's decision: waiting on it helps nobody
+        run = held.get("awaiting_run")
+        return (f"{running}; {held['awaiting']} waits for approval: decide first, `offseason "
+                f"approve {run} --reason ...` or `offseason reject {run} --reason ...` (or the "
+                f"Prefect UI), then run again")
+    return f"{running}; wait for it, or stop that process"
 
 
 ENVIRONMENT_SOURCES = Path("data") / "environments.json"  # a dep of the stages in dvc.yaml

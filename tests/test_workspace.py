@@ -131,3 +131,22 @@ def test_the_plotted_champion_follows_a_rollback():
             {"score": 0.04, "promoted": False, "champion_score": 0.05},
             {"score": 0.30, "promoted": False, "champion_score": 0.05}]
     assert champion_after(rows) == [0.05, 0.58, 0.05, 0.05]
+
+
+def test_a_cycle_paused_for_approval_tells_the_next_one_to_decide_not_to_wait(tmp_path):
+    """A second `offseason run` (or a rollback) while the first is paused for a person's
+    decision was told "wait for it, or stop that process"; it now names the decision to make."""
+    from flows.workspace import note_cycle
+
+    with cycle_lock(tmp_path, "offseason run"):
+        note_cycle(tmp_path, awaiting="gen-2", awaiting_run="1f0e-run")
+        with pytest.raises(WorkspaceError) as refused:
+            with cycle_lock(tmp_path, "offseason rollback"):
+                pass
+        assert "gen-2 waits for approval: decide first, `offseason approve 1f0e-run --reason " \
+            "...` or `offseason reject 1f0e-run --reason ...`" in str(refused.value)
+        assert "stop that process" not in str(refused.value)
+        note_cycle(tmp_path, awaiting="", awaiting_run="")  # decided: the plain message again
+        with pytest.raises(WorkspaceError, match="wait for it, or stop that process"):
+            with cycle_lock(tmp_path, "offseason run"):
+                pass
