@@ -574,6 +574,7 @@ def trace(root: Path, trace_id: str, champion_tags: set[str]) -> dict:
              "champion_affected": bool(champion_tags & set(tags))}
     if not direct:
         found["read"] = read_as(root, trace_id)
+        found["quarantined"] = quarantined_as(root, trace_id)
         repeats = (found["read"] or {}).get("duplicate_of")
         if repeats and repeats != trace_id:  # its content was learned, if at all, as that trace's
             same = trace(root, repeats, champion_tags)
@@ -581,6 +582,37 @@ def trace(root: Path, trace_id: str, champion_tags: set[str]) -> dict:
                                                "current_champion", "champion_affected")},
                          duplicate_of=repeats, inbox_files=[found["read"]["source_file"]])
     return found
+
+
+QUARANTINES = ("data/quarantine/ingest.jsonl", "data/quarantine/validate.jsonl")
+
+
+def quarantined_as(root: Path, trace_id: str) -> dict | None:
+    """Where a cycle quarantined a trace id: {tag, stage, source_file, source_line, reason} from
+    the quarantine files each generation's dvc.lock records (the folder holds only the last
+    cycle's), or None. Ingest's rows name the trace where the record had an id.
+    """
+    looked = set()
+    for generation in generations(root):
+        if generation == 0:
+            continue
+        tag = f"gen-{generation}"
+        stages = stage_files(root, tag)
+        for path in QUARANTINES:
+            md5 = out_hash(stages, path)
+            if not md5 or md5 in looked:
+                continue
+            looked.add(md5)
+            data = read_object(root, md5)
+            for line in (data or b"").decode(errors="replace").splitlines():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if str(row.get("trace_id")) == trace_id:
+                    return {"tag": tag, **{k: row.get(k) for k in (
+                        "stage", "source_file", "source_line", "reason")}}
+    return None
 
 
 def read_as(root: Path, trace_id: str) -> dict | None:
@@ -615,11 +647,16 @@ def trace_text(found: dict) -> str:
                  f"instead; what learned from that one learned from this")
         if not found["generations"]:
             return f"{head}; no generation learned from it"
+    elif not found["generations"] and found.get("quarantined"):
+        q = found["quarantined"]
+        return (f"{head}: quarantined by the {q['stage']} stage of the cycle that made "
+                f"{q['tag']} ({q['source_file']} line {q['source_line']}): {q['reason']}; no "
+                f"generation learned from it")
     elif not found["generations"]:
         if "read" in found and read is None:
-            return (f"{head}: no trace with this id was accepted or counted as a duplicate (see "
-                    f"data/quarantine/ for one refused, or it never reached the inbox); no "
-                    f"generation learned from it")
+            return (f"{head}: no cycle accepted, quarantined or counted as a duplicate a trace "
+                    f"with this id (it never reached the inbox, or its record carried no id); "
+                    f"no generation learned from it")
         where = f" (inbox file {read['source_file']})" if read else ""
         return f"{head}{where}: read, but no generation learned from it"
     else:

@@ -527,7 +527,7 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
                     for bucket in (counts, fmt_counts):
                         bucket["quarantined"] += 1
                     bad_rows.append({"source_file": path.name, "source_line": number, "format": fmt,
-                                     "stage": "ingest",
+                                     "trace_id": refusal.trace_id, "stage": "ingest",
                                      "reason": quarantine_reason(path.name, number, fmt, refusal),
                                      "raw": Scrubber(kinds).text(refusal.raw)})
                     continue

@@ -38,7 +38,9 @@ def learned(tmp_path_factory, learned_once):
     line = next(json.loads(line) for line in
                 (root / "data/inbox/traffic-000.jsonl").read_text().splitlines()
                 if json.loads(line)["id"] == trained)
-    (root / "data/inbox/repeats.jsonl").write_text(json.dumps({**line, "id": "repeat-1"}) + "\n")
+    broken = {"id": "broken-1", "messages": [{"content": "no role"}]}  # quarantined by ingest
+    (root / "data/inbox/repeats.jsonl").write_text(json.dumps({**line, "id": "repeat-1"}) + "\n"
+                                                   + json.dumps(broken) + "\n")
     offseason(root, "simulate")
     offseason(root, "run")
     return root
@@ -138,7 +140,12 @@ def test_trace_finds_every_generation_that_learned_from_it(learned):
     text = offseason(learned, "lineage", "--trace", trace_id).stdout
     assert "trained on it directly: gen-1" in text
     none = offseason(learned, "lineage", "--trace", "no-such-trace").stdout
-    assert "no trace with this id was accepted or counted as a duplicate" in none
+    assert "no cycle accepted, quarantined or counted as a duplicate a trace with this id" in none
+    # one refused is found in the quarantine of the cycle that refused it, with the reason (the
+    # folder holds only the last cycle's; the id was not in ingest's rows)
+    refused = offseason(learned, "lineage", "--trace", "broken-1").stdout
+    assert "quarantined by the ingest stage of the cycle that made gen-2 (repeats.jsonl line 2)" \
+        in refused and "no 'role'" in refused, refused
     assert "no generation learned from it" in none
     # the same conversation under another id, dropped by ingest as a duplicate: its content was
     # learned as the first one's, and a deletion request for it has to say so (it said "no
