@@ -10,6 +10,7 @@
     offseason demo        init (if needed), then simulate + run three times, then the history
     offseason check       check params.yaml and print it with every default filled in
     offseason rescore     re-score stored rollouts after the verifier changed (a new VERSION)
+    offseason benchmark   benchmark upkeep: `benchmark refresh` swaps worn items for held-out traces
     offseason ui          the Prefect and MLflow UIs of this workspace, on 127.0.0.1
     offseason serve       run the scheduled and manual deployments of params.yaml's `deployments:`
     offseason lineage     a generation's whole chain, back to its traces; --verify, --trace

@@ -350,7 +350,8 @@ def text(chain: dict) -> str:
                  f"{': ' + chain['approval_reason'] if chain.get('approval_reason') else ''}")
     if chain["overrides"]:
         lines.append(f"  run overrides  {json.dumps(chain['overrides'])}")
-    lines.append(f"  inbox snapshot {chain['inbox']['md5']}")
+    if chain["inbox"].get("md5"):  # generation 0 read no inbox
+        lines.append(f"  inbox snapshot {chain['inbox']['md5']}")
     if chain["inbox_files"]:
         lines.append(f"  learned from   {len(chain['training_traces'])} traces, from these inbox "
                      f"files:")
@@ -359,7 +360,8 @@ def text(chain: dict) -> str:
         shown = chain["training_traces"][:5]
         lines.append(f"                 trace ids: {', '.join(shown)}"
                      f"{', ...' if len(chain['training_traces']) > 5 else ''} (--json lists all)")
-    lines.append("  stages (dvc.lock at the tag):")
+    lines.append("  stages (dvc.lock at the tag):" if chain["stages"] else
+                 "  stages         none: `offseason init` made it, no cycle")
     for name, stage in chain["stages"].items():
         lines.append(f"    {name}")
         for kind in ("deps", "outs"):

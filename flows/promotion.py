@@ -48,6 +48,7 @@ from flows.workspace import (
     WorkspaceError,
     cycle_inputs,
     dvc,
+    generations,
     git,
     inputs_fingerprint,
     note_cycle,
@@ -562,6 +563,10 @@ def rollback(root: Path, model_name: str, reason: str, approver: str,
                                  "none); `offseason history` lists the generations")
         to = earlier[-1]
     tag = f"gen-{to}"
+    known = generations(root)
+    if to not in known:
+        raise WorkspaceError(f"no generation {tag}: the tags are "
+                             f"{', '.join(f'gen-{g}' for g in known) or 'none yet'}")
     if to == current:
         raise WorkspaceError(f"{tag} is the champion already")
     record = read_at(root, tag, "metrics/promotion.json")

@@ -150,3 +150,19 @@ def test_a_cycle_paused_for_approval_tells_the_next_one_to_decide_not_to_wait(tm
         with pytest.raises(WorkspaceError, match="wait for it, or stop that process"):
             with cycle_lock(tmp_path, "offseason run"):
                 pass
+
+
+def test_a_rollback_to_a_generation_that_does_not_exist_says_which_do(tmp_path):
+    """`rollback --to gen-9` said "gen-9 was never a champion"; there is no gen-9 at all."""
+    from flows import promotion
+
+    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=tmp_path, check=True)
+    (tmp_path / promotion.LOG).write_text(json.dumps(
+        {"action": "init", "generation": 0, "champion_generation": 0}) + "\n")
+    subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "gen-0"],
+                   cwd=tmp_path, check=True)
+    for tag in ("gen-0", "gen-1"):
+        subprocess.run(["git", "tag", tag], cwd=tmp_path, check=True)
+    with pytest.raises(WorkspaceError, match=r"no generation gen-9: the tags are gen-0, gen-1$"):
+        promotion.rollback(tmp_path, "m", "a reason", "me", to=9)
