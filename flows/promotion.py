@@ -577,9 +577,10 @@ def rollback(root: Path, model_name: str, reason: str, approver: str,
     from flows.lineage import check_champion
 
     check_champion(root, tag)  # `dvc pull` would check out an altered cache object as it is
-    version = str(record["champion_version"])
-    entry = {"action": "rollback", "generation": to, "model_version": version,
-             "champion_version": version, "champion_generation": to, "approver": approver,
+    version = str(record["champion_version"])  # MLflow's calls take it as a string
+    number = int(version) if version.isdigit() else version  # the log's, as a promotion's
+    entry = {"action": "rollback", "generation": to, "model_version": number,
+             "champion_version": number, "champion_generation": to, "approver": approver,
              "reason": reason, "decision": "rollback", "from_generation": current,
              "gate_summary": f"rollback from gen-{current} to {tag}", "at": now()}
     path = root / "models" / "champion.dvc"
@@ -597,7 +598,7 @@ def rollback(root: Path, model_name: str, reason: str, approver: str,
         # the last cycle's record, with the champion it now has: the inputs stay the last
         # cycle's, so a rollback alone does not start a cycle on the same traces
         last = json.loads(saved[1]) if saved[1] else {}
-        io.write_json(metrics, {**last, "champion_version": version, "rollback": entry})
+        io.write_json(metrics, {**last, "champion_version": number, "rollback": entry})
         commit_hash = commit(root, f"rollback: champion is {tag} again (model version {version}; "
                                    f"{reason}; by {approver})", None, tx,
                              [LOG, "models/champion.dvc", "metrics/promotion.json"])

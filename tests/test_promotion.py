@@ -252,4 +252,8 @@ def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(initi
     assert weights(root) == candidate
     assert str(client.get_model_version_by_alias(name, "champion").version) == str(version)
     wrong = offseason(root, "rollback", "--to", "gen-7", "--reason", "x", check=False)
-    assert wrong.returncode == 2 and "gen-7 was never a champion" in wrong.stderr
+    assert wrong.returncode == 2 and "no generation gen-7: the tags are gen-0, gen-1" in \
+        wrong.stderr
+    # the log's versions are numbers, a rollback's as a promotion's (a rollback wrote strings)
+    assert {type(json.loads(line)["model_version"]) for line in
+            (root / "promotions.jsonl").read_text().splitlines()} == {int}
