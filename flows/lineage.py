@@ -276,6 +276,13 @@ def _registered_name(root: Path) -> str:
     return (params.get("base") or {}).get("registered_model", "offseason-agent")
 
 
+def _log(root: Path) -> list[dict]:
+    """promotions.jsonl as it is now (a rollback is in no cycle's tag of its generation)."""
+    path = root / "promotions.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
+        if path.exists() else []
+
+
 def lineage(root: Path, ref: str, *, with_mlflow: bool = True, with_traces: bool = True) -> dict:
     """The whole chain of one generation, as a JSON-able dict."""
     generation = resolve(root, ref)
@@ -295,6 +302,11 @@ def lineage(root: Path, ref: str, *, with_mlflow: bool = True, with_traces: bool
         "champion": {"path": "models/champion", "md5": pointer_hash(root, tag,
                                                                     "models/champion.dvc")},
         "stages": stages,
+        # what the promotion log says happened to it since: champion again, or rolled back from
+        "rollbacks": [{k: e.get(k) for k in ("action", "generation", "from_generation", "at",
+                                             "approver", "reason")}
+                      for e in _log(root) if e.get("action") == "rollback"
+                      and generation in (e.get("generation"), e.get("from_generation"))],
     }
     if generation == 0:
         out["gate"] = None
@@ -332,6 +344,12 @@ def text(chain: dict) -> str:
              f"  git commit     {chain['git_commit']} ({chain['committed']})",
              f"  model version  {chain['model_version']}"
              f"{' (promoted to champion)' if chain['promoted'] else ' (not promoted)'}"]
+    for back in chain.get("rollbacks") or []:  # since then, by `offseason rollback`
+        away = back["from_generation"] == chain["generation"]
+        where = f"from it to gen-{back['generation']}" if away else \
+            f"to it from gen-{back['from_generation']}"
+        lines.append(f"  rolled back    {where} at {back['at']} by {back['approver']}: "
+                     f"{back['reason']}")
     ml = chain.get("mlflow") or {}
     if ml.get("run_id"):
         lines.append(f"  MLflow run     {ml['run_id']} ({ml.get('run_status')})")

@@ -246,6 +246,10 @@ def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(initi
     assert last["reason"] == "answers got worse in production"
     assert git(root, "status", "--porcelain", "--", *committed) == ""
     assert client.get_model_version(name, "1").tags["approver"] == "bob"
+    # the generation rolled back from says so (it said only "promoted to champion")
+    text = offseason(root, "lineage", "gen-1").stdout
+    assert "rolled back    from it to gen-0 at " in text and \
+        "by bob: answers got worse in production" in text, text
     rows = json.loads(offseason(root, "history", "--json").stdout)
     assert [r["champion"] for r in rows] == [True, False]
     offseason(root, "rollback", "--to", "gen-1", "--reason", "the fix is out")
