@@ -99,6 +99,9 @@ def localize(docs: Path) -> None:
             text = re.sub(re.escape(url) + r"(?=[\"')\s?#])", up + f"{VENDOR}/{local}", text)
         for url in LOGOS:
             text = re.sub(re.escape(url) + r"(\?[^\"')\s]*)?", up + LOCAL_LOGO, text)
+        # GE's template climbs one folder short to the favicon on a validation result's page
+        text = re.sub(r'href="(?:\.\./)*static/images/favicon\.ico"',
+                      f'href="{up}static/images/favicon.ico"', text)
         left = outside_assets(text)
         if left:
             raise OutsideAsset(

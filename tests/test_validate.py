@@ -55,6 +55,11 @@ def test_ge_quarantines_failing_traces_with_reason(tmp_path, monkeypatch, batch)
     assert (tmp_path / "docs" / "index.html").exists()
     assert "role" in (tmp_path / "docs" / "expectations" / "messages.html").read_text()
     assert list((tmp_path / "docs" / "validations" / "messages").rglob("*.html"))
+    # every file a page links to is there (GE's favicon link on result pages climbed one short)
+    import re
+    for page in (tmp_path / "docs").rglob("*.html"):
+        for ref in re.findall(r'(?:href|src)="([^"#?:]+)"', page.read_text()):
+            assert (page.parent / ref).exists(), (page, ref)
     assert m["per_format"] == {"openai-chat": {"rows_read": 10, "accepted": 6, "quarantined": 4,
                                                "duplicates": 0}}
 
