@@ -121,6 +121,23 @@ def test_a_secret_keeps_its_placeholder_whatever_finds_it():
                    'password = "<SECRET_2>"', "{'password': '<SECRET_2>'}"]
 
 
+def test_a_secret_under_its_name_in_an_object_goes_as_in_json_text():
+    """Tool arguments logged as an object kept a password and an AWS secret key that the same
+    arguments as a JSON string lost: each value was scrubbed without its key. Names that hold
+    no secret, and values that are code, stay as in text."""
+    s = Scrubber(set(KINDS))
+    arguments = {"password": "Vq7#kLp2xR9!mZt4", "city": "Paris", "token": "get_token()",
+                 "aws_secret_access_key": "KqFYY+kv5ZJr3J1TWDtkwtDDb/xHKas1VOqg6YYZ",
+                 "max_tokens": "4096", "nested": [{"api_key": "Zx8Cv6Bn4Mq2Wr9Ty7Ui"}]}
+    assert s.walk(arguments) == {
+        "password": "<SECRET_1>", "city": "Paris", "token": "get_token()",
+        "aws_secret_access_key": "<SECRET_2>", "max_tokens": "4096",
+        "nested": [{"api_key": "<SECRET_3>"}]}
+    # the same arguments as a JSON string: the same placeholders, within one trace
+    assert s.walk('{"password": "Vq7#kLp2xR9!mZt4"}') == '{"password": "<SECRET_1>"}'
+    assert s.counts["secret"] == 4
+
+
 def test_kinds_can_be_switched_off():
     out, counts = scrub("a@x.io from 10.0.0.1", kinds={"ip"})
     assert out == "a@x.io from <IP_1>" and counts["email"] == 0

@@ -31,6 +31,7 @@ tests/fixtures/pii/README.md.
 from __future__ import annotations
 
 import ipaddress
+import json
 import math
 import re
 from collections import _count_elements  # what Counter counts with (C in CPython)
@@ -552,5 +553,21 @@ class Scrubber:
         if isinstance(value, list):
             return [self.walk(v) for v in value]
         if isinstance(value, dict):
-            return {k: self.walk(v) for k, v in value.items()}
+            return {k: self._field(k, v) if isinstance(v, str) else self.walk(v)
+                    for k, v in value.items()}
         return value
+
+    def _field(self, key, value: str) -> str:
+        """A string under a key, judged as ASSIGNMENT judges `"key": "value"` in JSON text: tool
+        arguments logged as an object (`{"password": "..."}`) kept a password that the same
+        arguments as a JSON string lost, the key being out of the value's sight.
+        """
+        if "secret" in self.kinds and isinstance(key, str) and _MAYBE_NAME.search(key.lower()):
+            quoted = json.dumps(value, ensure_ascii=False)
+            if quoted[1:-1] == value:  # nothing escaped: the value as JSON text holds it
+                text = f"{json.dumps(key, ensure_ascii=False)}: {quoted}"
+                match = ASSIGNMENT.search(text)
+                if match and match["v"] == value and match.end("v") == len(text) - 1 \
+                        and _is_secret_value(match):
+                    return self._placeholder("secret", value)
+        return self.text(value)
