@@ -109,6 +109,9 @@ class Refusal:
     fix: str | None = None
 
 
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, which some exporters put first
+
+
 def _open(path: Path):
     with path.open("rb") as handle:
         magic = handle.read(2)
@@ -121,7 +124,7 @@ def read_records(path: Path, max_line_bytes: int) -> Iterator[tuple[int, object]
     """
     try:
         with _open(path) as handle:
-            head = handle.read(1 << 16).lstrip()
+            head = handle.read(1 << 16).removeprefix(BOM).lstrip()
     except (OSError, EOFError):  # a truncated gzip stream: read the lines before the cut
         head = b""
     if head[:1] in (b"[", b"{") and not _is_json(head.split(b"\n", 1)[0]):
@@ -132,10 +135,22 @@ def read_records(path: Path, max_line_bytes: int) -> Iterator[tuple[int, object]
         if document is not None:
             yield from _items(1, document, numbered=True)
             return
+        later = [line for line in head.split(b"\n")[1:6] if line.strip()]
+        if later and not any(_is_json(line) for line in later):
+            # not JSON lines either: one document, cut off or broken, is one row, not a
+            # quarantined row for each of its lines
+            yield 1, Unreadable(
+                f"not valid JSON: the file is one JSON document over several lines and does not "
+                f"parse as a whole ({_document_error(path, max_line_bytes * 10)})",
+                head[:2000].decode("utf-8", "replace"),
+                fix="re-export the file whole from its source (a copy cut off?)")
+            return
     number = 0
     try:
         with _open(path) as handle:
             for number, raw in enumerate(handle, start=1):
+                if number == 1:  # a byte order mark (Windows tools write one) is no JSON
+                    raw = raw.removeprefix(BOM)
                 if raw.strip():
                     yield from _items(number, _parse_line(raw, max_line_bytes))
     except (OSError, EOFError) as err:
@@ -224,11 +239,27 @@ def _lone_surrogate(value) -> bool:
 def _read_document(path: Path, limit: int):
     """The file as one JSON value, or None if it is not one (then it is read line by line)."""
     with _open(path) as handle:
-        raw = handle.read(limit + 1)
+        raw = handle.read(limit + 1).removeprefix(BOM)
     if len(raw) > limit:
         return None
     value = _parse_line(raw, limit + 1)
     return None if isinstance(value, Unreadable) and not value.parsed else value
+
+
+def _document_error(path: Path, limit: int) -> str:
+    """Why the file does not parse as one JSON document, in JSON's words."""
+    try:
+        with _open(path) as handle:
+            raw = handle.read(limit + 1).removeprefix(BOM)
+    except (OSError, EOFError) as err:
+        return f"the file is cut off: {err}"
+    if len(raw) > limit:
+        return f"over {limit:,} bytes"
+    try:
+        json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        return str(err)
+    return "unknown"
 
 
 def detect(record) -> str | None:

@@ -248,6 +248,7 @@ def expected_rows(data: bytes) -> int | None:
             return 1
         return max(len(value), 1) if isinstance(value, list) else 1  # `[]`: quarantined
 
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a byte order mark is no part of the JSON
     head = data[: 1 << 16].lstrip()
     first = head.split(b"\n", 1)[0]
     if head[:1] in (b"[", b"{"):
@@ -269,6 +270,17 @@ def expected_rows(data: bytes) -> int | None:
                 if ingest.json_depth(value) > ingest.MAX_DEPTH:
                     return 1
                 return len(value) if isinstance(value, list) else 1
+
+            def is_json(raw: bytes) -> bool:
+                try:
+                    json.loads(raw)
+                except (ValueError, RecursionError):
+                    return False
+                return True
+
+            later = [line for line in head.split(b"\n")[1:6] if line.strip()]
+            if later and not any(is_json(line) for line in later):
+                return 1  # a document that does not parse, and no JSON lines: one row
     return sum(count(raw) for raw in io.BytesIO(data) if raw.strip())
 
 

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 
@@ -17,7 +18,11 @@ def counts_add_up(m):
     return m["rows_read"] == m["accepted"] + m["quarantined"] + m["duplicates"]
 
 
-def run(tmp_path, **config):
+def run(tmp_path, inbox=None, **config):
+    """The stage on `inbox` (tmp_path/inbox; a single file: an inbox of that file alone)."""
+    if inbox is not None and inbox.is_file():
+        (tmp_path / "inbox").mkdir(parents=True)
+        (tmp_path / "inbox" / inbox.name).write_bytes(inbox.read_bytes())
     return ingest.run(cfg.Ingest(**config), tmp_path / "inbox", tmp_path / "traces",
                       tmp_path / "ingested.parquet", tmp_path / "q.jsonl")
 
@@ -117,3 +122,33 @@ def test_files_sharing_a_name_up_to_the_first_dot_keep_their_own_parts(tmp_path)
     (inbox / "traces.2026-12-07.jsonl").write_text(chat("a", "1+2") + "\n" + chat("b", "3+4") + "\n")
     m = run(tmp_path)
     assert (m["accepted"], m["duplicates"]) == (0, 2)
+
+
+def test_a_byte_order_mark_is_no_reason_to_refuse_a_file(tmp_path):
+    """Windows tools (PowerShell's Out-File, Excel) write UTF-8 with a BOM: a JSONL file lost its
+    first line to it ("Unexpected UTF-8 BOM") and a pretty-printed OTLP document was read line by
+    line, each line quarantined (766 rows for one file)."""
+    fixtures = Path(__file__).parent / "fixtures" / "traces"
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    bom = b"\xef\xbb\xbf"
+    (inbox / "chat.jsonl").write_bytes(bom + (chat("a", "1+2") + "\n").encode())
+    (inbox / "otel.json").write_bytes(bom + (fixtures / "otel_genai.json").read_bytes())
+    plain = run(tmp_path / "plain", inbox=fixtures / "otel_genai.json")
+    m = run(tmp_path)
+    assert counts_add_up(m) and m["quarantined"] == 0, m
+    assert m["accepted"] == 1 + plain["accepted"]
+
+
+def test_a_document_cut_off_is_one_quarantined_row_not_one_per_line(tmp_path):
+    """A pretty-printed JSON file cut short (a copy interrupted): it was read line by line and
+    every line quarantined (201 rows); it is one row now, saying what to do."""
+    fixtures = Path(__file__).parent / "fixtures" / "traces"
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "otel.json").write_bytes((fixtures / "otel_genai.json").read_bytes()[:5000])
+    m = run(tmp_path)
+    assert (m["rows_read"], m["quarantined"]) == (1, 1), m
+    [bad] = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
+    assert "not valid JSON: the file is one JSON document over several lines" in bad["reason"]
+    assert "re-export the file whole from its source" in bad["reason"]
