@@ -91,10 +91,13 @@ _REEXPORT = "re-export the file whole from its source (a line cut short, or two 
 class Unreadable:
     """A line that is not a JSON value; `reason` says why, `fix` what to change."""
 
-    def __init__(self, reason: str, raw: str, parsed: bool = False, fix: str = _REEXPORT):
-        """A line refused for `reason`; `parsed` if it decoded before being refused."""
+    def __init__(self, reason: str, raw: str, parsed: bool = False, fix: str = _REEXPORT,
+                 cut: bool = False):
+        """A line refused for `reason`; `parsed` if it decoded before being refused; `cut`: the
+        file ends here, cut off (a trace of a span format may be missing spans).
+        """
         # parsed: decoded whole, then refused (nested too deep, an unpaired surrogate)
-        self.reason, self.raw, self.parsed, self.fix = reason, raw, parsed, fix
+        self.reason, self.raw, self.parsed, self.fix, self.cut = reason, raw, parsed, fix, cut
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,9 @@ class Refusal:
 
 
 BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, which some exporters put first
+# ingest reads each inbox file once, by its name: a whole copy of a cut file needs a new one
+WHOLE_AGAIN = ("copy the whole file into the inbox again under a new name (ingest reads each "
+               "file name once; a copy or a gzip stream was interrupted)")
 
 
 def _open(path: Path):
@@ -155,8 +161,7 @@ def read_records(path: Path, max_line_bytes: int) -> Iterator[tuple[int, object]
                     yield from _items(number, _parse_line(raw, max_line_bytes))
     except (OSError, EOFError) as err:
         yield number + 1, Unreadable(f"file cut off after line {number}: {err}", "",
-                                     fix="copy the whole file into the inbox again (a copy or "
-                                     "a gzip stream interrupted)")
+                                     fix=WHOLE_AGAIN, cut=True)
 
 
 def _items(number: int, value, numbered: bool = False) -> Iterator[tuple[int, object]]:
@@ -326,6 +331,14 @@ def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, d
         else:
             good.append((number, record))
     if not good:
+        return
+    cut = next((record for _, record in stream if isinstance(record, Unreadable) and record.cut),
+               None)
+    if cut is not None:  # a trace's spans may lie on both sides of the cut: none is whole for sure
+        for number, record in good:
+            yield number, fmt, Refusal(f"{cut.reason}; the file holds the spans of traces in any "
+                                       f"order, so none of them is known whole", _raw(record),
+                                       fix=WHOLE_AGAIN)
         return
     try:
         if otlp_file:

@@ -152,3 +152,22 @@ def test_a_document_cut_off_is_one_quarantined_row_not_one_per_line(tmp_path):
     [bad] = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
     assert "not valid JSON: the file is one JSON document over several lines" in bad["reason"]
     assert "re-export the file whole from its source" in bad["reason"]
+
+
+def test_a_cut_span_file_accepts_no_trace_that_may_be_partial(tmp_path):
+    """A LangSmith export gzipped and cut short: a trace whose runs straddled the cut was
+    accepted with 3 of its 5 messages, and the fix said (copy the file again) did nothing, the
+    name being known. No trace of such a file is accepted now, and the fix names a new name."""
+    import gzip
+
+    fixtures = Path(__file__).parent / "fixtures" / "traces"
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    whole = gzip.compress((fixtures / "langsmith.jsonl").read_bytes(), mtime=0)
+    (inbox / "ls.jsonl.gz").write_bytes(whole[:1500])
+    m = run(tmp_path)
+    assert m["accepted"] == 0 and m["quarantined"] >= 1 and counts_add_up(m), m
+    bad = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
+    assert all("none of them is known whole" in b["reason"] or "file cut off" in b["reason"]
+               for b in bad), bad
+    assert all("under a new name" in b["reason"] for b in bad), bad
