@@ -142,3 +142,15 @@ def test_message_dict_forms_and_batched_generations():
 def test_broken_runs_say_what_is_wrong(recs, reason):
     with pytest.raises(BadRecord, match=reason):
         langsmith.parse(recs)
+
+
+def test_a_run_tree_with_nested_child_runs_reads_as_its_runs():
+    """A run tree as `read_run(load_child_runs=True)` or a RunTree serializes it: the children
+    nested in `child_runs`. It was quarantined ("no llm run among its 1 run(s)") with a fix that
+    asked for the runs the file held."""
+    runs = [json.loads(line) for line in (FIXTURES / "langsmith.jsonl").read_text().splitlines()]
+    trace = str(runs[0]["trace_id"])
+    flat = [r for r in runs if str(r["trace_id"]) == trace]
+    tree = {**flat[0], "child_runs": flat[1:]}
+    assert langsmith.parse_each([json.loads(json.dumps(tree))]) == langsmith.parse_each(flat)
+    assert not isinstance(langsmith.parse_each([tree])[0][1], Exception)

@@ -70,8 +70,11 @@ def parse_each(records: list[dict]) -> list[tuple[str, dict | Exception]]:
     """(trace id, its normalized trace or the error that kept it from being read) for each
     trace of a file, in order of first run: one bad trace does not sink the others.
 
-    Raises BadRecord for a record that is not a run or whose trace cannot be told.
+    Raises BadRecord for a record that is not a run or whose trace cannot be told. A run tree
+    (`read_run(load_child_runs=True)`, a `RunTree`: children nested in `child_runs`) counts as
+    its runs one after the other.
     """
+    records = list(_flat(records))
     for n, record in enumerate(records, 1):
         if not detect(record):
             keys = ", ".join(sorted(record)[:8]) if isinstance(record, dict) else ""
@@ -82,6 +85,17 @@ def parse_each(records: list[dict]) -> list[tuple[str, dict | Exception]]:
     for n, run in enumerate(records, 1):
         groups.setdefault(_trace_id(run, by_id, n), []).append(run)
     return [(trace_id, attempt(_trace, trace_id, runs)) for trace_id, runs in groups.items()]
+
+
+def _flat(records: list):
+    """Each run, then the runs nested in its `child_runs` (depth first), without that key."""
+    for record in records:
+        children = record.get("child_runs") if isinstance(record, dict) else None
+        if isinstance(children, list) and children:
+            yield {k: v for k, v in record.items() if k != "child_runs"}
+            yield from _flat(children)
+        else:
+            yield record
 
 
 def _trace_id(run: dict, by_id: dict[str, dict], n: int) -> str:
