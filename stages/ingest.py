@@ -243,8 +243,11 @@ def _lone_surrogate(value) -> bool:
 
 def _read_document(path: Path, limit: int):
     """The file as one JSON value, or None if it is not one (then it is read line by line)."""
-    with _open(path) as handle:
-        raw = handle.read(limit + 1).removeprefix(BOM)
+    try:
+        with _open(path) as handle:
+            raw = handle.read(limit + 1).removeprefix(BOM)
+    except (OSError, EOFError):  # a gzip stream cut short: no whole document in it
+        return None
     if len(raw) > limit:
         return None
     value = _parse_line(raw, limit + 1)

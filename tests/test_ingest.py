@@ -171,3 +171,20 @@ def test_a_cut_span_file_accepts_no_trace_that_may_be_partial(tmp_path):
     assert all("none of them is known whole" in b["reason"] or "file cut off" in b["reason"]
                for b in bad), bad
     assert all("under a new name" in b["reason"] for b in bad), bad
+
+
+def test_a_gzipped_document_cut_short_is_quarantined_not_a_crash(tmp_path):
+    """A pretty-printed JSON document over 64 kB, gzipped and cut: its first 64 kB decompress, the
+    whole does not, and the stage raised EOFError (found by the long fuzz run)."""
+    import gzip
+
+    fixtures = Path(__file__).parent / "fixtures" / "traces"
+    document = json.loads((fixtures / "otel_genai.json").read_text())
+    big = json.dumps({"resourceSpans": document["resourceSpans"] * 60}, indent=2).encode()
+    assert len(big) > 1 << 17
+    packed = gzip.compress(big, mtime=0)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "otel.json.gz").write_bytes(packed[: int(len(packed) * 0.7)])
+    m = run(tmp_path)
+    assert m["accepted"] == 0 and m["quarantined"] >= 1 and counts_add_up(m), m
