@@ -76,15 +76,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(name, type=Path)
     parser.add_argument("suites", type=Path, nargs="+", help="data/benchmarks/<suite>.jsonl")
     parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--judgments", type=Path, default=None,
-                        help="where the held-out judge keeps its paid judgments (a persistent "
-                        "output: data/champion_judgments)")
-    parser.add_argument("--judged-before", type=Path, action="append", default=[],
-                        help="judgments another stage paid for, read only (data/gate_judgments: "
-                        "a promoted candidate's answers were judged by the gate)")
+    from stages.envs import judge
+
+    # a promoted candidate's answers were judged by the gate
+    judge.cache_arguments(parser, "data/champion_judgments", "data/gate_judgments")
     args = parser.parse_args(argv)
     io.watch_gpus()  # per GPU busy seconds, peak memory (the cost ledger); none: nothing
-    from stages.envs import judge
 
     # an environment's reward calls the held-out judge here
     judge.for_benchmarks(args.judgments, tuple(args.judged_before))

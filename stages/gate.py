@@ -658,15 +658,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--history", type=Path, help="data/gate_history.jsonl: every cycle's "
                         "decision, for error control across cycles (gate.sequential)")
     parser.add_argument("--params", default="params.yaml")
-    parser.add_argument("--judgments", type=Path, default=None,
-                        help="where the held-out judge keeps its paid judgments (a persistent "
-                        "output: data/gate_judgments)")
-    parser.add_argument("--judged-before", type=Path, action="append", default=[],
-                        help="judgments another stage paid for, read only "
-                        "(data/champion_judgments: an answer given as the champion gave it)")
+    from stages.envs import judge
+
+    # an answer given as the champion gave it is not judged again
+    judge.cache_arguments(parser, "data/gate_judgments", "data/champion_judgments")
     args = parser.parse_args(argv)
     io.watch_gpus()  # per GPU busy seconds, peak memory (the cost ledger); none: nothing
-    from stages.envs import judge
 
     # an environment's reward calls the held-out judge here
     judge.for_benchmarks(args.judgments, tuple(args.judged_before))

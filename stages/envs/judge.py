@@ -427,6 +427,17 @@ def for_benchmarks(cache: Path | None = None, judged_before: tuple[Path, ...] = 
     use_cache(cache, judged_before)
 
 
+def cache_arguments(parser, own: str, other: str) -> None:
+    """A benchmark stage's `--judgments` (its own cache, `own`) and `--judged-before` (the other
+    stage's, `other`, read only), for `for_benchmarks`.
+    """
+    parser.add_argument("--judgments", type=Path, default=None,
+                        help=f"where the held-out judge keeps its paid judgments (a persistent "
+                        f"output: {own})")
+    parser.add_argument("--judged-before", type=Path, action="append", default=[],
+                        help=f"judgments another stage paid for, read only ({other})")
+
+
 def use_cache(folder: Path | None, judged_before: tuple[Path, ...] = ()) -> None:
     """Where this process's project judge keeps its judgments: its stage's persistent output
     (`data/judgments`, the reward stage's; `data/champion_judgments`, `data/gate_judgments`, the
