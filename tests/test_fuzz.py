@@ -437,7 +437,13 @@ def params_text(ops) -> tuple[str, set[str]]:
     text = yaml.safe_dump(params, sort_keys=False, allow_unicode=True)
     for marker, raw in raws.items():
         text = text.replace(marker, raw)
-    return text, touched
+    return text, touched | {".".join(map(as_read, name.split("."))) for name in touched}
+
+
+def as_read(name: str) -> str:
+    """A name as YAML reads it back from PyYAML's dump: a NEL (U+0085) is written raw inside a
+    quoted scalar, where YAML folds a line break into a space, so the file really names ' '."""
+    return str(next(iter(yaml.safe_load(yaml.safe_dump({name: 0}, allow_unicode=True)))))
 
 
 def check_params(path: Path, data: bytes, touched: set[str] | None) -> None:
