@@ -66,6 +66,19 @@ def test_dpo_pairs_keep_the_model_tokens_only(tmp_path, champion):
     assert all(pair["rejected_mask"])
 
 
+def test_dpo_ranks_a_completion_sampled_twice_by_its_mean_reward():
+    # a judge comparing a group's samples (reward_group) scored the same text 1.0 and 0.0: the
+    # first sample of it alone left no completion at the best reward (ZeroDivisionError before)
+    def row(completion, reward):
+        return {"task_id": "t", "completion": completion, "reward": reward,
+                "token_ids": [1, 2, 3], "model_mask": [0, 1, 1]}
+    pairs, counts = dpo.examples([row("a", 0.25), row("a", 1.0), row("b", 0.5), row("c", 0.0)])
+    assert [p["completion"] for p in pairs] == ["a\x00b", "a\x00c"]  # a's mean 0.625 is best
+    assert counts == {"tasks_without_pair": 0}
+    pairs, _ = dpo.examples([row("a", 0.0), row("a", 1.0), row("b", 0.5)])  # a tie: no pair
+    assert pairs == []
+
+
 def validated_traces(tmp_path, traces):
     """A validated.parquet of (trace_id, question, the trace's answer as model text, thumbs)."""
     rows = [{"trace_id": trace_id, "question": question, "answer": str(arith.gold_answer(question)),

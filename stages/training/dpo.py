@@ -35,17 +35,20 @@ def prompt_length(mask: list[int]) -> int:
 def examples(rows: list[dict]) -> tuple[list[dict], dict]:
     """Per task: each distinct best-reward completion against a distinct lower-reward one.
 
+    A completion sampled several times is ranked by its samples' mean reward: a judge that
+    compares a group's samples (`reward_group`) may score the same text differently in one group.
     The prompt is the leading run of tokens the model did not choose; chosen and rejected are the
     rest, with their masks (tool results inside them are not the model's).
     """
     pairs, no_pair = [], 0
     for task, group in trainers.by_task(rows).items():
-        best = max(r["reward"] for r in group)
-        distinct = {}
+        distinct: dict[str, list[dict]] = {}
         for row in group:
-            distinct.setdefault(row["completion"], row)
-        hi = [r for c, r in sorted(distinct.items()) if r["reward"] == best]
-        lo = [r for c, r in sorted(distinct.items()) if r["reward"] < best]
+            distinct.setdefault(row["completion"], []).append(row)
+        mean = {c: sum(r["reward"] for r in same) / len(same) for c, same in distinct.items()}
+        best = max(mean.values())
+        hi = [same[0] for c, same in sorted(distinct.items()) if mean[c] == best]
+        lo = [same[0] for c, same in sorted(distinct.items()) if mean[c] < best]
         if not lo:
             no_pair += 1
             continue
