@@ -188,3 +188,37 @@ def test_a_gzipped_document_cut_short_is_quarantined_not_a_crash(tmp_path):
     (inbox / "otel.json.gz").write_bytes(packed[: int(len(packed) * 0.7)])
     m = run(tmp_path)
     assert m["accepted"] == 0 and m["quarantined"] >= 1 and counts_add_up(m), m
+
+
+def test_tools_and_arguments_keep_the_order_they_were_logged_in(tmp_path):
+    # a chat template renders tools and object arguments with `tojson` in their keys' order:
+    # sorted keys made a prompt production never saw (a walkthrough's agent then called "team")
+    from stages.envs import contract, replay
+
+    tools = [{"type": "function", "function": {
+        "name": "get_account", "description": "an account by id",
+        "parameters": {"type": "object", "properties": {"id": {"type": "string"}},
+                       "required": ["id"]}}}]
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_account", "arguments": {"id": "A1", "fields": "all"}}}
+    messages = [{"role": "user", "content": "Who owns A1?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "Ann"},
+                {"role": "assistant", "content": "Ann owns it."}]
+    reordered = json.loads(json.dumps(messages, sort_keys=True))
+    (tmp_path / "inbox").mkdir()
+    (tmp_path / "inbox" / "day.jsonl").write_text(
+        json.dumps({"id": "t", "messages": messages, "tools": tools}) + "\n"
+        + json.dumps({"id": "u", "messages": reordered, "tools": tools}) + "\n")
+    m = run(tmp_path)
+    assert (m["accepted"], m["duplicates"]) == (1, 1)  # the same conversation, keys aside
+    row = pq.read_table(tmp_path / "ingested.parquet").to_pylist()[0]
+    assert json.dumps(json.loads(row["tools"])) == json.dumps(tools)  # order and all
+    stored = json.loads(row["messages"])
+    assert list(stored[1]["tool_calls"][0]["function"]["arguments"]) == ["id", "fields"]
+    assert list(stored[0]) == ["role", "content"]
+    # and the task the replay environment makes of it: its tools as logged
+    env = contract.load("replay", replay.__name__, Path.cwd())
+    routed = contract.Router({"replay": env}).task_from_messages(stored, json.loads(row["tools"]))
+    task = json.loads(routed["question"])
+    assert json.dumps(task["tools"]) == json.dumps(tools)

@@ -638,8 +638,8 @@ class Router:
                 raise ContractError(f"{env.where}: task_from_trace returned {task!r}; return a "
                                     f"task (a dict with 'messages' and the fields its reward "
                                     f"needs) or None")
-            return {"question": json.dumps({**task, "environment": name}, sort_keys=True),
-                    "answer": ""}
+            # keys in the task's order: its tools and messages render as production logged them
+            return {"question": json.dumps({**task, "environment": name}), "answer": ""}
         return None
 
     @staticmethod

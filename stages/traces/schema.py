@@ -131,8 +131,10 @@ def content_hash(messages_json: str) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _dump(value) -> str:
-    return json.dumps(value, ensure_ascii=False, sort_keys=True)
+def _dump(value, sort: bool = False) -> str:
+    # stored as logged: a chat template renders tools and object arguments with `tojson` in their
+    # keys' order, so a re-sorted schema is a prompt production never saw; sorted only for the hash
+    return json.dumps(value, ensure_ascii=False, sort_keys=sort)
 
 
 def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber) -> dict:
@@ -158,7 +160,7 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
         "source_file": source_file,
         "source_line": source_line,
         "format": fmt,
-        "content_hash": content_hash(text["messages"]),
+        "content_hash": content_hash(_dump(messages, sort=True)),
         "model": trace.get("model"),
         "created_at": trace.get("created_at"),
         "conversation_id": trace.get("conversation_id"),
