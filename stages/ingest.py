@@ -56,7 +56,15 @@ import pyarrow.parquet as pq
 from stages import config as cfg
 from stages import io
 from stages.traces.pii import KINDS, Scrubber
-from stages.traces.schema import CAPTURE, READER_ERRORS, SCHEMA, BadRecord, NoContent, make_row
+from stages.traces.schema import (
+    CAPTURE,
+    READER_ERRORS,
+    SCHEMA,
+    BadRecord,
+    NoContent,
+    feedback_problem,
+    make_row,
+)
 from stages.traces.sources import (
     langfuse,
     langsmith,
@@ -68,6 +76,9 @@ from stages.traces.sources import (
 )
 
 MANIFEST = "manifest.json"
+FEEDBACK_SHAPE = ('A rating is {"thumbs_up": true or false}, or {"scores": {"<name>": a number in '
+                  '[0, 1] or a boolean}} with reward.feedback_score naming the score (README, '
+                  '"Traces in")')
 # a file's duplicates beside its part (`duplicates-<file>.parquet`): each row's id and place, and
 # the id of the trace it repeats, so `offseason lineage --trace` can follow a duplicate's id; and
 # its user's rating (scrubbed JSON, as the part keeps it), which the kept trace does not carry
@@ -539,6 +550,7 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
     totals, per_format = _counts(), {}
     redactions = dict.fromkeys(KINDS, 0)
     bad_rows, new_files = [], 0
+    unread = {"traces": 0, "reasons": {}, "first": None}  # feedback no stage reads (`feedback_problem`)
     out = Writer(ingested)
     writers = [out]
     try:
@@ -588,6 +600,12 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
                         "feedback": row["feedback"]})
                     continue
                 seen.add(digest)
+                problem = feedback_problem(item.get("feedback"))
+                if problem is not None:
+                    unread["traces"] += 1
+                    unread["reasons"][problem[0]] = unread["reasons"].get(problem[0], 0) + 1
+                    unread["first"] = unread["first"] or \
+                        f"{path.name} line {number}: {Scrubber(kinds).text(problem[1])}"
                 for kind, n in scrubber.counts.items():
                     redactions[kind] += n
                 for bucket in (counts, fmt_counts):
@@ -608,7 +626,7 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
     io.write_jsonl(quarantine, bad_rows)
     assert totals["rows_read"] == totals["accepted"] + totals["quarantined"] + totals["duplicates"]
     return {**totals, "new_files": new_files, "files_seen_before": len(earlier),
-            "per_format": per_format, "pii_redactions": redactions,
+            "per_format": per_format, "pii_redactions": redactions, "feedback_unread": unread,
             "total_traces": sum(e["accepted"] for e in manifest.values())}
 
 
@@ -650,6 +668,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{metrics['duplicates']} duplicates; PII scrubbed: "
           f"{', '.join(f'{k} {v}' for k, v in metrics['pii_redactions'].items() if v) or 'none'}",
           file=sys.stderr)
+    unread = metrics["feedback_unread"]
+    if unread["traces"]:
+        print(f"ingest: warning: {unread['traces']} accepted trace(s) carry feedback that gives no "
+              f"rating ({', '.join(f'{k} {v}' for k, v in unread['reasons'].items())}; first: "
+              f"{unread['first']}): they are learned from as unrated. {FEEDBACK_SHAPE}",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

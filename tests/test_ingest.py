@@ -222,3 +222,35 @@ def test_tools_and_arguments_keep_the_order_they_were_logged_in(tmp_path):
     routed = contract.Router({"replay": env}).task_from_messages(stored, json.loads(row["tools"]))
     task = json.loads(routed["question"])
     assert json.dumps(task["tools"]) == json.dumps(tools)
+
+
+def test_feedback_no_stage_reads_is_counted_and_named(tmp_path, capsys):
+    # the shapes a walkthrough's team logged: each accepted as unrated, in silence, before
+    shapes = [{"thumbs_up": "yes"}, {"thumbs_up": 1}, {"rating": 5}, {"scores": {"csat": 4}},
+              {"scores": {"csat": "0.8"}}, "thumbs_up", {"thumbs_down": True},
+              [{"thumbs_up": True}], {"score": 0.9}, {"scores": "good"}]
+    readable = [{"thumbs_up": False}, {"scores": {"csat": 0.4}}, {"thumbs_up": None},
+                {"error": "timeout"}, {}]
+    (tmp_path / "inbox").mkdir()
+    (tmp_path / "inbox" / "day.jsonl").write_text("".join(
+        json.dumps({"id": f"t{i}", "feedback": feedback, "messages": [
+            {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "a"}]})
+        + "\n" for i, feedback in enumerate(shapes + readable)))
+    m = run(tmp_path)
+    assert m["accepted"] == len(shapes) + len(readable)
+    unread = m["feedback_unread"]
+    assert unread["traces"] == len(shapes)
+    assert unread["reasons"] == {"thumbs_up not true or false": 2, "keys not read": 3,
+                                 "score outside [0, 1]": 1, "score not a number": 1,
+                                 "not an object": 2, "scores not an object": 1}
+    assert unread["first"] == 'day.jsonl line 1: thumbs_up is "yes", not true or false'
+    rows = pq.read_table(tmp_path / "ingested.parquet").to_pylist()
+    assert json.loads(rows[5]["feedback"]) == {}  # a string is kept as no feedback
+    # the stage says so, with what a rating looks like
+    again = tmp_path / "again"
+    ingest.main([str(tmp_path / "inbox"), *(str(again / name) for name in (
+        "traces", "ingested.parquet", "q.jsonl", "m.json")),
+        "--params", str(Path(__file__).parents[1] / "params.yaml")])
+    err = capsys.readouterr().err
+    assert "10 accepted trace(s) carry feedback that gives no rating" in err
+    assert 'first: day.jsonl line 1: thumbs_up is "yes"' in err and '{"thumbs_up": true' in err

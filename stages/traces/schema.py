@@ -137,12 +137,52 @@ def _dump(value, sort: bool = False) -> str:
     return json.dumps(value, ensure_ascii=False, sort_keys=sort)
 
 
+FEEDBACK_KEYS = ("thumbs_up", "scores", "error")  # what the reward and train stages read
+
+
+def feedback_problem(feedback) -> tuple[str, str] | None:
+    """(kind, what) when a trace's `feedback` holds something but no rating the reward and train
+    stages read (`thumbs_up` true or false, or a score in [0, 1] or a boolean); None for none at
+    all, a readable rating, or only an `error`. The trace is accepted either way: ingest counts
+    these and says so, rather than learning from them as unrated in silence.
+    """
+    if feedback is None or feedback == {}:
+        return None
+    if not isinstance(feedback, dict):
+        kind = {str: "a string", list: "an array", bool: "a boolean"}.get(type(feedback), "a number")
+        return "not an object", f"feedback is {kind} ({_short(feedback)}), not an object"
+    thumbs, scores = feedback.get("thumbs_up"), feedback.get("scores")
+    if thumbs is not None and not isinstance(thumbs, bool):
+        return "thumbs_up not true or false", f"thumbs_up is {_short(thumbs)}, not true or false"
+    if scores is not None and not isinstance(scores, dict):
+        return "scores not an object", f"scores is {_short(scores)}, not an object of name: value"
+    scores = scores or {}
+    if isinstance(thumbs, bool) or any(
+            isinstance(v, bool) or (isinstance(v, (int, float)) and 0 <= v <= 1)
+            for v in scores.values()):
+        return None
+    unknown = [key for key in feedback if key not in FEEDBACK_KEYS]
+    if unknown:
+        return "keys not read", f"feedback has {', '.join(map(repr, unknown))}, which no stage reads"
+    for name, value in scores.items():
+        if isinstance(value, (int, float)):
+            return "score outside [0, 1]", f"scores.{name} is {_short(value)}, outside [0, 1]"
+        return "score not a number", f"scores.{name} is {_short(value)}, not a number or boolean"
+    return None
+
+
+def _short(value) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber) -> dict:
     """A normalized trace as one row of SCHEMA, every string scrubbed by `scrubber` first."""
     if not trace["messages"]:
         raise NoContent("the trace has no messages")
+    feedback = trace.get("feedback")  # a source may pass on what is no object (`feedback_problem`)
     parts = {"messages": trace["messages"], "tools": trace.get("tools") or [],
-             "feedback": trace.get("feedback") or {}}
+             "feedback": feedback if isinstance(feedback, dict) else {}}
     text = {key: _dump(value) for key, value in parts.items()}
     if maybe_pii("\n".join(text.values())):  # most traces hold no PII: skip the walk
         parts = {key: scrubber.walk(value) for key, value in parts.items()}

@@ -74,7 +74,7 @@ def parse(record: dict) -> dict:
         "created_at": str(created) if created is not None else None,
         "messages": out,
         "tools": record.get("tools") if isinstance(record.get("tools"), list) else [],
-        "feedback": record.get("feedback") if isinstance(record.get("feedback"), dict) else {},
+        "feedback": record.get("feedback"),  # as written: ingest counts shapes it cannot read
         "usage": record.get("usage") if isinstance(record.get("usage"), dict) else {},
         "conversation_id": _conversation_id(record),
     }
