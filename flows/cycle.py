@@ -209,6 +209,10 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
         raise
     cycle_report.publish(root, generation, metrics, reran, record,
                          experiment_id=experiment_id, run_id=run_id)
+    scored = metrics.get("reward") or {}
+    if scored.get("errors"):  # left out of training: said where the cycle's outcome is read
+        message += (f"; {scored['errors']} of {scored.get('episodes')} episodes could not be "
+                    f"scored and were left out (metrics/reward.json, data/rewards.parquet `error`)")
     logger.info(message)
     return {"status": "done", "generation": generation, "message": message, "run_id": run_id,
             "commit": commit, "promoted": record["promoted"], "reran": reran,

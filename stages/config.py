@@ -253,6 +253,9 @@ class Reward:
     # the name of a trace's `feedback.scores` entry (a Langfuse / LangSmith / OTel evaluation score,
     # a number in [0, 1]) used as the user's rating where the trace has no thumbs; "" = thumbs only
     feedback_score: str = ""
+    # more of a cycle's episodes than this failing to score (a judge answering garbage, a tool
+    # server that died, a reward that raises) fails the stage: a broken scorer, not a few bad rows
+    max_error_fraction: float = 0.5
     workers: int = 0  # verifier processes; 0 = one per core, 1 = in the stage's own process
     ray_address: str = ""  # "" = a local process pool; "auto" or "host:port" = that Ray cluster
 
@@ -273,6 +276,9 @@ class Reward:
         object.__setattr__(self, "weights", {c: self.weights.get(c, 0.0) for c in valid})
         if self.workers < 0:
             raise ParamsError(f"runtime.reward.workers: must be >= 0 (0 uses every core), got {self.workers}")
+        if not 0.0 <= self.max_error_fraction <= 1.0:
+            raise ParamsError(f"reward.max_error_fraction: must be in [0, 1], got "
+                              f"{self.max_error_fraction}")
 
 
 @dataclass(frozen=True)

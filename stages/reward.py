@@ -149,7 +149,19 @@ def mixed(components: dict, feedback_weight: float) -> float:
 
 
 class VerifierBroken(RuntimeError):
-    """Every score failed: the verifier itself is broken, not the rollouts."""
+    """Every score failed, or more than `reward.max_error_fraction` of them: the verifier, judge
+    or tool server is broken, not the rollouts.
+    """
+
+
+def check_errors(errors: int, attempted: int, example: str | None, limit: float) -> None:
+    """Fail when more than `limit` of the `attempted` episodes (those not set aside) erred."""
+    if attempted and errors / attempted > limit:
+        raise VerifierBroken(
+            f"{errors} of {attempted} episodes could not be scored ({errors / attempted:.0%}, more "
+            f"than reward.max_error_fraction={limit:g}), e.g. {example}; fix the judge, verifier "
+            f"or tool server and run again (judgments already made are kept), or raise "
+            f"reward.max_error_fraction in params.yaml to train on the rest")
 
 
 def verifier_id(env) -> str:
@@ -306,6 +318,11 @@ def score_table(env_name: str, config: cfg.Reward, table: pa.Table, progress: bo
             f"the {env_name} verifier ({verifier_id(env)}) scored none of {len(rows)} rollouts: "
             f"{errors} errors, {len(set_aside)} of {len(tasks)} tasks set aside, e.g. {example}; "
             f"fix the verifier (or its tasks) before training on its scores")
+    # the rows scored, and those of tasks whose gold the verifier raised on (set aside, erred)
+    tried = [i for i, row in enumerate(rows) if i in scored or row["task_id"] in gold_errors]
+    failed = [columns["error"][i] for i in tried if columns["error"][i]]
+    check_errors(len(failed), len(tried), failed[0] if failed else None,
+                 config.max_error_fraction)
     out = table
     for name in ("correct", "reward"):
         out = out.append_column(name, pa.array(columns[name], pa.float64()))
@@ -439,6 +456,9 @@ def score_chat(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | No
         raise VerifierBroken(f"no rollout could be scored: {errors} errors, {len(set_aside)} "
                              f"tasks set aside, e.g. {causes[0]}; fix the environment before "
                              f"training on its scores")
+    check_errors(errors, sum(not c or not c.startswith("task set aside") for c in causes),
+                 next((c for c in causes if c and not c.startswith("task set aside")), None),
+                 (config or cfg.Reward()).max_error_fraction)
     verifier = {name: chat_verifier(name, env) for name, env in envs.items()}
     hacks = [contract.suspected(c) or None for c in scores]
     judgments = [json.dumps(c.judgment, ensure_ascii=False) if getattr(c, "judgment", None)

@@ -11,6 +11,7 @@ stage scores episodes of those traces' tasks.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -144,3 +145,22 @@ def test_feedback_is_a_component_reward_weights_may_name(tmp_path):
     path.write_text(yaml.safe_dump({"reward": {"weights": {"feedbak": 0.5}}}))
     with pytest.raises(cfg.ParamsError, match=r"did you mean 'reward\.weights\.feedback'"):
         cfg.load("reward", path)
+
+
+def test_a_module_failing_on_most_episodes_fails_the_stage(project, capsys):
+    # the chat path: more than reward.max_error_fraction of the episodes erred
+    (project / "flaky.py").write_text(
+        "from stages.envs.replay import *  # noqa: F401,F403\n"
+        "from stages.envs import replay\n"
+        "def reward(task, messages, **kwargs):\n"
+        "    if 'refund' not in str(task):\n"
+        "        raise RuntimeError('judge answered: Sure! A solid 7/10')\n"
+        "    return replay.reward(task, messages, **kwargs)\n")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["environments"] = {"replay": {"module": "flaky"}}
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    episodes(project, {"up": ["It is lost."], "down": ["No."], "none": ["Hi"]})
+    with pytest.raises(SystemExit):
+        score(project)
+    assert re.search(r"2 of 3 episodes could not be scored \(67%.*Sure! A solid 7/10.*"
+                     r"reward.max_error_fraction in params.yaml", capsys.readouterr().err)

@@ -115,6 +115,25 @@ def test_a_verifier_that_raises_is_an_error_with_its_cause(tmp_path):
                    tmp_path / "rewards2.parquet")
 
 
+def test_more_errors_than_max_error_fraction_fail_the_stage(tmp_path):
+    # a judge answering garbage for most episodes trained a cycle on the few it scored; now more
+    # than reward.max_error_fraction (0.5) failing is a broken scorer, naming the knob
+    task = json.loads(load_tasks("data/tasks/toolcall.jsonl")[0]["answer"])
+    remote = {**task, "tools": [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"$ref": "https://schemas.example.com/w.json"}}}]}
+    ok = ("ok", "weather?", json.dumps(task), call("get_weather", {"city": "Paris"}))
+    bad = [(f"r{i}", "weather?", json.dumps(remote), call("get_weather", {"city": "Paris"}))
+           for i in range(2)]
+    with pytest.raises(reward.VerifierBroken, match=r"2 of 3 episodes could not be scored \(67%, "
+                       r"more than reward.max_error_fraction=0.5\), e.g. .*VerifierError"):
+        reward.run(TOOLCALL, INLINE, write(tmp_path, [ok, *bad]), tmp_path / "rewards.parquet")
+    m = reward.run(TOOLCALL, cfg.Reward(workers=1, max_error_fraction=0.7),
+                   write(tmp_path, [ok, *bad], "again.parquet"), tmp_path / "rewards.parquet")
+    assert (m["errors"], m["judged"]) == (2, 1)
+    with pytest.raises(cfg.ParamsError, match="reward.max_error_fraction: must be in"):
+        cfg.Reward(max_error_fraction=1.5)
+
+
 def test_unjudgeable_rollouts_are_counted_and_dropped(tmp_path, monkeypatch):
     score = arith.score
     monkeypatch.setattr(arith, "score", lambda q, a, c: None if "?" in c else score(q, a, c))
