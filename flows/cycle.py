@@ -183,7 +183,7 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
         verdict = metrics["gate"]
         # what this cycle's stages used, priced (committed with the cycle's metrics)
         gpus = 0 if str(metrics.get("train", {}).get("device", "cpu")).startswith("cpu") else 1
-        spent = cost.ledger(metrics, reran, configs["cost"], gpus)
+        spent = cost.ledger(metrics, pipeline.ran_this_cycle(root, reran), configs["cost"], gpus)
         if guess is not None:  # what was predicted before the cycle, for estimate vs actual
             spent["estimate"] = guess
         spent["gain"] = cost.gain_per_dollar(root, spent, verdict)

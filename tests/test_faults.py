@@ -114,6 +114,10 @@ def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_pat
         assert {**json.loads((killed / f"metrics/{name}.json").read_text()), "resources": 0} == \
             {**json.loads((reference / f"metrics/{name}.json").read_text()), "resources": 0}, name
     assert not list((killed / "data").rglob(".*.tmp*"))  # nothing half-written left behind
+    # the ledger prices what every attempt of the cycle ran, as the uninterrupted cycle's does
+    # (the last attempt alone ran the gate: the other stages were "reused", $0 and no traces)
+    stages = json.loads((killed / "metrics/cost.json").read_text())["stages"]
+    assert set(stages) == set(STAGES) and not [s for s in stages if stages[s].get("reused")]
 
 
 def test_the_remains_of_a_killed_writer_are_removed_by_the_next_write(tmp_path):

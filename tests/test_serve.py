@@ -198,6 +198,11 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, lear
         assert (record["decision"]["decision"], record["decision"]["approver"],
                 record["decision"]["reason"]) == ("approved", "alice", "better on arithmetic")
         assert json.loads(show("metrics/train.json"))["trained"] is True
+        # the resumed run ran no stage, but the cycle did: its ledger prices them (it said
+        # "reused", $0, before), and history counts the cycle's new traces
+        ledger = json.loads(show("metrics/cost.json"))
+        assert not [s for s, row in ledger["stages"].items() if row.get("reused")], ledger
+        assert ledger["total"]["usd"] > 0
         assert yaml.safe_load(show("params.yaml"))["promotion"]["require_approval"] is True
         entry = json.loads(show("promotions.jsonl").splitlines()[-1])
         assert (entry["action"], entry["generation"], entry["decision"], entry["approver"],
