@@ -168,6 +168,11 @@ def cmd_init(args) -> int:
         from stages import gate, init
 
     with cycle_lock(root, "offseason init"):
+        later = [g for g in generations(root) if g >= 1] if args.force else []
+        if later:  # their tags stay: lineage audits follow them
+            print(f"init: note: gen-{later[0]}..gen-{later[-1]} of the earlier lineage stay "
+                  f"tagged (history, lineage and the report still list them, made from the gen-0 "
+                  f"this replaces); the next cycle is gen-{later[-1] + 1}", flush=True)
         print("init: building generation 0 ...", flush=True)
         note_environments(root)  # what the stages' dep data/environments.json says
         champion = root / "models" / "champion"
