@@ -628,14 +628,24 @@ def cmd_check(args) -> int:
     found_envs = []  # checked before the settings are printed: an error is then the last line
     for name, spec in configs["environments"].items():  # the user's modules import and comply
         env = contract.load(name, spec.module, root)
+        own = set(env.tool_names)
+        if spec.mcp:  # its MCP servers start and offer what `allow` names (stages start them too)
+            from stages.envs.mcp_tools import McpError
+
+            try:
+                env = contract.load_spec(name, spec, root)
+            except McpError as err:
+                raise WorkspaceError(f"{err}; fix environments.{name}.mcp in params.yaml (or the "
+                                     f"server), then `offseason check` again") from None
         counts = []
         for kind in ("tasks", "benchmark"):
             if getattr(spec, kind):
                 found = contract.load_tasks(root / getattr(spec, kind), env)
                 counts.append(f"{len(found)} {kind} tasks" if kind == "benchmark"
                               else f"{len(found)} tasks")
+        tools = [t if t in own else f"{t} (MCP)" for t in env.tool_names]
         found_envs.append(f"environment {name!r}: {env.module} ({env.source}), tools: "
-                          f"{', '.join(env.tool_names) or 'none'}; "
+                          f"{', '.join(tools) or 'none'}; "
                           f"{', '.join(counts) or 'no task files'}")
     print(yaml.safe_dump(shown, sort_keys=False))
     for line in found_envs:

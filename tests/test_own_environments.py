@@ -343,6 +343,29 @@ def test_check_refuses_a_bad_environment_entry_naming_it(workspace, change, mess
     assert result.stdout == "" and result.stderr.count("params.yaml:") <= 1, result
 
 
+def test_check_starts_an_environments_mcp_servers_and_checks_allow(workspace):
+    (workspace / "tools").mkdir()
+    shutil.copy(REPO / "tests/fixtures/mcp/shop_server.py", workspace / "tools/shop.py")
+    params = yaml.safe_load((workspace / "params.yaml").read_text())
+    params["environments"]["greeter"]["mcp"] = {
+        "shop": {"command": "python tools/shop.py", "allow": ["lookup_order"]}}
+    (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    result = check(workspace)
+    assert result.returncode == 0, result.stderr
+    assert "tools: lookup_order (MCP); 4 tasks" in result.stdout
+    # a name the server lacks was "params.yaml is valid" until a stage started the server
+    params["environments"]["greeter"]["mcp"]["shop"]["allow"] = ["lookup_ordr"]
+    (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    result = check(workspace)
+    assert result.returncode == 2 and "allow names ['lookup_ordr'], which the server does not " \
+        "offer" in result.stderr and "fix environments.greeter.mcp in params.yaml" in result.stderr
+    # a script that is not there: said, not the SDK's "Connection closed"
+    params["environments"]["greeter"]["mcp"]["shop"] = {"command": "python tools/shopp.py"}
+    (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    result = check(workspace)
+    assert result.returncode == 2 and "tools/shopp.py is not a file in" in result.stderr
+
+
 def test_a_task_file_without_messages_fails_check_naming_the_line(workspace):
     with (workspace / "data/greeter.jsonl").open("a") as lines:
         lines.write(json.dumps({"task_id": "g9", "name": "Barbara"}) + "\n")

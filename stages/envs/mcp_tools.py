@@ -161,6 +161,10 @@ class Servers:
             argv = shlex.split(spec["command"])
             if argv and argv[0] in ("python", "python3"):
                 argv[0] = sys.executable  # the project's interpreter, as DVC's commands use
+                script = next((a for a in argv[1:] if not a.startswith("-")), "")
+                if script.endswith(".py") and not (self.root / script).is_file():
+                    # else the SDK says only "Connection closed"
+                    raise McpError(f"{self._where(name)}: {script} is not a file in {self.root}")
             # inside the sandbox's limits: its memory, no network unless the environment's
             argv = sandbox.server_prefix(spec["memory_mb"], self.network) + argv
             target = StdioServerParameters(command=argv[0], args=argv[1:], cwd=str(self.root))
@@ -257,11 +261,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("server", help="a stdio command (quoted) or an http(s) URL")
     args = parser.parse_args(argv)
     key = "url" if args.server.startswith(("http://", "https://")) else "command"
-    found = Servers("cli", check("server", {"server": {key: args.server}}), Path.cwd())
     try:
-        print(json.dumps(found.tools(), indent=2))
-    finally:
-        found.close()
+        found = Servers("cli", check("server", {"server": {key: args.server}}), Path.cwd())
+        try:
+            print(json.dumps(found.tools(), indent=2))
+        finally:
+            found.close()
+    except (McpError, ValueError) as err:
+        print(f"mcp_tools: error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
