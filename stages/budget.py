@@ -150,6 +150,8 @@ class Meter:
     judge: str = ""  # the judge model this stage's judge tokens are priced as (judge.model)
     month: float = 0.0  # dollars the committed cycles of this calendar month cost (monthly_usd)
     since_wall: float = field(default_factory=lambda: io.STARTED)
+    # CPU and wall seconds of this stage's earlier attempts (a training resumed after a stop)
+    carried: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, stage: str, params: str | Path) -> Meter:
@@ -175,8 +177,9 @@ class Meter:
             resource.RUSAGE_CHILDREN)
         cpu = mine.ru_utime + mine.ru_stime + kids.ru_utime + kids.ru_stime - self.since_cpu
         names = [g["name"] for g in io._WATCH[0].summary()] if io._WATCH else []
-        return {"cpu_seconds": cpu,
-                "gpu_seconds": len(names) * (time.monotonic() - self.since_wall),
+        wall = time.monotonic() - self.since_wall + self.carried.get("wall_seconds", 0.0)
+        return {"cpu_seconds": cpu + self.carried.get("cpu_seconds", 0.0),
+                "gpu_seconds": len(names) * wall,
                 "gpu_names": names, "judge_tokens": judge_tokens,
                 "judge_tokens_by_model": {self.judge: judge_tokens} if judge_tokens else {}}
 

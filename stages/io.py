@@ -234,9 +234,14 @@ def resources() -> dict:
     return used
 
 
-def write_metrics(path: str | Path, metrics: dict) -> None:
-    """A stage's metrics file, with its `resources` (measured: they vary run to run)."""
-    write_json(path, {**metrics, "resources": resources()})
+def write_metrics(path: str | Path, metrics: dict, carried: dict | None = None) -> None:
+    """A stage's metrics file, with its `resources` (measured: they vary run to run), plus the
+    `carried` CPU and wall seconds of its earlier attempts (a training resumed after a stop).
+    """
+    used = resources()
+    for key, value in (carried or {}).items():
+        used[key] = round(used[key] + value, 3)
+    write_json(path, {**metrics, "resources": used})
 
 
 def jsonl_line(row: dict) -> str:

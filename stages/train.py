@@ -45,6 +45,7 @@ import csv
 import hashlib
 import importlib
 import io as textio
+import json
 import os
 import random
 import shutil
@@ -295,6 +296,36 @@ class BudgetCheck(TrainerCallback):
         return control
 
 
+SPENT = "spent.json"  # beside a training's checkpoints: what it used up to the last one
+
+
+class Spent(TrainerCallback):
+    """At each checkpoint, what this training has used up to it, its earlier attempts' included,
+    written beside the checkpoints (`SPENT`): a run resumed there (after a budget stop, a kill)
+    adds it to its own, in the budget's meter and in its metrics' `resources` (the cost ledger),
+    where the seconds before the stop were lost.
+    """
+
+    def __init__(self, work: Path, carried: dict, meter: budgets.Meter | None):
+        """Write to `work`, adding `carried`; the process's use since `meter` began (or since
+        it started).
+        """
+        self.work, self.carried = work, carried
+        self.since_cpu = meter.since_cpu if meter is not None else 0.0
+        self.since_wall = meter.since_wall if meter is not None else io.STARTED
+
+    def on_save(self, args, state, control, **kwargs):
+        """Note the use so far beside the checkpoint just saved."""
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        cpu = io.resources()["cpu_seconds"] - self.since_cpu
+        wall = time.monotonic() - self.since_wall
+        io.write_json(self.work / SPENT, {
+            "step": state.global_step,
+            "cpu_seconds": round(self.carried.get("cpu_seconds", 0.0) + cpu, 3),
+            "wall_seconds": round(self.carried.get("wall_seconds", 0.0) + wall, 3)})
+
+
 def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candidate: Path,
         replay: Path, checkpoints: Path | None = None, steps_csv: Path | None = None,
         validated: Path | None = None, specs: dict | None = None, root: Path | None = None,
@@ -383,11 +414,18 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
     from transformers import PrinterCallback
 
     resume = last_checkpoint(work)
+    carried = {}
     if resume:
         print(f"train: resuming from {resume}", file=sys.stderr, flush=True)
+        if (work / SPENT).is_file():  # the attempts before: counted, not lost
+            spent = json.loads((work / SPENT).read_text())
+            carried = {key: spent[key] for key in ("cpu_seconds", "wall_seconds")}
+            if meter is not None:
+                meter.carried = carried
     started = time.time()
     trainer.remove_callback(PrinterCallback)  # prints every step's dict; Progress is enough
     trainer.add_callback(trainers.Progress(config.algorithm))
+    trainer.add_callback(Spent(work, carried, meter))
     check = BudgetCheck(meter)
     if meter is not None and meter.limited:
         trainer.add_callback(check)
@@ -416,7 +454,9 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
             "final_loss": round(sum(h["loss"] for h in tail) / len(tail), 4),
             "train_seconds": round(seconds, 2), "train_loss": round(result.training_loss, 4),
             "tokens_per_second": round(sorted(speeds)[len(speeds) // 2]) if speeds else None,
-            "lora_r": config.lora_r, "deepspeed": config.deepspeed}
+            "lora_r": config.lora_r, "deepspeed": config.deepspeed,
+            # the earlier attempts' seconds, added to `resources` (io.write_metrics)
+            "before_resume": carried}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -438,7 +478,7 @@ def main(argv: list[str] | None = None) -> None:
                   cfg.load("rollout", args.params).temperature,
                   budgets.Meter.of("train", args.params))
     if int(os.environ.get("RANK", "0")) == 0:
-        io.write_metrics(args.metrics, metrics)
+        io.write_metrics(args.metrics, metrics, carried=metrics.get("before_resume"))
 
 
 if __name__ == "__main__":

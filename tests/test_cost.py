@@ -1,5 +1,6 @@
 """The cost ledger's exact counts, GPUs through NVML, and budgets that stop a stage mid-way."""
 
+import json
 import re
 import resource
 
@@ -102,6 +103,15 @@ def test_a_budget_stops_training_mid_way_and_a_raised_one_finishes_as_if_unlimit
                                                                          "candidate")
     # the trained tokens count every step, those before the stop too
     assert again["trained_tokens"] == whole["trained_tokens"] > 0
+    # and the seconds: the stopped attempt's, noted beside its checkpoint, join the resumed
+    # run's, in its meter and its metrics' resources (the ledger); they were lost before
+    before = again["before_resume"]
+    assert before["cpu_seconds"] > 0 and before["wall_seconds"] > 0
+    assert raised.own()["cpu_seconds"] >= before["cpu_seconds"]
+    io.write_metrics(tmp_path / "train.json", again, carried=before)
+    written = json.loads((tmp_path / "train.json").read_text())["resources"]
+    assert written["cpu_seconds"] >= before["cpu_seconds"] + 0.001
+    assert whole.get("before_resume") == {}
 
 
 def test_a_budget_stops_the_rollout_between_batches_and_a_raised_one_gives_the_unlimited_rollouts(
