@@ -75,6 +75,22 @@ def test_load_by_module_path(env):
     assert env.source == str(EXAMPLE / "support_env.py")
 
 
+def test_two_project_folders_each_load_their_own_module_of_one_name(tmp_path):
+    # one process, two projects with `my_envs/greeter.py` each: the second got the first's module
+    # (sys.modules), and a test session's project then committed the wrong folder's files
+    roots = []
+    for version in ("one@1", "two@1"):
+        root = tmp_path / version[:3]
+        (root / "my_envs").mkdir(parents=True)
+        (root / "my_envs" / "greeter.py").write_text(
+            f"VERSION = {version!r}\nTOOLS = []\n\n\ndef reward(task, messages):\n"
+            f"    return 1.0\n")
+        roots.append(root)
+    for root, version in [(roots[0], "one@1"), (roots[1], "two@1"), (roots[0], "one@1")]:
+        env = contract.load("greeter", "my_envs.greeter", root)
+        assert (env.version, env.source) == (version, str(root / "my_envs" / "greeter.py"))
+
+
 def test_load_by_entry_point(tmp_path, monkeypatch):
     dist = tmp_path / "support_envs-0.1.dist-info"
     dist.mkdir()

@@ -146,11 +146,32 @@ def _where(name: str, module: str) -> str:
     return f"environment {name!r} (module {module!r})"
 
 
+def _forget_other_folders(module: str, root: Path) -> None:
+    """Forget `module` (and its packages) where this process imported it from another project
+    folder and `root` has its own file for it: a test session, or any process that loads two
+    projects' environments, otherwise ran the first folder's module for the second.
+    """
+    parts = module.split(".")
+    if parts[0] in ("stages", "flows"):  # offseason's own (a project may hold a copy): one a process
+        return
+    own = root.joinpath(*parts)
+    if not (own.with_suffix(".py").is_file() or (own / "__init__.py").is_file()):
+        return
+    for end in range(len(parts), 0, -1):
+        name = ".".join(parts[:end])
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file and not Path(file).resolve().is_relative_to(root.resolve()):
+            del sys.modules[name]
+
+
 def _import(name: str, module: str, root: Path) -> tuple[Any, str, str | None]:
     """The module object, its dotted name and the entry point's value (None: a dotted path)."""
     where = _where(name, module)
-    if str(root) not in sys.path:
+    if sys.path[:1] != [str(root)]:  # first: a folder put there later must not shadow it
+        if str(root) in sys.path:
+            sys.path.remove(str(root))
         sys.path.insert(0, str(root))
+    _forget_other_folders(module, root)
     importlib.invalidate_caches()
     try:
         return importlib.import_module(module), module, None
