@@ -20,6 +20,7 @@ flow adopts them; a flow run of a deployment starts them itself.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from dataclasses import asdict
@@ -66,6 +67,30 @@ def run_stage(name: str, stage: pipeline.Stage) -> bool:
     return stage.reran
 
 
+class _Explained(logging.Filter):
+    """Prefect logs a flow's or task's exception with its traceback. The failures offseason
+    explains itself (a stage that failed, with its output; a refused cycle; a bad params key:
+    WorkspaceError and ParamsError, whose messages say what to do next) keep their message and
+    lose the traceback, which only buried that message under Prefect's and our frames.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Drop the traceback of an explained failure; every record is kept."""
+        from stages.config import ParamsError
+
+        if record.exc_info and isinstance(record.exc_info[1], (WorkspaceError, ParamsError)):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_explained_failures() -> None:
+    """`_Explained` on the loggers Prefect's engines report a run's exception with (once)."""
+    for name in ("prefect.flow_runs", "prefect.task_runs", "prefect.engine"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Explained) for f in logger.filters):
+            logger.addFilter(_Explained())
+
+
 @task
 def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: str,
             model_name: str, changes: dict) -> dict:
@@ -90,6 +115,7 @@ def cycle(algorithm: Algorithm | None = None, samples_per_task: int | None = Non
         require_approval: promotion.require_approval for this run (empty: params.yaml's value).
 
     """
+    quiet_explained_failures()
     root = find_root(os.environ.get(PROJECT_ENV, "."))
     configure_env(root)
     changes = overrides.from_parameters(root / "params.yaml", algorithm=algorithm, samples_per_task=samples_per_task,

@@ -94,5 +94,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with io.explained("champion_scores"):
+        main()
     io.exit_soon()

@@ -678,5 +678,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with io.explained("gate"):
+        main()
     io.exit_soon()

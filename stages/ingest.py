@@ -677,5 +677,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with io.explained("ingest"):
+        main()
     io.exit_soon()

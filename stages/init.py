@@ -87,5 +87,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with io.explained("init"):
+        main()
     io.exit_soon()

@@ -234,6 +234,27 @@ def resources() -> dict:
     return used
 
 
+@contextmanager
+def explained(stage: str):
+    """A stage's command line: an error whose message says what to do (a model folder that is
+    not usable, a params key, a user's environment breaking the contract, a bad task file) ends
+    it with that message and exit status 1, not under a traceback (which DVC's output, and the
+    cycle's error quoting its last lines, then showed instead of the message).
+    """
+    try:
+        yield
+    except Exception as err:
+        from stages.config import ParamsError
+        from stages.envs.contract import ContractError
+        from stages.envs.errors import TaskFileError
+        from stages.modelfiles import ModelFolderError
+
+        if not isinstance(err, (ParamsError, ContractError, TaskFileError, ModelFolderError)):
+            raise
+        print(f"{stage}: error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
 def write_metrics(path: str | Path, metrics: dict, carried: dict | None = None) -> None:
     """A stage's metrics file, with its `resources` (measured: they vary run to run), plus the
     `carried` CPU and wall seconds of its earlier attempts (a training resumed after a stop).

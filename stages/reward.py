@@ -671,6 +671,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    with budgets.stops_cleanly("reward"):
+    with budgets.stops_cleanly("reward"), io.explained("reward"):
         main()
     io.exit_soon()

@@ -361,6 +361,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    with budgets.stops_cleanly("rollout"):
+    with budgets.stops_cleanly("rollout"), io.explained("rollout"):
         main()
     io.exit_soon()

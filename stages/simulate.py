@@ -217,5 +217,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with io.explained("simulate"):
+        main()
     io.exit_soon()

@@ -482,6 +482,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    with budgets.stops_cleanly("train"):
+    with budgets.stops_cleanly("train"), io.explained("train"):
         main()
     io.exit_soon()

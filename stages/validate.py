@@ -440,5 +440,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with io.explained("validate"):
+        main()
     io.exit_soon()
