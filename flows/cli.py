@@ -47,6 +47,7 @@ from flows.workspace import (
     generations,
     git,
     inputs_fingerprint,
+    note_children,
     note_environments,
     read_at,
     uncommitted,
@@ -298,6 +299,7 @@ def cmd_run(args) -> int:
         else:
             read_benchmark(root)
         with cycle_lock(root, "offseason run"):
+            note_children(root, session.proc.pid, session.marker)
             # the estimate before anything runs: refused over budget, else kept for the ledger
             from flows import cost
 

@@ -38,6 +38,7 @@ from flows.workspace import (
     configure_env,
     find_root,
     git,
+    note_children,
     note_cycle,
     workspace_slot,
 )
@@ -137,6 +138,7 @@ def run_cycle(root: Path, changes: dict) -> dict:
     """The cycle's steps, inside the flow run (params.yaml already holds this run's overrides)."""
     # a second `offseason run` is refused naming this flow run
     note_cycle(root, flow_run=f"{runtime.flow_run.name} ({runtime.flow_run.id})")
+    note_children(root)  # Prefect's temporary server, started by now, if this process did
     if (refusal := promotion.waiting_refusal(root, runtime.flow_run.id)):
         raise WorkspaceError(refusal)
     configs = settings.load_all(root / "params.yaml")

@@ -58,18 +58,7 @@ EMPTY_INBOX = ("the inbox is empty (no *.jsonl in data/inbox): nothing to learn 
 
 def kill_tree(pid: int) -> None:
     """SIGTERM a process and every process below it (DVC's stage commands), deepest first."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:  # the command name in parentheses may hold spaces: the fields follow the last ")"
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    order, todo = [], [pid]
-    while todo:
-        order.append(todo.pop())
-        todo.extend(children.get(order[-1], []))
-    for each in reversed(order):
+    for each in workspace.processes_below(pid):
         try:
             os.kill(each, signal.SIGTERM)
         except ProcessLookupError:
@@ -88,6 +77,9 @@ class Session:
             [sys.executable, "-m", "flows.pipeline", self.marker], cwd=root, text=True,
             bufsize=1, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         workspace.SESSIONS[root] = self
+        # a kill of this process leaves the session running: the lock says which it is (where
+        # this process holds it already; `offseason run` notes it once it does)
+        workspace.note_children(root, self.proc.pid, self.marker)
 
     def run(self, args: list[str], on_line=None, check: bool = True,
             on_end=None) -> tuple[int, str]:

@@ -13,8 +13,10 @@ import fcntl
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -181,6 +183,7 @@ def cycle_lock(root: Path, label: str):
             print(f"offseason: cleared a stale cycle lock: {stale.get('what')} (pid "
                   f"{stale.get('pid')}, started {stale.get('started')}) is no longer running",
                   file=sys.stderr)
+            stop_leftovers(stale)
         except ValueError:
             print(f"offseason: cleared an unreadable stale cycle lock ({path})", file=sys.stderr)
     info = {"pid": os.getpid(), "what": label,
@@ -193,6 +196,84 @@ def cycle_lock(root: Path, label: str):
         del _HELD[path]
         path.unlink(missing_ok=True)
         os.close(fd)
+
+
+# what a killed cycle's holder leaves running (its DVC session, with the stage it runs; Prefect's
+# temporary server): the lock notes their pids, and what their command lines hold, to tell them
+# from a process that got the pid later
+LEFTOVERS = {"session_pid": ("session", "the DVC session and its stage"),
+             "prefect_server_pid": (None, "Prefect's temporary server")}
+PREFECT_SERVER = "prefect.server.api.server"
+
+
+def processes_below(pid: int) -> list[int]:
+    """`pid` and every process below it, deepest first (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # the command name in parentheses may hold spaces: the fields follow the last ")"
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    order, todo = [], [pid]
+    while todo:
+        order.append(todo.pop())
+        todo.extend(children.get(order[-1], []))
+    return list(reversed(order))
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace")
+    except OSError:
+        return ""
+
+
+def stop_leftovers(stale: dict, wait: float = 15.0) -> list[str]:
+    """Stop what a killed cycle left running (`LEFTOVERS`, as its lock noted them): a DVC session
+    that would go on writing the workspace (the next cycle's DVC then found its files "busy"),
+    and a Prefect server nothing would ever stop. SIGTERM, then SIGKILL after `wait` seconds.
+    Returns what was stopped, in words (also said on stderr).
+    """
+    stopped = []
+    for key, (marker_key, words) in LEFTOVERS.items():
+        pid = stale.get(key)
+        needle = stale.get(marker_key) if marker_key else PREFECT_SERVER
+        if not str(pid or "").isdigit() or not needle or needle not in _command_line(int(pid)):
+            continue
+        tree = processes_below(int(pid))
+        for sig, seconds in ((signal.SIGTERM, wait), (signal.SIGKILL, 10.0)):
+            for each in tree:
+                try:
+                    os.kill(each, sig)
+                except ProcessLookupError:
+                    pass
+            # gone from /proc, zombies too: DVC takes a lock entry of a pid that exists as held
+            deadline = time.monotonic() + seconds
+            while any(Path(f"/proc/{each}").exists() for each in tree) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.1)
+        stopped.append(f"{words} (pid {pid})")
+    if stopped:
+        print(f"offseason: stopped what the killed cycle left running: {', '.join(stopped)}",
+              file=sys.stderr)
+    return stopped
+
+
+def note_children(root: Path, session_pid: int | None = None, marker: str = "") -> None:
+    """Note in the cycle lock the processes a kill of this one would leave running (`LEFTOVERS`):
+    the DVC session, and a Prefect temporary server this process started.
+    """
+    if root / ".offseason" / "cycle.lock" not in _HELD:
+        return
+    fields = {"session_pid": str(session_pid), "session": marker} if session_pid else {}
+    for pid in processes_below(os.getpid()):
+        if pid != os.getpid() and PREFECT_SERVER in _command_line(pid):
+            fields["prefect_server_pid"] = str(pid)
+            break
+    if fields:
+        note_cycle(root, **fields)
 
 
 def note_cycle(root: Path, **fields: str) -> None:
