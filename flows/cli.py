@@ -858,7 +858,6 @@ def cmd_serve(args) -> int:
     root, _ = workspace()
     import os
 
-    from flows import serve
     from flows.ui import answers
 
     if not os.environ.get("PREFECT_API_URL"):
@@ -867,6 +866,18 @@ def cmd_serve(args) -> int:
             raise WorkspaceError("no Prefect server to register the deployments with: start "
                                  "`offseason ui` in another terminal, or set PREFECT_API_URL")
         os.environ["PREFECT_API_URL"] = "http://127.0.0.1:4200/api"
+    # Prefect reads its settings once, when it loads: the url must reach them too, else this
+    # process served on a temporary server of its own and every run was cancelled, its
+    # concurrency slot "lost" (the flow runs' processes read the environment)
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: os.environ["PREFECT_API_URL"]}):
+        return _serve(root, args)
+
+
+def _serve(root: Path, args) -> int:
+    from flows import serve
+
     if args.work_pool:
         if args.collect:
             raise WorkspaceError("--collect runs the receiver beside deployments served here; "
