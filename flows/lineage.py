@@ -470,6 +470,13 @@ def verify(root: Path, ref: str) -> dict:
     for key in ("inbox", "champion"):
         if chain[key]["md5"]:
             items.setdefault((chain[key]["path"], chain[key]["md5"]), f"{key} pointer (.dvc)")
+    # the tag checked out: its outputs' and pointers' copies in the workspace are checked too
+    # (the files one would deploy; a dep's hash may be an older version of the same path)
+    here = run(["git", "rev-parse", "HEAD"], root).stdout.strip() == \
+        run(["git", "rev-parse", f"{tag}^{{commit}}"], root).stdout.strip()
+    current = {(item["path"], item["md5"]) for stage in chain["stages"].values()
+               for item in stage["outs"]} | {(chain[key]["path"], chain[key]["md5"])
+                                             for key in ("inbox", "champion")}
     results = []
     for (path, md5), who in sorted(items.items()):
         if path not in tracked:
@@ -480,15 +487,24 @@ def verify(root: Path, ref: str) -> dict:
         status, notes = _check_object(root, md5)
         entry = {"path": path, "md5": md5, "recorded_by": who, "where": "dvc", "status": status,
                  "notes": notes, "files": []}
+        in_workspace = here and (path, md5) in current
         if md5.endswith(".dir") and status == "ok":
-            entry["files"] = _check_files(root, path, md5)
+            entry["files"] = _check_files(root, path, md5, workspace=in_workspace)
             if entry["files"]:
                 entry["status"] = "altered" if any(f["status"] == "altered"
                                                    for f in entry["files"]) else "missing"
+        elif in_workspace and status == "ok":
+            local = root / path
+            if not local.is_file() or md5_of(local.read_bytes()) != md5:
+                entry["status"] = "altered" if local.is_file() else "missing"
+                entry["notes"].append(f"{entry['status']} in the workspace ({local})")
         results.append(entry)
     problems = [r for r in results if r["status"] != "ok"]
+    absent = {name: str(store) for name, store in stores(root).items()
+              if name != "cache" and not store.is_dir()}
     return {"generation": chain["generation"], "tag": tag, "ok": not problems,
-            "checked": len(results), "problems": problems, "results": results}
+            "checked": len(results), "problems": problems, "results": results,
+            "workspace_checked": here, "absent_remotes": absent}
 
 
 def verify_text(report: dict) -> str:
@@ -502,9 +518,30 @@ def verify_text(report: dict) -> str:
         for file in problem.get("files", []):
             lines.append(f"    {file['status']:<8} {file['path']} ({file['md5']})"
                          + "".join(f"; {n}" for n in file["notes"]))
-    lines.append("all hashes resolve and match" if report["ok"] else
-                 f"{len(report['problems'])} problem(s): restore the named files from a good "
-                 f"copy (`dvc fetch`, `dvc pull`), or treat this generation as unverifiable")
+    for name, folder in (report.get("absent_remotes") or {}).items():
+        lines.append(f"the DVC {name} is a folder this machine does not have ({folder}): point "
+                     f"it at the project's remote, `dvc remote modify --local {name.split()[-1]} "
+                     f"url /path/to/the/remote`, then `dvc fetch`")
+    if report["ok"]:
+        lines.append("all hashes resolve and match" + (
+            ", the workspace's copies of its outputs too" if report.get("workspace_checked")
+            else ""))
+        return "\n".join(lines)
+    notes = " ".join(n for p in report["problems"] for n in
+                     p["notes"] + [x for f in p.get("files", []) for x in f["notes"]])
+    todo = []
+    if "in the workspace" in notes:
+        todo.append("`dvc checkout --force <path>` puts the recorded copy back in the workspace")
+    if "in the remote" in notes:
+        todo.append("a remote's altered copy is replaced by pushing a good one (`dvc push` where "
+                    "the cache holds it intact; `dvc fetch` and `dvc pull` never rewrite a "
+                    "remote), or restore the remote from a backup")
+    if "in the cache" in notes or "missing" in {p["status"] for p in report["problems"]}:
+        todo.append("the cache's are restored from the remote (`dvc fetch`; `dvc pull` also "
+                    "restores the workspace)")
+    lines.append(f"{len(report['problems'])} problem(s): " + "; ".join(
+        todo or ["restore the named files from a good copy"])
+        + "; with no good copy left, treat this generation as unverifiable")
     return "\n".join(lines)
 
 

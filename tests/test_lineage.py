@@ -94,7 +94,20 @@ def replay_part(root, tag):
 
 def test_verify_names_a_tampered_and_a_missing_file(learned, tmp_path):
     ok = offseason(learned, "lineage", "--verify", "gen-2")
-    assert "all hashes resolve and match" in ok.stdout
+    assert "all hashes resolve and match, the workspace's copies of its outputs too" in ok.stdout
+    # gen-2 checked out: an altered copy in the workspace (what one would deploy) is named; it
+    # was "all hashes resolve and match" before
+    rewards = learned / "data/rewards.parquet"
+    kept = rewards.read_bytes()
+    try:
+        os.chmod(rewards, 0o644)
+        rewards.write_bytes(kept[:-3] + b"xyz")
+        result = offseason(learned, "lineage", "--verify", "gen-2", check=False)
+        assert result.returncode == 1 and "altered in the workspace" in result.stdout
+        assert "`dvc checkout --force <path>`" in result.stdout, result.stdout
+    finally:
+        rewards.unlink()
+        rewards.write_bytes(kept)
     name, cached, remote = replay_part(learned, "gen-2")
     backup = tmp_path / "backup"
     shutil.copy2(cached, backup)
@@ -104,6 +117,7 @@ def test_verify_names_a_tampered_and_a_missing_file(learned, tmp_path):
         result = offseason(learned, "lineage", "--verify", "gen-2", check=False)
         assert result.returncode == 1
         assert f"data/replay/{name}" in result.stdout and "altered in the cache" in result.stdout
+        assert "restored from the remote (`dvc fetch`" in result.stdout
         report = json.loads(offseason(learned, "lineage", "--verify", "gen-2", "--json",
                                       check=False).stdout)
         assert not report["ok"]
