@@ -104,6 +104,17 @@ def read_benchmark(root: Path) -> list[dict]:
     return items
 
 
+def days(text: str) -> int:
+    """`--days`: a whole number of days, at least 1 (0 or -3 wrote nothing and said nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of days, 1 or more")
+    return value
+
+
 def cmd_init(args) -> int:
     """`offseason init`: generation 0 (built and warm-started, or --base-model), registered,
     committed, tagged.
@@ -960,7 +971,7 @@ def cycle_commands(sub) -> None:
                        "champion answering requests from a task mix that shifts each day, as "
                        "OpenAI chat JSONL with tool calls and feedback, plus the junk real logs "
                        "carry (a malformed line, a duplicate, an e-mail address, small talk).")
-    s.add_argument("--days", type=int, default=1, help="how many days of traffic (default 1)")
+    s.add_argument("--days", type=days, default=1, help="how many days of traffic (default 1)")
     s.set_defaults(func=cmd_simulate)
     s = sub.add_parser("run", help="run one cycle (a Prefect flow over the DVC stages)",
                        description="Run one cycle: ingest, validate, rollout, reward, train and "

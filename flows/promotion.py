@@ -290,7 +290,8 @@ def tag_alias_change(model_name: str, version: str, entry: dict) -> list[str]:
     tags = {f"alias.{stamp}": json.dumps({k: entry.get(k) for k in
                                           ("action", "generation", "approver", "reason",
                                            "approval_reason") if k in entry}),
-            "champion_since": entry["at"], "approver": str(entry.get("approver")),
+            # no one approved (none was asked): "none", as a word, not Python's "None"
+            "champion_since": entry["at"], "approver": str(entry.get("approver") or "none"),
             # the approver's words on a promotion; a rollback's or init's reason otherwise
             "approval_reason": str(entry.get("approval_reason", entry.get("reason"))),
             "gate_summary": str(entry.get("gate_summary"))[:4000]}

@@ -121,6 +121,17 @@ def test_a_blank_reason_is_refused_before_anything_is_done(argv, capsys):
     assert "argument --reason: give the reason in words" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("days", ["0", "-3", "two"])
+def test_simulate_refuses_days_that_write_nothing(days, capsys):
+    """`simulate --days 0` (or -3) wrote nothing, said nothing and exited 0."""
+    from flows import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.parser().parse_args(["simulate", "--days", days])
+    assert exit_.value.code == 2
+    assert "a whole number of days, 1 or more" in capsys.readouterr().err
+
+
 def test_the_plotted_champion_follows_a_rollback():
     """gen-1 promoted (0.58), then a rollback to gen-0 (0.05): gen-2 was gated against 0.05 and
     rejected. The history and report plots kept the champion at 0.58 through gen-2."""
