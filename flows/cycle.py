@@ -134,6 +134,45 @@ def cycle(algorithm: Algorithm | None = None, samples_per_task: int | None = Non
     return result
 
 
+def end_killed_runs(root: Path, client) -> None:
+    """End the MLflow runs and the Prefect flow runs of cycles killed before this one (the stale
+    lock named them, `workspace.KILLED`): nothing else would, and they showed as running forever.
+    KILLED and Crashed, as a kill leaves them; a run that ended meanwhile is left as it is.
+    """
+    import uuid
+
+    from flows.workspace import KILLED, killed_runs_ended
+
+    logger = get_run_logger()
+    for killed in KILLED.get(root.resolve(), []):
+        run_id = killed.get("mlflow_run_id")
+        try:
+            if run_id and client.get_run(run_id).info.status == "RUNNING":
+                client.set_terminated(run_id, status="KILLED")
+                logger.info("the killed cycle's MLflow run %s ended as KILLED", run_id)
+        except Exception as err:  # noqa: BLE001 (a deleted run, another store): said, not fatal
+            logger.warning("could not end the killed cycle's MLflow run %s: %s", run_id, err)
+        flow_run = (killed.get("flow_run") or "").rsplit("(", 1)[-1].rstrip(")")
+        try:
+            flow_run_id = uuid.UUID(flow_run)
+        except ValueError:
+            continue
+        from prefect.client.orchestration import get_client
+        from prefect.states import Crashed
+
+        try:
+            with get_client(sync_client=True) as prefect:
+                state = prefect.read_flow_run(flow_run_id).state
+                if state is not None and not state.is_final() and not state.is_paused():
+                    prefect.set_flow_run_state(flow_run_id, Crashed(
+                        message="its offseason run was killed; a later cycle took over"),
+                        force=True)
+                    logger.info("the killed cycle's flow run %s ended as Crashed", flow_run)
+        except Exception as err:  # noqa: BLE001
+            logger.warning("could not end the killed cycle's flow run %s: %s", flow_run, err)
+    killed_runs_ended(root)
+
+
 def run_cycle(root: Path, changes: dict) -> dict:
     """The cycle's steps, inside the flow run (params.yaml already holds this run's overrides)."""
     # a second `offseason run` is refused naming this flow run
@@ -182,6 +221,7 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
     run_id = parent.info.run_id
     note_cycle(root, mlflow_run_id=run_id)
     client = mlflow.MlflowClient()
+    end_killed_runs(root, client)
     tracking.log_params(run_id, {section: settings.plain(values)
                                  for section, values in configs.items()})
     for line in promotion.recover_alias(root, configs["base"].registered_model):

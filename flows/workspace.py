@@ -143,6 +143,7 @@ def read_at(root: Path, ref: str, path: str) -> dict | None:
 
 
 _HELD: dict[Path, tuple[int, dict]] = {}  # lock path -> (fd, what the lock file says)
+KILLED: dict[Path, list] = {}  # project -> the runs killed cycles left "running" (cycle_lock)
 
 
 def _write_lock(fd: int, info: dict) -> None:
@@ -185,9 +186,19 @@ def cycle_lock(root: Path, label: str):
                   file=sys.stderr)
             stop_leftovers(stale)
         except ValueError:
+            stale = {}
             print(f"offseason: cleared an unreadable stale cycle lock ({path})", file=sys.stderr)
+    else:
+        stale = {}
     info = {"pid": os.getpid(), "what": label,
             "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    # the killed cycle's runs, left "running", for this cycle's flow to end (`KILLED`): kept in
+    # this lock too, so a cycle killed before it ended them hands them on
+    killed = list(stale.get("killed_runs") or [])
+    if stale.get("mlflow_run_id") or stale.get("flow_run"):
+        killed.append({key: stale.get(key) for key in ("mlflow_run_id", "flow_run")})
+    if killed:
+        info["killed_runs"] = KILLED[root.resolve()] = killed
     _write_lock(fd, info)
     _HELD[path] = (fd, info)
     try:
@@ -274,6 +285,14 @@ def note_children(root: Path, session_pid: int | None = None, marker: str = "") 
             break
     if fields:
         note_cycle(root, **fields)
+
+
+def killed_runs_ended(root: Path) -> None:
+    """The killed cycles' runs are ended: the lock no longer hands them on."""
+    KILLED.pop(root.resolve(), None)
+    held = _HELD.get(root / ".offseason" / "cycle.lock")
+    if held and held[1].pop("killed_runs", None) is not None:
+        _write_lock(held[0], held[1])
 
 
 def note_cycle(root: Path, **fields: str) -> None:

@@ -129,6 +129,14 @@ def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_pat
     # (the last attempt alone ran the gate: the other stages were "reused", $0 and no traces)
     stages = json.loads((killed / "metrics/cost.json").read_text())["stages"]
     assert set(stages) == set(STAGES) and not [s for s in stages if stages[s].get("reused")]
+    # the killed attempts' MLflow runs were ended by the runs after them (they showed as
+    # running forever); the one that finished is FINISHED
+    import mlflow
+    client = mlflow.MlflowClient(f"sqlite:///{killed / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("offseason").experiment_id],
+                              "attributes.run_name = 'gen-1'")
+    assert sorted(r.info.status for r in runs) == ["FINISHED"] + ["KILLED"] * (len(runs) - 1)
+    assert len(runs) > 1
 
 
 def test_the_remains_of_a_killed_writer_are_removed_by_the_next_write(tmp_path):
