@@ -545,6 +545,32 @@ def recover_alias(root: Path, model_name: str) -> list[str]:
         else:  # a fresh or replaced MLflow store: nothing to move, the next promotion registers
             did.append(f"MLflow has no version {version} of {model_name!r} (a new tracking "
                        f"store?): the alias was left alone")
+    return did + forget_uncommitted_versions(root, model_name, version)
+
+
+def forget_uncommitted_versions(root: Path, model_name: str, champion: str | None) -> list[str]:
+    """Delete the model versions a killed promotion registered: tagged with a generation that
+    has no gen-N tag, by a cycle run that ended KILLED (the next cycle ends it so). The
+    promotion's own undo deletes them when it fails; a kill left them in the registry, tagged
+    `passed`, beside the version the rerun registered for the same candidate.
+    """
+    from mlflow import MlflowClient
+
+    client, tagged, did = MlflowClient(), set(generations(root)), []
+    for found in client.search_model_versions(f"name = '{model_name}'"):
+        generation = str((found.tags or {}).get("generation", ""))
+        if not generation.isdigit() or int(generation) in tagged or \
+                str(found.version) == str(champion) or not found.run_id:
+            continue
+        try:
+            killed = client.get_run(found.run_id).info.status == "KILLED"
+        except Exception:  # noqa: BLE001 (a run deleted, another store): not ours to judge
+            continue
+        if killed:
+            client.delete_model_version(model_name, found.version)
+            did.append(f"deleted MLflow model version {found.version} of {model_name!r}: "
+                       f"registered for gen-{generation} by a promotion that was killed, never "
+                       f"committed")
     return did
 
 

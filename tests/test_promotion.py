@@ -191,6 +191,17 @@ def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(initi
     consistent()
     monkeypatch.delenv("OFFSEASON_FAIL_AT")
 
+    # 3. killed right after registering (no undo ran): the next cycle ends the killed run as
+    # KILLED, and recover() deletes the version it left, tagged passed, for a gen-1 never made
+    killed = client.create_run(tracking.experiment(root), run_name="gen-1").info.run_id
+    left = tracking.register(root / "models/candidate", killed, name,
+                             {"generation": 1, "passed": True, "candidate_score": 0.5})
+    client.set_terminated(killed, status="KILLED")
+    assert promotion.recover(root, name) == [
+        f"deleted MLflow model version {left} of {name!r}: registered for gen-1 by a promotion "
+        f"that was killed, never committed"]
+    consistent()
+
     # the next attempt goes through: every record agrees
     record = promotion.promote(root, 1, PASSED, not_required, run_id, name)
     assert record["promoted"] and weights(root) == candidate
