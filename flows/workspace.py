@@ -258,6 +258,7 @@ def stop_leftovers(stale: dict, wait: float = 15.0) -> list[str]:
             for each in tree:
                 try:
                     os.kill(each, sig)
+                    os.kill(each, signal.SIGCONT)  # a stopped process gets its SIGTERM too
                 except ProcessLookupError:
                     pass
             # gone from /proc, zombies too: DVC takes a lock entry of a pid that exists as held

@@ -93,6 +93,8 @@ def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_pat
             # session and the stage run on; the next run stops them (DVC found its files "busy")
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+            # held where it is (rollout can end within a second, and its session with it)
+            os.kill(pid, signal.SIGSTOP)
             left_running = pid
         else:
             kill_and_reap(proc)
