@@ -42,6 +42,7 @@ from flows.workspace import (
     note_cycle,
     workspace_slot,
 )
+from stages import budget as budgets
 from stages.config import ALGORITHMS
 from stages.io import write_json
 
@@ -251,7 +252,10 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
         verdict = metrics["gate"]
         # what this cycle's stages used, priced (committed with the cycle's metrics)
         gpus = 0 if str(metrics.get("train", {}).get("device", "cpu")).startswith("cpu") else 1
-        spent = cost.ledger(metrics, pipeline.ran_this_cycle(root, reran), configs["cost"], gpus)
+        # what every attempt of this cycle ran: a rerun after a failure, or a run resumed after
+        # approval, skips what an earlier one did (priced "reused", $0, before)
+        ran = {name: rerun or budgets.ran_this_cycle(root, name) for name, rerun in reran.items()}
+        spent = cost.ledger(metrics, ran, configs["cost"], gpus)
         if guess is not None:  # what was predicted before the cycle, for estimate vs actual
             spent["estimate"] = guess
         spent["gain"] = cost.gain_per_dollar(root, spent, verdict)

@@ -303,27 +303,6 @@ def changed_inputs(root: Path) -> list[str]:
     return [key for key in now if now[key] != last.get(key)]
 
 
-def ran_this_cycle(root: Path, reran: dict[str, bool]) -> dict[str, bool]:
-    """Which stages did this cycle's work: those DVC ran in this attempt (`reran`), and those an
-    earlier attempt of the same cycle ran (it failed, or was suspended for approval and resumed
-    as a new run, where DVC skips them): their dvc.lock entries differ from the last committed
-    cycle's. The ledger prices these; pricing this attempt's alone lost what a failed attempt
-    paid for, and history then counted a resumed cycle's new traces as none.
-    """
-    import subprocess
-
-    def stages(text: str) -> dict:
-        return (yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
-                ).get("stages") or {}
-
-    lock = root / "dvc.lock"
-    now = stages(lock.read_text()) if lock.exists() else {}
-    last = subprocess.run(["git", "show", "HEAD:dvc.lock"], cwd=root, capture_output=True,
-                          text=True)
-    before = stages(last.stdout) if last.returncode == 0 else {}
-    return {name: ran or now.get(name) != before.get(name) for name, ran in reran.items()}
-
-
 def changed_since_last_cycle(root: Path) -> list[str]:
     """Which inputs differ from the last committed cycle's, in words."""
     return [CHANGES[key] for key in changed_inputs(root)]

@@ -177,7 +177,7 @@ def cycle_lock(root: Path, label: str):
         if current:
             break
         os.close(fd)
-    left = os.pread(fd, 1 << 16, 0)
+    left, stale = os.pread(fd, 1 << 16, 0), {}
     if left.strip():
         try:
             stale = json.loads(left)
@@ -186,10 +186,7 @@ def cycle_lock(root: Path, label: str):
                   file=sys.stderr)
             stop_leftovers(stale)
         except ValueError:
-            stale = {}
             print(f"offseason: cleared an unreadable stale cycle lock ({path})", file=sys.stderr)
-    else:
-        stale = {}
     info = {"pid": os.getpid(), "what": label,
             "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     # the killed cycle's runs, left "running", for this cycle's flow to end (`KILLED`): kept in
@@ -233,6 +230,16 @@ def processes_below(pid: int) -> list[int]:
     return list(reversed(order))
 
 
+def _started(pid: int) -> str:
+    """When the process started (clock ticks since boot, /proc's field 22): with the pid, which
+    process it is (a pid is reused).
+    """
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
 def _command_line(pid: int) -> str:
     try:
         return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(
@@ -249,9 +256,10 @@ def stop_leftovers(stale: dict, wait: float = 15.0) -> list[str]:
     """
     stopped = []
     for key, (marker_key, words) in LEFTOVERS.items():
-        pid = stale.get(key)
+        pid, _, started = str(stale.get(key) or "").partition(":")
         needle = stale.get(marker_key) if marker_key else PREFECT_SERVER
-        if not str(pid or "").isdigit() or not needle or needle not in _command_line(int(pid)):
+        if not pid.isdigit() or not needle or needle not in _command_line(int(pid)) or \
+                (started and started != _started(int(pid))):
             continue
         tree = processes_below(int(pid))
         for sig, seconds in ((signal.SIGTERM, wait), (signal.SIGKILL, 10.0)):
@@ -282,7 +290,7 @@ def note_children(root: Path, session_pid: int | None = None, marker: str = "") 
     fields = {"session_pid": str(session_pid), "session": marker} if session_pid else {}
     for pid in processes_below(os.getpid()):
         if pid != os.getpid() and PREFECT_SERVER in _command_line(pid):
-            fields["prefect_server_pid"] = str(pid)
+            fields["prefect_server_pid"] = f"{pid}:{_started(pid)}"
             break
     if fields:
         note_cycle(root, **fields)

@@ -87,22 +87,25 @@ def served_tokens(metrics: dict) -> int:
     return int(metrics.get("prompt_tokens") or 0) + int(metrics.get("generated_tokens") or 0)
 
 
-def earlier_spend(root: Path, stage: str) -> dict:
-    """{stage: units} of the cycle's stages before `stage` that ran in this cycle: their metrics
-    file differs from the one committed at HEAD (or none is committed).
+def ran_this_cycle(root: Path, stage: str) -> bool:
+    """Whether `stage` ran in this cycle, in this attempt or an earlier one (failed, or suspended
+    for approval and resumed): its metrics file differs from the one committed at HEAD (or none
+    is committed). A stage DVC skipped since the last cycle keeps that cycle's, unchanged.
     """
-    out = {}
-    for name in ORDER[:ORDER.index(stage)]:
-        path = root / "metrics" / f"{name}.json"
-        if not path.exists():
-            continue
-        text = path.read_text()
-        committed = subprocess.run(["git", "show", f"HEAD:metrics/{name}.json"], cwd=root,
-                                   capture_output=True, text=True)
-        if committed.returncode == 0 and committed.stdout == text:
-            continue  # the last cycle's: not spent in this one
-        out[name] = units_of(json.loads(text))
-    return out
+    path = root / "metrics" / f"{stage}.json"
+    if not path.exists():
+        return False
+    committed = subprocess.run(["git", "show", f"HEAD:metrics/{stage}.json"], cwd=root,
+                               capture_output=True, text=True)
+    return committed.returncode != 0 or committed.stdout != path.read_text()
+
+
+def earlier_spend(root: Path, stage: str) -> dict:
+    """{stage: units} of the cycle's stages before `stage` that ran in this cycle
+    (`ran_this_cycle`).
+    """
+    return {name: units_of(json.loads((root / "metrics" / f"{name}.json").read_text()))
+            for name in ORDER[:ORDER.index(stage)] if ran_this_cycle(root, name)}
 
 
 def month_spent(root: Path, now: datetime | None = None) -> tuple[float, list[str]]:
