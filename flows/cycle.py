@@ -119,6 +119,9 @@ def cycle(algorithm: Algorithm | None = None, samples_per_task: int | None = Non
     """
     quiet_explained_failures()
     root = find_root(os.environ.get(PROJECT_ENV, "."))
+    # first thing: Prefect's temporary server, started for this flow run (`offseason run`), is
+    # named in the lock, so a kill from here on leaves nothing the next cycle does not stop
+    note_children(root)
     configure_env(root)
     changes = overrides.from_parameters(root / "params.yaml", algorithm=algorithm, samples_per_task=samples_per_task,
                                         epochs=epochs, require_approval=require_approval)
@@ -178,7 +181,6 @@ def run_cycle(root: Path, changes: dict) -> dict:
     """The cycle's steps, inside the flow run (params.yaml already holds this run's overrides)."""
     # a second `offseason run` is refused naming this flow run
     note_cycle(root, flow_run=f"{runtime.flow_run.name} ({runtime.flow_run.id})")
-    note_children(root)  # Prefect's temporary server, started by now, if this process did
     if (refusal := promotion.waiting_refusal(root, runtime.flow_run.id)):
         raise WorkspaceError(refusal)
     configs = settings.load_all(root / "params.yaml")
