@@ -145,6 +145,9 @@ def end_killed_runs(root: Path, client) -> None:
     """
     import uuid
 
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
     from flows.workspace import KILLED, killed_runs_ended
 
     logger = get_run_logger()
@@ -161,9 +164,6 @@ def end_killed_runs(root: Path, client) -> None:
             flow_run_id = uuid.UUID(flow_run)
         except ValueError:
             continue
-        from prefect.client.orchestration import get_client
-        from prefect.states import Crashed
-
         try:
             with get_client(sync_client=True) as prefect:
                 state = prefect.read_flow_run(flow_run_id).state

@@ -58,11 +58,7 @@ EMPTY_INBOX = ("the inbox is empty (no *.jsonl in data/inbox): nothing to learn 
 
 def kill_tree(pid: int) -> None:
     """SIGTERM a process and every process below it (DVC's stage commands), deepest first."""
-    for each in workspace.processes_below(pid):
-        try:
-            os.kill(each, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    workspace.signal_all(workspace.processes_below(pid), signal.SIGTERM)
 
 
 class Session:

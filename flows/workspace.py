@@ -230,6 +230,15 @@ def processes_below(pid: int) -> list[int]:
     return list(reversed(order))
 
 
+def signal_all(pids: list[int], sig: int) -> None:
+    """Send `sig` to each of `pids` that is still there."""
+    for each in pids:
+        try:
+            os.kill(each, sig)
+        except ProcessLookupError:
+            pass
+
+
 def _started(pid: int) -> str:
     """When the process started (clock ticks since boot, /proc's field 22): with the pid, which
     process it is (a pid is reused).
@@ -263,12 +272,8 @@ def stop_leftovers(stale: dict, wait: float = 15.0) -> list[str]:
             continue
         tree = processes_below(int(pid))
         for sig, seconds in ((signal.SIGTERM, wait), (signal.SIGKILL, 10.0)):
-            for each in tree:
-                try:
-                    os.kill(each, sig)
-                    os.kill(each, signal.SIGCONT)  # a stopped process gets its SIGTERM too
-                except ProcessLookupError:
-                    pass
+            signal_all(tree, sig)
+            signal_all(tree, signal.SIGCONT)  # a stopped process gets its SIGTERM too
             # gone from /proc, zombies too: DVC takes a lock entry of a pid that exists as held
             deadline = time.monotonic() + seconds
             while any(Path(f"/proc/{each}").exists() for each in tree) and \
