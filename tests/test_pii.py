@@ -54,6 +54,10 @@ def scrub(text, kinds=KINDS):
     # a section's or version's name must stand right before the number to spare it
     ("the intersection 10.0.0.1 routes", "ip"), ("IP version 4, address 10.1.2.3", "ip"),
     ("mail bob@mail.example.co.uk!", "email"),
+    # a mailing list's suffix on a free-mail domain is a person's address; the masks' neighbours
+    ("mail jane-dev@gmail.com", "email"), ("bcast 255.255.255.255", "ip"),
+    ("mask 255.255.255.1", "ip"), ("wild 0.0.2.255", "ip"), ("mapped ::ffff:255.255.255.0", "ip"),
+    ("net ff00::1", "ip"),
 ])
 def test_each_kind_is_found(text, kind):
     assert maybe_pii(text), "the cheap pre-check must see every candidate"
@@ -81,6 +85,11 @@ def test_each_kind_is_found(text, kind):
     "// Clauses 21.1.3.1 and 21.1.3.2 describe streampos",
     "# https://tools.ietf.org/html/rfc7231#section-7.1.1.1", '__version__ = "0.5.1.2"',
     "'sd_in@devanagari.utf8': 'sd_IN.UTF-8@devanagari',", "'sd' -> 'sr_RS@latin.UTF-8'",
+    # a group's address and a mask name no person (issue 24's CPython lines)
+    "# Contact: email-sig@python.org", "use the optik-users@lists.sourceforge.net list",
+    "mail python-dev@python.org, mailman-request@lists.example.org",
+    'netmask (e.g. "255.255.255.0")', ".hostmask: IPv4Address('0.0.0.31')",
+    "acl 10 permit 0.0.0.255", "/255.0.0.0 == /8", ".netmask: 'ffff:ffff:ffff:ffff:ffff:ffff:ffff:fff0'",
 ])
 def test_ordinary_text_is_left_alone(text):
     out, counts = scrub(text)
@@ -194,13 +203,14 @@ def test_cxx_headers_are_left_alone():
 
 
 def test_the_python_standard_library_is_left_alone():
-    """CPython's own modules (its test suites, full of addresses, and site-packages left out):
-    no phone, card or secret found, and what is found, 0.108 % of lines, are real e-mail
-    addresses (authors', 169 lines) and IP addresses (136, ipaddress.py's examples 116 of them,
-    and since issue 24 the loopback `::1` written out: `_LOCALHOST_V6 = '::1'`, which Presidio
-    counts as an address): personal data and what looks exactly like it, scrubbed as it should
-    be; a version's or section's number (`__version__ = "0.5.1.2"`) and a locale are not. None of
-    the secret rules (gitleaks' formats, assignments) finds anything here.
+    """CPython's own modules (its test suites, full of addresses, and site-packages left out): at
+    most 0.1 % of lines change (issue 24's goal). What changes (0.096 %) is personal data and what
+    looks exactly like it: authors' e-mail addresses (143 lines) and IP addresses (129,
+    ipaddress.py's examples 113 of them, and since issue 24 the loopback `::1` written out:
+    `_LOCALHOST_V6 = '::1'`, which Presidio counts as an address). Left alone: a version's or
+    section's number (`__version__ = "0.5.1.2"`), a locale, a mailing list's address
+    (`email-sig@python.org`, 24 lines) and a netmask (`255.255.255.0`, 7 lines). No phone, card
+    or secret is found (gitleaks' formats, assignments).
     """
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
@@ -209,7 +219,7 @@ def test_the_python_standard_library_is_left_alone():
     print(f"Python stdlib: {sum(changed.values())} of {total} lines changed: {changed}")
     assert total > 200_000, total
     assert changed["phone"] == changed["card"] == changed["secret"] == 0, examples
-    assert (changed["email"] + changed["ip"]) / total <= 0.0015, examples
+    assert sum(changed.values()) / total <= 0.001, examples
 
 
 def _ascii_lines() -> list[str]:

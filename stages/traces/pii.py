@@ -5,9 +5,9 @@ Kinds, each switched on or off by `ingest.scrub_<kind>s` in params.yaml:
 | kind   | what                                                              | placeholder  |
 |--------|-------------------------------------------------------------------|--------------|
 | secret | provider keys, JWTs, auth headers, URL passwords, PEM keys, secret assignments (below) | `<SECRET_n>` |
-| email  | e-mail addresses                                                  | `<EMAIL_n>`  |
+| email  | e-mail addresses (not a mailing list's: `python-dev@python.org`)  | `<EMAIL_n>`  |
 | card   | payment card numbers, 13 to 19 digits, only if the Luhn check passes | `<CARD_n>` |
-| ip     | IPv4 and IPv6 addresses (IPv6 checked by `ipaddress`, never inside code: `std::move`), `::1` | `<IP_n>` |
+| ip     | IPv4 and IPv6 addresses (IPv6 checked by `ipaddress`, never inside code: `std::move`), `::1`; no netmask | `<IP_n>` |
 | phone  | `+` and 8 to 15 digits, three digit groups (`(415)555-0132`, `91-415-555-0132`), `09-7625400`, mobile | `<PHONE_n>` |
 
 Secrets: the keys of the providers gitleaks covers, by their prefix (OpenAI, Anthropic, AWS,
@@ -166,13 +166,21 @@ ASSIGNMENT = re.compile(
 # a top-level domain is letters that end the name: `sd_IN@devanagari.UTF-8` and
 # `ks_in@devanagari.utf8` are locales (language_territory@modifier.codeset), not addresses
 EMAIL = re.compile(r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9.\-]+\.[A-Za-z]{2,}(?!-?[A-Za-z0-9])")
+# a mailing list's address is a group's, not a person's: `email-sig@python.org`, `python-dev@...`,
+# `optik-users@lists.sourceforge.net`, Mailman's `-request` and `-owner`; never on a free-mail
+# domain, where `jane-dev@gmail.com` is a person (24 of CPython's 305 changed lines were lists')
+_LIST_ADDRESS = re.compile(
+    r"[A-Za-z0-9._%+\-]*-(?i:sig|dev|devel|users|announce|bugs|discuss|request|owner|bounces"
+    r"|commits|checkins|list|digest)@(?!(?i:gmail|googlemail|outlook|hotmail|live|msn|yahoo|ymail"
+    r"|icloud|me|mac|aol|proton|protonmail|gmx|web|mail|qq|163|126|yandex|naver)\.)")
 # never glued to letters: digit runs inside hex hashes and identifiers pass Luhn one time in ten
 # (the lookbehind after the first digit, not before it: a pattern that starts with a digit class
 # lets `re` skip to the next digit in C; `(?<![\w.]\d)` there is `(?<![\w.])` before it)
 CARD = re.compile(r"\d(?<![\w.]\d)(?:[ \-]?\d){12,18}(?![\w.])")
 # an IPv4 address may end a sentence ("My IP is 10.0.0.1."), not a longer dotted number
-IPV4 = re.compile(r"(?<![\w.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}"
-                  r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?!\w|\.\d)")
+_QUAD = r"(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+IPV4 = re.compile(r"(?<![\w.])" + _QUAD + r"(?!\w|\.\d)")
+_DOTTED_QUAD = re.compile(_QUAD)  # the shape of an IPv4 address, however it is judged
 # a dotted number named as a section or a version is not an address: "section 17.4.1.2",
 # "subclause 7.3.5.1", `#section-7.1.1.1`, `__version__ = "0.5.1.2"` (19 of the 260 lines of the
 # C++ headers it changed before; clauses cited bare, `// 27.4.5.1` or `[23.2.4.1]`, still change:
@@ -212,6 +220,26 @@ def _is_card(match: re.Match) -> bool:
     return 13 <= len(digits) <= 19 and digits[0] != "0" and luhn(digits)
 
 
+def _is_mask(address: str, bits: int) -> bool:
+    """True for a netmask or a hostmask, which names a prefix's length and no host (one of 33 or
+    129 values): ones then zeros from a first group of ones (`255.255.255.0`, `ffff:ffff::`), or
+    zeros then ones from a first group of zeros (`0.0.0.255`, Cisco's wildcard masks). All ones
+    (`255.255.255.255`, the broadcast address) and all zeros (`0.0.0.0`) are addresses.
+    """
+    if bits == 32:
+        number = int.from_bytes(bytes(map(int, address.split("."))), "big")
+    else:
+        number = int(ipaddress.IPv6Address(address))
+    full = (1 << bits) - 1
+    if number in (0, full):
+        return False
+    first = number >> (bits - 8) if bits == 32 else number >> (bits - 16)
+    inverse = full ^ number
+    if first == (255 if bits == 32 else 0xFFFF):
+        return inverse & (inverse + 1) == 0  # ones, then zeros
+    return bits == 32 and first == 0 and number & (number + 1) == 0  # zeros, then ones
+
+
 _HEX_GROUP = re.compile(r"[0-9A-Fa-f]{3,4}")
 
 
@@ -229,7 +257,7 @@ def _is_ipv6(match: re.Match) -> bool:
         ipaddress.IPv6Address(text)
     except ValueError:
         return False
-    return True
+    return not _is_mask(text, 128)
 
 
 _C_LOG2_C = [0.0] + [c * math.log2(c) for c in range(1, 513)]  # c log2 c, looked up
@@ -366,9 +394,12 @@ _DECIMAL = re.compile(r"[+\-]?\d+\.\d+")
 
 
 def _is_phone(match: re.Match) -> bool:
-    """8 to 15 digits, and not a decimal number (`+35236450.6`)."""
+    """8 to 15 digits, and neither a decimal number (`+35236450.6`) nor in the shape of an IPv4
+    address, which the IP rule judges (a netmask `255.255.255.0` it leaves is no phone).
+    """
     text = match[0]
-    return 8 <= len(re.sub(r"\D", "", text)) <= 15 and not _DECIMAL.fullmatch(text)
+    return (8 <= len(re.sub(r"\D", "", text)) <= 15 and not _DECIMAL.fullmatch(text)
+            and not _DOTTED_QUAD.fullmatch(text))
 
 
 # Cheap tests over a whole serialized trace: only text that might hold PII is scrubbed piece by
@@ -529,6 +560,8 @@ class Scrubber:
         return match.string[match.start():match.start("v")] + self._placeholder("secret", match["v"])
 
     def _email(self, match: re.Match) -> str:
+        if _LIST_ADDRESS.match(match[0]):
+            return match[0]
         return self._placeholder("email", match[0])
 
     def _card(self, match: re.Match) -> str:
@@ -536,7 +569,8 @@ class Scrubber:
 
     def _ipv4(self, match: re.Match) -> str:
         start = match.start()
-        if _NUMBERED.search(match.string, max(0, start - 40), start):
+        if _NUMBERED.search(match.string, max(0, start - 40), start) or (
+                _is_mask(match[0], 32) and match.string[start - 1:start] != ":"):
             return match[0]
         return self._placeholder("ip", match[0])
 
