@@ -55,7 +55,7 @@ import pyarrow.parquet as pq
 
 from stages import config as cfg
 from stages import io
-from stages.traces.pii import KINDS, Scrubber
+from stages.traces.pii import KINDS, Scrubber, excerpt
 from stages.traces.schema import (
     CAPTURE,
     READER_ERRORS,
@@ -159,7 +159,7 @@ def read_records(path: Path, max_line_bytes: int) -> Iterator[tuple[int, object]
             yield 1, Unreadable(
                 f"not valid JSON: the file is one JSON document over several lines and does not "
                 f"parse as a whole ({_document_error(path, max_line_bytes * 10)})",
-                head[:2000].decode("utf-8", "replace"),
+                _excerpt_bytes(head),
                 fix="re-export the file whole from its source (a copy cut off?)")
             return
     number = 0
@@ -187,6 +187,12 @@ def _items(number: int, value, numbered: bool = False) -> Iterator[tuple[int, ob
         yield number, value
 
 
+def _excerpt_bytes(raw: bytes) -> str:
+    """`excerpt` of the first bytes of a line or file (decoded; cut where no secret is split)."""
+    text = raw[:8000].decode("utf-8", "replace")
+    return excerpt(text, 2000 if len(raw) <= 8000 else min(2000, len(text) - 1))
+
+
 def _is_json(raw: bytes) -> bool:
     try:
         json.loads(raw)
@@ -198,31 +204,31 @@ def _is_json(raw: bytes) -> bool:
 def _parse_line(raw: bytes, max_line_bytes: int):
     if len(raw) > max_line_bytes:
         return Unreadable(f"line of {len(raw):,} bytes is longer than ingest.max_line_bytes="
-                          f"{max_line_bytes:,}", raw[:2000].decode("utf-8", "replace"),
+                          f"{max_line_bytes:,}", _excerpt_bytes(raw),
                           fix="raise ingest.max_line_bytes in params.yaml if such traces are "
                           "real, or export smaller batches a line")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         return Unreadable(f"not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})",
-                          raw[:2000].decode("utf-8", "replace"),
+                          _excerpt_bytes(raw),
                           fix="write the export as UTF-8 (JSON's encoding)")
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        return Unreadable(f"not valid JSON ({err.msg} at column {err.colno})", text[:2000])
+        return Unreadable(f"not valid JSON ({err.msg} at column {err.colno})", excerpt(text))
     except ValueError as err:  # valid JSON that Python will not convert: a number of 5000 digits
-        return Unreadable(f"not readable JSON ({str(err)[:200]})", text[:2000])
+        return Unreadable(f"not readable JSON ({str(err)[:200]})", excerpt(text))
     except RecursionError:
-        return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000],
+        return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", excerpt(text),
                           fix=_NO_TRACE)
     # cheap tests first: most lines have neither many brackets nor \u escapes
     if text.count("[") + text.count("{") > MAX_DEPTH and json_depth(value) > MAX_DEPTH:
-        return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", text[:2000], parsed=True,
+        return Unreadable(f"JSON nested deeper than {MAX_DEPTH} levels", excerpt(text), parsed=True,
                           fix=_NO_TRACE)
     if ("\\ud" in text or "\\uD" in text) and _lone_surrogate(value):
         return Unreadable("an unpaired UTF-16 surrogate escape (\\ud800-\\udfff): not valid "
-                          "Unicode text", text[:2000], parsed=True,
+                          "Unicode text", excerpt(text), parsed=True,
                           fix="fix what writes it: it cut a character in half (text truncated "
                           "by UTF-16 units)")
     return value
@@ -458,7 +464,7 @@ def first_lines(ids: set[str], records: list[tuple[int, object]]) -> dict[str, i
 def _raw(record) -> str:
     if isinstance(record, Unreadable):
         return record.raw
-    return json.dumps(record, ensure_ascii=False)[:2000]
+    return excerpt(json.dumps(record, ensure_ascii=False))
 
 
 def inbox_files(inbox: Path) -> list[Path]:
@@ -581,7 +587,7 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
                         trace_id = item.get("trace_id")
                         # a line format's stand-in id (<file>:<line>) names nothing
                         named = None if trace_id in (None, f"{path.name}:{number}") else str(trace_id)
-                        refusal = _refusal(fmt, err, json.dumps(item, default=str)[:2000], named)
+                        refusal = _refusal(fmt, err, excerpt(json.dumps(item, default=str)), named)
                 if refusal is not None:
                     for bucket in (counts, fmt_counts):
                         bucket["quarantined"] += 1

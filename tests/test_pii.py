@@ -1,3 +1,4 @@
+import json
 import sysconfig
 from pathlib import Path
 
@@ -58,6 +59,12 @@ def scrub(text, kinds=KINDS):
     ("mail jane-dev@gmail.com", "email"), ("bcast 255.255.255.255", "ip"),
     ("mask 255.255.255.1", "ip"), ("wild 0.0.2.255", "ip"), ("mapped ::ffff:255.255.255.0", "ip"),
     ("net ff00::1", "ip"),
+    # a security team's walkthrough (stop 30): what got through before
+    ("My card is 4111 1111 1111 1111.", "card"), ("redis://:pX7kQ2mN9vL4@cache.acme.io:6379/0", "secret"),
+    ("postgres://app:P@ssw0rd2024@db.acme.io/x", "secret"), ("dsn root:s3cr3tP@ss@tcp(db:3306)/shop", "secret"),
+    ("Authorization: bearer Tk9TZWNyZXRGb3JZb3U5ODc2NTQz", "secret"), ("mail josé.garcía@correo.es", "email"),
+    ("DB_PASSWORD=Welcome1!", "secret"), ("POSTGRES_PASSWORD=hunter2hunter2", "secret"),
+    ("mysqldump --password=s3cr3tP4ss9 shop", "secret"),
 ])
 def test_each_kind_is_found(text, kind):
     assert maybe_pii(text), "the cheap pre-check must see every candidate"
@@ -90,6 +97,11 @@ def test_each_kind_is_found(text, kind):
     "mail python-dev@python.org, mailman-request@lists.example.org",
     'netmask (e.g. "255.255.255.0")', ".hostmask: IPv4Address('0.0.0.31')",
     "acl 10 permit 0.0.0.255", "/255.0.0.0 == /8", ".netmask: 'ffff:ffff:ffff:ffff:ffff:ffff:ffff:fff0'",
+    # names that hold no secret, git's SSH remote, versions with a pre-release (stop 30's walkthrough)
+    'key_name = "deployer-key-2024"', 'secret_name = "prod/db/credentials-2024"',
+    'kms_key_id = "3f2b8c1e-9a4d-4e6f-b7c2-1d5e8f9a0b3c"', "signingKeyPath: certs/signing-key-2024.pem",
+    'password_file = "secrets/db-pass1.txt"', "PWD=/home/ann/proj1",
+    "git clone git@github.com:acme/api.git", "bumped 3.4.5.6-beta and 10.0.0.1-SNAPSHOT, 192.168.0.2-rc1",
 ])
 def test_ordinary_text_is_left_alone(text):
     out, counts = scrub(text)
@@ -109,6 +121,57 @@ def test_an_assignment_keeps_its_name():
     """Only the value of `name = value` goes: the reader still sees what was set."""
     out, _ = scrub('config = {"api_key": "Zx8Cv6Bn4Mq2Wr9Ty7Ui", "retries": 3}')
     assert out == 'config = {"api_key": "<SECRET_1>", "retries": 3}'
+
+
+@pytest.mark.parametrize("text, expected", [
+    # a placeholder's `SECRET_1>` was read as a name and `>` as XML's operator, and the value
+    # could start on the next line: that line's name was taken, and its secret went through
+    ("aws_access_key_id = AKIAQWERTYUIOP123456\naws_secret_access_key = wJalrXUtnFEMI/K7MDENG/bPxRfiCYzQ8d3k9L2a",
+     "aws_access_key_id = <SECRET_1>\naws_secret_access_key = <SECRET_2>"),
+    ("OPENAI_API_KEY=sk-proj-Hf3kLp9QxTq7Wm2Zr8Vb1Nc4\nDB_PASSWORD=Tr0ub4dor&3x",
+     "OPENAI_API_KEY=<SECRET_1>\nDB_PASSWORD=<SECRET_2>"),
+    ('Authorization: Token Yb7Nc2Vd4Fg6Hj8Kl0Mn\nX-Api-Key: 8c07dd4e1f2a3b5c6d7e8f9a0b1c2d3e4f5a6b7c8d9e0f1a',
+     "Authorization: Token <SECRET_1>\nX-Api-Key: <SECRET_2>"),
+    # the URL's host, port and database stay; curl's flag keeps its space
+    ("postgres://app_user:Xk9mP2vLq7@db.internal.acme.io:5432/orders",
+     "postgres://<SECRET_1>@db.internal.acme.io:5432/orders"),
+    ("curl -u admin:Zx8Cv6Bn4Mq2 https://api.acme.io", "curl -u <SECRET_1> https://api.acme.io"),
+    ("<authToken>\n    0pl7kmuaebo1d0i8ykg38yr3r2iqo5l4\n</authToken>", "<authToken>\n    <SECRET_1>\n</authToken>"),
+])
+def test_secrets_over_lines_keep_their_names(text, expected):
+    assert scrub(text)[0] == expected
+
+
+def test_keys_and_whole_numbers_are_scrubbed():
+    s = Scrubber(set(KINDS))
+    out = s.walk({"to": {"jane.roe@acmecorp.com": "cc"}, "card": 4111111111111111, "n": 12345678,
+                  "ok": True, "ratio": 0.5})
+    assert out == {"to": {"<EMAIL_1>": "cc"}, "card": "<CARD_1>", "n": 12345678, "ok": True, "ratio": 0.5}
+
+
+def test_an_excerpt_never_cuts_a_secret_in_half():
+    """A refused record is shown cut short: cut inside a key, the key's first half no longer
+    matched its format and went to the quarantine file as it was."""
+    from stages.traces.pii import excerpt
+
+    token = "ghp_R8x2LqZ7mN4pV9wK3tY6bH1cJ5aB0dE2fG4h"
+    text = "x" * 1980 + " token " + token + " after"
+    cut = excerpt(text)
+    assert len(cut) <= 2000 and "ghp_R8x2" not in cut and cut == "x" * 1980 + " token"
+    assert excerpt("short " + token) == "short " + token
+
+
+def test_a_rows_ids_usage_and_model_are_scrubbed():
+    from stages.traces.schema import make_row
+
+    trace = {"trace_id": "session/jane.doe@acmecorp.com", "conversation_id": "jane.doe@acmecorp.com",
+             "usage": {"user": "bob.smith@gmail.com", "total_tokens": 42}, "model": "ft:gpt-4o:ann@corp.com",
+             "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    s = Scrubber(set(KINDS))
+    row = make_row(trace, "traces.jsonl", 7, "openai_chat", s)
+    assert "@" not in row["trace_id"] + row["conversation_id"] + row["usage"] + row["model"], row
+    assert row["trace_id"] == "traces.jsonl:7" and json.loads(row["usage"])["total_tokens"] == 42
+    assert s.counts["email"] == 4
 
 
 def test_placeholders_are_consistent_within_a_trace():

@@ -1,4 +1,5 @@
-"""PII and secret scrubbing, applied to every string of a trace before anything is written downstream.
+"""PII and secret scrubbing, applied to every string of a trace before anything is written downstream
+(its messages, tools, feedback and usage, keys and whole numbers too, its ids and model name).
 
 Kinds, each switched on or off by `ingest.scrub_<kind>s` in params.yaml:
 
@@ -137,15 +138,18 @@ MARKED = re.compile(
     r"|https?://(?:discord(?:app)?\.com|[\w.]+\.zapier\.com)/api/webhooks/\d+/[\w\-]+"
     # these begin after a character that is no word's (each says so in its own way): one test
     # turns down a place inside a word, where each of them was tried (half the search's time)
-    r"|(?<!\w)(?:(?:(?<=Bearer )|(?<=: Token )|(?<=Api-Token ))[A-Za-z0-9._~+/\-]{16,}=*"
+    r"|(?<!\w)(?:(?:(?<=Bearer )|(?<=bearer )|(?<=: Token )|(?<=Api-Token ))[A-Za-z0-9._~+/\-]{16,}=*"
     r"|(?<=Basic )(?=[A-Za-z]*[0-9+/=])[A-Za-z0-9+/]{8,}={0,2}"  # base64 of `user:pw`, not a word
     r"|(?<![\w~.])[\w~.]{3}\dQ~[\w~.\-]{31,34}(?![\w~.\-])"     # Azure AD client secret
     r"|\b[A-Za-z0-9]{14}\.atlasv1\.[\w\-=]{60,70}"                # Terraform Cloud
     r"|\b[A-Za-z0-9]{6}_[A-Za-z0-9]{29}_mmk\b"                      # MaxMind
-    r"|(?P<url>(?<=://)[^\s:/@\"'<>]{1,64}:[^\s:/@\"'<>]{3,128}(?=@[\w.\-]+)))"  # user:password@host
+    # user:password@host: the user may be empty (`redis://:pw@host`), the password may hold `@`
+    # (up to the last one before the host); a Go DSN's `user:password@tcp(host:port)/db`
+    r"|(?P<url>(?<=://)[^\s:/@\"'<>]{0,64}:[^\s:/\"'<>]{1,128}(?=@[\w.\-]+))"
+    r"|(?P<dsn>[\w.\-]{1,64}:[^\s\"'<>]{1,128}(?=@(?:tcp|unix|udp)\()))"
     r"|(?P<curl>(?<=[ur])(?:(?<=\s-u)|(?<=\s--user))[ =]{1,3}[\"']?[^\s\"':]{0,64}:[^\s\"']{0,128}[\"']?)")
-_SECRET_MARKS = ("hooks.slack.com", "webhook", "Bearer ", "Basic ", ": Token ", "Api-Token ", "Q~",
-                 ".atlasv1.", "_mmk", "://", " -u", "--user")
+_SECRET_MARKS = ("hooks.slack.com", "webhook", "Bearer ", "bearer ", "Basic ", ": Token ", "Api-Token ",
+                 "Q~", ".atlasv1.", "_mmk", "://", "@tcp(", "@unix(", "@udp(", " -u", "--user")
 # A PEM private key, body and all; an unterminated one up to the end of its base64 lines
 PRIVATE_KEY = re.compile(r"-----BEGIN[ A-Z0-9_\-]{0,100}PRIVATE KEY(?: BLOCK)?-----"
                          r"(?:\s*[^\-\s][\s\S]*?-----END[ A-Z0-9_\-]{0,100}PRIVATE KEY(?: BLOCK)?-----"
@@ -156,16 +160,21 @@ PRIVATE_KEY = re.compile(r"-----BEGIN[ A-Z0-9_\-]{0,100}PRIVATE KEY(?: BLOCK)?--
 # `password = settings.DB_PASSWORD` and `token = request.headers["X"]` are code, and stay.
 _ASSIGNMENT_NAMES = "pass|pwd|secret|token|key|cred|auth|contribsys__com"
 ASSIGNMENT = re.compile(
-    r"(?P<k>(?i:" + _ASSIGNMENT_NAMES + r"))[\w.\-]{0,30}+"
+    # (not the `SECRET` of a placeholder already written: `<SECRET_1>` then `>` read as XML's)
+    r"(?P<k>(?i:" + _ASSIGNMENT_NAMES + r"))(?<!<SECRET)(?P<n>[\w.\-]{0,30}+)"
     r"(?:[ \t]+[A-Za-z]\w{0,11}+)?"  # a type between name and value: `var apiToken string = "..."`
     # `=`, `:=`, `=>`, `?=`, `.=`, `==`, `:`, `>` (XML); a comma only between quoted strings:
     # `setProperty("API_TOKEN", "...")`, not `f(token, x)`
-    r"(?:[\"'`]?\s{0,4}(?:=>|:{0,3}=|[=!]==?|\?=|\.=|\|\||[=:>])|(?P<c>[\"'`]\s{0,4},))"
-    r"\s{0,8}(?P<q>\\?[\"'`])?"
+    # (name, operator and value on one line, but for XML's: a value on the next line after `=`
+    # was that line's name)
+    r"(?:[\"'`]?[ \t]{0,4}(?:(?:=>|:{0,3}=|[=!]==?|\?=|\.=|\|\||[=:])[ \t]{0,8}|>\s{0,8})"
+    r"|(?P<c>[\"'`][ \t]{0,4},)[ \t]{0,8})"
+    r"(?P<q>\\?[\"'`])?"
     r"(?P<v>[^\s\"'`;,<>(){}\[\]\\]{6,300}+)(?=[\"'`\s;,<)\]}]|\\[nrt\"]|$)")
 # a top-level domain is letters that end the name: `sd_IN@devanagari.UTF-8` and
 # `ks_in@devanagari.utf8` are locales (language_territory@modifier.codeset), not addresses
-EMAIL = re.compile(r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9.\-]+\.[A-Za-z]{2,}(?!-?[A-Za-z0-9])")
+# (the local part in any script: `josé.garcía@correo.es` lost only its ASCII tail)
+EMAIL = re.compile(r"[\w.%+\-]+@[A-Za-z0-9.\-]+\.[A-Za-z]{2,}(?!-?[A-Za-z0-9])")
 # a mailing list's address is a group's, not a person's: `email-sig@python.org`, `python-dev@...`,
 # `optik-users@lists.sourceforge.net`, Mailman's `-request` and `-owner`; never on a free-mail
 # domain, where `jane-dev@gmail.com` is a person (24 of CPython's 305 changed lines were lists')
@@ -176,10 +185,12 @@ _LIST_ADDRESS = re.compile(
 # never glued to letters: digit runs inside hex hashes and identifiers pass Luhn one time in ten
 # (the lookbehind after the first digit, not before it: a pattern that starts with a digit class
 # lets `re` skip to the next digit in C; `(?<![\w.]\d)` there is `(?<![\w.])` before it)
-CARD = re.compile(r"\d(?<![\w.]\d)(?:[ \-]?\d){12,18}(?![\w.])")
+CARD = re.compile(r"\d(?<![\w.]\d)(?:[ \-]?\d){12,18}(?!\w|\.\d)")  # may end a sentence
 # an IPv4 address may end a sentence ("My IP is 10.0.0.1."), not a longer dotted number
 _QUAD = r"(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
-IPV4 = re.compile(r"(?<![\w.])" + _QUAD + r"(?!\w|\.\d)")
+# (nor a version with a pre-release's name: `10.0.0.1-SNAPSHOT`, `3.4.5.6-beta`, `1.2.0.4-rc1`)
+IPV4 = re.compile(r"(?<![\w.])" + _QUAD + r"(?!\w|\.\d|-(?i:alpha|beta|rc|snapshot|dev|pre|preview"
+                  r"|nightly|final|release)(?![a-z]))")
 _DOTTED_QUAD = re.compile(_QUAD)  # the shape of an IPv4 address, however it is judged
 # a dotted number named as a section or a version is not an address: "section 17.4.1.2",
 # "subclause 7.3.5.1", `#section-7.1.1.1`, `__version__ = "0.5.1.2"` (19 of the 260 lines of the
@@ -359,7 +370,7 @@ def _is_token(match: re.Match) -> bool:
     text = match[0]
     if text.startswith(_PROOF):
         return True
-    if match.lastgroup in ("url", "curl"):  # a password in a URL or curl's -u: whatever its entropy
+    if match.lastgroup in ("url", "dsn", "curl"):  # a password in a URL or curl's -u: any entropy
         return _CREDENTIALS_PLACEHOLDER.search(text.strip(" =\"'")) is None
     return not _not_a_secret(text) and _entropy_at_least(text, 2.5) and not _is_sequence(text)
 
@@ -370,24 +381,47 @@ def _is_secret_value(match: re.Match) -> bool:
     16 characters have about 4), or a long number; never a name (`get_password`, `settings.TOKEN`,
     `request.headers`), a placeholder (`${TOKEN}`, `xxxxxx`) or a format (`"%0.f"`).
     """
-    value = match["v"]
-    if len(value) < 10 and not (match["q"] and match["k"].lower() in ("pass", "pwd")):
-        return False  # short, and no quoted password (below): the costlier tests need not run
+    value, name, quote, comma = match.group("v", "k", "q", "c")
+    # a password is judged more leniently: people choose them (`Welcome1!`, `hunter2hunter2`),
+    # quoted or not; unquoted, eight characters or more and not a path (the shell's `PWD=/home/ann`).
+    # (Of the names, only `pass` and `pwd` begin with a p.)
+    password = name[0] in "pP" and (quote is not None or (len(value) >= 8 and value[0] not in "/~."))
+    if len(value) < 10 and not password:
+        return False  # short, and no password (below): the costlier tests need not run
+    if value[0] in "/~" and name[:2] in ("pw", "pW", "Pw", "PW"):
+        return False  # the shell's working folder, `PWD=/home/ann/proj1`, `OLDPWD=~/src`
     # letters alone are words and names (`getuser`, `HTTPPasswordMgrWithDefaultRealm`), not keys
-    if (not any(map(str.isdigit, value)) or (match["c"] and not match["q"])
+    if (not any(map(str.isdigit, value)) or (comma and not quote)
             or _not_a_secret(value) or _is_sequence(value) or _PROVIDER_PREFIX.match(value)):
         return False
-    if match["k"].lower() in ("pass", "pwd") and match["q"] and _entropy_at_least(value, 2.3):
-        return True  # a quoted string literal assigned to a password: `password = "hunter2!x"`
+    if password and _entropy_at_least(value, 2.3) and (quote or any(map(str.isalpha, value))):
+        return not _names_no_secret(match)  # `password = "hunter2!x"`, `DB_PASSWORD=Welcome1!`
     digits = (len(value) - len(value.encode().translate(None, b"0123456789")) if value.isascii()
               else len(DIGIT.findall(value)))  # in ASCII `\d` is 0-9: deleted in C, not listed
-    if len(value) < 10 or (match["c"] and digits < 2):
+    if len(value) < 10 or (comma and digits < 2):
         return False  # short; or a list of names, `"tokens", "symbol2label"`
     if "." in value and digits < 3 and _ATTRIBUTE.fullmatch(value):
         return False  # `settings.TOKEN`, `self.api_key`; a key's parts have digits (`s.ZC9Ecf4M5g9o`)
     if digits == len(value):  # a number: long, and not `100000000000`
-        return len(value) >= 12 and _entropy_at_least(value, 2.5)
-    return _entropy_at_least(value, 3.0)
+        return len(value) >= 12 and _entropy_at_least(value, 2.5) and not _names_no_secret(match)
+    return _entropy_at_least(value, 3.0) and not _names_no_secret(match)
+
+
+# names whose value is a key's name, id, path or kind, not a secret: `key_name`, `secret_arn`,
+# `kms_key_id`, `signingKeyPath`, `password_file`. (What the name holds before the word for a
+# secret, `public_key`, `cache_key`, is not looked at: that look cost 3 % of the scrubber's time
+# on the peers' cases, and such a value scrubbed by mistake is no leak.)
+_NOT_SECRET_TAIL = re.compile(r"(?:^|[_\-.])(?i:name|id|ids|arn|path|file|filename|url|uri|type|alias|label)$"
+                              r"|(?:Name|Id|Ids|Arn|Path|File|Filename|Url|Uri|Type|Alias|Label)$")
+_TAIL_ENDS = frozenset(("me", "id", "ds", "rn", "th", "le", "rl", "ri", "pe", "as", "el"))
+
+
+def _names_no_secret(match: re.Match) -> bool:
+    """True if the part of the name after the word for a secret (ASSIGNMENT's `n`) says that the
+    value is no secret (above). Its last two letters first: most names end otherwise (`_KEY`).
+    """
+    tail = match["n"]
+    return tail[-2:].lower() in _TAIL_ENDS and _NOT_SECRET_TAIL.search(tail) is not None
 
 
 _DECIMAL = re.compile(r"[+\-]?\d+\.\d+")
@@ -490,6 +524,20 @@ def maybe_pii(text: str) -> bool:
             or (_MAYBE_KEY_A if is_ascii else _MAYBE_KEY).search(text) is not None)
 
 
+_BREAKS = (" ", "\n", "\t", '"', "'", ",", ";", "\\", "(", "[", "{", "<")
+
+
+def excerpt(text: str, limit: int = 2000) -> str:
+    """At most `limit` characters of the text, to show beside a refusal, cut where no secret can
+    be cut in half: before its last space, quote, comma, bracket or backslash (a key cut short no
+    longer matches its format, and the scrubber would let its first half through). Scrub after.
+    """
+    if len(text) <= limit:
+        return text
+    cut = max(text.rfind(mark, 0, limit) for mark in _BREAKS)
+    return text[:cut if cut > 0 else limit]
+
+
 _ZERO = dict.fromkeys(KINDS, 0)
 
 
@@ -551,7 +599,14 @@ class Scrubber:
         return self._placeholder("secret", match[0])
 
     def _token(self, match: re.Match) -> str:
-        return self._placeholder("secret", match[0]) if _is_token(match) else match[0]
+        if not _is_token(match):
+            return match[0]
+        if match.lastgroup == "curl":  # `-u user:pw`, `--user="user:pw"`: the flag's space and quotes stay
+            text = match[0]
+            value = text.lstrip(" =\"'").rstrip("\"'")
+            start = text.index(value)
+            return text[:start] + self._placeholder("secret", value) + text[start + len(value):]
+        return self._placeholder("secret", match[0])
 
     def _assignment(self, match: re.Match) -> str:
         if not _is_secret_value(match):
@@ -560,7 +615,9 @@ class Scrubber:
         return match.string[match.start():match.start("v")] + self._placeholder("secret", match["v"])
 
     def _email(self, match: re.Match) -> str:
-        if _LIST_ADDRESS.match(match[0]):
+        # a list's address; git's SSH remote `git@github.com:org/repo.git`, a host's user, no person
+        if _LIST_ADDRESS.match(match[0]) or (match[0][:4].lower() == "git@"
+                                             and match.string.startswith(":", match.end())):
             return match[0]
         return self._placeholder("email", match[0])
 
@@ -581,14 +638,22 @@ class Scrubber:
         return self._placeholder("phone", match[0]) if _is_phone(match) else match[0]
 
     def walk(self, value):
-        """Every string inside lists and dicts (tool arguments, nested content parts) too."""
+        """Every string inside lists and dicts (tool arguments, nested content parts) too, keys
+        included (`{"ann@corp.com": "cc"}`), and whole numbers as their digits (a card number
+        logged as a JSON number, `{"card": 4111111111111111}`, becomes its placeholder string).
+        """
         if isinstance(value, str):
             return self.text(value)
         if isinstance(value, list):
             return [self.walk(v) for v in value]
         if isinstance(value, dict):
-            return {k: self._field(k, v) if isinstance(v, str) else self.walk(v)
+            return {self.text(k) if isinstance(k, str) and maybe_pii(k) else k:
+                    self._field(k, v) if isinstance(v, str) else self.walk(v)
                     for k, v in value.items()}
+        if type(value) is int and abs(value) >= 10_000_000:  # a phone has 8 digits or more
+            digits = str(value)
+            scrubbed = self.text(digits)
+            return value if scrubbed == digits else scrubbed
         return value
 
     def _field(self, key, value: str) -> str:

@@ -194,20 +194,29 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
     if user_text is None:  # a conversation with no request is no task to learn from
         raise NoContent(f"no user turn in the trace ({len(messages)} messages, roles "
                         f"{sorted({str(m.get('role')) for m in messages})})")
-    trace_id = trace.get("trace_id")
+    # the trace's other strings too: an id or usage record may name its user (`ann@corp.com`)
+    trace_id, conversation_id, model, usage = (trace.get(key) for key in (
+        "trace_id", "conversation_id", "model", "usage"))
+    if trace_id is not None and maybe_pii(str(trace_id)) and scrubber.text(str(trace_id)) != str(trace_id):
+        trace_id = None  # an id that held PII: the file and line name the trace instead
+    conversation_id, model = (scrubber.text(value) if isinstance(value, str) and maybe_pii(value)
+                              else value for value in (conversation_id, model))
+    usage = json.dumps(usage or {})
+    if maybe_pii(usage):
+        usage = json.dumps(scrubber.walk(json.loads(usage)))
     return {
         "trace_id": str(trace_id) if trace_id is not None else f"{source_file}:{source_line}",
         "source_file": source_file,
         "source_line": source_line,
         "format": fmt,
         "content_hash": content_hash(_dump(messages, sort=True)),
-        "model": trace.get("model"),
+        "model": model,
         "created_at": trace.get("created_at"),
-        "conversation_id": trace.get("conversation_id"),
+        "conversation_id": conversation_id,
         "messages": text["messages"],
         "tools": text["tools"],
         "feedback": text["feedback"],
-        "usage": json.dumps(trace.get("usage") or {}),
+        "usage": usage,
         "user_text": user_text,
         "n_messages": len(messages),
         "n_tool_calls": sum(len(m.get("tool_calls") or []) for m in messages),
