@@ -64,7 +64,10 @@ def scrub(text, kinds=KINDS):
     ("postgres://app:P@ssw0rd2024@db.acme.io/x", "secret"), ("dsn root:s3cr3tP@ss@tcp(db:3306)/shop", "secret"),
     ("Authorization: bearer Tk9TZWNyZXRGb3JZb3U5ODc2NTQz", "secret"), ("mail josé.garcía@correo.es", "email"),
     ("DB_PASSWORD=Welcome1!", "secret"), ("POSTGRES_PASSWORD=hunter2hunter2", "secret"),
-    ("mysqldump --password=s3cr3tP4ss9 shop", "secret"),
+    ("mysqldump --password=s3cr3tP4ss9 shop", "secret"), ("mysql -u root -pZq8mP2vLx9 shop", "secret"),
+    ("sshpass -p 'Winter2024!' ssh deploy@host", "secret"), ("kubectl --token Xk9mP2vLq7Zr4Wb8 get pods", "secret"),
+    ("curl https://api.telegram.org/bot6734207509:AAHk9mP2vLq7Zr4Wb8Nc1Xd5Fg3Hj6Kl0Mn/getMe", "secret"),
+    ("docker login -u ann -p dckr_pat_Ab3Cd5Ef7Gh9Ij1Kl3Mn5Op7Qr", "secret"),
 ])
 def test_each_kind_is_found(text, kind):
     assert maybe_pii(text), "the cheap pre-check must see every candidate"
@@ -102,6 +105,8 @@ def test_each_kind_is_found(text, kind):
     'kms_key_id = "3f2b8c1e-9a4d-4e6f-b7c2-1d5e8f9a0b3c"', "signingKeyPath: certs/signing-key-2024.pem",
     'password_file = "secrets/db-pass1.txt"', "PWD=/home/ann/proj1",
     "git clone git@github.com:acme/api.git", "bumped 3.4.5.6-beta and 10.0.0.1-SNAPSHOT, 192.168.0.2-rc1",
+    "mysql -u root -p shop2024", "mkdir -p build2 && ssh -p 2222 host", "pip install --token $PYPI_TOKEN2 x",
+    "docker run -p 8080:80 nginx:1.25", "kubectl --token /var/run/secrets/token2 get pods",
 ])
 def test_ordinary_text_is_left_alone(text):
     out, counts = scrub(text)

@@ -13,10 +13,13 @@ Kinds, each switched on or off by `ingest.scrub_<kind>s` in params.yaml:
 
 Secrets: the keys of the providers gitleaks covers, by their prefix (OpenAI, Anthropic, AWS,
 GitHub, GitLab, Slack tokens and webhooks, Google, Stripe, Hugging Face, npm, PyPI, SendGrid,
-Twilio, Vault and some 70 more: `_TOKENS`); JWTs, signed or not; `Bearer`, `Basic` and `Token`
-headers; passwords in URLs and after `curl -u`; PEM private keys, body and all; and a
-random-looking value assigned to a name that says secret (`password = "..."`, `API_TOKEN: ...`,
-`"client_secret": "..."`; only the value goes, the name stays).
+Twilio, Vault, Docker and some 70 more: `_TOKENS`); JWTs, signed or not; `Bearer`, `Basic` and
+`Token` headers; passwords in URLs (`redis://:pw@host`, `@` in them too), Go DSNs, after
+`curl -u` and given to commands (`--password pw`, `--token tok`, `sshpass -p`, `mysql -ppw`);
+Telegram bots' URLs; PEM private keys, body and all; and a random-looking value assigned to a
+name that says secret (`password = "..."`, `API_TOKEN: ...`, `"client_secret": "..."`; a chosen
+password such as `DB_PASSWORD=Welcome1!` too; only the value goes, the name stays; not a key's
+name, id or path: `key_name`, `kms_key_id`, `password_file`).
 
 Placeholders are consistent inside a trace: the same address becomes the same placeholder, so a
 conversation still reads sensibly ("mail <EMAIL_1>... sent to <EMAIL_1>"). Secrets go first: a key
@@ -59,6 +62,7 @@ _TOKENS = (
     r"|pypi-AgE[\w\-]{50,}"                                           # PyPI
     r"|SG\.[\w\-=.]{60,70}"                                            # SendGrid
     r"|xkeysib-[a-f0-9]{64}-\w{16}"                                   # Brevo (Sendinblue)
+    r"|dckr_pat_[\w\-]{20,}"                                          # Docker Hub
     r"|AKCp[A-Za-z0-9]{60,}|cmVmd[A-Za-z0-9]{59}"                    # Artifactory
     r"|A3-[A-Z0-9]{6}-[A-Z0-9\-]{11,12}-[A-Z0-9]{5}-[A-Z0-9]{5}-[A-Z0-9]{5}"  # 1Password
     r"|ops_eyJ[A-Za-z0-9+/]{100,}=*"
@@ -101,7 +105,7 @@ _SECRET_PREFIXES = (
     "FLWPUBK_TEST-", "fo1_", "fm1", "fm2_", "fio-u-", "sat.", "HRKU-AA", "ico-",
     "s-s4t2", "eyJ", "glc_", "glsa_", "lin_api_", "ntn_", "API-", "sha256~", "pplx-",
     "pscale_", "PMAK-", "pnu_", "pul-", "rdme_", "rubygems_", "tk-us-", "sntry", "sm_aat_", "sm_pat_",
-    "sm_sat_", "shippo_", "shpat_", "shpca_", "shppa_", "shpss_", "sgp_", "sq0atp-", "sq0csp-", "SK",
+    "sm_sat_", "shippo_", "shpat_", "shpca_", "shppa_", "shpss_", "sgp_", "sq0atp-", "sq0csp-", "SK", "dckr_pat_",
     "hvs.", "hvb.", "t1.", "YC", "AQVN")
 
 
@@ -147,9 +151,21 @@ MARKED = re.compile(
     # (up to the last one before the host); a Go DSN's `user:password@tcp(host:port)/db`
     r"|(?P<url>(?<=://)[^\s:/@\"'<>]{0,64}:[^\s:/\"'<>]{1,128}(?=@[\w.\-]+))"
     r"|(?P<dsn>[\w.\-]{1,64}:[^\s\"'<>]{1,128}(?=@(?:tcp|unix|udp)\()))"
+    # a password or token given to a command: `--password pw`, `--token tok` (the `=` form is an
+    # assignment), `sshpass -p 'pw'`, and the MySQL client's `-ppw` (glued: `-p pw` asks for it,
+    # and `pw` is the database)
+    # (each led by a one-character look behind: one test turns down most places)
+    r"|(?<=[ p])(?P<flag>(?:(?<=-password )|(?<=-passwd )|(?<=-token )|(?<=-api-key )|(?<=-secret )"
+    r"|(?<=sshpass -p )|(?<=\s-p)(?=[^\s\"']))[\"']?[^\s\"']{4,128}[\"']?)"
+    r"|(?<=t)(?<=telegram\.org/bot)\d{8,10}:[\w\-]{30,40}"            # a Telegram bot's token
     r"|(?P<curl>(?<=[ur])(?:(?<=\s-u)|(?<=\s--user))[ =]{1,3}[\"']?[^\s\"':]{0,64}:[^\s\"']{0,128}[\"']?)")
+# a command's flags, and Telegram's URL: a digit is wanted in the value (`maybe_pii` looks for
+# these only in text with one, where `"-p" in text` stands for them and `mysql -ppw`)
+_FLAG_MARKS = ("-password ", "-passwd ", "-token ", "-api-key ", "-secret ", "sshpass -p ", "mysql",
+               "mariadb", "telegram.org/bot")
 _SECRET_MARKS = ("hooks.slack.com", "webhook", "Bearer ", "bearer ", "Basic ", ": Token ", "Api-Token ",
-                 "Q~", ".atlasv1.", "_mmk", "://", "@tcp(", "@unix(", "@udp(", " -u", "--user")
+                 "Q~", ".atlasv1.", "_mmk", "://", "@tcp(", "@unix(", "@udp(", " -u", "--user",
+                 *_FLAG_MARKS)
 # A PEM private key, body and all; an unterminated one up to the end of its base64 lines
 PRIVATE_KEY = re.compile(r"-----BEGIN[ A-Z0-9_\-]{0,100}PRIVATE KEY(?: BLOCK)?-----"
                          r"(?:\s*[^\-\s][\s\S]*?-----END[ A-Z0-9_\-]{0,100}PRIVATE KEY(?: BLOCK)?-----"
@@ -372,6 +388,10 @@ def _is_token(match: re.Match) -> bool:
         return True
     if match.lastgroup in ("url", "dsn", "curl"):  # a password in a URL or curl's -u: any entropy
         return _CREDENTIALS_PLACEHOLDER.search(text.strip(" =\"'")) is None
+    if match.lastgroup == "flag":  # a command's password: not a word, a path or a `$VARIABLE`
+        value = text.strip("\"'")
+        return (len(value) >= 4 and not value.isalpha() and value[0] not in "-/~.$<"
+                and not _not_a_secret(value) and _entropy_at_least(value, 2.0))
     return not _not_a_secret(text) and _entropy_at_least(text, 2.5) and not _is_sequence(text)
 
 
@@ -448,10 +468,12 @@ _MAYBE_MARKED = re.compile("|".join(re.escape(mark) for mark in _SECRET_MARKS))
 # maybe_pii's search for what needs no digit: the marks (`-u` stands for ` -u` and `--user`),
 # the PEM header, an `@` before a domain. Every branch begins with a literal other than a space:
 # `re` skips, in C, to the next character that can begin one. (ASSIGNMENT's names need a digit:
-# `_is_secret_value` wants one in the value.)
+# `_is_secret_value` wants one in the value; so do a lowercase `bearer ` and a command's flags,
+# left to text with a digit: a `b` or an `m` first would stop the skip at every such letter.)
 _MAYBE_MARK = re.compile("|".join(sorted(
     {re.escape(mark) for mark in (*_SECRET_MARKS, "-----BEGIN", "-u")}
-    - {re.escape(mark) for mark in (" -u", "--user")})) + r"|@[A-Za-z0-9.\-]+\.[A-Za-z]{2}")
+    - {re.escape(mark) for mark in (" -u", "--user", "bearer ", *_FLAG_MARKS)}))
+    + r"|@[A-Za-z0-9.\-]+\.[A-Za-z]{2}")
 
 
 # where SECRET can begin: a prefix at the start of a word, and a key's length of non-space (13, the
@@ -464,8 +486,14 @@ def _maybe_named(text: str) -> bool:
     # a value `_is_secret_value` takes has a digit (of any script: `not text.isascii()`). In
     # ASCII text the names are left to the search itself (`_ASSIGNMENT_A`): not looked for twice
     if text.isascii():
-        return _DIGIT_A.search(text) is not None
+        return _DIGIT_OUTSIDE_A.search(text) is not None
     return _MAYBE_NAME.search(text.lower()) is not None
+
+
+# a digit outside the placeholders already written (`<SECRET_1>`): a digit that only digits and a
+# `>` follow is in no value ASSIGNMENT takes (a value is never followed by `>`), so a text whose
+# only digits are its placeholders' (half of the peers' cases once their key is out) is not searched
+_DIGIT_OUTSIDE_A = re.compile(r"\d(?!\d*>)", re.ASCII)
 
 
 # phones, cards, IPv4 (8.8.8.8: 7 characters): each of them is such a run, so a text without one
@@ -520,7 +548,7 @@ def maybe_pii(text: str) -> bool:
     # (the marks need none). An IPv6 address has a digit (`_is_ipv6`): C++'s `std::` alone is no
     # reason to look
     return (_MAYBE_NAME.search(text.lower()) is not None or _MAYBE_MARK.search(text) is not None
-            or _maybe_number(text) or _maybe_ipv6(text)
+            or _maybe_number(text) or _maybe_ipv6(text) or "-p" in text  # (`mysql -ppw`)
             or (_MAYBE_KEY_A if is_ascii else _MAYBE_KEY).search(text) is not None)
 
 
@@ -601,7 +629,7 @@ class Scrubber:
     def _token(self, match: re.Match) -> str:
         if not _is_token(match):
             return match[0]
-        if match.lastgroup == "curl":  # `-u user:pw`, `--user="user:pw"`: the flag's space and quotes stay
+        if match.lastgroup in ("curl", "flag"):  # `-u user:pw`, `--password "pw"`: spaces, quotes stay
             text = match[0]
             value = text.lstrip(" =\"'").rstrip("\"'")
             start = text.index(value)
