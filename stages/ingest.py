@@ -31,9 +31,10 @@ Writes `data/traces/` (a persistent DVC output: one Parquet part per inbox file,
 the history that duplicates are checked against; and per file with duplicates, which trace each
 repeats: `duplicates-<file>.parquet`), `data/ingested.parquet` (this cycle's new traces)
 and `metrics/ingest.json` (its `pii_redactions` count what was replaced in the accepted traces,
-per kind, each time it was replaced: an address written three times counts three). Rows stream to Parquet in batches, so memory does not grow with the
-number of traces of a line format. Idempotent: each part records the inbox snapshot it came from,
-so a stage killed midway and run again gives the same outputs.
+per kind, each time it was replaced: an address written three times counts three). Rows stream
+to Parquet in batches, so memory does not grow with the number of traces of a line format.
+Idempotent: each part records the inbox snapshot it came from, so a stage killed midway and run
+again gives the same outputs.
 
     python -m stages.ingest data/inbox data/traces data/ingested.parquet data/quarantine/ingest.jsonl metrics/ingest.json
 """

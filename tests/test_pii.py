@@ -177,6 +177,9 @@ def test_a_rows_ids_usage_and_model_are_scrubbed():
     assert "@" not in row["trace_id"] + row["conversation_id"] + row["usage"] + row["model"], row
     assert row["trace_id"] == "traces.jsonl:7" and json.loads(row["usage"])["total_tokens"] == 42
     assert s.counts["email"] == 4
+    trace["messages"][0]["content"] = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "at this"}]
+    assert make_row(trace, "traces.jsonl", 7, "openai_chat", s)["user_text"] == "look\nat this"
 
 
 def test_placeholders_are_consistent_within_a_trace():

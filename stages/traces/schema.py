@@ -171,6 +171,16 @@ def feedback_problem(feedback) -> tuple[str, str] | None:
     return None
 
 
+def _text(content) -> str:
+    """A message's content as text: a list of parts (`[{"type": "text", "text": ...}]`, images
+    too) is its text parts joined, not the list's Python repr.
+    """
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return str(content or "")
+
+
 def _short(value) -> str:
     text = json.dumps(value, ensure_ascii=False, default=str)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -189,8 +199,7 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
         text = {key: _dump(value) for key, value in parts.items()}
     messages, feedback = parts["messages"], parts["feedback"]
     thumbs = feedback.get("thumbs_up")
-    user_text = next((str(m.get("content") or "") for m in messages if m.get("role") == "user"),
-                     None)
+    user_text = next((_text(m.get("content")) for m in messages if m.get("role") == "user"), None)
     if user_text is None:  # a conversation with no request is no task to learn from
         raise NoContent(f"no user turn in the trace ({len(messages)} messages, roles "
                         f"{sorted({str(m.get('role')) for m in messages})})")
