@@ -68,6 +68,8 @@ def scrub(text, kinds=KINDS):
     ("sshpass -p 'Winter2024!' ssh deploy@host", "secret"), ("kubectl --token Xk9mP2vLq7Zr4Wb8 get pods", "secret"),
     ("curl https://api.telegram.org/bot6734207509:AAHk9mP2vLq7Zr4Wb8Nc1Xd5Fg3Hj6Kl0Mn/getMe", "secret"),
     ("docker login -u ann -p dckr_pat_Ab3Cd5Ef7Gh9Ij1Kl3Mn5Op7Qr", "secret"),
+    ("Cookie: session=8f14e45fceea167fa0e5b2c3d4e5f6a7b8c9d0e1f2a3b4c5; Path=/", "secret"),
+    ("Set-Cookie: JSESSIONID=A8F5F167F44F4964E6C998DEE827110C; HttpOnly", "secret"),
 ])
 def test_each_kind_is_found(text, kind):
     assert maybe_pii(text), "the cheap pre-check must see every candidate"
@@ -107,6 +109,8 @@ def test_each_kind_is_found(text, kind):
     "git clone git@github.com:acme/api.git", "bumped 3.4.5.6-beta and 10.0.0.1-SNAPSHOT, 192.168.0.2-rc1",
     "mysql -u root -p shop2024", "mkdir -p build2 && ssh -p 2222 host", "pip install --token $PYPI_TOKEN2 x",
     "docker run -p 8080:80 nginx:1.25", "kubectl --token /var/run/secrets/token2 get pods",
+    'public_key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGx7Zq9wL2mP4vK8nR3tY6bH1cJ5"',
+    "session = requests.Session()", "session_timeout = 3600", "session_name = 'checkout-2024'",
 ])
 def test_ordinary_text_is_left_alone(text):
     out, counts = scrub(text)
@@ -120,6 +124,16 @@ def test_a_private_key_goes_whole():
     text = f"key:\n-----BEGIN RSA PRIVATE KEY-----\n{body}\n-----END RSA PRIVATE KEY-----\nthanks"
     out, counts = scrub(text)
     assert out == "key:\n<SECRET_1>\nthanks" and counts["secret"] == 1
+
+
+@pytest.mark.parametrize("newline", ["\n", "\\n"])  # a file, and the same inside a JSON string
+def test_a_putty_key_loses_its_private_lines(newline):
+    ppk = newline.join(["PuTTY-User-Key-File-3: ssh-ed25519", "Encryption: none",
+                        "Comment: ed25519-key-20240101", "Public-Lines: 2",
+                        "AAAAC3NzaC1lZDI1NTE5AAAAIGx7Zq9wL2mP4vK8nR3tY6bH1cJ5aB0dE2fG4hJ6kL8m", "Private-Lines: 1",
+                        "AAAAIDx7Zq9wL2mP4vK8nR3tY6bH1cJ5aB0dE2fG4hJ6kL8mN0pQ2rS4tU6vW8xY", "Private-MAC: 8f14e45f"])
+    out, counts = scrub(ppk)
+    assert "AAAAIDx7" not in out and counts["secret"] == 1 and "Public-Lines: 2" in out, out
 
 
 def test_an_assignment_keeps_its_name():

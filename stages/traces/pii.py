@@ -16,7 +16,7 @@ GitHub, GitLab, Slack tokens and webhooks, Google, Stripe, Hugging Face, npm, Py
 Twilio, Vault, Docker and some 70 more: `_TOKENS`); JWTs, signed or not; `Bearer`, `Basic` and
 `Token` headers; passwords in URLs (`redis://:pw@host`, `@` in them too), Go DSNs, after
 `curl -u` and given to commands (`--password pw`, `--token tok`, `sshpass -p`, `mysql -ppw`);
-Telegram bots' URLs; PEM private keys, body and all; and a random-looking value assigned to a
+Telegram bots' URLs; PEM private keys, body and all, and PuTTY's; and a random-looking value assigned to a
 name that says secret (`password = "..."`, `API_TOKEN: ...`, `"client_secret": "..."`; a chosen
 password such as `DB_PASSWORD=Welcome1!` too; only the value goes, the name stays; not a key's
 name, id or path: `key_name`, `kms_key_id`, `password_file`).
@@ -170,11 +170,16 @@ _SECRET_MARKS = ("hooks.slack.com", "webhook", "Bearer ", "bearer ", "Basic ", "
 PRIVATE_KEY = re.compile(r"-----BEGIN[ A-Z0-9_\-]{0,100}PRIVATE KEY(?: BLOCK)?-----"
                          r"(?:\s*[^\-\s][\s\S]*?-----END[ A-Z0-9_\-]{0,100}PRIVATE KEY(?: BLOCK)?-----"
                          r"|(?=\s*[^\-\s])[\s\S]*?(?=\n\s*\n|$))")
+# A PuTTY key file's private part: its base64 lines after `Private-Lines: n` (newlines real or
+# escaped in JSON), up to its `Private-MAC`
+PUTTY_KEY = re.compile(r"Private-Lines: \d+[ \t]*(?:\r?\n|(?:\\r)?\\n)(?:[A-Za-z0-9+/=]+(?:\r?\n|(?:\\r)?\\n))*"
+                       r"[A-Za-z0-9+/=]*")
 # A secret assigned to a name that says it is one, in code or configuration: `password = "..."`,
-# `DB_PASS: ...`, `"api_key": "..."`, `<authToken>...</authToken>`, `apiKey := `...``. Only the value
+# `DB_PASS: ...`, `"api_key": "..."`, `<authToken>...</authToken>`, `apiKey := `...``, a session's
+# cookie (`Cookie: session=...`, `JSESSIONID=...`). Only the value
 # is replaced, and only a value that looks random (`_is_secret_value`): `token = get_token()`,
 # `password = settings.DB_PASSWORD` and `token = request.headers["X"]` are code, and stay.
-_ASSIGNMENT_NAMES = "pass|pwd|secret|token|key|cred|auth|contribsys__com"
+_ASSIGNMENT_NAMES = "pass|pwd|secret|token|key|cred|auth|session|contribsys__com"
 ASSIGNMENT = re.compile(
     # (not the `SECRET` of a placeholder already written: `<SECRET_1>` then `>` read as XML's)
     r"(?P<k>(?i:" + _ASSIGNMENT_NAMES + r"))(?<!<SECRET)(?P<n>[\w.\-]{0,30}+)"
@@ -412,7 +417,8 @@ def _is_secret_value(match: re.Match) -> bool:
         return False  # the shell's working folder, `PWD=/home/ann/proj1`, `OLDPWD=~/src`
     # letters alone are words and names (`getuser`, `HTTPPasswordMgrWithDefaultRealm`), not keys
     if (not any(map(str.isdigit, value)) or (comma and not quote)
-            or _not_a_secret(value) or _is_sequence(value) or _PROVIDER_PREFIX.match(value)):
+            or _not_a_secret(value) or _is_sequence(value) or _PROVIDER_PREFIX.match(value)
+            or value.startswith(("ssh-", "ecdsa-sha2-"))):  # an SSH key's type: `ssh-ed25519`
         return False
     if password and _entropy_at_least(value, 2.3) and (quote or any(map(str.isalpha, value))):
         return not _names_no_secret(match)  # `password = "hunter2!x"`, `DB_PASSWORD=Welcome1!`
@@ -441,7 +447,10 @@ def _names_no_secret(match: re.Match) -> bool:
     value is no secret (above). Its last two letters first: most names end otherwise (`_KEY`).
     """
     tail = match["n"]
-    return tail[-2:].lower() in _TAIL_ENDS and _NOT_SECRET_TAIL.search(tail) is not None
+    end = tail[-2:].lower()
+    if end not in _TAIL_ENDS or _NOT_SECRET_TAIL.search(tail) is None:
+        return False
+    return end not in ("id", "ds") or match["k"][:3].lower() != "ses"  # a session's id is its secret
 
 
 _DECIMAL = re.compile(r"[+\-]?\d+\.\d+")
@@ -549,6 +558,7 @@ def maybe_pii(text: str) -> bool:
     # reason to look
     return (_MAYBE_NAME.search(text.lower()) is not None or _MAYBE_MARK.search(text) is not None
             or _maybe_number(text) or _maybe_ipv6(text) or "-p" in text  # (`mysql -ppw`)
+            or "Private-Lines:" in text
             or (_MAYBE_KEY_A if is_ascii else _MAYBE_KEY).search(text) is not None)
 
 
@@ -602,6 +612,8 @@ class Scrubber:
         if "secret" in kinds:
             if "-----BEGIN" in value:
                 value = PRIVATE_KEY.sub(self._secret, value)
+            if "Private-Lines:" in value:
+                value = PUTTY_KEY.sub(self._secret, value)
             value = (_SECRET_A if is_ascii else SECRET).sub(self._token, value)
             if _MAYBE_MARKED.search(value) is not None:
                 value = MARKED.sub(self._token, value)
