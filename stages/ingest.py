@@ -593,10 +593,14 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
                 if refusal is not None:
                     for bucket in (counts, fmt_counts):
                         bucket["quarantined"] += 1
+                    # one scrubber for the row: its id, reason and text name a datum alike
+                    shown = Scrubber(kinds)
                     bad_rows.append({"source_file": path.name, "source_line": number, "format": fmt,
-                                     "trace_id": refusal.trace_id, "stage": "ingest",
-                                     "reason": quarantine_reason(path.name, number, fmt, refusal),
-                                     "raw": Scrubber(kinds).text(refusal.raw)})
+                                     "trace_id": None if refusal.trace_id is None
+                                     else shown.text(str(refusal.trace_id)), "stage": "ingest",
+                                     "reason": shown.text(quarantine_reason(path.name, number, fmt,
+                                                                            refusal)),
+                                     "raw": shown.text(refusal.raw)})
                     continue
                 digest = bytes.fromhex(row["content_hash"])
                 if digest in seen:

@@ -92,7 +92,15 @@ def ingest_cases() -> dict[str, str | bytes]:
         "otel-capture-off.json": capture_off("otel_genai.json"),
         "otel-legacy-capture-off.json": capture_off("otel_genai_legacy.json"),
         "mixed.jsonl": jsonl([json.loads((FIXTURES / "otel_genai.json").read_text()), chat]),
+        # personal data in what a quarantine row shows: an id, and a key where the excerpt ends
+        "pii-lines.jsonl": jsonl([
+            {"id": "jane.roe@corpmail.io", "messages": [{"role": "assistant", "content": "ok"}]},
+            {"id": "c2", "messages": [{"role": "user", "content": "x" * 1935 + " key " + LEAKY_KEY
+                                       + " " + "y" * 30_000}]}]),
     }
+
+
+LEAKY_KEY = "ghp_R8x2LqZ7mN4pV9wK3tY6bH1cJ5aB0dE2fG4h"
 
 
 def trace_ids_of(raw: str) -> set[str]:
@@ -185,3 +193,12 @@ def test_each_fix_is_the_one_for_its_case(quarantined):
     assert "ingest.max_messages" in chat[9] and "ingest.max_line_bytes" in chat[11]
     assert "no trace format nests so deep" in chat[10]
 
+
+def test_a_quarantine_row_shows_no_personal_data(quarantined):
+    """Its id and reason are scrubbed with its text, and its text is cut where no key is cut in
+    half (a key's first half no longer matched its format and was kept)."""
+    rows = [row for row in quarantined if row["source_file"] == "pii-lines.jsonl"]
+    assert len(rows) == 2
+    shown = json.dumps(rows)
+    assert "corpmail" not in shown and LEAKY_KEY[:8] not in shown, shown[:3000]
+    assert rows[0]["trace_id"] == "<EMAIL_1>" and "trace <EMAIL_1>" in rows[0]["reason"]
