@@ -70,6 +70,8 @@ def scrub(text, kinds=KINDS):
     ("docker login -u ann -p dckr_pat_Ab3Cd5Ef7Gh9Ij1Kl3Mn5Op7Qr", "secret"),
     ("Cookie: session=8f14e45fceea167fa0e5b2c3d4e5f6a7b8c9d0e1f2a3b4c5; Path=/", "secret"),
     ("Set-Cookie: JSESSIONID=A8F5F167F44F4964E6C998DEE827110C; HttpOnly", "secret"),
+    # a key glued to an identifier by `_`: a tool's name, a call's id (the privacy audit, stop 30)
+    ("lookup_sk-proj-Hok7Qx9Zr4Wb8Nc1Xd5Fg3Hj6Lm2Pq", "secret"), ("call_ghp_Yb7Nc2Vd4Fg6Hj8Kl0MnYb7Nc2Vd4Fg6Hj8K", "secret"),
 ])
 def test_each_kind_is_found(text, kind):
     assert maybe_pii(text), "the cheap pre-check must see every candidate"
@@ -110,6 +112,7 @@ def test_each_kind_is_found(text, kind):
     "mysql -u root -p shop2024", "mkdir -p build2 && ssh -p 2222 host", "pip install --token $PYPI_TOKEN2 x",
     "docker run -p 8080:80 nginx:1.25", "kubectl --token /var/run/secrets/token2 get pods",
     'public_key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGx7Zq9wL2mP4vK8nR3tY6bH1cJ5"',
+    "my_ghp_xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx", "task_test_runner_2024_configuration_file",
     "session = requests.Session()", "session_timeout = 3600", "session_name = 'checkout-2024'",
 ])
 def test_ordinary_text_is_left_alone(text):
