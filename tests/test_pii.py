@@ -181,19 +181,34 @@ def test_an_excerpt_never_cuts_a_secret_in_half():
     cut = excerpt(text)
     assert len(cut) <= 2000 and "ghp_R8x2" not in cut and cut == "x" * 1980 + " token"
     assert excerpt("short " + token) == "short " + token
+    phone = "x" * 1990 + " call +44 20 7946 0958 now"  # a cut at 2,000 would fall inside it
+    assert excerpt(phone) == "x" * 1990 + " call"
+
+
+def test_json_escapes_hide_nothing():
+    r"""Tool arguments logged as a JSON string may escape `@`, `-` and `/` (`\u0040`, `\u002d`,
+    `\/`): every pattern missed them. Where undoing them finds nothing, the text stays."""
+    args = json.dumps({"to": "zz.leak@corpmail.io", "key": "sk-proj-Hok7Qx9Zr4Wb8Nc1Xd5Fg3Hj6Lm2Pq"})
+    hidden = args.replace("@", "\\u0040").replace("-", "\\u002d")
+    assert maybe_pii(hidden)
+    out, counts = scrub(hidden)
+    assert json.loads(out) == {"to": "<EMAIL_1>", "key": "<SECRET_1>"}, out
+    code = "char dash = '\\u002d'; String s = \"a\\/b\";"
+    assert scrub(code)[0] == code
 
 
 def test_a_rows_ids_usage_and_model_are_scrubbed():
     from stages.traces.schema import make_row
 
     trace = {"trace_id": "session/jane.doe@acmecorp.com", "conversation_id": "jane.doe@acmecorp.com",
+             "created_at": "2026-12-06 by jane.doe@acmecorp.com",
              "usage": {"user": "bob.smith@gmail.com", "total_tokens": 42}, "model": "ft:gpt-4o:ann@corp.com",
              "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     s = Scrubber(set(KINDS))
     row = make_row(trace, "traces.jsonl", 7, "openai_chat", s)
-    assert "@" not in row["trace_id"] + row["conversation_id"] + row["usage"] + row["model"], row
+    assert "@" not in row["trace_id"] + row["conversation_id"] + row["usage"] + row["model"] + row["created_at"]
     assert row["trace_id"] == "traces.jsonl:7" and json.loads(row["usage"])["total_tokens"] == 42
-    assert s.counts["email"] == 4
+    assert s.counts["email"] == 5
     trace["messages"][0]["content"] = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {
         "url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "at this"}]
     assert make_row(trace, "traces.jsonl", 7, "openai_chat", s)["user_text"] == "look\nat this"

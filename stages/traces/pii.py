@@ -569,6 +569,7 @@ def maybe_pii(text: str) -> bool:
     return (_MAYBE_NAME.search(text.lower()) is not None or _MAYBE_MARK.search(text) is not None
             or _maybe_number(text) or _maybe_ipv6(text) or "-p" in text  # (`mysql -ppw`)
             or "Private-Lines:" in text or _MAYBE_GLUED_KEY_A.search(text) is not None
+            or "\\u00" in text  # JSON's escapes may hide an `@` or a key's `-` (`Scrubber.text`)
             or (_MAYBE_KEY_A if is_ascii else _MAYBE_KEY).search(text) is not None)
 
 
@@ -577,13 +578,34 @@ _BREAKS = (" ", "\n", "\t", '"', "'", ",", ";", "\\", "(", "[", "{", "<")
 
 def excerpt(text: str, limit: int = 2000) -> str:
     """At most `limit` characters of the text, to show beside a refusal, cut where no secret can
-    be cut in half: before its last space, quote, comma, bracket or backslash (a key cut short no
-    longer matches its format, and the scrubber would let its first half through). Scrub after.
+    be cut in half: before its last space, quote, comma, bracket or backslash that is not inside a
+    number written in groups (a key or a phone number cut short no longer matches its format, and
+    the scrubber would let its first half through). Scrub after.
     """
     if len(text) <= limit:
         return text
-    cut = max(text.rfind(mark, 0, limit) for mark in _BREAKS)
-    return text[:cut if cut > 0 else limit]
+    end = limit
+    while (cut := max(text.rfind(mark, 0, end) for mark in _BREAKS)) > 0:
+        # nor inside a number written in groups: `+44 20 | 7946 0958`, `4111 1111 | 1111 1111`
+        if text[cut - 1] in _NUMBERISH and text[cut + 1:cut + 2] in _NUMBERISH_AFTER:
+            end = cut
+            continue
+        return text[:cut]
+    return text[:limit]
+
+
+_NUMBERISH, _NUMBERISH_AFTER = frozenset("0123456789)"), frozenset("0123456789(")
+
+
+# JSON's escape of a printable ASCII character other than `"` and `\`, or of `/` (not after a `\`)
+_JSON_ESCAPE = re.compile(r"(?<!\\)\\(?:u00([2-7][0-9a-fA-F])|/)")
+
+
+def _unescape(match: re.Match) -> str:
+    if match[1] is None:
+        return "/"
+    char = chr(int(match[1], 16))
+    return match[0] if char in '"\\\x7f' else char
 
 
 _ZERO = dict.fromkeys(KINDS, 0)
@@ -609,6 +631,20 @@ class Scrubber:
         return placeholder
 
     def text(self, value: str) -> str:
+        r"""The text with PII replaced by placeholders, counted (`_scrub`). A text holding JSON's
+        escapes of printable ASCII (`\u0040` for `@`, `\u002d` for `-`, `\/`: tool arguments as a
+        JSON string may) is scrubbed with them undone, where that finds what they hid; else it
+        stays as it was (`"\u002d"` in a program is no secret).
+        """
+        if "\\u00" in value or "\\/" in value:
+            decoded = _JSON_ESCAPE.sub(_unescape, value)
+            if decoded != value:
+                scrubbed = self._scrub(decoded)
+                if scrubbed != decoded:
+                    return scrubbed
+        return self._scrub(value)
+
+    def _scrub(self, value: str) -> str:
         r"""The text with PII replaced by placeholders, counted.
 
         The patterns run in this order, each on what the ones before left: secrets first (a key

@@ -204,12 +204,13 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
         raise NoContent(f"no user turn in the trace ({len(messages)} messages, roles "
                         f"{sorted({str(m.get('role')) for m in messages})})")
     # the trace's other strings too: an id or usage record may name its user (`ann@corp.com`)
-    trace_id, conversation_id, model, usage = (trace.get(key) for key in (
-        "trace_id", "conversation_id", "model", "usage"))
+    trace_id, conversation_id, model, usage, created_at = (trace.get(key) for key in (
+        "trace_id", "conversation_id", "model", "usage", "created_at"))
     if trace_id is not None and maybe_pii(str(trace_id)) and scrubber.text(str(trace_id)) != str(trace_id):
         trace_id = None  # an id that held PII: the file and line name the trace instead
-    conversation_id, model = (scrubber.text(value) if isinstance(value, str) and maybe_pii(value)
-                              else value for value in (conversation_id, model))
+    conversation_id, model, created_at = (
+        scrubber.text(value) if isinstance(value, str) and maybe_pii(value) else value
+        for value in (conversation_id, model, created_at))
     usage = json.dumps(usage or {})
     if maybe_pii(usage):
         usage = json.dumps(scrubber.walk(json.loads(usage)))
@@ -220,7 +221,7 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
         "format": fmt,
         "content_hash": content_hash(_dump(messages, sort=True)),
         "model": model,
-        "created_at": trace.get("created_at"),
+        "created_at": created_at,
         "conversation_id": conversation_id,
         "messages": text["messages"],
         "tools": text["tools"],
