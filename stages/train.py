@@ -81,13 +81,15 @@ def algorithm(name: str):
 
 
 def encoded_traces(validated: Path, specs: dict, root: Path, tokenizer,
-                   end_ids: tuple[int, ...] = (), thumbs: tuple[bool, ...] = (True,)) -> list[dict]:
+                   end_ids: tuple[int, ...] = (), thumbs: tuple[bool, ...] = (True,),
+                   context: int | None = None) -> list[dict]:
     """The production traces of the `environments:` whose feedback is in `thumbs`, each scored by
     its environment's reward and encoded turn by turn with the champion's chat template and the
     environment's tools (`chat.encode`: mask 1 on the assistant's tokens). Each item: `trace_id`,
     `task_id` (`<environment>:trace:<id>`, as its rollouts have), `environment`, `thumbs_up`,
     `scores` (None: the reward cannot judge), `token_ids`, `model_mask`, `completion`; or `error`
-    (why it cannot be used).
+    (why it cannot be used: also a conversation longer than the model's `context` positions,
+    which no position embedding can take).
     """
     import json
 
@@ -118,6 +120,9 @@ def encoded_traces(validated: Path, specs: dict, root: Path, tokenizer,
             item["scores"] = contract.score(envs[name], task, task["messages"] + messages[start:])
             item["token_ids"], item["model_mask"] = chat.encode(templates[name].for_task(task),
                                                                  messages)
+            if context is not None and len(item["token_ids"]) > context:
+                raise ValueError(f"{len(item['token_ids'])} tokens, more than the model's "
+                                 f"{context} positions")
         except Exception as err:  # one odd trace: counted and said; the others still train
             item["error"] = f"{type(err).__name__}: {err}"
             print(f"train: trace {trace['trace_id']} not used: {item['error']}", file=sys.stderr)
@@ -126,7 +131,8 @@ def encoded_traces(validated: Path, specs: dict, root: Path, tokenizer,
 
 
 def trace_conversations(validated: Path, specs: dict, root: Path, tokenizer,
-                        end_ids: tuple[int, ...] = ()) -> tuple[list, dict]:
+                        end_ids: tuple[int, ...] = (), context: int | None = None
+                        ) -> tuple[list, dict]:
     """SFT rows from the production traces with a thumbs up (an `environments:` section): each
     trace's own conversation, its tool calls and tool results included (`encoded_traces`: the
     loss on the assistant's tokens only). A trace is kept when its environment's reward gives its
@@ -137,7 +143,7 @@ def trace_conversations(validated: Path, specs: dict, root: Path, tokenizer,
     counts = {"trace_examples": 0, "traces_thumbs_up": 0, "traces_reward_disagrees": 0,
               "traces_unusable": 0}
     rows = []
-    for item in encoded_traces(validated, specs, root, tokenizer, end_ids):
+    for item in encoded_traces(validated, specs, root, tokenizer, end_ids, context=context):
         counts["traces_thumbs_up"] += 1
         if item["error"] is not None:
             counts["traces_unusable"] += 1
@@ -151,6 +157,13 @@ def trace_conversations(validated: Path, specs: dict, root: Path, tokenizer,
                      "logprobs": None, "chat": True})
     counts["trace_examples"] = len(rows)
     return rows, counts
+
+
+def model_context(champion: Path) -> int | None:
+    """How many positions the champion takes (its config's `max_position_embeddings`)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(champion), "max_position_embeddings", None)
 
 
 def chat_tokenizer(champion: Path):
@@ -346,7 +359,8 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
     traced = []
     if specs and config.algorithm == "sft" and validated is not None:
         tokenizer, ends = chat_tokenizer(champion)
-        traced, found = trace_conversations(validated, specs, root or Path.cwd(), tokenizer, ends)
+        traced, found = trace_conversations(validated, specs, root or Path.cwd(), tokenizer, ends,
+                                            context=model_context(champion))
         examples = examples + method.examples(traced)[0]
         counts.update(found)
     if len(specs or {}) > 1:  # the environments' shares of the examples, by weight
@@ -359,7 +373,7 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
             tokenizer, ends = chat_tokenizer(champion)
             more, feedback = method.chat_feedback_pairs(
                 rows, encoded_traces(validated, specs, root or Path.cwd(), tokenizer, ends,
-                                     thumbs=(True, False)),
+                                     thumbs=(True, False), context=model_context(champion)),
                 {(e["task_id"], e["completion"]) for e in examples})
             examples = examples + more
             counts.update(feedback)

@@ -580,6 +580,11 @@ def test_a_thumbs_up_trace_is_trained_on_as_it_is_with_its_tool_calls(tmp_path, 
     shown = tok.decode(example["token_ids"])
     assert '<tool_response>\n{"status": "delivered"}\n</tool_response>' in shown
     assert example["chat"] and example["task_id"] == "support:trace:a"
+    # a conversation longer than the model's positions is counted, not trained on (it crashed
+    # the training: an IndexError in the position embedding)
+    examples, counts = train.trace_conversations(validated, specs, REPO, tok,
+                                                 context=10)
+    assert examples == [] and counts["traces_unusable"] == 2 and counts["traces_reward_disagrees"] == 0
 
 
 def test_thumbs_on_traces_become_dpo_pairs_against_their_tasks_rollouts(tmp_path, champion):
