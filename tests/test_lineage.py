@@ -374,3 +374,14 @@ def test_html_report_renders_in_headless_chromium(learned, chromium, tmp_path):
     keep = os.environ.get("OFFSEASON_KEEP_SCREENSHOT")
     if keep:  # for a person to look at
         shutil.copy2(shot, Path(keep))
+
+
+def test_an_id_that_holds_personal_data_is_looked_up_by_its_file_and_line():
+    """Ingest keeps no trace id that holds personal data (it stores `<file>:<line>` instead): asked
+    for such an id, lineage said it never reached the inbox, though a generation learned from it."""
+    from flows.lineage import trace_text
+
+    text = trace_text({"trace_id": "session/jane.doe@acmecorp.com", "read": None, "generations": []})
+    assert "holds personal data" in text and "<file>:<line>" in text, text
+    plain = trace_text({"trace_id": "c1", "read": None, "generations": []})
+    assert "never reached the inbox" in plain
