@@ -393,8 +393,6 @@ def _is_token(match: re.Match) -> bool:
     one character or of the alphabet.
     """
     text = match[0]
-    if text.startswith(_PROOF):
-        return True
     if match.lastgroup in ("url", "dsn", "curl"):  # a password in a URL or curl's -u: any entropy
         return _CREDENTIALS_PLACEHOLDER.search(text.strip(" =\"'")) is None
     if match.lastgroup == "flag":  # a command's password: not a word, a path or a `$VARIABLE`
@@ -405,8 +403,11 @@ def _is_token(match: re.Match) -> bool:
 
 
 def _is_key(text: str) -> bool:
-    """A key found by its prefix, not a placeholder: 2.5 bits a character, no sequence."""
-    return not _not_a_secret(text) and _entropy_at_least(text, 2.5) and not _is_sequence(text)
+    """A key found by its prefix, not a placeholder: one whose prefix no placeholder carries, or
+    2.5 bits a character and no sequence.
+    """
+    return text.startswith(_PROOF) or (not _not_a_secret(text) and _entropy_at_least(text, 2.5)
+                                       and not _is_sequence(text))
 
 
 def _is_secret_value(match: re.Match) -> bool:
@@ -698,8 +699,7 @@ class Scrubber:
 
     def _glued(self, match: re.Match) -> str:
         key = match["key"]
-        return "_" + self._placeholder("secret", key) if key.startswith(_PROOF) or _is_key(key) \
-            else match[0]
+        return "_" + self._placeholder("secret", key) if _is_key(key) else match[0]
 
     def _assignment(self, match: re.Match) -> str:
         if not _is_secret_value(match):

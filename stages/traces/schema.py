@@ -211,9 +211,9 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
     conversation_id, model, created_at = (
         scrubber.text(value) if isinstance(value, str) and maybe_pii(value) else value
         for value in (conversation_id, model, created_at))
-    usage = json.dumps(usage or {})
-    if maybe_pii(usage):
-        usage = json.dumps(scrubber.walk(json.loads(usage)))
+    usage = usage or {}
+    if maybe_pii(dumped := json.dumps(usage)):
+        dumped = json.dumps(scrubber.walk(usage))
     return {
         "trace_id": str(trace_id) if trace_id is not None else f"{source_file}:{source_line}",
         "source_file": source_file,
@@ -226,7 +226,7 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
         "messages": text["messages"],
         "tools": text["tools"],
         "feedback": text["feedback"],
-        "usage": usage,
+        "usage": dumped,
         "user_text": user_text,
         "n_messages": len(messages),
         "n_tool_calls": sum(len(m.get("tool_calls") or []) for m in messages),
