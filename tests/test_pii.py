@@ -195,6 +195,9 @@ def test_json_escapes_hide_nothing():
     assert json.loads(out) == {"to": "<EMAIL_1>", "key": "<SECRET_1>"}, out
     code = "char dash = '\\u002d'; String s = \"a\\/b\";"
     assert scrub(code)[0] == code
+    url = "GET /api/users?email=jane.doe%40corpmail.io&page=2 HTTP/1.1"  # a URL's %40 too
+    assert scrub(url)[0] == "GET /api/users?email=<EMAIL_1>&page=2 HTTP/1.1"
+    assert scrub("width: 40%40px")[0] == "width: 40%40px"
 
 
 def test_a_rows_ids_usage_and_model_are_scrubbed():

@@ -570,7 +570,7 @@ def maybe_pii(text: str) -> bool:
     return (_MAYBE_NAME.search(text.lower()) is not None or _MAYBE_MARK.search(text) is not None
             or _maybe_number(text) or _maybe_ipv6(text) or "-p" in text  # (`mysql -ppw`)
             or "Private-Lines:" in text or _MAYBE_GLUED_KEY_A.search(text) is not None
-            or "\\u00" in text  # JSON's escapes may hide an `@` or a key's `-` (`Scrubber.text`)
+            or "\\u00" in text or "%40" in text  # escapes may hide an `@` or a key's `-` (`Scrubber.text`)
             or (_MAYBE_KEY_A if is_ascii else _MAYBE_KEY).search(text) is not None)
 
 
@@ -598,13 +598,14 @@ def excerpt(text: str, limit: int = 2000) -> str:
 _NUMBERISH, _NUMBERISH_AFTER = frozenset("0123456789)"), frozenset("0123456789(")
 
 
-# JSON's escape of a printable ASCII character other than `"` and `\`, or of `/` (not after a `\`)
-_JSON_ESCAPE = re.compile(r"(?<!\\)\\(?:u00([2-7][0-9a-fA-F])|/)")
+# JSON's escape of a printable ASCII character other than `"` and `\`, or of `/` (not after a `\`);
+# a URL's `%40` (`?email=ann%40corp.com`)
+_JSON_ESCAPE = re.compile(r"(?<!\\)\\(?:u00([2-7][0-9a-fA-F])|/)|%40")
 
 
 def _unescape(match: re.Match) -> str:
     if match[1] is None:
-        return "/"
+        return "@" if match[0] == "%40" else "/"
     char = chr(int(match[1], 16))
     return match[0] if char in '"\\\x7f' else char
 
@@ -634,10 +635,10 @@ class Scrubber:
     def text(self, value: str) -> str:
         r"""The text with PII replaced by placeholders, counted (`_scrub`). A text holding JSON's
         escapes of printable ASCII (`\u0040` for `@`, `\u002d` for `-`, `\/`: tool arguments as a
-        JSON string may) is scrubbed with them undone, where that finds what they hid; else it
-        stays as it was (`"\u002d"` in a program is no secret).
+        JSON string may) or a URL's `%40` is scrubbed with them undone, where that finds what they
+        hid; else it stays as it was (`"\u002d"` in a program is no secret).
         """
-        if "\\u00" in value or "\\/" in value:
+        if "\\u00" in value or "\\/" in value or "%40" in value:
             decoded = _JSON_ESCAPE.sub(_unescape, value)
             if decoded != value:
                 scrubbed = self._scrub(decoded)
