@@ -711,10 +711,9 @@ def trace_text(found: dict) -> str:
                 f"generation learned from it")
     elif not found["generations"]:
         if "read" in found and read is None:
-            from stages.traces.pii import KINDS, Scrubber, maybe_pii
+            from stages.traces.schema import id_holds_pii
 
-            if maybe_pii(found["trace_id"]) and \
-                    Scrubber(set(KINDS)).text(found["trace_id"]) != found["trace_id"]:
+            if id_holds_pii(found["trace_id"]):
                 # ingest keeps no id that holds personal data: the trace is under its file:line
                 return (f"{head}: this id holds personal data, which ingest does not keep: a "
                         f"trace that carried it is kept under its inbox file and line; look it "

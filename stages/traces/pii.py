@@ -600,7 +600,7 @@ _NUMBERISH, _NUMBERISH_AFTER = frozenset("0123456789)"), frozenset("0123456789("
 
 # JSON's escape of a printable ASCII character other than `"` and `\`, or of `/` (not after a `\`);
 # a URL's `%40` (`?email=ann%40corp.com`)
-_JSON_ESCAPE = re.compile(r"(?<!\\)\\(?:u00([2-7][0-9a-fA-F])|/)|%40")
+_ESCAPE = re.compile(r"(?<!\\)\\(?:u00([2-7][0-9a-fA-F])|/)|%40")
 
 
 def _unescape(match: re.Match) -> str:
@@ -639,7 +639,7 @@ class Scrubber:
         hid; else it stays as it was (`"\u002d"` in a program is no secret).
         """
         if "\\u00" in value or "\\/" in value or "%40" in value:
-            decoded = _JSON_ESCAPE.sub(_unescape, value)
+            decoded = _ESCAPE.sub(_unescape, value)
             if decoded != value:
                 scrubbed = self._scrub(decoded)
                 if scrubbed != decoded:

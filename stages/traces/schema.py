@@ -184,6 +184,19 @@ def _may_name(value: str) -> bool:
     return _PLAIN_ID.fullmatch(value) is None and maybe_pii(value)
 
 
+def id_holds_pii(trace_id: str, scrubber=None) -> bool:
+    """True if ingest replaces this trace id by the trace's `<file>:<line>` (it holds personal
+    data); `scrubber` counts what it finds (a fresh one of every kind when None). `make_row`
+    decides by it, and `offseason lineage --trace` explains a lookup that finds nothing by it.
+    """
+    if not _may_name(trace_id):
+        return False
+    if scrubber is None:
+        from stages.traces.pii import KINDS, Scrubber
+        scrubber = Scrubber(set(KINDS))
+    return scrubber.text(trace_id) != trace_id
+
+
 def _text(content) -> str:
     """A message's content as text: a list of parts (`[{"type": "text", "text": ...}]`, images
     too) is its text parts joined, not the list's Python repr.
@@ -221,8 +234,7 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
     # usage record of numbers are let through untested: testing them cost a tenth of ingest
     trace_id, conversation_id, model, usage, created_at = (trace.get(key) for key in (
         "trace_id", "conversation_id", "model", "usage", "created_at"))
-    if trace_id is not None and _may_name(str(trace_id)) \
-            and scrubber.text(str(trace_id)) != str(trace_id):
+    if trace_id is not None and id_holds_pii(str(trace_id), scrubber):
         trace_id = None  # an id that held PII: the file and line name the trace instead
     conversation_id, model, created_at = (
         scrubber.text(value) if isinstance(value, str) and _may_name(value) else value
