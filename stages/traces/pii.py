@@ -388,9 +388,9 @@ _PROOF = ("AGE-SECRET-KEY-1", "pypi-AgE", "-----BEGIN")
 
 
 def _is_token(match: re.Match) -> bool:
-    """A provider's key, not its placeholder (`ghp_xxxx...`, `AKIAXXXX...`, `sk-ant-abc123...`):
-    2.5 bits of entropy a character or more (a random key of 20 characters has over 4), no run of
-    one character or of the alphabet.
+    """MARKED's match is a secret, not a placeholder: a password in a URL or given to a command
+    by their own rules, anything else as a key (`_is_key`: 2.5 bits of entropy a character or more,
+    no run of one character or of the alphabet).
     """
     text = match[0]
     if match.lastgroup in ("url", "dsn", "curl"):  # a password in a URL or curl's -u: any entropy
@@ -425,15 +425,18 @@ def _is_secret_value(match: re.Match) -> bool:
         return False  # short, and no password (below): the costlier tests need not run
     if value[0] in "/~" and name[:2] in ("pw", "pW", "Pw", "PW"):
         return False  # the shell's working folder, `PWD=/home/ann/proj1`, `OLDPWD=~/src`
+    # the digits counted once (in ASCII `\d` is 0-9: deleted in C, not listed)
+    is_ascii = value.isascii()
+    digits = (len(value) - len(value.encode().translate(None, b"0123456789")) if is_ascii
+              else len(DIGIT.findall(value)))
     # letters alone are words and names (`getuser`, `HTTPPasswordMgrWithDefaultRealm`), not keys
-    if (not any(map(str.isdigit, value)) or (comma and not quote)
+    # (a digit of any script: `²` too)
+    if ((not digits and (is_ascii or not any(map(str.isdigit, value)))) or (comma and not quote)
             or _not_a_secret(value) or _is_sequence(value) or _PROVIDER_PREFIX.match(value)
             or value.startswith(("ssh-", "ecdsa-sha2-"))):  # an SSH key's type: `ssh-ed25519`
         return False
     if password and _entropy_at_least(value, 2.3) and (quote or any(map(str.isalpha, value))):
         return not _names_no_secret(match)  # `password = "hunter2!x"`, `DB_PASSWORD=Welcome1!`
-    digits = (len(value) - len(value.encode().translate(None, b"0123456789")) if value.isascii()
-              else len(DIGIT.findall(value)))  # in ASCII `\d` is 0-9: deleted in C, not listed
     if len(value) < 10 or (comma and digits < 2):
         return False  # short; or a list of names, `"tokens", "symbol2label"`
     if "." in value and digits < 3 and _ATTRIBUTE.fullmatch(value):
@@ -620,14 +623,14 @@ class Scrubber:
         """A scrubber of the PII `kinds`, its counts at zero."""
         self.kinds = kinds
         self.counts = _ZERO.copy()  # (a copy is made 4 times as fast as `dict.fromkeys`)
-        self.placeholders: dict[tuple[str, str], str] = {}
-        self.numbers = _ZERO.copy()
+        # {(kind, value): its placeholder}, and {kind: placeholders of that kind so far} (one dict)
+        self.placeholders: dict = {}
 
     def _placeholder(self, kind: str, value: str) -> str:
         key = (kind, value.lower() if kind == "email" else value)
         placeholder = self.placeholders.get(key)
         if placeholder is None:
-            number = self.numbers[kind] = self.numbers[kind] + 1
+            number = self.placeholders[kind] = self.placeholders.get(kind, 0) + 1
             placeholder = self.placeholders[key] = f"<{kind.upper()}_{number}>"
         self.counts[kind] += 1
         return placeholder
@@ -662,7 +665,7 @@ class Scrubber:
                 value = PRIVATE_KEY.sub(self._secret, value)
             if "Private-Lines:" in value:
                 value = PUTTY_KEY.sub(self._secret, value)
-            value = (_SECRET_A if is_ascii else SECRET).sub(self._token, value)
+            value = (_SECRET_A if is_ascii else SECRET).sub(self._key, value)
             if "_" in value:
                 value = GLUED_SECRET.sub(self._glued, value)
             if _MAYBE_MARKED.search(value) is not None:
@@ -687,6 +690,10 @@ class Scrubber:
     # what each pattern's match becomes: its placeholder, if the match passes its check
     def _secret(self, match: re.Match) -> str:
         return self._placeholder("secret", match[0])
+
+    def _key(self, match: re.Match) -> str:  # SECRET's (a match of no group: `_is_key` alone)
+        text = match[0]
+        return self._placeholder("secret", text) if _is_key(text) else text
 
     def _token(self, match: re.Match) -> str:
         if not _is_token(match):
