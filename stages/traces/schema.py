@@ -126,7 +126,11 @@ def content_hash(messages_json: str) -> str:
     """
     canonical = _IDS.sub("", messages_json) if '"id": "' in messages_json or \
         '"tool_call_id": "' in messages_json else messages_json
-    if "  " in canonical or "\\" in canonical or "\t" in canonical:  # the regex only if needed
+    # the regex only where it changes something (it tries at every space: 18 us of a 22 us hash,
+    # a sixth of ingest): in printable ASCII that is a double space or an escaped \n, \r, \t
+    if ("  " in canonical or "\\" in canonical or "\t" in canonical) and (
+            "  " in canonical or "\\n" in canonical or "\\r" in canonical or "\\t" in canonical
+            or not (canonical.isascii() and canonical.isprintable())):
         canonical = _SPACE.sub(" ", canonical)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
