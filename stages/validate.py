@@ -55,11 +55,14 @@ class ValidationFailed(RuntimeError):
 def flatten(traces: pd.DataFrame, env) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """One row per trace, per message and per tool call, each keyed by the trace's row number."""
     per_trace, per_message, per_call = [], [], []
-    for row, trace in enumerate(traces.itertuples(index=False)):
-        messages = json.loads(trace.messages)
-        task = env.task_from_messages(messages, tools=json.loads(trace.tools or "[]"))
-        per_trace.append({"row": row, "trace_id": trace.trace_id, "n_messages": trace.n_messages,
-                          "user_text": trace.user_text,
+    # the columns it reads as lists (`itertuples` made a Python value of every cell, of every column)
+    columns = (traces[name].tolist() for name in ("trace_id", "n_messages", "user_text", "messages",
+                                                  "tools"))
+    for row, (trace_id, n_messages, user_text, messages, tools) in enumerate(zip(*columns)):
+        messages = json.loads(messages)
+        task = env.task_from_messages(messages, tools=json.loads(tools or "[]"))
+        per_trace.append({"row": row, "trace_id": trace_id, "n_messages": n_messages,
+                          "user_text": user_text,
                           "question": task["question"] if task else None,
                           "answer": task["answer"] if task else None})
         for index, message in enumerate(messages):
@@ -323,7 +326,10 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
         good["question"] = questions.astype("string")
         good["answer"] = tasks.answer.astype("string")  # the environment's, from its trace
         # from the flattened tables: the messages were parsed once already
-        tools_of = per_call.groupby("row")["name"].apply(list).to_dict()
+        # (a loop: pandas' groupby-apply called Python once a trace, a fifth of the stage)
+        tools_of: dict[int, list[str]] = {}
+        for r, name in zip(per_call["row"].tolist(), per_call["name"].tolist()):
+            tools_of.setdefault(r, []).append(name)
         kept = [r for r in range(len(traces)) if r not in failures]
         for r, n_messages, feedback, question in zip(
                 kept, good.n_messages.tolist(), good.feedback.tolist(), questions.tolist()):
