@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from flows.workspace import WorkspaceError, generations, git, read_at, run
+from flows.workspace import DVC_ADDED, WorkspaceError, generations, git, read_at, run
 
 
 def how(gate: dict) -> str:
@@ -460,7 +460,7 @@ def verify(root: Path, ref: str) -> dict:
     tracked = {p for s in chain["stages"].values() for kind in ("deps", "outs") for p in
                (i["path"] for i in s[kind])
                if p not in in_git and not any(g.startswith(p + "/") for g in in_git)}
-    tracked |= {"data/inbox", "models/champion"}
+    tracked |= set(DVC_ADDED)
     items: dict[tuple[str, str], str] = {}  # (path, md5) -> who recorded it
     for name, stage in chain["stages"].items():
         for kind in ("deps", "outs"):

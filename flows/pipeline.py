@@ -108,7 +108,8 @@ class Session:
             raise WorkspaceError(f"{command} did not finish: the DVC process ended (exit "
                                  f"{self.proc.wait()})" + "".join(f"\n{x}" for x in lines[-15:]))
         if check and code != 0:
-            raise WorkspaceError(f"{command} failed (exit {code}):\n" + "\n".join(lines[-15:]))
+            raise WorkspaceError(f"{command} failed (exit {code}):\n" + "\n".join(lines[-15:])
+                                 + workspace.quiet_hint(["dvc", *args], lines))
         return code, "\n".join(lines)
 
     def close(self, kill: bool = False) -> None:
@@ -334,7 +335,7 @@ def begin(root: Path, session: Session | None = None) -> Start:
             # exit 1: the inbox differs from its snapshot (`dvc repro` takes a new one)
             new_traces = session.run(["status", "--quiet", "data/inbox.dvc"], check=False)[0] != 0
         else:  # the first cycle: the snapshot that `dvc repro` keeps up to date from now on
-            session.run(["add", "--quiet", "data/inbox"])
+            session.run(["add", "data/inbox"])  # (not --quiet: that hides why it failed)
             new_traces = True
         # the environments' modules by content: a dep of the stages that run them (dvc.yaml)
         workspace.note_environments(root)

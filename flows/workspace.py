@@ -81,8 +81,18 @@ def run(cmd: list[str], root: Path, check: bool = True, on_line: Callable[[str],
     if check and result.returncode != 0:
         output = (result.stdout + result.stderr).strip().splitlines()[-15:]
         raise WorkspaceError(f"`{' '.join(cmd)}` failed (exit {result.returncode}):\n"
-                             + "\n".join(output))
+                             + "\n".join(output) + quiet_hint(cmd, output))
     return result
+
+
+def quiet_hint(cmd: list[str], output: list[str]) -> str:
+    """For a failed command that said nothing because of `--quiet` (DVC's hides its errors too):
+    how to see why.
+    """
+    if any(line.strip() for line in output) or "--quiet" not in cmd or Path(cmd[0]).name != "dvc":
+        return ""
+    loud = " ".join(arg for arg in cmd if arg != "--quiet")
+    return f"(nothing said: --quiet hides the reason; run `{loud}` in the project to see it)"
 
 
 def git(root: Path, *args: str, check: bool = True) -> str:
@@ -335,6 +345,9 @@ def _held_by(root: Path, path: Path) -> str:
 
 
 ENVIRONMENT_SOURCES = Path("data") / "environments.json"  # a dep of the stages in dvc.yaml
+# what the cycles and promotion `dvc add` themselves: never git's, even before their first `.dvc`
+# file exists (the inbox holds production traces as they came, personal data and all)
+DVC_ADDED = ("data/inbox", "models/champion")
 COLLECT_SPOOL = Path(".offseason") / "collect"  # `offseason collect`'s journal and lock
 # what a stopped receiver kept in its journal, unfinished (`offseason run` says so)
 COLLECT_HELD = COLLECT_SPOOL / "held.json"
@@ -402,9 +415,10 @@ def cycle_inputs(root: Path) -> list[str]:
     """What a cycle reads that git keeps, not DVC: every dep in dvc.yaml that no stage writes and
     no `.dvc` file tracks (the stages' code, the task and benchmark files), and the environments'
     own files in the project (each module's files as `note_environments` hashes them, its task
-    and benchmark files, a judge rubric file). A cycle commits them with itself: one run on a
-    module or a task file never committed could not be traced back or verified (`offseason
-    lineage --verify`). Paths relative to `root`, those git ignores left out.
+    and benchmark files, a judge rubric file); never what DVC is given (`DVC_ADDED`: the inbox).
+    A cycle commits them with itself: one run on a module or a task file never committed could
+    not be traced back or verified (`offseason lineage --verify`). Paths relative to `root`,
+    those git ignores left out.
     """
     import yaml
 
@@ -417,7 +431,8 @@ def cycle_inputs(root: Path) -> list[str]:
                for stage in stages.values() for key in ("outs", "metrics", "plots")
                for entry in stage.get(key) or []}
     paths = {root / dep for stage in stages.values() for dep in stage.get("deps") or []
-             if isinstance(dep, str) and dep not in written and not (root / f"{dep}.dvc").exists()}
+             if isinstance(dep, str) and dep not in written and not (root / f"{dep}.dvc").exists()
+             and not any(dep == added or dep.startswith(added + "/") for added in DVC_ADDED)}
     params = root / "params.yaml"
     for name, spec in cfg.environments(params).items():
         env = contract.load(name, spec.module, root)

@@ -177,3 +177,28 @@ def test_a_rollback_to_a_generation_that_does_not_exist_says_which_do(tmp_path):
         subprocess.run(["git", "tag", tag], cwd=tmp_path, check=True)
     with pytest.raises(WorkspaceError, match=r"no generation gen-9: the tags are gen-0, gen-1$"):
         promotion.rollback(tmp_path, "m", "a reason", "me", to=9)
+
+
+def test_the_inbox_is_never_among_what_a_cycle_commits_to_git(tmp_path):
+    """Before the first cycle `dvc add`s it there is no data/inbox.dvc, and the inbox (production
+    traces as they came, personal data and all) was taken for a dep that git keeps: `offseason
+    init` committed it, and the first `offseason run` then failed (DVC will not add what git
+    tracks), saying nothing because of --quiet.
+    """
+    from pathlib import Path
+
+    from flows.workspace import cycle_inputs, quiet_hint
+
+    repo = Path(__file__).resolve().parents[1]
+    for name in ("dvc.yaml", "params.yaml"):
+        (tmp_path / name).write_text((repo / name).read_text())
+    (tmp_path / "data" / "inbox").mkdir(parents=True)
+    (tmp_path / "data" / "inbox" / "prod.jsonl").write_text('{"messages": []}\n')
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    inputs = cycle_inputs(tmp_path)
+    assert not [p for p in inputs if p == "data/inbox" or p.startswith("data/inbox/")], inputs
+    # a DVC command that failed saying nothing says how to see why
+    assert quiet_hint(["/x/.venv/bin/dvc", "add", "--quiet", "data/inbox"], []) == \
+        "(nothing said: --quiet hides the reason; run `/x/.venv/bin/dvc add data/inbox` in the " \
+        "project to see it)"
+    assert quiet_hint(["dvc", "add", "--quiet", "x"], ["ERROR: output 'x' is already tracked"]) == ""
