@@ -577,6 +577,25 @@ def maybe_pii(text: str) -> bool:
             or (_MAYBE_KEY_A if is_ascii else _MAYBE_KEY).search(text) is not None)
 
 
+# Strings `maybe_pii` turned down, remembered: agents' traces repeat their system prompt, tool
+# schemas, roles and keys trace after trace (a lookup costs the string's hash; the test ~40 ns a
+# character). Emptied when full: each trace's own strings churn through it.
+_NO_PII: dict[str, None] = {}
+_NO_PII_MAX = 1 << 16
+
+
+def holds_pii(text: str) -> bool:
+    """`maybe_pii`, remembering the strings it turned down."""
+    if text in _NO_PII:
+        return False
+    if maybe_pii(text):
+        return True
+    if len(_NO_PII) >= _NO_PII_MAX:
+        _NO_PII.clear()
+    _NO_PII[text] = None
+    return False
+
+
 _BREAKS = (" ", "\n", "\t", '"', "'", ",", ";", "\\", "(", "[", "{", "<")
 
 
@@ -742,13 +761,14 @@ class Scrubber:
         """Every string inside lists and dicts (tool arguments, nested content parts) too, keys
         included (`{"ann@corp.com": "cc"}`), and whole numbers as their digits (a card number
         logged as a JSON number, `{"card": 4111111111111111}`, becomes its placeholder string).
+        Each string passes the cheap test first (`holds_pii`), which remembers what it cleared.
         """
         if isinstance(value, str):
-            return self.text(value)
+            return self.text(value) if holds_pii(value) else value
         if isinstance(value, list):
             return [self.walk(v) for v in value]
         if isinstance(value, dict):
-            return {self.text(k) if isinstance(k, str) and maybe_pii(k) else k:
+            return {self.text(k) if isinstance(k, str) and holds_pii(k) else k:
                     self._field(k, v) if isinstance(v, str) else self.walk(v)
                     for k, v in value.items()}
         if type(value) is int and abs(value) >= 10_000_000:  # a phone has 8 digits or more
@@ -770,4 +790,4 @@ class Scrubber:
                 if match and match["v"] == value and match.end("v") == len(text) - 1 \
                         and _is_secret_value(match):
                     return self._placeholder("secret", value)
-        return self.text(value)
+        return self.text(value) if holds_pii(value) else value
