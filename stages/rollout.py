@@ -148,8 +148,11 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
     templates = {name: chat.Template.of(tokenizer, list(env.tools), ends)
                  for name, env in envs.items()}
     rows, stats = [], []
+    refused: list[str] = []  # the chat template's words on turns it refused (`template_error`)
 
     def add(name: str, task: dict, sample: int, episode) -> None:
+        if episode.template_error:
+            refused.append(f"{name}:{task['task_id']}: {episode.template_error}")
         added = episode.messages[len(task["messages"]):]
         rows.append({  # ids of different environments' tasks may coincide
             "task_id": f"{name}:{task['task_id']}", "environment": name, "sample": sample,
@@ -240,6 +243,8 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
             "tokens_per_second": round(generated / max(seconds, 1e-9)),
             "truncated": sum(r["finish"] == "length" for r in rows),
             "turn_limited": sum(r["finish"] == "turns" for r in rows),
+            # turns the model's own chat template refused (ended there, scored as they stand)
+            "template_refused": len(refused), "template_refused_first": refused[0] if refused else None,
             "errors": sum(r["error"] is not None for r in rows), "environments": per_env}
 
 
@@ -358,6 +363,11 @@ def main(argv: list[str] | None = None) -> None:
     io.write_metrics(args.metrics, metrics)
     print(f"rollout: {metrics['episodes']} episodes for {metrics['tasks']} tasks in "
           f"{metrics['seconds']} s", file=sys.stderr)
+    if metrics.get("template_refused"):
+        print(f"rollout: {metrics['template_refused']} episode(s) ended on a turn the model's own "
+              f"chat template refuses (first: {metrics['template_refused_first']}); they score as "
+              f"they stand, and training on them teaches the format the template takes",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 folder (random-initialised Qwen2 weights, a byte-level BPE tokenizer trained here, Qwen2.5's chat
 template with tools) that `AutoModelForCausalLM` / `AutoTokenizer` load like any hub model;
 `build(folder, "llama")` the same with Llama weights, Llama 3's special tokens and Llama 3.1's JSON
-tool template. `build_support_agent(folder)`: the Qwen2 one after a few seconds of SFT on the support
+tool template; `build(folder, "mistral")` with Mistral weights, Mistral v0.3's control tokens and its
+official tool template (tests/fixtures/templates/mistral_official.jinja: `[TOOL_CALLS]`, ids of nine
+letters and digits). `build_support_agent(folder)`: the Qwen2 one after a few seconds of SFT on the support
 example's gold conversations (conftest's session-wide `chat_champion_once`).
 
 Not a test file: tests import it (`from chat_model import build`).
@@ -205,6 +207,12 @@ LLAMA31_TEMPLATE = """{{- bos_token }}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}
 """
+# Mistral-7B-Instruct-v0.3's control tokens, ids 0-9 in this order
+MISTRAL_SPECIAL = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                   "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+# its chat template (tokenizer_config.json of mistralai/Mistral-7B-Instruct-v0.3), as vLLM's
+# examples/tool_chat_template_mistral_official.jinja publishes it (the fixture's README)
+MISTRAL_TEMPLATE = (Path(__file__).parent / "fixtures" / "templates" / "mistral_official.jinja").read_text()
 LLAMA_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                  "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]  # all special in Llama 3
 
@@ -238,6 +246,13 @@ def corpus(family: str = "qwen2") -> list[str]:
     result = json.dumps({"temperature": 21, "sky": "sunny"})
     tools = json.dumps(WEATHER_TOOL) + "\n" + json.dumps(ADD_TOOL)
     chat = []
+    if family == "mistral":
+        for n, call in enumerate(calls):
+            chat.append("[TOOL_CALLS] [" + json.dumps({**call, "id": f"a{n}b2c3d4e"}) + "]</s>")
+            chat.append('[TOOL_RESULTS] {"content": ' + result + f', "call_id": "a{n}b2c3d4e"}}[/TOOL_RESULTS]')
+        chat.append("[AVAILABLE_TOOLS] [" + tools.replace("\n", ", ") + "][/AVAILABLE_TOOLS]")
+        chat += [f"[INST] {line}[/INST] {line}</s>" for line in english]
+        return english + numbers + chat
     if family == "llama":
         def turn(role, text):
             return f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>"
@@ -282,11 +297,11 @@ def train_tokenizer(family: str = "qwen2", vocab_size: int = 1024):
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
-    special = LLAMA_SPECIAL if family == "llama" else SPECIAL
+    special = {"llama": LLAMA_SPECIAL, "mistral": MISTRAL_SPECIAL}.get(family, SPECIAL)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(corpus(family), trainer=trainer)
-    if family != "llama":
+    if family == "qwen2":
         tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TOOL_TAGS])
     return tokenizer
 
@@ -301,32 +316,40 @@ def build(folder: Path, family: str = "qwen2") -> Path:
     "llama": `LlamaConfig`, bos `<|begin_of_text|>`, eos `<|eot_id|>` (generation also stops at
     `<|eom_id|>` and `<|end_of_text|>`), pad `<|end_of_text|>`, Llama 3.1's JSON tool template
     (`LLAMA31_TEMPLATE`: the llama3_json parser).
+    "mistral": `MistralConfig`, bos `<s>`, eos `</s>`, pad `<unk>`, Mistral v0.3's official template
+    (`MISTRAL_TEMPLATE`: the mistral parser; it refuses tool-call ids other than nine letters and
+    digits, as the real one does).
     """
     import torch
     from transformers import (
         GenerationConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         PreTrainedTokenizerFast,
         Qwen2Config,
         Qwen2ForCausalLM,
     )
 
-    if family not in ("qwen2", "llama"):
-        raise ValueError(f"unknown family {family!r}: 'qwen2' or 'llama'")
+    if family not in ("qwen2", "llama", "mistral"):
+        raise ValueError(f"unknown family {family!r}: 'qwen2', 'llama' or 'mistral'")
     llama = family == "llama"
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tokens = ({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|end_of_text|>"}
-              if llama else {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    tokens = {"llama": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                        "pad_token": "<|end_of_text|>"},
+              "mistral": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<unk>"},
+              }.get(family, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(family), model_max_length=2048,
                                         clean_up_tokenization_spaces=False, **tokens)
-    tokenizer.chat_template = LLAMA31_TEMPLATE if llama else QWEN25_TEMPLATE
+    tokenizer.chat_template = {"llama": LLAMA31_TEMPLATE, "mistral": MISTRAL_TEMPLATE}.get(family, QWEN25_TEMPLATE)
     tokenizer.save_pretrained(folder)
     bos, eos, pad = tokenizer.convert_tokens_to_ids(
         [tokens.get("bos_token", tokens["pad_token"]), tokens["eos_token"], tokens["pad_token"]])
     stops = tokenizer.convert_tokens_to_ids(["<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"]) if llama else eos
-    Config, Model = (LlamaConfig, LlamaForCausalLM) if llama else (Qwen2Config, Qwen2ForCausalLM)
+    Config, Model = {"llama": (LlamaConfig, LlamaForCausalLM),
+                     "mistral": (MistralConfig, MistralForCausalLM)}.get(family, (Qwen2Config, Qwen2ForCausalLM))
     config = Config(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
                     max_position_embeddings=2048, tie_word_embeddings=True,

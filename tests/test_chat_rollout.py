@@ -30,7 +30,7 @@ def tasks(support):
     return contract.load_tasks(REPO / "examples/support/tasks.jsonl", support)
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "mistral"])
 def family(request, tmp_path_factory):
     folder = build(tmp_path_factory.mktemp(request.param), request.param)
     return (request.param, AutoTokenizer.from_pretrained(folder),
@@ -77,10 +77,18 @@ def test_the_mask_token_by_token_on_two_tool_calls(family, support):
                    '<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "A1002"}}\n'
                    '</tool_call><|im_end|>',
                    "A1001 is delivered and A1002 has shipped.<|im_end|>"]
-    else:  # Llama 3.1's JSON format: "parameters", one call a message, <|eot_id|>
+    elif name == "llama":  # Llama 3.1's JSON format: "parameters", one call a message, <|eot_id|>
         trained = ['{"name": "lookup_order", "parameters": {"order_id": "A1001"}}<|eot_id|>',
                    '{"name": "lookup_order", "parameters": {"order_id": "A1002"}}<|eot_id|>',
                    "A1001 is delivered and A1002 has shipped.<|eot_id|>"]
+    else:  # Mistral v0.3's: ids of nine letters and digits (`call_1` is refused), each turn as a
+        # rollout plays it (its template moves the system prompt to the last user message)
+        trained = ['[TOOL_CALLS] [{"name": "lookup_order", "arguments": {"order_id": "A1001"}, '
+                   '"id": "call00000"}]</s>',
+                   '[TOOL_CALLS] [{"name": "lookup_order", "arguments": {"order_id": "A1002"}, '
+                   '"id": "call00000"}]</s>',
+                   " A1001 is delivered and A1002 has shipped.</s>"]
+        assert template.short_ids and not template.prefix_preserving
     assert [text for bit, text in pieces if bit] == trained
     masked = [text for bit, text in pieces if not bit]
     assert len(masked) == 3  # the prompt, then each tool result with the next generation prompt
@@ -88,6 +96,9 @@ def test_the_mask_token_by_token_on_two_tool_calls(family, support):
     assert "delivered" in masked[1] and "shipped" in masked[2]
     for text in masked[1:]:  # no assistant text is ever masked out, no tool text trained on
         assert "lookup_order" not in text and "has shipped." not in text
+    if name == "mistral":  # each tool result answers its call by the call's id
+        assert [text.split('"call_id": ')[1][:11] for text in masked[1:]] == ['"call00000"'] * 2
+        return
     # token by token, the ids are the template's own rendering of the whole conversation
     whole = tok.apply_chat_template(chat._for_template(messages), tools=list(support.tools),
                                     tokenize=False)
@@ -292,3 +303,45 @@ def test_each_task_is_rendered_and_played_with_its_own_tools(family):
         prompt = template.for_task(task).prompt(task["messages"])
         assert episode.token_ids[:len(prompt)] == prompt
         assert episode.model_mask[:len(prompt)] == [0] * len(prompt) and any(episode.model_mask)
+
+
+def test_a_mistral_turn_with_a_tool_call_is_answered_under_ids_its_template_takes(family, support,
+                                                                                tasks):
+    """Mistral's template refuses any tool-call id but nine letters and digits: offseason's own
+    (`call_0`) and OpenAI's (`call_` + 24) crashed the rollout at the first call and made every
+    logged trace unusable for training.
+    """
+    name, tok, model = family
+    if name != "mistral":
+        pytest.skip("Mistral's template only")
+    template = chat.Template.of(tok, list(support.tools), chat.end_ids(model, tok))
+    game = chat._Play(template, support, [tasks[0]], "mistral", max_turns=3)
+    turn = '[TOOL_CALLS] [{"name": "lookup_order", "arguments": {"order_id": "A1001"}}]</s>'
+    injected = tok.decode(game.on_turn_end(0, _turn(tok, turn)))
+    assert injected.startswith('[TOOL_RESULTS] {"content": ') and "delivered" in injected
+    assert injected.endswith('"call_id": "call00000"}[/TOOL_RESULTS]')
+    # a trace logged by the OpenAI SDK, ids and all, encodes
+    messages = two_calls(support)
+    for message in messages:
+        for c in message.get("tool_calls") or []:
+            c["id"] = "call_" + "aB3" * 8
+        if message["role"] == "tool":
+            message["tool_call_id"] = "call_" + "aB3" * 8
+    ids, mask = chat.encode(template, messages)
+    assert sum(mask) and '"call_id": "call00000"' in tok.decode(ids)
+
+
+def test_a_turn_its_own_template_refuses_ends_the_episode_not_the_stage(family, support, tasks):
+    """Llama 3.1's template takes one tool call a message; a policy that makes two in one turn
+    (the llama3_json parser reads `;`-separated calls) crashed the rollout stage."""
+    name, tok, model = family
+    if name != "llama":
+        pytest.skip("Llama 3.1's template only")
+    template = chat.Template.of(tok, list(support.tools), chat.end_ids(model, tok))
+    game = chat._Play(template, support, [tasks[0]], "llama3_json", max_turns=3)
+    turn = ('<|python_tag|>{"name": "lookup_order", "parameters": {"order_id": "A1001"}}; '
+            '{"name": "lookup_order", "parameters": {"order_id": "A1002"}}<|eom_id|>')
+    assert game.on_turn_end(0, _turn(tok, turn)) == "template"
+    episode = game.episodes[0]
+    assert "only supports single tool-calls" in episode.template_error
+    assert episode.error is None and episode.tool_calls == 2

@@ -32,6 +32,8 @@ from stages.generation import tool_parsers
 _STUB = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
 _PROBE_CALL = {"id": "call_0", "type": "function",
                "function": {"name": "probe", "arguments": json.dumps({"x": "1"})}}
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "probe", "parameters": {"type": "object", "properties": {}}}}]
 
 
 DEFAULT_MAX_TURNS = 4  # tool calls per episode when neither the module nor params say
@@ -49,10 +51,13 @@ class ChatEpisode:
     token_ids: list[int] = field(default_factory=list)  # the whole conversation, as fed
     model_mask: list[int] = field(default_factory=list)  # 1 where the model chose the token
     logprobs: list[float] = field(default_factory=list)  # policy log-prob; 0.0 where forced
-    finish: str = "length"  # "eos" (answered), "turns", "length" or "error"
+    finish: str = "length"  # "eos" (answered), "turns", "length", "error" or "template" (below)
     tool_calls: int = 0  # tool calls answered (tool errors the agent saw included)
     tool_errors: int = 0  # of those: unknown tools, bad arguments, ToolError, malformed calls
     error: str | None = None  # an infrastructure failure (call_tool raised): its cause
+    # the model's own chat template refused its last turn (Llama 3.1's takes one call a turn,
+    # this turn made two): what the template said; the episode ended there (finish "template")
+    template_error: str | None = None
     turns: list[int] = field(default_factory=list)  # per token: 0 prompt, k the k-th turn
 
 
@@ -64,6 +69,9 @@ class Template:
     tools: list[dict] | None
     prefix_preserving: bool = True
     end_markers: tuple[str, ...] = ()
+    # tool-call ids rendered as nine letters and digits: Mistral's templates refuse any other
+    # (`call_0`, OpenAI's `call_` + 24) and vLLM's Mistral parser makes such ids (`short_ids`)
+    short_ids: bool = False
     _variants: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -81,6 +89,7 @@ class Template:
         markers = tuple(sorted({tokenizer.convert_ids_to_tokens(i) for i in ids}, key=len,
                                reverse=True))
         template = cls(tokenizer, list(tools) if tools else None, True, markers)
+        template.short_ids = template._wants_short_ids()
         template.prefix_preserving = template._keeps_prefixes()
         return template
 
@@ -93,7 +102,8 @@ class Template:
             return self
         key = json.dumps(tools, sort_keys=True)
         if key not in self._variants:
-            variant = Template(self.tokenizer, list(tools) or None, True, self.end_markers)
+            variant = Template(self.tokenizer, list(tools) or None, True, self.end_markers,
+                               self.short_ids)
             variant.prefix_preserving = variant._keeps_prefixes()
             self._variants[key] = variant
         return self._variants[key]
@@ -101,8 +111,8 @@ class Template:
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         """The template's text for `messages` (with the tools), as the model reads it."""
         return self.tokenizer.apply_chat_template(
-            _for_template(messages), tools=self.tools, add_generation_prompt=generation_prompt,
-            tokenize=False)
+            _for_template(messages, self.short_ids), tools=self.tools,
+            add_generation_prompt=generation_prompt, tokenize=False)
 
     def ids(self, text: str) -> list[int]:
         """The ids of rendered text: its special tokens are in the text, none are added."""
@@ -144,20 +154,35 @@ class Template:
                 "be kept exact; use a template that appends (most Instruct templates do)")
         return self._tail(before) + after[len(before):]
 
+    def _wants_short_ids(self) -> bool:
+        """Whether the template refuses a tool call's id as OpenAI writes it and takes nine letters
+        and digits (Mistral's: "Tool call IDs should be alphanumeric strings with length 9!").
+        """
+        talk = [{"role": "user", "content": "Hello?"},
+                {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+                {"role": "tool", "tool_call_id": _PROBE_CALL["id"], "content": "ok"}]
+        for short in (False, True):
+            try:
+                self.tokenizer.apply_chat_template(_for_template(talk, short), tools=self.tools or _PROBE_TOOLS,
+                                                   add_generation_prompt=True, tokenize=False)
+            except Exception:  # noqa: BLE001 (a template raises what it likes)
+                continue
+            return short
+        return False
+
     def _keeps_prefixes(self) -> bool:
         """Whether rendering a conversation then a longer one only appends: one tool round, its
         call after a think block (which Qwen3-style templates drop from earlier turns).
         """
-        tools = self.tools or [{"type": "function", "function": {
-            "name": "probe", "parameters": {"type": "object", "properties": {}}}}]
-        saved, self.tools = self.tools, tools
+        saved, self.tools = self.tools, self.tools or _PROBE_TOOLS
         try:
-            talk = [{"role": "user", "content": "Hello?"},
+            # (a system prompt too: Mistral's template moves it to the last user message)
+            talk = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"},
                     {"role": "assistant", "content": "<think>probe</think>",
                      "tool_calls": [_PROBE_CALL]},
                     {"role": "tool", "tool_call_id": "call_0", "content": "ok"},
                     {"role": "assistant", "content": "Done."}]
-            for cut in range(1, len(talk)):
+            for cut in range(2, len(talk)):
                 if not self.render(talk[:cut + 1], False).startswith(
                         self.render(talk[:cut], False)):
                     return False
@@ -168,11 +193,22 @@ class Template:
             self.tools = saved
 
 
-def _for_template(messages: list[dict]) -> list[dict]:
+def _for_template(messages: list[dict], short_ids: bool = False) -> list[dict]:
     """Messages as chat templates expect them: tool-call arguments as objects (Qwen's and Llama's
     templates `tojson` them, so a JSON string would be encoded twice) and content "" rather than
-    None (templates concatenate it).
+    None (templates concatenate it). With `short_ids`, each tool call's id that is not nine letters
+    and digits already (`call_0`, OpenAI's `call_` + 24; vLLM's Mistral ids are kept) becomes one
+    (`call00000`, `call00001`, ... in order of first appearance), the tool results' ids alike.
     """
+    ids: dict[str, str] = {}
+
+    def short(value):
+        if not isinstance(value, str) or (len(value) == 9 and value.isascii() and value.isalnum()):
+            return value
+        if value not in ids:
+            ids[value] = f"call{len(ids):05d}"
+        return ids[value]
+
     out = []
     for message in messages:
         message = dict(message)
@@ -188,8 +224,13 @@ def _for_template(messages: list[dict]) -> list[dict]:
                         function["arguments"] = json.loads(arguments) if arguments.strip() else {}
                     except json.JSONDecodeError:
                         pass  # a malformed call is rendered as the model wrote it
-                calls.append({**call, "function": function})
+                call = {**call, "function": function}
+                if short_ids and "id" in call:
+                    call["id"] = short(call["id"])
+                calls.append(call)
             message["tool_calls"] = calls
+        if short_ids and "tool_call_id" in message:
+            message["tool_call_id"] = short(message["tool_call_id"])
         out.append(message)
     return out
 
@@ -215,7 +256,10 @@ def encode(template: Template, messages: list[dict]) -> tuple[list[int], list[in
     mask = [0] * len(ids)
     i = first
     while i < len(messages):
-        history = messages[:i]
+        # a template that rewrites earlier turns (Mistral's moves its system prompt to the last
+        # user message): each turn as a rollout plays it, after a stub (tool-call ids then
+        # numbered within the turn, as the tool results `after_turn` renders)
+        history = messages[:i] if template.prefix_preserving else _STUB[:1]
         turn = template.render(history + [messages[i]], False)
         start = template.render(history, True)
         if not turn.startswith(start):
@@ -288,9 +332,26 @@ class _Play:
             answers.append({"role": "tool", "tool_call_id": f"call_malformed_{number}",
                             "content": f"Error: {problem}"})
         episode.tool_calls += attempts
-        injected = template.after_turn(episode.messages, answers)
+        try:
+            injected = template.after_turn(episode.messages, answers)
+        except Exception as err:
+            if not _refused(err):
+                raise
+            # the model's turn breaks its own template's rules (two calls where Llama 3.1's takes
+            # one): no next prompt can be rendered, as a server would answer 400; the episode
+            # ends, the policy's failure (finish "template", never an answer), not the stage's
+            episode.messages.extend(answers)
+            episode.template_error = f"{type(err).__name__}: {err}"
+            return "template"
         episode.messages.extend(answers)
         return template.ids(injected)
+
+
+def _refused(err: Exception) -> bool:
+    """True for a chat template's own `raise_exception` (jinja2's TemplateError), not ours."""
+    import jinja2
+
+    return isinstance(err, jinja2.TemplateError)
 
 
 def resolve(rollout, tokenizer, env: contract.Environment) -> tuple[str, int]:
