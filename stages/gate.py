@@ -605,7 +605,12 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
     contamination = {"passed": not contaminated, "items": contaminated,
                      "reason": (f"contamination: {len(contaminated)} benchmark items appear in "
                                 f"the candidate's training data: {', '.join(contaminated[:10])}"
-                                f"{' ...' if len(contaminated) > 10 else ''}") if contaminated
+                                f"{' ...' if len(contaminated) > 10 else ''} (an item trained on no "
+                                f"longer measures anything, and the replay buffer keeps it: replace "
+                                f"those items in the benchmark files, by hand or with `offseason "
+                                f"benchmark refresh` once validate.holdout_fraction holds tasks "
+                                f"out; a benchmark file that is also a task file fails every cycle)")
+                     if contaminated
                      else "contamination: no benchmark item in the training data"}
     checks = {**{f"suite {n}": s for n, s in suites_out.items()}, "forgetting": forgotten,
               **{f"guard {n}": g for n, g in guards.items()}, "contamination": contamination}

@@ -215,6 +215,7 @@ def test_contaminated_benchmark_fails_naming_the_items(tmp_path, tiny):
                                                         f"arith/{leaked[1]['id']}"])
     assert f"arith/{leaked[0]['id']}" in verdict["reason"]
     assert "contamination: 2 benchmark items" in verdict["reason"]
+    assert "replace those items in the benchmark files" in verdict["contamination"]["reason"]
     # the same without the leak: only the contamination rule changes
     rewards.unlink()
     for part in replay.iterdir():
