@@ -558,7 +558,7 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
     kinds = {kind for kind in KINDS if getattr(config, f"scrub_{kind}s")}
     totals, per_format = _counts(), {}
     redactions = dict.fromkeys(KINDS, 0)
-    bad_rows, new_files = [], 0
+    bad_rows, new_files, rated_repeats = [], 0, 0
     unread = {"traces": 0, "reasons": {}, "first": None}  # feedback no stage reads (`feedback_problem`)
     out = Writer(ingested)
     writers = [out]
@@ -607,6 +607,10 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
                 if digest in seen:
                     for bucket in (counts, fmt_counts):
                         bucket["duplicates"] += 1
+                    feedback = item.get("feedback")
+                    if isinstance(feedback, dict) and (isinstance(feedback.get("thumbs_up"), bool)
+                                                       or feedback.get("scores")):
+                        rated_repeats += 1  # kept in its duplicates part, learned from nowhere
                     repeats.setdefault(path.name, []).append({
                         "trace_id": row["trace_id"], "source_file": path.name,
                         "source_line": number, "duplicate_of": row["content_hash"],
@@ -640,6 +644,7 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
     assert totals["rows_read"] == totals["accepted"] + totals["quarantined"] + totals["duplicates"]
     return {**totals, "new_files": new_files, "files_seen_before": len(earlier),
             "per_format": per_format, "pii_redactions": redactions, "feedback_unread": unread,
+            "duplicates_rated": rated_repeats,
             "total_traces": sum(e["accepted"] for e in manifest.values())}
 
 
@@ -684,6 +689,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{metrics['duplicates']} duplicates; PII scrubbed: "
           f"{', '.join(f'{k} {v}' for k, v in metrics['pii_redactions'].items() if v) or 'none'}",
           file=sys.stderr)
+    if metrics["duplicates_rated"]:
+        print(f"ingest: {metrics['duplicates_rated']} duplicate(s) carried a rating (thumbs_up or "
+              f"scores): ingest keeps a conversation's first copy, so those ratings are kept in "
+              f"{args.traces}/duplicates-<file>.parquet and not learned from; have the logger "
+              f"write a rating onto the conversation it rates, or send it once", file=sys.stderr)
     unread = metrics["feedback_unread"]
     if unread["traces"]:
         print(f"ingest: warning: {unread['traces']} accepted trace(s) carry feedback that gives no "

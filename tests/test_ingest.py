@@ -254,3 +254,22 @@ def test_feedback_no_stage_reads_is_counted_and_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "10 accepted trace(s) carry feedback that gives no rating" in err
     assert 'first: day.jsonl line 1: thumbs_up is "yes"' in err and '{"thumbs_up": true' in err
+
+
+def test_a_duplicates_rating_is_counted_and_said_not_dropped_in_silence(tmp_path, capsys):
+    """The same conversation logged twice, the second time with the user's thumbs-up: ingest
+    keeps the first copy (unrated), and the rating went nowhere without a word."""
+    first = json.loads(chat("t1", "2+2", "4"))
+    rated = {**first, "id": "t1-again", "feedback": {"thumbs_up": True}}
+    plain = {**first, "id": "t1-thrice"}
+    (tmp_path / "inbox").mkdir()
+    (tmp_path / "inbox" / "day.jsonl").write_text(
+        "".join(json.dumps(t) + "\n" for t in (first, rated, plain)))
+    ingest.main([str(tmp_path / "inbox"), *(str(tmp_path / name) for name in (
+        "traces", "ingested.parquet", "q.jsonl", "m.json")),
+        "--params", str(Path(__file__).parents[1] / "params.yaml")])
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert (m["accepted"], m["duplicates"], m["duplicates_rated"]) == (1, 2, 1)
+    assert "1 duplicate(s) carried a rating" in capsys.readouterr().err
+    kept = pq.read_table(tmp_path / "traces" / "duplicates-day.jsonl.parquet").to_pylist()
+    assert [json.loads(r["feedback"]) for r in kept] == [{"thumbs_up": True}, {}]
