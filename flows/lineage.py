@@ -615,7 +615,10 @@ def trace(root: Path, trace_id: str, champion_tags: set[str]) -> dict:
         start_md5 = next((d["md5"] for d in stages.get("train", {}).get("deps", [])
                           if d["path"] == "models/champion"), None)
         parent = champion_generation(root, start_md5, generation)
-        if replay and trace_id in training_trace_ids(root, replay, cache):
+        # a cycle whose train stage trained nothing (no example, no reward spread) made no new
+        # weights: its generation is its starting champion's, learned from the trace or not
+        trained = (read_at(root, tag, "metrics/train.json") or {}).get("trained", True)
+        if trained and replay and trace_id in training_trace_ids(root, replay, cache):
             direct.append(tag)
             affected.add(generation)
         elif parent in affected:

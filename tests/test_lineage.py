@@ -172,6 +172,20 @@ def test_trace_finds_every_generation_that_learned_from_it(learned):
     assert f"a duplicate of trace {trace_id}" in text and "trained on it directly: gen-1" in text
 
 
+def test_a_cycle_that_trained_nothing_did_not_train_on_the_trace(learned, tmp_path):
+    """A cycle whose train stage trained nothing (GRPO without a reward spread, too few examples)
+    still holds the trace in its replay buffer: lineage said it "trained on it directly"."""
+    root = tmp_path / "project"
+    shutil.copytree(learned, root, symlinks=True)
+    trace_id = chain(root, "gen-1")["training_traces"][0]
+    metrics = json.loads((root / "metrics/train.json").read_text())
+    (root / "metrics/train.json").write_text(json.dumps({**metrics, "trained": False}))
+    git(root, "commit", "-qam", "gen-3: trained nothing")
+    git(root, "tag", "gen-3")
+    found = json.loads(offseason(root, "lineage", "--trace", trace_id, "--json").stdout)
+    assert found["direct"][0] == "gen-1" and "gen-3" not in found["direct"], found
+
+
 def test_estimate_from_two_cycles_is_within_30_percent_of_the_third(learned, tmp_path):
     # a copy: the third cycle must not change the project the other tests audit
     root = tmp_path / "project"
