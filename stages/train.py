@@ -218,38 +218,49 @@ def _read(rewards: Path) -> list[dict]:
 
 
 def store_and_replay(rows: list[dict], replay: Path, name: str, fraction: float, seed: int,
-                     current: list[dict]) -> tuple[list[dict], int]:
-    """Save this cycle's scored rollouts as a replay part; returns a sample of the examples that
-    the earlier parts give for the algorithm `name` (those not among this cycle's `current` examples).
+                     current: list[dict], traced: list[dict] | None = None) -> tuple[list[dict], int]:
+    """Save this cycle's scored rollouts (`rows`) and the trace examples it trained on (`traced`)
+    as a replay part; returns a sample of the examples that the earlier parts give for the
+    algorithm `name` (those not among this cycle's `current` examples).
 
     The part is named by its content, so a stage killed after writing it and run again neither
-    duplicates it nor replays it as if it were earlier data. Parts written before the stage stored
-    every rollout hold only verified-correct examples: they read as reward 1 (for GRPO, a group
-    without spread).
+    duplicates it nor replays it as if it were earlier data; a part that begins with this cycle's
+    very rollouts (stored by a run with `train.algorithm` switched since) is this cycle's too: not
+    stored again, not replayed. Parts written before the stage stored every rollout hold only
+    verified-correct examples: they read as reward 1 (for GRPO, a group without spread).
     """
     replay.mkdir(parents=True, exist_ok=True)
     stored = [{"task_id": r["task_id"], "completion": r["completion"], "token_ids": r["token_ids"],
                "model_mask": r["model_mask"], "logprobs": r.get("logprobs"),
                "correct": r["correct"], "reward": r["reward"], "chat": bool(r.get("chat")),
-               "environment": r.get("environment")} for r in rows]
-    digest = hashlib.sha256(repr([(r["task_id"], r["completion"], r["reward"])
-                                  for r in stored]).encode())
-    part = replay / f"part-{digest.hexdigest()[:16]}.parquet"
+               "environment": r.get("environment")} for r in rows + (traced or [])]
+    part = replay / f"part-{_rows_digest(stored)[:16]}.parquet"
+    mine = _rows_digest(stored[:len(rows)]) if rows else None
     earlier = []
     for path in sorted(replay.glob("part-*.parquet")):
         if path != part:
             old = pq.read_table(path).to_pylist()
+            if mine is not None and len(old) >= len(rows) and _rows_digest(old[:len(rows)]) == mine:
+                # this cycle's rollouts, stored by a run with another algorithm: what this run
+                # adds is its trace examples, if that run had none
+                stored = stored[len(rows):] if len(old) == len(rows) else []
+                continue
             for row in old:
                 row.setdefault("correct", 1.0)
                 row.setdefault("reward", 1.0)
                 row.setdefault("chat", False)  # parts from before chat episodes existed
             earlier.extend(algorithm(name).examples(old)[0])
-    if stored:
+    if stored and not (part := replay / f"part-{_rows_digest(stored)[:16]}.parquet").exists():
         io.write_parquet(part, pa.Table.from_pylist(stored, schema=REPLAY))
     seen = {(e["task_id"], e["completion"]) for e in current}
     earlier = [e for e in earlier if (e["task_id"], e["completion"]) not in seen]
     chosen = random.Random(seed).sample(earlier, round(fraction * len(earlier)))
     return chosen, len(earlier)
+
+
+def _rows_digest(rows: list[dict]) -> str:
+    return hashlib.sha256(repr([(r["task_id"], r["completion"], r.get("reward"))
+                                for r in rows]).encode()).hexdigest()
 
 
 def _fingerprint(examples: list[dict], champion: Path, config: cfg.Train, seed: int) -> str:
@@ -394,8 +405,8 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
     shutil.rmtree(tmp, ignore_errors=True)
     # the thumbs-up traces trained on are stored too: replayed later, and seen by the gate's
     # contamination check
-    replayed, available = store_and_replay(rows + traced, replay, config.algorithm,
-                                           config.replay_fraction, base.seed, examples)
+    replayed, available = store_and_replay(rows, replay, config.algorithm,
+                                           config.replay_fraction, base.seed, examples, traced)
     hw = trainers.hardware()
     metrics = {"algorithm": config.algorithm, "examples": len(examples), "replayed": len(replayed),
                "replay_available": available, **counts, "device": hw["device"],

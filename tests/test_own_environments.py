@@ -712,3 +712,23 @@ def test_a_tokenizer_without_pad_token_pads_with_eos_and_shards_hash(tmp_path):
     import hashlib
     assert tinylm.weights_digest(tmp_path / "m") == hashlib.sha256(
         (tmp_path / "m" / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_switching_the_algorithm_neither_stores_nor_replays_the_same_rollouts_again(tmp_path):
+    """SFT then DPO on the same rollouts (only train.algorithm changed): DPO stored them again as
+    a second part and replayed its own cycle's rollouts as earlier cycles' data."""
+    def row(i, reward):
+        return {"task_id": f"support:t{i}", "completion": f"answer {i}", "token_ids": [5, 6, 7 + i],
+                "model_mask": [0, 1, 1], "logprobs": [0.0, -0.5, -0.1], "correct": reward,
+                "reward": reward, "chat": True, "environment": "support"}
+    rows = [row(i, float(i % 2)) for i in range(6)]
+    traced = [{**row(9, 1.0), "task_id": "trace:x"}]
+    train.store_and_replay(rows, tmp_path, "sft", 1.0, 0, [], traced)
+    assert len(list(tmp_path.glob("part-*.parquet"))) == 1
+    replayed, available = train.store_and_replay(rows, tmp_path, "dpo", 1.0, 0, [])
+    assert (replayed, available) == ([], 0)
+    assert len(list(tmp_path.glob("part-*.parquet"))) == 1
+    # the next cycle's rollouts are new: stored, and the first cycle's are earlier data
+    later = [{**r, "completion": r["completion"] + "!"} for r in rows]
+    _, available = train.store_and_replay(later, tmp_path, "sft", 1.0, 0, [])
+    assert available > 0 and len(list(tmp_path.glob("part-*.parquet"))) == 2
