@@ -311,8 +311,11 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
                          "source_file": traces.source_file.iloc[r],
                          "source_line": int(traces.source_line.iloc[r]),
                          "format": traces.format.iloc[r], "stage": "validate",
-                         "reason": "; ".join(f"{label} ({meaning[label]})" if label in meaning
-                                             else label for label in failures[r])}
+                         # what it means first, the expectation's name after (it finds the
+                         # check in the Data Docs)
+                         "reason": "; ".join(f"{meaning[label]} (Data Docs: {label})"
+                                             if label in meaning else label
+                                             for label in failures[r])}
                         for r in bad]
         bad_formats = traces.format.iloc[bad].value_counts().to_dict() if bad else {}
         for fmt, n in traces.format.value_counts().items():

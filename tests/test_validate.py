@@ -40,9 +40,10 @@ def test_ge_quarantines_failing_traces_with_reason(tmp_path, monkeypatch, batch)
     assert m["rows_read"] == m["accepted"] + m["quarantined"]
     bad = {b["trace_id"]: b for b in map(json.loads, (tmp_path / "q.jsonl").read_text().splitlines())}
     assert set(bad) == {"chat", "short", "r", "j"}
-    assert "expect_column_values_to_not_be_null(question) (the arith environment found no " \
-        "task in it" in bad["chat"]["reason"]  # what it means, beside the expectation's name
-    assert "(a message's role is none of assistant, developer, system, tool, user)" in \
+    assert bad["chat"]["reason"].startswith("the arith environment found no task in it")
+    assert "(Data Docs: traces: expect_column_values_to_not_be_null(question))" in \
+        bad["chat"]["reason"]  # what it means first, then the expectation's name
+    assert "a message's role is none of assistant, developer, system, tool, user (" in \
         bad["r"]["reason"]
     assert "expect_column_values_to_be_between(n_messages)" in bad["short"]["reason"]
     assert "expect_column_values_to_be_in_set(role)" in bad["r"]["reason"]
