@@ -385,3 +385,18 @@ def test_the_entropy_bound_decides_as_the_count():
     for text in texts:
         for bits in (2.3, 2.5, 3.0):
             assert pii._entropy_at_least(text, bits) == (pii.entropy(text) >= bits), (text, bits)
+
+
+def test_the_memory_of_cleared_strings_is_bounded_and_never_hides_pii():
+    """ingest tests each string of a trace, remembering those that hold nothing to scrub (system
+    prompts and tool schemas repeat trace after trace); the memory stays under 2**24 characters
+    however long the strings, and a string is remembered only when the test turned it down."""
+    from stages.traces import pii
+
+    assert pii.holds_pii("mail ann@corp.com") and "mail ann@corp.com" not in pii._NO_PII
+    assert not pii.holds_pii("You are a helpful assistant.")
+    assert "You are a helpful assistant." in pii._NO_PII
+    for n in range(3):
+        assert not pii.holds_pii(chr(ord("a") + n) * 6_000_000)
+        assert pii._NO_PII_HELD[0] <= 1 << 24
+    assert len(pii._NO_PII) <= 2 and pii._NO_PII_HELD[0] == sum(map(len, pii._NO_PII))

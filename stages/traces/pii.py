@@ -579,9 +579,10 @@ def maybe_pii(text: str) -> bool:
 
 # Strings `maybe_pii` turned down, remembered: agents' traces repeat their system prompt, tool
 # schemas, roles and keys trace after trace (a lookup costs the string's hash; the test ~40 ns a
-# character). Emptied when full: each trace's own strings churn through it.
+# character). Emptied when it holds 2**16 strings or 2**24 characters (16 MB of ASCII): each
+# trace's own strings churn through it.
 _NO_PII: dict[str, None] = {}
-_NO_PII_MAX = 1 << 16
+_NO_PII_HELD = [0]  # characters held
 
 
 def holds_pii(text: str) -> bool:
@@ -590,9 +591,11 @@ def holds_pii(text: str) -> bool:
         return False
     if maybe_pii(text):
         return True
-    if len(_NO_PII) >= _NO_PII_MAX:
+    if len(_NO_PII) >= 1 << 16 or _NO_PII_HELD[0] + len(text) > 1 << 24:
         _NO_PII.clear()
+        _NO_PII_HELD[0] = 0
     _NO_PII[text] = None
+    _NO_PII_HELD[0] += len(text)
     return False
 
 
