@@ -585,6 +585,18 @@ _NO_PII: dict[str, None] = {}
 _NO_PII_HELD = [0]  # characters held
 
 
+_NAMES_SECRET: dict[str, bool] = {}  # a dict key -> whether it names a secret (`_MAYBE_NAME`)
+
+
+def _names_secret(key: str) -> bool:
+    found = _NAMES_SECRET.get(key)
+    if found is None:
+        if len(_NAMES_SECRET) >= 1 << 16:
+            _NAMES_SECRET.clear()
+        found = _NAMES_SECRET[key] = _MAYBE_NAME.search(key.lower()) is not None
+    return found
+
+
 def holds_pii(text: str) -> bool:
     """`maybe_pii`, remembering the strings it turned down."""
     if text in _NO_PII:
@@ -770,8 +782,8 @@ class Scrubber:
             return self.text(value) if holds_pii(value) else value
         if isinstance(value, list):
             return [self.walk(v) for v in value]
-        if isinstance(value, dict):
-            return {self.text(k) if isinstance(k, str) and holds_pii(k) else k:
+        if isinstance(value, dict):  # (keys repeat: remembered, looked up before any call)
+            return {k if k in _NO_PII or not isinstance(k, str) or not holds_pii(k) else self.text(k):
                     self._field(k, v) if isinstance(v, str) else self.walk(v)
                     for k, v in value.items()}
         if type(value) is int and abs(value) >= 10_000_000:  # a phone has 8 digits or more
@@ -785,7 +797,7 @@ class Scrubber:
         arguments logged as an object (`{"password": "..."}`) kept a password that the same
         arguments as a JSON string lost, the key being out of the value's sight.
         """
-        if "secret" in self.kinds and isinstance(key, str) and _MAYBE_NAME.search(key.lower()):
+        if "secret" in self.kinds and isinstance(key, str) and _names_secret(key):
             quoted = json.dumps(value, ensure_ascii=False)
             if quoted[1:-1] == value:  # nothing escaped: the value as JSON text holds it
                 text = f"{json.dumps(key, ensure_ascii=False)}: {quoted}"
