@@ -400,3 +400,23 @@ def test_the_memory_of_cleared_strings_is_bounded_and_never_hides_pii():
         assert not pii.holds_pii(chr(ord("a") + n) * 6_000_000)
         assert pii._NO_PII_HELD[0] <= 1 << 24
     assert len(pii._NO_PII) <= 2 and pii._NO_PII_HELD[0] == sum(map(len, pii._NO_PII))
+
+
+def test_clean_says_true_only_where_walk_changes_nothing():
+    """ingest tests a trace's strings together (`Scrubber.clean`) and walks it only when that
+    finds something: clean must never be true where walk would scrub, the peers' cases and a
+    secret under its name in an object (which the value alone does not show) included."""
+    from pathlib import Path
+
+    cases = [json.loads(line)["text"] for path in sorted(Path(__file__).parent.glob("fixtures/pii/*.jsonl"))
+             for line in path.open()]
+    values = [{"messages": [{"role": "user", "content": text}]} for text in cases[:400]]
+    values += [{"arguments": {"password": "Vq7#kLp2xR9!mZt4"}}, {"n": 4111111111111111},
+               {"jane.roe@acmecorp.com": "cc"}, ["You are a helpful assistant.", {"role": "user"}]]
+    for value in values:
+        s = Scrubber(set(KINDS))
+        walked = Scrubber(set(KINDS)).walk(value)
+        if s.clean(value):
+            assert walked == value, value
+    assert not Scrubber(set(KINDS)).clean({"arguments": {"password": "Vq7#kLp2xR9!mZt4"}})
+    assert Scrubber(set(KINDS)).clean(["You are a helpful assistant.", {"role": "user"}])

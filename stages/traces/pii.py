@@ -603,12 +603,17 @@ def holds_pii(text: str) -> bool:
         return False
     if maybe_pii(text):
         return True
+    _clear(text)
+    return False
+
+
+def _clear(text: str) -> None:
+    """Remember `text` as holding nothing to scrub (emptying the memory when full)."""
     if len(_NO_PII) >= 1 << 16 or _NO_PII_HELD[0] + len(text) > 1 << 24:
         _NO_PII.clear()
         _NO_PII_HELD[0] = 0
     _NO_PII[text] = None
     _NO_PII_HELD[0] += len(text)
-    return False
 
 
 _BREAKS = (" ", "\n", "\t", '"', "'", ",", ";", "\\", "(", "[", "{", "<")
@@ -771,6 +776,43 @@ class Scrubber:
 
     def _phone(self, match: re.Match) -> str:
         return self._placeholder("phone", match[0]) if _is_phone(match) else match[0]
+
+    def clean(self, value) -> bool:
+        """True if `walk` would change nothing in `value` (nor count anything): its strings not
+        remembered as cleared are tested together, in one `maybe_pii` over them joined by
+        newlines (a test finds in the whole what it finds in a part, and no newline is part of
+        what it looks for); then remembered. False also for what `walk` judges otherwise: a
+        string under a key that names a secret, a whole number of 8 digits or more.
+        """
+        unknown: list[str] = []
+        if not self._gather(value, unknown):
+            return False
+        if unknown and maybe_pii("\n".join(unknown)):
+            return False
+        for text in unknown:
+            _clear(text)
+        return True
+
+    def _gather(self, value, unknown: list[str]) -> bool:
+        # the strings of `value` not known to be clear, into `unknown`; False: walk it instead
+        if isinstance(value, str):
+            if value not in _NO_PII:
+                unknown.append(value)
+            return True
+        if isinstance(value, list):
+            return all(self._gather(v, unknown) for v in value)
+        if isinstance(value, dict):
+            secrets = "secret" in self.kinds
+            for k, v in value.items():
+                if isinstance(k, str):
+                    if k not in _NO_PII:
+                        unknown.append(k)
+                    if secrets and isinstance(v, str) and _names_secret(k):
+                        return False  # `_field` judges the value by its key
+                if not self._gather(v, unknown):
+                    return False
+            return True
+        return not (type(value) is int and abs(value) >= 10_000_000)
 
     def walk(self, value):
         """Every string inside lists and dicts (tool arguments, nested content parts) too, keys

@@ -227,10 +227,11 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
     feedback = trace.get("feedback")  # a source may pass on what is no object (`feedback_problem`)
     parts = {"messages": trace["messages"], "tools": trace.get("tools") or [],
              "feedback": feedback if isinstance(feedback, dict) else {}}
-    # every string through the cheap test, which remembers what it cleared (a trace's system
-    # prompt, tool schemas and keys are the last trace's): a third of the time of testing the
-    # whole serialized trace, and less the longer the prompts
-    parts = {key: scrubber.walk(value) for key, value in parts.items()}
+    # the strings not remembered as cleared (a trace's system prompt, tool schemas and keys are
+    # the last trace's) tested together, and the walk only where that finds something: a third
+    # of the time of testing the whole serialized trace, and less the longer the prompts
+    parts = {key: value if scrubber.clean(value) else scrubber.walk(value)
+             for key, value in parts.items()}
     text = {key: _dump(value) for key, value in parts.items()}
     messages, feedback = parts["messages"], parts["feedback"]
     thumbs = feedback.get("thumbs_up")
