@@ -305,6 +305,7 @@ def test_each_task_is_rendered_and_played_with_its_own_tools(family):
         assert episode.model_mask[:len(prompt)] == [0] * len(prompt) and any(episode.model_mask)
 
 
+@pytest.mark.parametrize("family", ["mistral"], indirect=True)
 def test_a_mistral_turn_with_a_tool_call_is_answered_under_ids_its_template_takes(family, support,
                                                                                 tasks):
     """Mistral's template refuses any tool-call id but nine letters and digits: offseason's own
@@ -312,8 +313,6 @@ def test_a_mistral_turn_with_a_tool_call_is_answered_under_ids_its_template_take
     logged trace unusable for training.
     """
     name, tok, model = family
-    if name != "mistral":
-        pytest.skip("Mistral's template only")
     template = chat.Template.of(tok, list(support.tools), chat.end_ids(model, tok))
     game = chat._Play(template, support, [tasks[0]], "mistral", max_turns=3)
     turn = '[TOOL_CALLS] [{"name": "lookup_order", "arguments": {"order_id": "A1001"}}]</s>'
@@ -331,12 +330,11 @@ def test_a_mistral_turn_with_a_tool_call_is_answered_under_ids_its_template_take
     assert sum(mask) and '"call_id": "call00000"' in tok.decode(ids)
 
 
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
 def test_a_turn_its_own_template_refuses_ends_the_episode_not_the_stage(family, support, tasks):
     """Llama 3.1's template takes one tool call a message; a policy that makes two in one turn
     (the llama3_json parser reads `;`-separated calls) crashed the rollout stage."""
     name, tok, model = family
-    if name != "llama":
-        pytest.skip("Llama 3.1's template only")
     template = chat.Template.of(tok, list(support.tools), chat.end_ids(model, tok))
     game = chat._Play(template, support, [tasks[0]], "llama3_json", max_turns=3)
     turn = ('<|python_tag|>{"name": "lookup_order", "parameters": {"order_id": "A1001"}}; '
