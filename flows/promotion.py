@@ -376,9 +376,13 @@ CYCLE_PATHS = ["dvc.lock", "dvc.yaml", "params.yaml", "metrics", "data/inbox.dvc
 
 def commit(root: Path, message: str, tag: str | None, tx: Transaction,
            paths: list[str] = CYCLE_PATHS) -> str:
-    """Commit the cycle's paths (and tag it), undoable in `tx`; returns the commit."""
+    """Commit the cycle's paths (and tag it), undoable in `tx`; returns the commit. Only those
+    paths: what else is staged (a cycle that ended early leaves DVC's staged lock and inbox
+    pointer) stays staged, out of a rollback's commit.
+    """
     head = git(root, "rev-parse", "HEAD")
-    git(root, "add", "--", *[p for p in paths if (root / p).exists()])
+    existing = [p for p in paths if (root / p).exists()]
+    git(root, "add", "--", *existing)
 
     def undo():
         if tag:
@@ -389,7 +393,7 @@ def commit(root: Path, message: str, tag: str | None, tx: Transaction,
 
     tx.done("git", undo)
     fault("git")
-    git(root, "commit", "--quiet", "--allow-empty", "-m", message)
+    git(root, "commit", "--quiet", "--allow-empty", "-m", message, "--", *existing)
     if tag:
         git(root, "tag", tag)
     return git(root, "rev-parse", "HEAD")

@@ -246,8 +246,17 @@ def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(initi
     assert [json.loads(line)["action"] for line in
             (root / "promotions.jsonl").read_text().splitlines()] == ["init", "promote"]
     remote.write_bytes(good)
+    # what a cycle that ended early left staged (DVC stages its lock and inbox pointer) stays out
+    # of the rollback's commit, which holds only its own files (it committed everything staged)
+    params = (root / "params.yaml").read_text()
+    (root / "params.yaml").write_text(params + "# staged by someone else\n")
+    git(root, "add", "params.yaml")
     out = offseason(root, "rollback", "--reason", "answers got worse in production",
                     "--approver", "bob")
+    assert "params.yaml" not in git(root, "show", "--name-only", "--format=", "HEAD").split()
+    assert git(root, "diff", "--cached", "--name-only") == "params.yaml"
+    git(root, "reset", "-q", "params.yaml")
+    (root / "params.yaml").write_text(params)
     assert "gen-0 is the champion again" in out.stdout
     assert weights(root) == gen0
     assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
