@@ -533,9 +533,11 @@ def verify_text(report: dict) -> str:
     if "in the workspace" in notes:
         todo.append("`dvc checkout --force <path>` puts the recorded copy back in the workspace")
     if "in the remote" in notes:
-        todo.append("a remote's altered copy is replaced by pushing a good one (`dvc push` where "
-                    "the cache holds it intact; `dvc fetch` and `dvc pull` never rewrite a "
-                    "remote), or restore the remote from a backup")
+        todo.append("a remote's altered copy is replaced by deleting it (its path is named "
+                    "above) and pushing a good one: `dvc push` where the cache holds it intact "
+                    "(DVC skips a file the remote already has by its name, altered or not; "
+                    "`dvc fetch` and `dvc pull` never rewrite a remote), or restore the remote "
+                    "from a backup")
     if "in the cache" in notes or "missing" in {p["status"] for p in report["problems"]}:
         todo.append("the cache's are restored from the remote (`dvc fetch`; `dvc pull` also "
                     "restores the workspace)")
@@ -653,6 +655,9 @@ def quarantined_as(root: Path, trace_id: str) -> dict | None:
     cycle's), or None. Ingest's rows name the trace where the record had an id.
     """
     looked = set()
+    # an id that held personal data is stored as `<file>:<line>` by ingest, and a quarantine row
+    # of a record without an id names none: either is found by its file and line
+    place = trace_id.rpartition(":")
     for generation in generations(root):
         if generation == 0:
             continue
@@ -669,7 +674,8 @@ def quarantined_as(root: Path, trace_id: str) -> dict | None:
                     row = json.loads(line)
                 except ValueError:
                     continue
-                if str(row.get("trace_id")) == trace_id:
+                if str(row.get("trace_id")) == trace_id or (place[1] and (
+                        row.get("source_file"), str(row.get("source_line"))) == (place[0], place[2])):
                     return {"tag": tag, **{k: row.get(k) for k in (
                         "stage", "source_file", "source_line", "reason")}}
     return None
@@ -720,7 +726,9 @@ def trace_text(found: dict) -> str:
                 # ingest keeps no id that holds personal data: the trace is under its file:line
                 return (f"{head}: this id holds personal data, which ingest does not keep: a "
                         f"trace that carried it is kept under its inbox file and line; look it "
-                        f"up by those (offseason lineage --trace <file>:<line>)")
+                        f"up by those (offseason lineage --trace <file>:<line>), found where the "
+                        f"inbox keeps traces as they came: `grep -n -F '{found['trace_id']}' "
+                        f"data/inbox/*`")
             return (f"{head}: no cycle accepted, quarantined or counted as a duplicate a trace "
                     f"with this id (it never reached the inbox, or its record carried no id); "
                     f"no generation learned from it")
@@ -729,8 +737,10 @@ def trace_text(found: dict) -> str:
     else:
         head += f" (inbox file: {', '.join(found['inbox_files']) or '?'})"
     lines = [head,
-             f"  trained on it directly: {', '.join(found['direct']) or '-'}",
-             f"  started from a champion that did: {', '.join(found['inherited']) or '-'}"]
+             f"  its training data held it: {', '.join(found['direct']) or '-'}",
+             f"  started from a champion whose did: {', '.join(found['inherited']) or '-'}",
+             "  (an upper bound: the trace's rollouts or rating were in what the train stage read, "
+             "whether or not an example came of them)"]
     if found["champion_affected"]:
         lines.append(f"  the current champion ({', '.join(found['current_champion'])}) is among "
                      f"them: a deletion request means training a new champion without this trace")

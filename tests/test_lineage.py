@@ -152,7 +152,7 @@ def test_trace_finds_every_generation_that_learned_from_it(learned):
                     if r["champion"])
     assert found["champion_affected"] == (champion in ("gen-1", "gen-2"))
     text = offseason(learned, "lineage", "--trace", trace_id).stdout
-    assert "trained on it directly: gen-1" in text
+    assert "its training data held it: gen-1" in text and "an upper bound" in text
     none = offseason(learned, "lineage", "--trace", "no-such-trace").stdout
     assert "no cycle accepted, quarantined or counted as a duplicate a trace with this id" in none
     # one refused is found in the quarantine of the cycle that refused it, with the reason (the
@@ -160,6 +160,10 @@ def test_trace_finds_every_generation_that_learned_from_it(learned):
     refused = offseason(learned, "lineage", "--trace", "broken-1").stdout
     assert "quarantined by the ingest stage of the cycle that made gen-2 (repeats.jsonl line 2)" \
         in refused and "no 'role'" in refused, refused
+    # and by its file and line, as a record whose id held personal data is kept (it said the
+    # trace never reached the inbox)
+    placed = offseason(learned, "lineage", "--trace", "repeats.jsonl:2").stdout
+    assert "quarantined by the ingest stage of the cycle that made gen-2" in placed, placed
     assert "no generation learned from it" in none
     # the same conversation under another id, dropped by ingest as a duplicate: its content was
     # learned as the first one's, and a deletion request for it has to say so (it said "no
@@ -169,7 +173,7 @@ def test_trace_finds_every_generation_that_learned_from_it(learned):
     assert again["read"] == {"source_file": "repeats.jsonl", "source_line": 1,
                              "duplicate_of": trace_id}
     text = offseason(learned, "lineage", "--trace", "repeat-1").stdout
-    assert f"a duplicate of trace {trace_id}" in text and "trained on it directly: gen-1" in text
+    assert f"a duplicate of trace {trace_id}" in text and "its training data held it: gen-1" in text
 
 
 def test_a_cycle_that_trained_nothing_did_not_train_on_the_trace(learned, tmp_path):
@@ -397,5 +401,6 @@ def test_an_id_that_holds_personal_data_is_looked_up_by_its_file_and_line():
 
     text = trace_text({"trace_id": "session/jane.doe@acmecorp.com", "read": None, "generations": []})
     assert "holds personal data" in text and "<file>:<line>" in text, text
+    assert "grep -n -F" in text and "data/inbox/*" in text, text  # how to find file and line
     plain = trace_text({"trace_id": "c1", "read": None, "generations": []})
     assert "never reached the inbox" in plain
