@@ -475,13 +475,18 @@ def inbox_files(inbox: Path) -> list[Path]:
     return sorted(p for p in inbox.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
-def inbox_key(files: list[Path]) -> str:
-    """A SHA-256 over the files' names and contents: the inbox's identity."""
+def inbox_key(files: list[Path], digests: dict[str, str] | None = None) -> str:
+    """A SHA-256 over the files' names and contents: the inbox's identity (each file's own
+    SHA-256 into `digests` by name, when given).
+    """
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode() + b"\0")
         with path.open("rb") as handle:
-            digest.update(hashlib.file_digest(handle, "sha256").digest())
+            own = hashlib.file_digest(handle, "sha256").digest()
+        digest.update(own)
+        if digests is not None:
+            digests[path.name] = own.hex()
     return digest.hexdigest()
 
 
@@ -542,7 +547,8 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
         raise FileNotFoundError(f"{inbox}: inbox folder not found; put trace files there "
                                 f"(or run `offseason simulate`)")
     files = inbox_files(inbox)
-    key = inbox_key(files)
+    digests: dict[str, str] = {}
+    key = inbox_key(files, digests)
     traces.mkdir(parents=True, exist_ok=True)
     manifest_path = traces / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
@@ -630,7 +636,8 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
                 writer.add(row)
                 out.add(row)
             writer.close()
-            manifest[path.name] = {"part": part, "inbox_key": key, **counts}
+            manifest[path.name] = {"part": part, "inbox_key": key, "sha256": digests[path.name],
+                                   **counts}
             for name, value in counts.items():
                 totals[name] += value
         out.close()
@@ -642,7 +649,13 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
     io.write_json(manifest_path, manifest)  # last: the parts it names are whole
     io.write_jsonl(quarantine, bad_rows)
     assert totals["rows_read"] == totals["accepted"] + totals["quarantined"] + totals["duplicates"]
+    # a file read by an earlier cycle and changed since (a line deleted for an erasure, traces
+    # appended): ingest reads each name once, so the change is in no cycle (manifests before
+    # stop 31 kept no digest of their files)
+    changed = sorted(name for name, entry in earlier.items()
+                     if name in digests and entry.get("sha256") not in (None, digests[name]))
     return {**totals, "new_files": new_files, "files_seen_before": len(earlier),
+            "files_changed_since_read": changed,
             "per_format": per_format, "pii_redactions": redactions, "feedback_unread": unread,
             "duplicates_rated": rated_repeats,
             "total_traces": sum(e["accepted"] for e in manifest.values())}
@@ -689,6 +702,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{metrics['duplicates']} duplicates; PII scrubbed: "
           f"{', '.join(f'{k} {v}' for k, v in metrics['pii_redactions'].items() if v) or 'none'}",
           file=sys.stderr)
+    if metrics["files_changed_since_read"]:
+        print(f"ingest: warning: {', '.join(metrics['files_changed_since_read'])} changed since a "
+              f"cycle read it; ingest reads each file name once, so the change is in no cycle: "
+              f"put new traces in a file of a new name (a trace removed from a file stays in "
+              f"what ingest kept of it, {args.traces}/, and in the cycles that learned from it: "
+              f"`offseason lineage --trace`)", file=sys.stderr)
     if metrics["duplicates_rated"]:
         print(f"ingest: {metrics['duplicates_rated']} duplicate(s) carried a rating (thumbs_up or "
               f"scores): ingest keeps a conversation's first copy, so those ratings are kept in "

@@ -273,3 +273,24 @@ def test_a_duplicates_rating_is_counted_and_said_not_dropped_in_silence(tmp_path
     assert "1 duplicate(s) carried a rating" in capsys.readouterr().err
     kept = pq.read_table(tmp_path / "traces" / "duplicates-day.jsonl.parquet").to_pylist()
     assert [json.loads(r["feedback"]) for r in kept] == [{"thumbs_up": True}, {}]
+
+
+def test_a_file_changed_since_a_cycle_read_it_is_said(tmp_path, capsys):
+    """A line deleted from an inbox file already ingested (an erasure attempted by hand) changed
+    nothing and said nothing: ingest reads each file name once."""
+    (tmp_path / "inbox").mkdir()
+    day = tmp_path / "inbox" / "day.jsonl"
+    day.write_text(chat("t1", "1+1", "2") + "\n" + chat("t2", "2+2", "4") + "\n")
+
+    def main():
+        ingest.main([str(tmp_path / "inbox"), *(str(tmp_path / name) for name in (
+            "traces", "ingested.parquet", "q.jsonl", "m.json")),
+            "--params", str(Path(__file__).parents[1] / "params.yaml")])
+        return json.loads((tmp_path / "m.json").read_text())
+
+    assert main()["files_changed_since_read"] == []
+    day.write_text(chat("t2", "2+2", "4") + "\n")
+    (tmp_path / "inbox" / "day2.jsonl").write_text(chat("t3", "3+3", "6") + "\n")
+    m = main()
+    assert m["files_changed_since_read"] == ["day.jsonl"] and m["accepted"] == 1
+    assert "day.jsonl changed since a cycle read it" in capsys.readouterr().err
