@@ -585,18 +585,6 @@ _NO_PII: dict[str, None] = {}
 _NO_PII_HELD = [0]  # characters held
 
 
-_NAMES_SECRET: dict[str, bool] = {}  # a dict key -> whether it names a secret (`_MAYBE_NAME`)
-
-
-def _names_secret(key: str) -> bool:
-    found = _NAMES_SECRET.get(key)
-    if found is None:
-        if len(_NAMES_SECRET) >= 1 << 16:
-            _NAMES_SECRET.clear()
-        found = _NAMES_SECRET[key] = _MAYBE_NAME.search(key.lower()) is not None
-    return found
-
-
 def holds_pii(text: str) -> bool:
     """`maybe_pii`, remembering the strings it turned down."""
     if text in _NO_PII:
@@ -614,6 +602,18 @@ def _clear(text: str) -> None:
         _NO_PII_HELD[0] = 0
     _NO_PII[text] = None
     _NO_PII_HELD[0] += len(text)
+
+
+_NAMES_SECRET: dict[str, bool] = {}  # a dict key -> whether it names a secret (`_MAYBE_NAME`)
+
+
+def _names_secret(key: str) -> bool:
+    found = _NAMES_SECRET.get(key)
+    if found is None:
+        if len(_NAMES_SECRET) >= 1 << 16:
+            _NAMES_SECRET.clear()
+        found = _NAMES_SECRET[key] = _MAYBE_NAME.search(key.lower()) is not None
+    return found
 
 
 _BREAKS = (" ", "\n", "\t", '"', "'", ",", ";", "\\", "(", "[", "{", "<")
