@@ -420,3 +420,70 @@ def test_clean_says_true_only_where_walk_changes_nothing():
             assert walked == value, value
     assert not Scrubber(set(KINDS)).clean({"arguments": {"password": "Vq7#kLp2xR9!mZt4"}})
     assert Scrubber(set(KINDS)).clean(["You are a helpful assistant.", {"role": "user"}])
+
+
+def _fragments_text(rng, fragments: list[str]) -> str:
+    return "".join(rng.choice(fragments) for _ in range(rng.randrange(1, 9)))
+
+
+def _gate_texts() -> list[str]:
+    """Text to hold the two gates and the scan's findings to: the peers' cases (with the
+    characters ASCII-only classes treat differently put in), every 7th line of CPython's standard
+    library, and 20,000 texts glued at random from what the tests look for: key prefixes, secrets'
+    names, marks, `::`, digit runs, JSON and URL escapes, placeholders, random runs of hex."""
+    import random
+
+    from stages.traces import pii
+
+    rng = random.Random(24)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    lines = [line for path in sorted(stdlib.glob("*.py")) for line in path.read_text(errors="replace").splitlines()[::7]]
+    fragments = sorted(set(pii._SECRET_PREFIXES)) + [
+        "password", "PassWord", "Token", "api_key", "secret", "<SECRET_1>", "<IP_2>", " = ", "=", ": ", '"', "'",
+        "::", ":", "fe80", "2001:db8", "::1", "@", "corp.com", "ann@", "+1 ", "(415)", "555-0132", "4111 1111 1111 1111",
+        "10.0.0.1", "8.8.8.8", ".", "-", "_", " ", "\n", "\t", "-----BEGIN RSA PRIVATE KEY-----", "Bearer ", "bearer ",
+        "Basic ", "://", "https://u:", "@host", "-p", "mysql", "--password ", "\\u0040", "\\u002d", "%40", "\\/",
+        "Private-Lines: ", "hooks.slack.com/services/", "Q~", ".atlasv1.", "_mmk", "webhook", " -u "]
+    fragments += ["".join(rng.choice("abcdefABCDEF0123456789xyzXYZ+/") for _ in range(rng.randrange(1, 45)))
+                  for _ in range(200)]
+    return _ascii_lines() + [line for line in lines if line.strip()] + [
+        _fragments_text(rng, fragments) for _ in range(20_000)]
+
+
+def test_the_scan_answers_as_the_searches():
+    """On ASCII text `maybe_pii` is one Hyperscan scan; where Hyperscan cannot be had, the `re`
+    searches answer. The two must give the same answer on every text, or a platform without
+    Hyperscan would scrub differently (a test translated into Hyperscan's syntax looser or
+    stricter than its `re` twin fails here)."""
+    pytest.importorskip("hyperscan")
+    from stages.traces import pii
+
+    texts = _gate_texts()
+    assert pii.maybe_pii("x") is False and pii._SCAN[0], "Hyperscan is installed but its gate did not compile"
+    for text in texts:
+        assert pii.maybe_pii(text) == pii._maybe_pii_re(text, text.isascii()), text
+
+
+def test_the_scrubber_scrubs_alike_with_and_without_the_scan(monkeypatch):
+    """What the scan found in a text lets the scrubber skip the patterns whose test found nothing
+    there (a placeholder written by an earlier pattern begins and ends no test's match). The
+    scrubbed text and its counts must be those of the scrubber that runs every test again, and
+    those of the `re` searches alone (no Hyperscan)."""
+    pytest.importorskip("hyperscan")
+    from stages.traces import pii
+
+    texts = _gate_texts()
+
+    def scrubbed(text: str, gate: bool):
+        if gate and not pii.maybe_pii(text):
+            return None
+        pii._LAST_SCAN[0] = pii._LAST_SCAN[0] if gate else ("", 0)  # without: every test runs
+        scrubber = Scrubber(set(KINDS))
+        return scrubber.text(text), scrubber.counts
+
+    with_scan = [scrubbed(text, True) for text in texts]
+    assert sum(result is not None and result[0] != text for result, text in zip(with_scan, texts)) > 5_000
+    assert [scrubbed(text, False) if result is not None else None
+            for text, result in zip(texts, with_scan)] == with_scan
+    monkeypatch.setattr(pii, "_SCAN", [False])  # the `re` searches alone
+    assert [scrubbed(text, True) for text in texts] == with_scan
