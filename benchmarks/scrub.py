@@ -25,9 +25,11 @@ named-entity model, so a lower bound on Presidio's cost), Presidio's four patter
 the kinds offseason scrubs alone (email, credit card, IP, phone: `analyze` of each on each line,
 the cheapest Presidio there is), and Yelp detect-secrets' `scan_line` with its default plugins.
 The peers are no dependency of offseason: install them in a separate environment (`python -m
-venv /tmp/peers-venv && /tmp/peers-venv/bin/pip install presidio-analyzer detect-secrets`; spaCy
-comes with Presidio) and run this script with its interpreter, which reads the agent traces
-through offseason's own .venv. Prints a Markdown table.
+venv /tmp/peers-venv && /tmp/peers-venv/bin/pip install presidio-analyzer detect-secrets
+hyperscan`; spaCy comes with Presidio; `hyperscan` is offseason's own dependency, without which
+its scrubber there would run its slower `re` path: the script says which it ran) and run this
+script with its interpreter, which reads the agent traces through offseason's own .venv. Prints
+a Markdown table.
 """
 
 from __future__ import annotations
@@ -237,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | {corpus} | {len(lines):,} | {seconds:.2f} | {len(lines) / seconds:,.0f} | "
                   f"{changed:,} ({100 * changed / len(lines):.3f} %: {per_kind}) |")
     print()
+    pii.maybe_pii("")  # (compiles the scan where it can be)
+    print("offseason's cheap test (this tree): " + (
+        "one Hyperscan scan" if pii._SCAN[0] else "the `re` searches (no `hyperscan` in this environment)") + "  ")
     for name in {**scrubbers, **peers}:
         for mix, parts in MIXES.items():
             counted = [timed[name, corpus] for corpus in parts]
