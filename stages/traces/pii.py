@@ -791,10 +791,15 @@ class Scrubber:
         last = _LAST_SCAN[0]
         found = last[1] if last[0] is value else -1  # -1: every bit, nothing known
         if "secret" in kinds:
+            scanned = value
             if "-----BEGIN" in value:
                 value = PRIVATE_KEY.sub(self._secret, value)
             if "Private-Lines:" in value:
                 value = PUTTY_KEY.sub(self._secret, value)
+            if value is not scanned and value != scanned:
+                # but a placeholder's `>` is a word's end, which SECRET's `\b` reads before a
+                # key: PuTTY's key ends where `_gitlab_session=` glued to it begins (`...A_gitlab`)
+                found = -1
             if found & _KEY:
                 value = (_SECRET_A if is_ascii else SECRET).sub(self._key, value)
             if "_" in value and found & _GLUED_KEY:
