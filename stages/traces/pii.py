@@ -778,9 +778,10 @@ class Scrubber:
         The patterns run in this order, each on what the ones before left: secrets first (a key
         can hold digit runs that look like phone or card numbers), then e-mail, card, IP and phone.
         Each runs only where its cheap test finds what it needs (most strings hold no PII at all),
-        and in ASCII text as its ASCII twin where it has one. SECRET has no test: its own search,
-        led by `\b` and the trie of prefixes, is cheaper than any test of prefixes and long runs
-        was (0.7 us a line of the peers' cases against 1.8).
+        and in ASCII text as its ASCII twin where it has one. SECRET has no `re` test of its own:
+        its search, led by `\b` and the trie of prefixes, is cheaper than any test of prefixes and
+        long runs was (0.7 us a line of the peers' cases against 1.8); it is skipped only where
+        `maybe_pii`'s Hyperscan scan of this very text found no key's prefix (below).
         """
         kinds, is_ascii = self.kinds, value.isascii()  # ASCII stays so: placeholders are ASCII
         # what `maybe_pii`'s scan found in this very text, if it was the last one scanned: a test
