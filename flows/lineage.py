@@ -657,7 +657,7 @@ def quarantined_as(root: Path, trace_id: str) -> dict | None:
     looked = set()
     # an id that held personal data is stored as `<file>:<line>` by ingest, and a quarantine row
     # of a record without an id names none: either is found by its file and line
-    place = trace_id.rpartition(":")
+    at_file, colon, at_line = trace_id.rpartition(":")
     for generation in generations(root):
         if generation == 0:
             continue
@@ -674,8 +674,8 @@ def quarantined_as(root: Path, trace_id: str) -> dict | None:
                     row = json.loads(line)
                 except ValueError:
                     continue
-                if str(row.get("trace_id")) == trace_id or (place[1] and (
-                        row.get("source_file"), str(row.get("source_line"))) == (place[0], place[2])):
+                if str(row.get("trace_id")) == trace_id or (colon and (
+                        row.get("source_file"), str(row.get("source_line"))) == (at_file, at_line)):
                     return {"tag": tag, **{k: row.get(k) for k in (
                         "stage", "source_file", "source_line", "reason")}}
     return None

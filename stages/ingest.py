@@ -475,19 +475,18 @@ def inbox_files(inbox: Path) -> list[Path]:
     return sorted(p for p in inbox.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
-def inbox_key(files: list[Path], digests: dict[str, str] | None = None) -> str:
-    """A SHA-256 over the files' names and contents: the inbox's identity (each file's own
-    SHA-256 into `digests` by name, when given).
+def inbox_key(files: list[Path]) -> tuple[str, dict[str, str]]:
+    """A SHA-256 over the files' names and contents, the inbox's identity; and each file's own
+    SHA-256 by name.
     """
-    digest = hashlib.sha256()
+    digest, digests = hashlib.sha256(), {}
     for path in files:
         digest.update(path.name.encode() + b"\0")
         with path.open("rb") as handle:
             own = hashlib.file_digest(handle, "sha256").digest()
         digest.update(own)
-        if digests is not None:
-            digests[path.name] = own.hex()
-    return digest.hexdigest()
+        digests[path.name] = own.hex()
+    return digest.hexdigest(), digests
 
 
 class Writer:
@@ -547,8 +546,7 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
         raise FileNotFoundError(f"{inbox}: inbox folder not found; put trace files there "
                                 f"(or run `offseason simulate`)")
     files = inbox_files(inbox)
-    digests: dict[str, str] = {}
-    key = inbox_key(files, digests)
+    key, digests = inbox_key(files)
     traces.mkdir(parents=True, exist_ok=True)
     manifest_path = traces / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}

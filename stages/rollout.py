@@ -148,10 +148,10 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
     templates = {name: chat.Template.of(tokenizer, list(env.tools), ends)
                  for name, env in envs.items()}
     rows, stats = [], []
-    refused: list[str] = []  # the chat template's words on turns it refused (`template_error`)
+    refused: list[str] = []  # the chat template's words on the first turn it refused
 
     def add(name: str, task: dict, sample: int, episode) -> None:
-        if episode.template_error:
+        if episode.template_error and not refused:
             refused.append(f"{name}:{task['task_id']}: {episode.template_error}")
         added = episode.messages[len(task["messages"]):]
         rows.append({  # ids of different environments' tasks may coincide
@@ -244,7 +244,8 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
             "truncated": sum(r["finish"] == "length" for r in rows),
             "turn_limited": sum(r["finish"] == "turns" for r in rows),
             # turns the model's own chat template refused (ended there, scored as they stand)
-            "template_refused": len(refused), "template_refused_first": refused[0] if refused else None,
+            "template_refused": sum(r["finish"] == "template" for r in rows),
+            "template_refused_first": refused[0] if refused else None,
             "errors": sum(r["error"] is not None for r in rows), "environments": per_env}
 
 

@@ -1,3 +1,4 @@
+import functools
 import json
 import sysconfig
 from pathlib import Path
@@ -426,6 +427,7 @@ def _fragments_text(rng, fragments: list[str]) -> str:
     return "".join(rng.choice(fragments) for _ in range(rng.randrange(1, 9)))
 
 
+@functools.cache  # (both tests below read them)
 def _gate_texts() -> list[str]:
     """Text to hold the two gates and the scan's findings to: the peers' cases (with the
     characters ASCII-only classes treat differently put in), every 7th line of CPython's standard
