@@ -18,16 +18,17 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 setup: $(VENV)/.installed sandbox-tools report-tools
 
-# bubblewrap isolates the code sandbox (stages/envs/sandbox.py; without it the sandbox falls back to
-# rlimits). Installed when missing and we are root (as in CI); never fails the build when we are
-# not root or offline: it says so instead.
+# bubblewrap isolates the code sandbox (stages/envs/sandbox.py; without it the sandbox builds the
+# same namespaces with util-linux's unshare, and refuses code where neither works). Installed when
+# missing and we are root (as in CI); never fails the build when we are not root or offline: it
+# says so instead.
 sandbox-tools:
 	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
 	    { apt-get update -qq >/dev/null 2>&1 && \
 	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; } && \
 	  echo "installed bubblewrap for the code sandbox"; } || \
-	  echo "note: bubblewrap is not installed (needs root and apt-get): the code sandbox falls back to rlimits, see stages/envs/sandbox.py"
+	  echo "note: bubblewrap is not installed (needs root and apt-get): the code sandbox uses unshare where namespaces are allowed, see stages/envs/sandbox.py"
 
 # Graphviz's dot lays out the report's lineage graph (flows/report.py; without it, a plainer layout
 # by hand, and the report says so); Debian's chromium runs the report's headless-browser test

@@ -9,7 +9,7 @@ fresh temporary directory and run the tests in a new process of the real interpr
 (`stages.envs.sandbox.interpreter()`, the same in every row). The baseline is a bare
 `subprocess.run([python, "-I", "-B", "-c", <load the tests, run them>])` in that directory (the same
 unittest calls the sandbox's harness makes, without its report); the sandboxed rows are
-`stages.envs.sandbox.run_tests` under bubblewrap and under the rlimit fallback. `--workers` threads
+`stages.envs.sandbox.run_tests` under bubblewrap, the unshare sandbox and "rlimit" (no isolation). `--workers` threads
 run verifications at once (2: one per core of the project's machines; the work is in the child
 processes, so threads do not serialize it). The rows take turns, `--rounds` times, and each row's
 median rate is printed, so a neighbour's load spike does not land on one row only.
@@ -85,7 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     pairs = jobs()
     rows = {"bare subprocess.run (baseline)": bare}
-    for kind in ["rlimit"] + (["bwrap"] if sandbox.bwrap_problem() is None else []):
+    kinds = ["rlimit"] + [kind for kind, problem in (("unshare", sandbox.unshare_problem),
+                                                     ("bwrap", sandbox.bwrap_problem))
+                          if problem() is None]
+    for kind in kinds:
         def verify(code, tests, kind=kind):
             return sandbox.run_tests(code, tests, isolation=kind).passed
         rows[f"sandbox, {kind}"] = verify

@@ -638,6 +638,7 @@ def cmd_check(args) -> int:
     shown["runtime"] = {section: {key: shown[section].pop(key) for key in keys}
                         for section, keys in cfg.RUNTIME.items() if section in shown}
     shown["runtime"]["collect"] = settings.plain(cfg.collect(root / "params.yaml"))
+    shown["runtime"]["sandbox"] = settings.plain(cfg.sandbox(root / "params.yaml"))
     found_envs = []  # checked before the settings are printed: an error is then the last line
     for name, spec in configs["environments"].items():  # the user's modules import and comply
         env = contract.load(name, spec.module, root)

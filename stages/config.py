@@ -597,6 +597,24 @@ class Collect:
                               "or 0.0.0.0 (every interface: set a token, see token_env)")
 
 
+@dataclass(frozen=True)
+class Sandbox:
+    """`runtime.sandbox`: how model-written code may run (stages/envs/sandbox.py). Where it may
+    run, never what it computes: in `runtime:`.
+    """
+
+    # where neither bubblewrap nor the unshare sandbox works on this machine, run the code with
+    # rlimits only (it sees the machine's files and processes, and as root may act as root)
+    # instead of refusing every stage that runs code; said in the log of every such stage
+    allow_unisolated: bool = False
+
+
+def sandbox(path: str | Path = "params.yaml") -> Sandbox:
+    """`runtime.sandbox` of params.yaml, checked (defaults when absent)."""
+    return _build(Sandbox, "runtime.sandbox", _runtime(read_params(path), "sandbox", str(path)),
+                  str(path))
+
+
 def collect(path: str | Path = "params.yaml") -> Collect:
     """`runtime.collect` of params.yaml, checked (defaults when absent)."""
     return _build(Collect, "runtime.collect", _runtime(read_params(path), "collect", str(path)),
@@ -616,7 +634,8 @@ RUNTIME = {"rollout": ("urls", "server_command", "server_timeout", "concurrency"
            "judge": ("url", "server_command", "server_timeout", "api_key_env", "request_timeout",
                      "retries"),
            # `offseason collect`'s own section: every key of it (no stage section to merge into)
-           "collect": tuple(f.name for f in dataclasses.fields(Collect))}
+           "collect": tuple(f.name for f in dataclasses.fields(Collect)),
+           "sandbox": tuple(f.name for f in dataclasses.fields(Sandbox))}
 
 
 def runtime_of(config) -> dict:
@@ -650,8 +669,13 @@ def _runtime(raw: dict, section: str, where: str) -> dict:
 
 def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]:
     """The `environments:` section, {name: EnvironmentSpec}, in params.yaml order; {} without
-    one (the built-in environment of `base.environment` runs).
+    one (the built-in environment of `base.environment` runs). Also applies
+    `runtime.sandbox.allow_unisolated` to this process and those it starts, since every process
+    that loads environments reads them here (stages/envs/sandbox.py: `allow_unisolated`).
     """
+    from stages.envs import sandbox as code_sandbox
+
+    code_sandbox.allow_unisolated(sandbox(path).allow_unisolated)
     raw = read_params(path).get("environments")
     if raw is None or raw == {}:
         return {}

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from stages.envs import coding, sandbox
+from tests.sandboxes import ISOLATED, box_of
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = """import unittest
@@ -108,6 +109,20 @@ def test_a_reward_hack_scores_zero_with_a_reason(name):
     verdict = coding.check("solve", ANSWER, completion(HACKS[name]))
     assert verdict.correct == 0.0, (name, verdict)
     assert verdict.reason, verdict
+
+
+@pytest.mark.parametrize("mode", ISOLATED)
+def test_every_reward_hack_fails_in_every_isolation_mode(mode):
+    """The same hacks in each sandbox this host can give (tests/sandboxes.py), offseason as root
+    and as a user: none passes, each with a reason, and the honest solution still does.
+    """
+    box = box_of(mode)
+    for name, code in HACKS.items():
+        result = box.run_tests(code, TESTS, coding.TEST_LIMITS)
+        assert not result.passed and result.reason, (mode, name, result)
+        assert result.isolation == box.isolation
+    honest = box.run_tests("def solve(x):\n    return -x\n", TESTS, coding.TEST_LIMITS)
+    assert honest.passed, honest
 
 
 def test_the_json_patch_can_only_claim_values_for_its_own_calls():

@@ -1,67 +1,43 @@
 """The sandbox: real escapes tried from inside it, each contained and recorded with a reason.
 
-Each test runs under bubblewrap and under the rlimit fallback where that fallback claims to hold
-(see stages/envs/sandbox.py's docstring): a test of a guarantee the fallback does not give is skipped
-for it, never weakened. CI runs as root with bubblewrap installed by `make setup`.
+Each test runs in every isolation mode this host can give (tests/sandboxes.py: bubblewrap and the
+unshare sandbox, offseason as root and as a user) and under "rlimit" (no isolation) where that
+mode claims to hold (see stages/envs/sandbox.py's docstring): a test of a guarantee a mode does
+not give is skipped for it, never weakened. CI runs as root with bubblewrap installed by `make
+setup`; the unshare and user modes run there too.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
+import subprocess
+import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from stages.envs import sandbox
 from stages.envs.errors import VerifierError
+from tests.sandboxes import MODES, Box, box_of
 
-ROOT = os.geteuid() == 0
+REPO = Path(__file__).resolve().parents[1]
 FAST = sandbox.Limits(wall_seconds=8.0, cpu_seconds=4, memory_mb=256, processes=16)
-# an interpreter a uid without rights can run (ours may sit under /root): the fallback drops root
-# only for such a one, so with it the fallback's fork-bomb and filesystem claims can be tested too
-PUBLIC_PYTHON = next((os.path.realpath(p) for p in ("/usr/bin/python3", "/usr/local/bin/python3")
-                      if os.path.exists(p) and sandbox.drops_root(os.path.realpath(p))), None)
-
-
-@dataclass(frozen=True)
-class Box:
-    isolation: str
-    python: str | None = None  # None: ours
-
-    @property
-    def opts(self) -> dict:
-        return {"isolation": self.isolation, "python": self.python}
-
-    def claims(self, what: str) -> bool:
-        """Whether this sandbox claims to contain `what` (stages/envs/sandbox.py's docstring)."""
-        if self.isolation == "bwrap":
-            return True
-        python = self.python or sandbox.interpreter()
-        drops = sandbox.drops_root(python)
-        return {"network": sandbox.net_namespace_works(), "filesystem": drops or not ROOT,
-                "processes": drops or not ROOT, "setsid": False, "proc": drops or not ROOT}[what]
 
 
 def unittest_source(body: str, *, imports: str = "") -> str:
     """A unittest module with one test whose body is `body` (indented for the method)."""
     lines = "\n".join("        " + line for line in body.strip("\n").splitlines())
-    return (f"import os, socket, subprocess, sys, time, unittest\n{imports}\n"
+    return (f"import os, signal, socket, subprocess, sys, time, unittest\n{imports}\n"
             f"class Escape(unittest.TestCase):\n    def test_escape(self):\n{lines}\n")
 
 
-@pytest.fixture(params=["bwrap", "rlimit", "rlimit-public-python"])
+@pytest.fixture(params=MODES)
 def box(request) -> Box:
-    if request.param == "bwrap" and sandbox.bwrap_problem() is not None:
-        pytest.skip(f"bubblewrap does not work here: {sandbox.bwrap_problem()}")
-    if request.param == "rlimit-public-python":
-        if not ROOT or PUBLIC_PYTHON is None:
-            pytest.skip("needs root and a world-readable interpreter in /usr")
-        return Box("rlimit", PUBLIC_PYTHON)
-    return Box(request.param)
+    return box_of(request.param)
 
 
 def needs(box: Box, what: str) -> None:
@@ -71,7 +47,7 @@ def needs(box: Box, what: str) -> None:
 
 
 def run(box: Box, body: str, limits: sandbox.Limits = FAST, code: str = "") -> sandbox.Result:
-    return sandbox.run_tests(code, unittest_source(body), limits=limits, **box.opts)
+    return box.run_tests(code, unittest_source(body), limits=limits)
 
 
 def leftovers(marker: str, wait: float = 3.0) -> list[int]:
@@ -94,9 +70,9 @@ def leftovers(marker: str, wait: float = 3.0) -> list[int]:
 
 def test_right_and_wrong_code(box):
     tests = unittest_source("from solution import add\nself.assertEqual(add(2, 3), 5)")
-    right = sandbox.run_tests("def add(a, b):\n    return a + b\n", tests, **box.opts)
-    wrong = sandbox.run_tests("def add(a, b):\n    return a - b\n", tests, **box.opts)
-    broken = sandbox.run_tests("def add(a, b)\n    return a + b\n", tests, **box.opts)
+    right = box.run_tests("def add(a, b):\n    return a + b\n", tests)
+    wrong = box.run_tests("def add(a, b):\n    return a - b\n", tests)
+    broken = box.run_tests("def add(a, b)\n    return a + b\n", tests)
     assert (right.outcome, right.exit_code, right.reason) == ("passed", 0, "1 tests passed")
     assert right.isolation == box.isolation
     assert wrong.outcome == "failed" and "test_escape" in wrong.reason
@@ -230,17 +206,15 @@ def test_output_is_bounded():
 
 def test_faked_results_do_not_pass(box):
     tests = unittest_source("self.fail('never reached')")
-    exit_early = sandbox.run_tests("", "import os\nos._exit(0)\n", **box.opts)
-    sys_exit = sandbox.run_tests("import sys\nsys.exit(0)\n",
-                                 "from solution import *\n" + tests, **box.opts)
-    forged = sandbox.run_tests(
+    exit_early = box.run_tests("", "import os\nos._exit(0)\n")
+    sys_exit = box.run_tests("import sys\nsys.exit(0)\n",
+                                 "from solution import *\n" + tests)
+    forged = box.run_tests(
         "", 'import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b\'x {"done": true,'
-            ' "ok": true, "tests": 1}\\n\')\n    except OSError:\n        pass\nos._exit(0)\n',
-        **box.opts)
-    no_tests = sandbox.run_tests("", "import unittest\n", **box.opts)
-    via_main = sandbox.run_tests(  # the harness's reporter is not a global to import
-        "", "import __main__, os\n__main__.report(done=True, ok=True, tests=1)\nos._exit(0)\n",
-        **box.opts)
+            ' "ok": true, "tests": 1}\\n\')\n    except OSError:\n        pass\nos._exit(0)\n')
+    no_tests = box.run_tests("", "import unittest\n")
+    via_main = box.run_tests(  # the harness's reporter is not a global to import
+        "", "import __main__, os\n__main__.report(done=True, ok=True, tests=1)\nos._exit(0)\n")
     assert exit_early.outcome == "crashed" and "before the tests reported" in exit_early.reason
     assert sys_exit.outcome == "failed" and "SystemExit" in sys_exit.reason
     assert forged.outcome == "crashed"
@@ -250,16 +224,16 @@ def test_faked_results_do_not_pass(box):
 
 def test_a_broken_sandbox_raises_instead_of_scoring_zero(box):
     with pytest.raises(sandbox.SandboxError, match="not an executable file"):
-        sandbox.run_tests("", "", isolation=box.isolation, python="/nonexistent/bin/python3")
+        box.run_tests("", "", python="/nonexistent/bin/python3")
     with pytest.raises(VerifierError, match="did not start"):  # runs, but is no interpreter
-        sandbox.run_tests("", "", isolation=box.isolation, python="/bin/true")
+        box.run_tests("", "", python="/bin/true")
     with pytest.raises(sandbox.SandboxError, match="isolation must be"):
         sandbox.run_tests("", "", isolation="docker")
 
 
 def test_run_code_reports_its_outcome(box):
-    ok = sandbox.run_code("print(6 * 7)", **box.opts)
-    bad = sandbox.run_code("raise ValueError('nope')", **box.opts)
+    ok = box.run_code("print(6 * 7)")
+    bad = box.run_code("raise ValueError('nope')")
     assert (ok.outcome, ok.stdout) == ("passed", "42\n")
     assert bad.outcome == "failed" and bad.reason == "ValueError: nope"
     assert "Traceback" in bad.stderr
@@ -269,11 +243,110 @@ def test_installed_packages_import_though_site_is_skipped(box):
     """The sandboxed processes start with -S (no .pth files run) and put site-packages on
     sys.path themselves: a candidate may still import what the interpreter has installed.
     """
-    dirs = sandbox._site_dirs(box.python or sandbox.interpreter())
+    dirs = sandbox._site_dirs(box.interpreter)
     if not any(Path(d, "pip").is_dir() for d in dirs):
         pytest.skip("this interpreter has no pip in its site-packages to import")
-    ran = sandbox.run_code("import pip, sys\nprint(pip.__file__)\nprint('site' in sys.modules)",
-                           **box.opts)
+    ran = box.run_code("import pip, sys\nprint(pip.__file__)\nprint('site' in sys.modules)")
     assert ran.outcome == "passed", ran
     where, site_loaded = ran.stdout.split()
     assert any(where.startswith(d) for d in dirs) and site_loaded == "False"
+
+
+def test_code_runs_unprivileged_and_sees_no_process_outside_its_sandbox(box):
+    """The hole of the old fallback: as root, model-written code ran as uid 0 and saw (and could
+    signal) every process on the machine. A sentinel process of ours, outside: the code must not
+    find it in /proc, and a signal sent to its pid on the machine must not reach it.
+    """
+    needs(box, "pids")
+    marker = f"offseason-sentinel-{secrets.token_hex(4)}"
+    sentinel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
+    try:
+        result = run(box, f"""
+pids = [p for p in os.listdir("/proc") if p.isdigit()]
+seen = []
+for pid in pids:
+    try:
+        if {marker!r}.encode() in open("/proc/%s/cmdline" % pid, "rb").read():
+            seen.append(pid)
+    except OSError:
+        pass
+try:
+    os.kill({sentinel.pid}, signal.SIGTERM)  # its pid on the machine: here nobody, or one of ours
+    sent = "sent"
+except OSError as e:
+    sent = type(e).__name__
+print("uid", os.getuid(), os.geteuid(), os.getgid(), "pids", len(pids), "seen", seen, sent)
+self.assertEqual(seen, [])
+self.assertNotEqual(os.geteuid(), 0)
+self.assertNotEqual(os.getuid(), 0)
+self.assertNotEqual(os.getgid(), 0)
+self.assertLess(len(pids), 8)  # the sandbox's own few: its pid 1, the harness
+""")
+        assert result.outcome == "passed", result
+        time.sleep(0.2)
+        assert sentinel.poll() is None, "the code reached a process outside its sandbox"
+    finally:
+        sentinel.kill()
+        sentinel.wait()
+
+
+def test_the_unprivileged_uid_is_one_this_namespace_maps():
+    """As root in a container that maps fewer ids (rootless: 65,536 subuids), the uid the code
+    gets must be mapped, or every run would fail to start; with only root mapped, none is given.
+    """
+    ranges = sandbox._free_ids()
+    if os.geteuid() == 0:
+        assert ranges and all(0 < start < end for start, end in ranges)
+        uid = sandbox._drop_uid()
+        assert any(start <= uid < end for start, end in ranges)
+
+
+# Run in a user namespace that maps only root (to us) and may make no further one: a container in
+# which neither bubblewrap nor the unshare sandbox can make an unprivileged uid. Prints what the
+# sandbox and the environment contract decided, without and with runtime.sandbox.allow_unisolated.
+NO_ISOLATION = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from stages.envs import contract, sandbox
+out = {"euid": os.geteuid(), "free_ids": list(sandbox._free_ids())}
+try:
+    sandbox.run_code("print('ran')")
+    out["auto"] = "ran"
+except sandbox.SandboxError as e:
+    out["auto"] = str(e)
+try:
+    contract.load("code", "stages.envs.coding", sys.argv[1])
+    out["load"] = "loaded"
+except contract.ContractError as e:
+    out["load"] = str(e)
+out["runs_no_code"] = contract.load("arith", "stages.envs.arith", sys.argv[1]).name
+sandbox.allow_unisolated(True)
+result = sandbox.run_code("import os; print('ran as', os.geteuid())")
+out["allowed"] = [result.isolation, result.stdout.strip()]
+out["loaded_when_allowed"] = contract.load("code", "stages.envs.coding", sys.argv[1]).name
+print(json.dumps(out))
+"""
+
+
+def test_with_no_isolation_code_is_refused_unless_allowed():
+    """Where no sandbox can be made, code is refused before it runs (`auto`), and an environment
+    that runs code is refused when a stage loads it, naming the setting (an environment that runs
+    none loads); with runtime.sandbox.allow_unisolated it runs with rlimits only, and says so.
+    """
+    made = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--", "sh", "-c",
+         'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"', "sh",
+         sys.executable, "-c", NO_ISOLATION, str(REPO)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    if made.returncode != 0 and "Traceback" not in made.stderr:
+        pytest.skip(f"this host cannot make such a container: {made.stderr[-300:]}")
+    assert made.returncode == 0, made.stderr[-2000:]
+    out = json.loads(made.stdout)
+    assert out["euid"] == 0 and out["free_ids"] == []
+    assert "no sandbox works on this machine" in out["auto"]
+    assert "runtime.sandbox.allow_unisolated: true" in out["auto"]
+    assert "environment 'code'" in out["load"] and "runtime.sandbox.allow_unisolated" in out["load"]
+    assert out["runs_no_code"] == "arith"
+    assert out["allowed"] == ["rlimit", "ran as 0"]
+    assert out["loaded_when_allowed"] == "code"
+    assert "NO ISOLATION" in made.stderr  # said in the log of the stage that runs it

@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.envs import sandbox
 from stages.envs.errors import TaskFileError, ToolError, VerifierError
 
 __all__ = ["ENTRY_POINT_GROUP", "ContractError", "Environment", "GoldError", "TaskFileError",
@@ -329,11 +330,24 @@ def load(name: str, module: str, root: str | Path | None = None) -> Environment:
     if version is not None and (not isinstance(version, str) or not version.strip()):
         raise ContractError(f"{where}: VERSION must be a non-empty string (recorded with every "
                             f"score, e.g. VERSION = \"support@1\"), got {version!r}")
+    if _uses_sandbox(obj):  # fail closed: model-written code never runs unisolated unasked
+        try:
+            sandbox.require_isolation(where)
+        except sandbox.SandboxError as e:
+            raise ContractError(str(e)) from e
     source = getattr(obj, "__file__", None) or getattr(sys.modules.get(dotted), "__file__", None)
     return Environment(name=name, module=dotted, tools=tools, max_turns=max_turns,
                        version=version, call_tool=call_tool, reward=reward, gold=gold,
                        task_from_trace=from_trace, source=source, entry_point=entry_point,
                        reward_group=reward_group)
+
+
+def _uses_sandbox(module: Any) -> bool:
+    """Whether an environment module runs code in stages/envs/sandbox.py: it holds that module or
+    one of its functions (the built-in `code` environment does).
+    """
+    return any(value is sandbox or getattr(value, "__module__", None) == sandbox.__name__
+               for value in getattr(module, "__dict__", {}).values())
 
 
 def load_spec(name: str, spec, root: str | Path | None = None) -> Environment:

@@ -12,7 +12,7 @@ inherited variable, so no secret, reaches it), a private temporary directory as 
 limits set by util-linux's `prlimit`: CPU seconds, address space, file size, open files, processes,
 no core dumps. A run past its wall-clock limit is killed with all its children (`os.killpg`).
 
-Two kinds of isolation, picked by `isolation=`:
+Three kinds of isolation, picked by `isolation=` (RELIABILITY.md states what each guarantees):
 - "bwrap" (bubblewrap, Debian's package `bubblewrap`; `make setup` installs it when run as root):
   new pid, network, ipc and uts namespaces (the network namespace has only a loopback device that
   nothing listens on: every connect fails at once, nothing leaves the machine), a new root holding
@@ -23,21 +23,31 @@ Two kinds of isolation, picked by `isolation=`:
   When we are root, the sandboxed code runs as a fresh unprivileged uid (random per run, dropped with
   `setpriv`, capabilities cleared, no_new_privs) because the kernel never enforces RLIMIT_NPROC on
   uid 0: that is what bounds a fork bomb. When we are not root, bwrap uses a user namespace.
-- "rlimit" (the fallback where bwrap is missing or the kernel refuses its namespaces): the limits,
-  the session, the clean environment and the temporary directory all hold; in addition, as root,
-  the code gets its own network namespace (`unshare --net`, so no network either, where the
-  container lets root unshare: `net_namespace_works()`) and runs as an
-  unprivileged uid when the interpreter's installation is world-readable (`drops_root()`: Debian's
-  /usr/bin/python3 is, a pyenv interpreter under /root is not). What does NOT hold without
-  bwrap: the filesystem is the machine's (the code can read whatever its uid can, and write
-  wherever its uid may; run as root with an interpreter under /root it stays root: then it may
-  write anywhere, RLIMIT_NPROC does not bound a fork bomb, and it reads every process's
-  environment in /proc, so only the sandbox's own environment is clean), disk use is
-  bounded per file (RLIMIT_FSIZE) but not in total, a child that calls setsid() escapes the kill
-  (RLIMIT_CPU still ends it if it spins), and without root there is no network isolation at all and
-  the process limit is the user's current count plus `processes`, shared with the user's other
-  processes.
-"auto" (the default) takes bwrap when a probe run works, else "rlimit" with a warning.
+- "unshare" (where bwrap is missing, as in most container images): the same shape built with
+  util-linux alone (`unshare`, `mount`, `setpriv`: no package to install). New pid, mount,
+  network, ipc and uts namespaces; in the mount namespace a new root on a tmpfs with the same
+  read-only binds as bwrap's, a /proc of the new pid namespace (only the sandbox's processes), a
+  few device nodes, size-limited tmpfs work and /tmp directories; `pivot_root` into it and the
+  old root detached, so nothing of the machine's filesystem is reachable. Then, before any code of
+  the run's: as root, `setpriv` drops to a fresh unprivileged uid and gid (no groups, every
+  capability and the bounding set cleared, no_new_privs); as a user, the namespaces are made in a
+  user namespace of its own and the code runs as the user's own uid in a second one, with no
+  capabilities. Pid 1 of the pid namespace is the set-up's shell, which the code can neither
+  signal nor trace: when the code's process ends, it ends, and with it every process the code
+  left (setsid() included).
+- "rlimit" (no isolation: only where neither of those works, and only when allowed): the limits,
+  the session, the clean environment and the temporary directory; as root, a network namespace
+  where root may create one (`net_namespace_works()`) and an unprivileged uid when the
+  interpreter's installation is world-readable (`drops_root()`). What does NOT hold: the
+  filesystem is the machine's (the code reads whatever its uid can), every process on the machine
+  is visible, and run as root with an interpreter under /root it stays root (it may write and
+  signal anything: RLIMIT_NPROC does not bound a fork bomb); a child that calls setsid() escapes
+  the kill; without root there is no network isolation.
+"auto" (the default) takes bwrap when a probe run works, else "unshare" when a probe run works
+(with a warning), else refuses with SandboxError: model-written code never runs unisolated unless
+`runtime.sandbox.allow_unisolated` is true in params.yaml (`allow_unisolated()`; then "rlimit",
+with a warning in every stage that runs code). `require_isolation` is that check before a stage
+starts (stages/envs/contract.py calls it for every environment that uses this module).
 
 Outcomes: "passed" (every test ran and passed), "failed" (a test failed or errored, or the code did
 not import), "timeout" (wall clock or CPU limit), "memory" (MemoryError under the address-space
@@ -60,8 +70,8 @@ from stdin into main()'s frame: the candidate's process never holds the nonce or
 so patching `unittest`, `builtins` or `json`, forging report lines, exiting 0 early or returning
 objects equal to anything cannot pass (tests/test_reward_hacks.py; RELIABILITY.md, "Reward
 hacking"). What an honest solution has no reason to do (import `unittest`, `gc` or `ctypes`,
-replace a builtin) is noted in `Result.suspect`. Under the rlimit fallback the two processes are
-as separate as that fallback makes any two runs (same uid without the uid drop: see above).
+replace a builtin) is noted in `Result.suspect`. Under "rlimit" the two processes are as
+separate as that mode makes any two runs (same uid without the uid drop: see above).
 `run_code` (the `<run>` tool) is one process under HARNESS: it has no verdict to forge.
 """
 
@@ -87,8 +97,11 @@ from stages.envs.errors import VerifierError
 log = logging.getLogger(__name__)
 
 OUTCOMES = ("passed", "failed", "timeout", "memory", "killed", "crashed")
-WORK = "/work"  # the work directory's path inside the bwrap sandbox
+ISOLATIONS = ("bwrap", "unshare", "rlimit")
+WORK = "/work"  # the work directory's path inside the bwrap and unshare sandboxes
 UID_BASE = 1 << 20  # uids handed to sandboxed code when we are root (no real user has these)
+# set (to "1") by `allow_unisolated(True)`: inherited by the verifier processes a stage starts
+ALLOW_UNISOLATED_ENV = "OFFSEASON_SANDBOX_ALLOW_UNISOLATED"
 
 
 class SandboxError(VerifierError):
@@ -118,7 +131,7 @@ class Result:
     stderr: str
     reason: str  # why, in a line: the first failing test, the limit hit, the exit code
     seconds: float
-    isolation: str  # "bwrap" or "rlimit"
+    isolation: str  # "bwrap", "unshare" or "rlimit"
     # what the candidate did that an honest solution has no reason to do (imported the test
     # framework, the garbage collector or frame inspection, changed builtins); "" for nothing
     suspect: str = ""
@@ -495,8 +508,43 @@ def _prefix(python: str) -> str:
 
 
 def drops_root(python: str) -> bool:
-    """Whether the rlimit fallback, run as root, can run `python` as an unprivileged uid."""
-    return os.geteuid() == 0 and _world_reachable(python) and _world_reachable(_prefix(python))
+    """Whether "rlimit", run as root, can run `python` as an unprivileged uid."""
+    return os.geteuid() == 0 and _world_reachable(python) and \
+        _world_reachable(_prefix(python)) and bool(_free_ids())
+
+
+@functools.cache
+def _free_ids() -> tuple[tuple[int, int], ...]:
+    """Ranges [start, end) of ids to hand sandboxed code when we are root: UID_BASE and up (no
+    real user has these), as far as this user namespace maps them in both uid_map and gid_map;
+    in a container that maps fewer (rootless: 65,536 from the host's subuids), its mapped ids
+    from 10,000 up; none where only root is mapped (then no sandbox can drop root: refused).
+    """
+    def mapped(path: str) -> list[tuple[int, int]]:
+        try:
+            lines = Path(path).read_text().split("\n")
+        except OSError:
+            return [(0, 1 << 32)]
+        return [(int(f[0]), int(f[0]) + int(f[2])) for f in map(str.split, lines) if len(f) == 3]
+
+    both = [(max(a, c), min(b, d)) for a, b in mapped("/proc/self/uid_map")
+            for c, d in mapped("/proc/self/gid_map") if max(a, c) < min(b, d)]
+    for low, high in ((UID_BASE, UID_BASE + (1 << 20)), (10_000, 1 << 31)):
+        ranges = tuple((max(a, low), min(b, high)) for a, b in both if max(a, low) < min(b, high))
+        if ranges:
+            return ranges
+    return ()
+
+
+def _drop_uid() -> int:
+    """A fresh unprivileged uid (and gid) for one run, from `_free_ids`."""
+    ranges = _free_ids()
+    if not ranges:
+        raise SandboxError("no unprivileged uid to run the code as: this user namespace maps only "
+                           "root (/proc/self/uid_map); map a range of ids into the container "
+                           "(subuids), or run offseason as a user")
+    start, end = ranges[secrets.randbelow(len(ranges))]
+    return start + secrets.randbelow(end - start)
 
 
 def _world_reachable(path: str) -> bool:
@@ -536,7 +584,9 @@ def _bwrap_args(python: str, uid: int | None, limits: Limits, files: dict[str, i
              "--perms", "0777", "--size", size, "--tmpfs", WORK]
     for name, fd in files.items():
         args += ["--perms", "0644", "--file", str(fd), f"{WORK}/{name}"]
-    args += ["--chdir", WORK, "--clearenv"]
+    # the new root is bwrap's own tmpfs, unbounded and, in a user namespace, the user's: read-only
+    # (only the work tmpfs and /tmp, both bounded, take writes)
+    args += ["--remount-ro", "/", "--chdir", WORK, "--clearenv"]
     for key, value in _env(WORK).items():
         args += ["--setenv", key, value]
     args.append("--")
@@ -544,6 +594,81 @@ def _bwrap_args(python: str, uid: int | None, limits: Limits, files: dict[str, i
         args += [_tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                  "--inh-caps=-all", "--"]
     return args
+
+
+# The "unshare" sandbox's set-up, run by /bin/sh as pid 1 of the new namespaces, before any code
+# of the run's: a new root on a tmpfs holding read-only binds (the same as bwrap's), a /proc of
+# the new pid namespace, a few devices and size-limited tmpfs work and /tmp directories with the
+# run's files; `pivot_root` into it, the machine's root detached; then run the drop (its argv
+# after the binds' "--") and the command as its child, and exit as it did (a signal as 128 + its
+# number, as bwrap's pid 1 does). It stays pid 1, outside the code's reach: as root, a uid the
+# code is not; as a user, with capabilities the code lacks (so it cannot be traced), and the init
+# of the pid namespace (so it cannot be signalled from inside). When it exits, the kernel ends
+# every process left in the namespace (setsid() included). Arguments: the new root's mount point (an empty folder
+# of ours), the work files' folder, the tmpfs size in bytes, the uid to chown the work files to
+# ("" to leave them), the paths to bind, "--", the drop and the command.
+UNSHARE_SETUP = r"""set -e
+PATH=/usr/sbin:/usr/bin:/sbin:/bin
+root=$1 files=$2 size=$3 owner=$4
+shift 4
+mount -t tmpfs -o mode=0755,size=1m offseason-sandbox "$root"
+cd "$root"
+mkdir usr proc dev tmp work etc
+mount --bind -o ro /usr usr
+for top in bin lib lib64 sbin; do
+  if [ -L "/$top" ]; then ln -s "$(readlink "/$top")" "$top"
+  elif [ -d "/$top" ]; then mkdir "$top"; mount --bind -o ro "/$top" "$top"; fi
+done
+if [ -e /etc/ld.so.cache ]; then
+  touch etc/ld.so.cache; mount --bind -o ro /etc/ld.so.cache etc/ld.so.cache
+fi
+while [ "$1" != "--" ]; do
+  mkdir -p "$root$1"; mount --bind -o ro "$1" "$root$1"; shift
+done
+shift
+mount -t proc -o nosuid,nodev,noexec proc proc
+mount -t tmpfs -o mode=0755,size=64k dev dev
+for node in null zero full random urandom; do
+  touch "dev/$node"; mount --bind "/dev/$node" "dev/$node"
+done
+mkdir dev/shm
+mount -t tmpfs -o "mode=1777,size=$size,nosuid,nodev" shm dev/shm
+mount -t tmpfs -o "mode=1777,size=$size,nosuid,nodev" tmp tmp
+mount -t tmpfs -o "mode=0755,size=$size,nosuid,nodev" work work
+cp -R "$files"/. work/
+if [ -n "$owner" ]; then chown -R "$owner:$owner" work; fi
+mount -o remount,bind,ro "$root"
+pivot_root . .
+umount -l .
+cd /work
+PATH=/usr/bin:/bin
+set +e
+"$@"
+exit $?
+"""
+
+
+def _unshare_args(python: str, uid: int | None, limits: Limits, files: Path) -> list[str]:
+    """The argv before the command of an "unshare" sandbox (UNSHARE_SETUP): as root, namespaces
+    and a drop to `uid`; as a user (`uid` None), namespaces in a user namespace and the code as
+    the user's own uid in a second one.
+    """
+    binds = sorted({_prefix(python), os.path.dirname(python)} - {"/usr"})
+    binds = [b for b in binds if not b.startswith("/usr/")]  # bound with /usr
+    namespaces = ["--pid", "--fork", "--kill-child", "--mount", "--net", "--ipc", "--uts"]
+    drop = [_tool("setpriv"), "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all"]
+    if uid is not None:
+        drop[1:1] = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        owner = str(uid)
+    else:
+        # mapped to root in the first namespace (to mount), to the user's own ids in the second
+        namespaces = ["--user", "--map-root-user"] + namespaces
+        drop = [_tool("unshare"), "--user", f"--map-user={os.getuid()}",
+                f"--map-group={os.getgid()}", "--"] + drop
+        owner = ""
+    return [_tool("unshare"), *namespaces, "--", _tool("sh"), "-c", UNSHARE_SETUP, "sh",
+            str(files.parent / "root"), str(files), str(limits.file_mb * 4 << 20), owner,
+            *binds, "--", *drop, "--"]
 
 
 def _env(home: str) -> dict[str, str]:
@@ -597,32 +722,99 @@ def bwrap_problem() -> str | None:
     """None if a probe run under bwrap works here, else why not."""
     if shutil.which("bwrap") is None and not os.access("/usr/bin/bwrap", os.X_OK):
         return "bwrap is not installed (Debian: apt-get install bubblewrap; `make setup` does it as root)"
+    return _probe("bwrap")
+
+
+@functools.cache
+def unshare_problem() -> str | None:
+    """None if a probe run of the "unshare" sandbox works here, else why not (a container that
+    lets neither root nor a user namespace make namespaces, say).
+    """
     try:
-        result = _run({"main.py": "print('ok')"}, Limits(), "bwrap", _checked(interpreter()))
+        for tool in ("unshare", "setpriv", "sh"):
+            _tool(tool)
+    except SandboxError as e:
+        return str(e)
+    return _probe("unshare")
+
+
+def _probe(kind: str) -> str | None:
+    try:
+        result = _run({"main.py": "print('ok')"}, Limits(), kind, _checked(interpreter()))
     except SandboxError as e:
         return str(e)
     return None if result.passed and result.stdout.strip() == "ok" else result.reason
 
 
+def allow_unisolated(allowed: bool) -> None:
+    """Whether code may run with no isolation ("rlimit") where neither bwrap nor unshare works:
+    `runtime.sandbox.allow_unisolated` in params.yaml, applied by the stages that load
+    environments (for this process and the verifier processes it starts).
+    """
+    os.environ[ALLOW_UNISOLATED_ENV] = "1" if allowed else "0"
+
+
+def _unisolated_allowed() -> bool:
+    return os.environ.get(ALLOW_UNISOLATED_ENV) == "1"
+
+
 def choose_isolation(requested: str = "auto") -> str:
-    """The isolation a run gets: "bwrap" or "rlimit"; raises if "bwrap" is required but fails."""
-    if requested not in ("auto", "bwrap", "rlimit"):
-        raise SandboxError(f"isolation must be auto, bwrap or rlimit, not {requested!r}")
+    """The isolation a run gets: "bwrap", "unshare" or "rlimit" (module docstring). "auto" refuses
+    with SandboxError where no isolation works and unisolated runs are not allowed; a named
+    isolation that does not work here raises.
+    """
+    if requested not in ("auto", *ISOLATIONS):
+        raise SandboxError(f"isolation must be auto, {', '.join(ISOLATIONS)}, not {requested!r}")
     if requested == "rlimit":
         return "rlimit"
-    problem = bwrap_problem()
-    if problem is None:
-        return "bwrap"
-    if requested == "bwrap":
-        raise SandboxError(f"bubblewrap is required but does not work here: {problem}")
-    _warn_fallback(problem)
+    if requested in ("auto", "bwrap"):
+        problem = bwrap_problem()
+        if problem is None:
+            return "bwrap"
+        if requested == "bwrap":
+            raise SandboxError(f"bubblewrap is required but does not work here: {problem}")
+    fallback = unshare_problem()
+    if fallback is None:
+        if requested == "auto":
+            _warn_fallback(problem)
+        return "unshare"
+    if requested == "unshare":
+        raise SandboxError(f"the unshare sandbox is required but does not work here: {fallback}")
+    if not _unisolated_allowed():
+        raise SandboxError(
+            f"no sandbox works on this machine, so model-written code is not run: bubblewrap: "
+            f"{problem}; unshare: {fallback}. Install bubblewrap (Debian: apt-get install "
+            f"bubblewrap), or run where namespaces are allowed (as root, or with user namespaces "
+            f"enabled; a container needs them allowed by its runtime); to run the code with no "
+            f"isolation anyway (its limits only: it sees the machine's files and processes), set "
+            f"runtime.sandbox.allow_unisolated: true in params.yaml")
+    _warn_unisolated(problem, fallback)
     return "rlimit"
+
+
+def require_isolation(where: str) -> str:
+    """The isolation this machine gives the code of `where` (an environment that runs code in
+    this sandbox), checked before a stage starts: raises SandboxError, naming `where` and the fix,
+    where there is none and unisolated runs are not allowed.
+    """
+    try:
+        return choose_isolation("auto")
+    except SandboxError as e:
+        raise SandboxError(f"{where} runs model-written code in the sandbox: {e}") from None
 
 
 @functools.cache
 def _warn_fallback(problem: str) -> None:
-    log.warning("sandbox: bubblewrap unavailable (%s); falling back to rlimits and a process group, "
-                "without filesystem isolation (see stages/envs/sandbox.py for what holds)", problem)
+    log.warning("sandbox: bubblewrap unavailable (%s); using the unshare sandbox (namespaces and "
+                "an unprivileged uid made with util-linux: see stages/envs/sandbox.py)", problem)
+
+
+@functools.cache
+def _warn_unisolated(bwrap: str, unshare: str) -> None:
+    # once per process, so once in every stage that runs code: a cycle's log always says it
+    log.warning("sandbox: NO ISOLATION (runtime.sandbox.allow_unisolated is true): model-written "
+                "code runs with rlimits only and sees this machine's files and processes; "
+                "bubblewrap: %s; unshare: %s", bwrap, unshare)
 
 
 def run_tests(code: str, tests: str, *, limits: Limits = Limits(), isolation: str = "auto",
@@ -703,10 +895,20 @@ def _start(files: dict[str, str], harness: str, fds: list[int], limits: Limits, 
             harness = f"import sys\nsys.path.extend({_site_dirs(python)!r})\n" + harness
         command = [python, "-I", "-S", "-c", harness, *map(str, fds)]
         if kind == "bwrap":
-            uid = UID_BASE + secrets.randbelow(1 << 20) if root else None
+            uid = _drop_uid() if root else None
             nproc = limits.processes if root else _own_tasks() + limits.processes
             cwd, env = "/", None
             argv = _prlimit(limits, nproc) + _bwrap_args(python, uid, limits, readable) + command
+        elif kind == "unshare":
+            work = folder / "work"  # copied into the sandbox's own tmpfs by UNSHARE_SETUP
+            work.mkdir()
+            (folder / "root").mkdir()
+            for name in files:
+                shutil.copy(folder / name, work / name)
+            uid = _drop_uid() if root else None
+            nproc = limits.processes if root else _own_tasks() + limits.processes
+            cwd, env = str(folder), _env(WORK)
+            argv = _prlimit(limits, nproc) + _unshare_args(python, uid, limits, work) + command
         else:
             work = folder / "work"
             work.mkdir()
@@ -716,7 +918,7 @@ def _start(files: dict[str, str], harness: str, fds: list[int], limits: Limits, 
             if net_namespace_works():
                 prefix = [_tool("unshare"), "--net", "--"]
             if root and drops_root(python):
-                uid = UID_BASE + secrets.randbelow(1 << 20)
+                uid = _drop_uid()
                 os.chmod(folder.parent, 0o711)
                 os.chmod(folder, 0o711)
                 for path in [work, *work.iterdir()]:
@@ -809,8 +1011,8 @@ def _reports(path: Path, nonce: str) -> list[dict]:
 
 def _signal_of(code: int | None, kind: str, reported: bool) -> signal.Signals | None:
     number = -code if code is not None and code < 0 else None
-    if kind == "bwrap" and code is not None and code > 128 and not reported:
-        number = code - 128  # bwrap's pid 1 passes a signal death on as 128 + its number
+    if kind != "rlimit" and code is not None and code > 128 and not reported:
+        number = code - 128  # the sandbox's pid 1 passes a signal death on as 128 + its number
     return signal.Signals(number) if number is not None and number in signal.valid_signals() \
         else None
 
@@ -946,22 +1148,31 @@ def _run_tests(code: str, tests: str, limits: Limits, kind: str, python: str) ->
 
 def main(argv: list[str] | None = None) -> None:
     """Say which isolation this machine gives and probe it (the command line)."""
-    parser = argparse.ArgumentParser(description="Say which sandbox isolation this machine gives "
-                                                 "(bwrap or the rlimit fallback) and probe it.")
-    parser.add_argument("--isolation", default="auto", choices=["auto", "bwrap", "rlimit"],
-                        help="auto (default): bwrap if it works here, else the rlimit fallback")
+    parser = argparse.ArgumentParser(
+        description="Say which sandbox isolation this machine gives to model-written code "
+                    "(bubblewrap, the unshare sandbox, or none) and probe it.")
+    parser.add_argument("--isolation", default="auto", choices=["auto", *ISOLATIONS],
+                        help="auto (default): bwrap if it works here, else unshare, else refuse")
+    parser.add_argument("--allow-unisolated", action="store_true",
+                        help="as runtime.sandbox.allow_unisolated: true: with no sandbox, run "
+                             "with rlimits only rather than refuse")
     args = parser.parse_args(argv)
-    problem = bwrap_problem()
-    print(f"bubblewrap: {'works' if problem is None else problem}; network namespace for the "
-          f"fallback: {'yes' if net_namespace_works() else 'no'}")
-    kind = choose_isolation(args.isolation)
+    if args.allow_unisolated:
+        allow_unisolated(True)
+    print(f"running as uid {os.geteuid()}")
+    print(f"bubblewrap: {bwrap_problem() or 'works'}")
+    print(f"unshare: {unshare_problem() or 'works'}")
+    print(f"network namespace for MCP servers: {'yes' if net_namespace_works() else 'no'}")
+    try:
+        kind = choose_isolation(args.isolation)
+    except SandboxError as e:
+        sys.exit(f"isolation: none: {e}")
     result = run_tests("def add(a, b):\n    return a + b\n",
                        "import unittest\nfrom solution import add\n\n"
                        "class T(unittest.TestCase):\n    def test(self):\n"
                        "        self.assertEqual(add(2, 3), 5)\n", isolation=kind)
     print(f"isolation: {kind}; interpreter: {interpreter()}; probe: {result.outcome} "
           f"({result.reason}, {result.seconds} s)")
-
 
 if __name__ == "__main__":
     main()
