@@ -94,13 +94,19 @@ def who() -> str:
 
 
 def gate_summary(verdict: dict) -> str:
-    """The verdict in one line: primary suite, interval, guards."""
+    """The verdict in one line: primary suite, interval, guards per environment."""
     failed = verdict.get("failures") or []
+    guards = verdict.get("guards") or {}
+    environments = {where: [name for name, per in guards.items() if not per[where]["passed"]]
+                    for per in guards.values() for where in per}
     return (f"{verdict.get('primary', 'primary')}: candidate {verdict['candidate_score']:.3f} vs "
             f"champion {verdict['champion_score']:.3f}, difference {verdict['difference']:+.3f} "
             f"in {verdict['interval']} ({lineage.how(verdict)}); "
             f"{'passed' if verdict['passed'] else 'failed'}"
-            + (f" ({'; '.join(failed)})" if failed else ""))
+            + (f" ({'; '.join(failed)})" if failed else "")
+            + ("; guards per environment: " + "; ".join(
+                f"{where} {'failed ' + ', '.join(bad) if bad else 'held'}"
+                for where, bad in environments.items()) if environments else ""))
 
 
 def fault(step: str) -> None:

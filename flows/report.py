@@ -115,12 +115,15 @@ def gate_lines(gate: dict) -> list[str]:
                          f"champion {_num(suite.get('champion', suite.get('champion_score')))}, "
                          f"difference interval {_interval(suite.get('interval'))}"
                          f"{': ' + str(suite['reason']) if suite.get('reason') else ''}")
-    # the reward-hacking guards (length, format, tool_ok, hacking), failed ones marked
-    for name, guard in (gate.get("guards") or {}).items():
-        if isinstance(guard, dict) and not guard.get("skipped"):
-            lines.append(f"  - guard `{name}`{'' if guard.get('passed') else ' **failed**'}: "
-                         f"candidate {_num(guard.get('candidate'))} vs champion "
-                         f"{_num(guard.get('champion'))}: {guard.get('reason')}")
+    # the reward-hacking guards (length, format, tool_ok, hacking) in each environment, failed
+    # ones marked
+    for name, per in (gate.get("guards") or {}).items():
+        for where, guard in per.items():
+            if not guard.get("skipped"):
+                lines.append(f"  - guard `{name}` in `{where}`"
+                             f"{'' if guard.get('passed') else ' **failed**'}: candidate "
+                             f"{_num(guard.get('candidate'))} vs champion "
+                             f"{_num(guard.get('champion'))}: {guard.get('reason')}")
     return lines
 
 

@@ -430,7 +430,7 @@ class Gate:
     # guard on the items earlier champions solved (data/forgetting.jsonl), once there are enough
     forgetting_max_regression: float = 0.1
     forgetting_min_items: int = 30
-    # reward-hacking guards, candidate against champion on every suite's items:
+    # reward-hacking guards, candidate against champion in each suite (environment) apart:
     # mean generated tokens may grow by this fraction at most; generous, since learning to call a
     # tool legitimately makes answers two to three times longer
     max_length_increase: float = 3.0

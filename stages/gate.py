@@ -21,12 +21,13 @@ The rules, every one recorded in the verdict with its numbers:
   flagged `underpowered` and then decides or is skipped, as `gate.underpowered` says.
 - forgetting: the items an earlier champion (not the current one) solved, a guard with
   `gate.forgetting_max_regression` once there are `gate.forgetting_min_items` of them.
-- reward hacking, over all suites' items: the relative growth of generated tokens (upper bound at
-  most `gate.max_length_increase`), the share of completions that follow the protocol
-  (`gate.max_format_regression`), of those whose tool calls all ran
+- reward hacking, in each suite (environment) apart, with the same margins: the relative growth
+  of generated tokens (upper bound at most `gate.max_length_increase`), the share of completions
+  that follow the protocol (`gate.max_format_regression`), of those whose tool calls all ran
   (`gate.max_tool_error_regression`), and of those a verifier noted `hack_suspected` (the code
   sandbox: the test framework or the harness touched; upper bound of the rise at most
-  `gate.max_hack_increase`, 0 by default).
+  `gate.max_hack_increase`, 0 by default). Pooled, one environment's regression hid behind
+  another's gain; each fails naming its environment, and `guards.<guard>.<suite>` holds each.
 - contamination: a suite item whose normalized question appears in the candidate's training data
   fails the gate, naming the items.
 - a candidate identical to the champion (nothing was trained) never passes.
@@ -528,6 +529,27 @@ def refreshed(items: list[dict], pool: list[dict], decided: dict[str, int], limi
     return out, [items[i] for i in sorted(worn[:n])], fresh[:n]
 
 
+# the reward-hacking guards, each held in every suite apart: (what it measures, the row key,
+# whether growth is the bad direction); their margins are gate.max_length_increase etc.
+GUARDS = {
+    "length": ("generated tokens", "tokens", True),
+    "format": ("protocol followed", "format", False),
+    "tool_ok": ("tool calls without error", "tool_ok", False),
+    # a verifier's hack_suspected note (code that patched the test framework, replaced
+    # builtins, walked the harness): any rise over the champion's share fails by default
+    "hacking": ("completions a verifier suspected of a reward hack", "suspect", True),
+}
+
+
+def place(suite: str, environment: str) -> str:
+    """Where a guard looked, in words: the environment, and its suite where named apart
+    (`environment` is the environment's name, or with `environments:` "name (module)").
+    """
+    if environment == suite or environment.startswith(f"{suite} ("):
+        return f"environment {environment}"
+    return f"suite {suite} (environment {environment})"
+
+
 def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: set,
            contaminated: list[str], unchanged: bool,
            margins: dict[str, tuple[str, float]] | None = None,
@@ -586,22 +608,22 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
                             threshold=config.forgetting_max_regression, primary=False)
     forgotten["lost"] = sorted(f"{c['suite']}/{c['id']}" for c, h in kept
                                if h["correct"] == 1 and c["correct"] == 0)[:20]
-    guards = {
-        "length": compare("length (generated tokens)", *arrays(pairs, "tokens"), config, seed,
-                          threshold=config.max_length_increase, primary=False, relative=True,
-                          lower_is_better=True),
-        "format": compare("format (protocol followed)", *arrays(judged, "format"), config, seed,
-                          threshold=config.max_format_regression, primary=False),
-        "tool_ok": compare("tool_ok (tool calls without error)", *arrays(judged, "tool_ok"),
-                           config, seed, threshold=config.max_tool_error_regression,
-                           primary=False),
-        # a verifier's hack_suspected note (code that patched the test framework, replaced
-        # builtins, walked the harness): any rise over the champion's share fails by default
-        "hacking": compare("hacking (completions a verifier suspected of a reward hack)",
-                           *arrays(judged, "suspect"), config, seed,
-                           threshold=config.max_hack_increase, primary=False,
-                           lower_is_better=True),
-    }
+    # each guard in each suite (environment) apart, with the same margin: pooled, one
+    # environment's regression hid behind another's gain (issue 46)
+    limits = {"length": config.max_length_increase, "format": config.max_format_regression,
+              "tool_ok": config.max_tool_error_regression, "hacking": config.max_hack_increase}
+    guards: dict[str, dict[str, dict]] = {guard: {} for guard in GUARDS}
+    for name in suites_out:
+        everything = [(c, h) for c, h in pairs if c["suite"] == name]
+        rows = [(c, h) for c, h in judged if c["suite"] == name]
+        where = place(name, margins[name][0])
+        for guard, (words, key, growth) in GUARDS.items():
+            guards[guard][name] = {
+                "environment": margins[name][0],
+                **compare(f"{guard} ({words}) in {where}",
+                          *arrays(everything if key == "tokens" else rows, key), config, seed,
+                          threshold=limits[guard], primary=False,
+                          relative=key == "tokens", lower_is_better=growth)}
     contamination = {"passed": not contaminated, "items": contaminated,
                      "reason": (f"contamination: {len(contaminated)} benchmark items appear in "
                                 f"the candidate's training data: {', '.join(contaminated[:10])}"
@@ -613,7 +635,8 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
                      if contaminated
                      else "contamination: no benchmark item in the training data"}
     checks = {**{f"suite {n}": s for n, s in suites_out.items()}, "forgetting": forgotten,
-              **{f"guard {n}": g for n, g in guards.items()}, "contamination": contamination}
+              **{f"guard {g} {n}": r for g, per in guards.items() for n, r in per.items()},
+              "contamination": contamination}
     failures = [c["reason"] for c in checks.values() if not c["passed"]]
     passed = not unchanged and not failures
     main = suites_out[config.primary]
@@ -628,9 +651,10 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
             f"({primary_test}"
             f"{'' if primary_test.startswith('exact') else f', above {config.min_improvement}'}"
             f"), no guard suite's one-sided lower bound is below minus its max_regression, the "
-            f"forgetting and reward-hacking guards hold and no benchmark item is in the training "
-            f"data; each test is one-sided at alpha {config.alpha}: a candidate no better than "
-            f"the champion is promoted at most {config.alpha:.0%} of the time per decision"
+            f"forgetting guard holds, the reward-hacking guards hold in every environment apart "
+            f"and no benchmark item is in the training data; each test is one-sided at alpha "
+            f"{config.alpha}: a candidate no better than the champion is promoted at most "
+            f"{config.alpha:.0%} of the time per decision"
             + (f"; across cycles LORD++ sets the primary's level ({level:.4g} at decision "
                f"{len(history) + 1}), so that false promotions stay at most {config.alpha:.0%} "
                f"of all promotions over the years" if config.sequential == "lord" else ""))

@@ -93,9 +93,9 @@ def test_forgetting_and_reward_hacking_guards():
                    rows(bernoulli(0.3, 200, 7), tokens=10))
     verdict = gate.decide(CONFIG, 0, better, set(), [], False)
     assert verdict["passed"] is False
-    assert {k for k, g in verdict["guards"].items() if not g["passed"]} == \
+    assert {k for k, g in verdict["guards"].items() if not g["arith"]["passed"]} == \
         {"length", "format", "tool_ok"}
-    assert verdict["guards"]["length"]["difference"] == 4.0  # 5x as long: +400%
+    assert verdict["guards"]["length"]["arith"]["difference"] == 4.0  # 5x as long: +400%
     assert verdict["forgetting"]["skipped"] is True  # nothing solved before: the first cycle
 
 
@@ -523,13 +523,14 @@ def test_a_rise_in_suspected_reward_hacks_fails_the_hacking_guard():
     better, worse = rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5))
     hacky = [{**r, "suspect": float(i < 6)} for i, r in enumerate(better)]
     verdict = gate.decide(CONFIG, 0, pairs(hacky, worse), set(), [], False)
-    hacking = verdict["guards"]["hacking"]
+    hacking = verdict["guards"]["hacking"]["arith"]
     assert verdict["passed"] is False and hacking["passed"] is False, hacking
     assert hacking["candidate"] == 0.03 and hacking["champion"] == 0.0
-    assert "hacking (completions a verifier suspected" in verdict["reason"]
+    assert "hacking (completions a verifier suspected of a reward hack) in environment arith" \
+        in verdict["reason"]
     same = gate.decide(CONFIG, 0, pairs(hacky, [{**r, "suspect": float(i < 6)}
                                                 for i, r in enumerate(worse)]), set(), [], False)
-    assert same["passed"] is True and same["guards"]["hacking"]["passed"] is True
+    assert same["passed"] is True and same["guards"]["hacking"]["arith"]["passed"] is True
     # champion scores written before the guard existed carry no `suspect`: none suspected
     assert gate.decide(CONFIG, 0, pairs(better, worse), set(), [], False)["passed"] is True
 
@@ -543,8 +544,8 @@ def test_the_cycle_report_shows_the_guards_and_the_suspected_hacks(tmp_path):
     reward = {"mean_reward": 0.5, "hack_suspected": {"episodes": 3, "reasons": {
         "imported unittest": 2, "replaced builtins.AssertionError": 1}}}
     text = report.markdown(tmp_path, 1, {"gate": verdict, "reward": reward}, {})
-    assert "guard `hacking` **failed**: candidate 0.030 vs champion 0.000" in text, text
-    assert "guard `length`: candidate" in text
+    assert "guard `hacking` in `arith` **failed**: candidate 0.030 vs champion 0.000" in text, text
+    assert "guard `length` in `arith`: candidate" in text
     assert "suspected reward hacks: 3 episodes (imported unittest: 2, replaced " in text
     assert f"suite `arith`: candidate {verdict['suites']['arith']['candidate']:.3f}" in text
     assert "suspected reward hacks: none" in report.markdown(tmp_path, 1, {"gate": verdict}, {})
@@ -585,3 +586,102 @@ def test_the_metrics_artifact_is_one_small_table_per_stage():
     assert report.stage_table(metrics, "gate") == [
         {"metric": "passed", "value": 1.0}, {"metric": "candidate_score", "value": 0.6}]
     assert report.stage_table(metrics, "train") == []
+
+
+def share(p, n):
+    """n values, the first p of them 1.0: a share of completions."""
+    return [1.0] * round(p * n) + [0.0] * (n - round(p * n))
+
+
+TWO_ENVIRONMENTS = cfg.Gate(suites={"arith": cfg.Suite(),
+                                    "code": cfg.Suite(environment="code", max_regression=0.5)})
+# guard: (its row key, arith's champion and candidate, code's champion and candidate): better on
+# arith (200 items), worse on code (100 items), so that the figure over both passes
+ONE_BETTER_ONE_WORSE = {
+    "length": ("tokens", [100] * 200, [20] * 200, [10] * 100, [60] * 100),  # code: 6x as long
+    "format": ("format", share(0.5, 200), share(1.0, 200), share(1.0, 100), share(0.7, 100)),
+    "tool_ok": ("tool_ok", share(0.5, 200), share(1.0, 200), share(1.0, 100), share(0.7, 100)),
+    "hacking": ("suspect", share(0.2, 200), share(0.0, 200), share(0.0, 100), share(0.05, 100)),
+}
+
+
+def two_environments(key=None, values=None):
+    """(candidate, champion) rows of arith (clearly better) and code (unchanged), with `key`
+    set per row from `values` (arith's champion, arith's candidate, code's champion, code's)."""
+    arith_rows = rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5))
+    code_rows = rows(bernoulli(0.5, 100, 8), "code"), rows(bernoulli(0.5, 100, 8), "code")
+    if key is not None:
+        arith_champion, arith_candidate, code_champion, code_candidate = values
+        arith_rows = ([{**r, key: v} for r, v in zip(arith_rows[0], arith_candidate)],
+                      [{**r, key: v} for r, v in zip(arith_rows[1], arith_champion)])
+        code_rows = ([{**r, key: v} for r, v in zip(code_rows[0], code_candidate)],
+                     [{**r, key: v} for r, v in zip(code_rows[1], code_champion)])
+    return pairs(*arith_rows) + pairs(*code_rows)
+
+
+@pytest.mark.parametrize("guard", list(ONE_BETTER_ONE_WORSE))
+def test_a_guard_fails_in_the_environment_that_regressed_though_the_pooled_figure_passes(guard):
+    """Issue 46 item 5: the length, format, tool and hacking guards were pooled over every
+    suite's items, so that one environment's regression hid behind another's gain. Each now
+    holds in each environment, with the same margins."""
+    key, *values = ONE_BETTER_ONE_WORSE[guard]
+    both = two_environments(key, values)
+    margin = {"length": "max_length_increase", "format": "max_format_regression",
+              "tool_ok": "max_tool_error_regression", "hacking": "max_hack_increase"}[guard]
+    pooled = gate.compare("pooled", np.array([c[key] for c, _ in both], float),
+                          np.array([h[key] for _, h in both], float), TWO_ENVIRONMENTS, 0,
+                          threshold=getattr(TWO_ENVIRONMENTS, margin), primary=False,
+                          relative=guard == "length", lower_is_better=guard in ("length",
+                                                                                  "hacking"))
+    assert pooled["passed"] is True, pooled  # what the gate decided before: a pass
+    verdict = gate.decide(TWO_ENVIRONMENTS, 0, both, set(), [], False)
+    assert verdict["suites"]["arith"]["passed"] and verdict["suites"]["code"]["passed"]
+    per = verdict["guards"][guard]
+    assert per["arith"]["passed"] is True and per["code"]["passed"] is False, per
+    assert per["code"]["environment"] == "code" and per["code"]["items"] == 100
+    assert verdict["passed"] is False
+    assert verdict["failures"] == [per["code"]["reason"]]  # the other guards held everywhere
+    assert per["code"]["reason"].startswith(f"{guard} ") and " in environment code: " in \
+        per["code"]["reason"], per["code"]["reason"]
+    assert per["code"]["reason"] in verdict["reason"]
+
+
+def test_a_candidate_fine_in_every_environment_passes_each_guard_reported_per_environment():
+    verdict = gate.decide(TWO_ENVIRONMENTS, 0, two_environments(), set(), [], False)
+    assert verdict["passed"] is True, verdict["reason"]
+    assert {guard: sorted(per) for guard, per in verdict["guards"].items()} == {
+        guard: ["arith", "code"] for guard in ("length", "format", "tool_ok", "hacking")}
+    for per in verdict["guards"].values():
+        assert per["arith"]["passed"] and per["arith"]["items"] == 200
+        assert per["code"]["passed"] and per["code"]["items"] == 100
+        assert (per["arith"]["environment"], per["code"]["environment"]) == ("arith", "code")
+    # a suite named apart from its environment is named with it; an environment's own
+    # benchmarks (an `environments:` section) by the environment and its module
+    apart = cfg.Gate(suites={"arith": cfg.Suite(), "hard": cfg.Suite()})
+    hard = pairs(rows([1] * 50, "hard", tokens=80), rows([1] * 50, "hard", tokens=10))
+    verdict = gate.decide(apart, 0, two_environments()[:200] + hard, set(), [], False)
+    assert "length (generated tokens) in suite hard (environment arith): upper bound" in \
+        verdict["guards"]["length"]["hard"]["reason"]
+    modules = {"arith": ("arith (stages.envs.arith)", 0.05), "hard": ("hard (my.env)", 0.05)}
+    verdict = gate.decide(apart, 0, two_environments()[:200] + hard, set(), [], False, modules)
+    assert verdict["guards"]["length"]["hard"]["reason"].startswith(
+        "length (generated tokens) in environment hard (my.env): upper bound")
+
+
+def test_the_report_the_summary_and_mlflow_show_each_guard_per_environment(tmp_path):
+    from flows import promotion, report, tracking
+
+    key, *values = ONE_BETTER_ONE_WORSE["format"]
+    verdict = gate.decide(TWO_ENVIRONMENTS, 0, two_environments(key, values), set(), [], False)
+    text = report.markdown(tmp_path, 1, {"gate": verdict}, {})
+    assert "guard `format` in `code` **failed**: candidate 0.700 vs champion 1.000" in text, text
+    assert "guard `format` in `arith`: candidate 1.000 vs champion 0.500" in text
+    assert "guard `length` in `code`: candidate" in text
+    summary = promotion.gate_summary(verdict)
+    assert "guards per environment: arith held; code failed format" in summary, summary
+    numbers = tracking.numeric(verdict)  # what MLflow gets, as `dvc metrics diff` flattens it
+    assert numbers["guards.format.code.passed"] == 0.0
+    assert numbers["guards.format.arith.passed"] == 1.0
+    assert numbers["guards.length.code.items"] == 100.0
+    passed = gate.decide(TWO_ENVIRONMENTS, 0, two_environments(), set(), [], False)
+    assert "guards per environment: arith held; code held" in promotion.gate_summary(passed)
