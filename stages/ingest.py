@@ -23,8 +23,10 @@ counted as a duplicate, and `metrics/ingest.json` adds up, overall and per forma
 says where, what and what to change (`quarantine_reason`): `<file>, trace <id>: <what is wrong>;
 to fix: <what to change>` for a trace, `<file> line <n>[, trace <id>]: ...` for a line (the id
 where the record has one). The readers raise BadRecord with the fix where they know it (the
-content-capture switch of the format when a trace has no messages, `schema.CAPTURE`), else the
-format's own `FIX` applies. A line that cannot be read at all (invalid JSON, not UTF-8, over
+content-capture switch of the format when a trace has no messages, `schema.CAPTURE`; the
+instrumentation's own setting when a message holds only its placeholder for content it did not
+record, `<elided>` or `__REDACTED__`, `schema.PLACEHOLDERS`), else the format's own `FIX`
+applies. A line that cannot be read at all (invalid JSON, not UTF-8, over
 `ingest.max_line_bytes`) is a row of its own.
 
 Writes `data/traces/` (a persistent DVC output: one Parquet part per inbox file, plus a manifest;

@@ -91,6 +91,8 @@ def ingest_cases() -> dict[str, str | bytes]:
         "responses-bare.jsonl": jsonl([{k: v for k, v in responses[0].items() if k != "input"}]),
         "otel-capture-off.json": capture_off("otel_genai.json"),
         "otel-legacy-capture-off.json": capture_off("otel_genai_legacy.json"),
+        # Google ADK's own export with content capture off: "<elided>" for every message
+        "adk-elided.json": (FIXTURES / "capture_off" / "adk_elided.json").read_text(),
         "mixed.jsonl": jsonl([json.loads((FIXTURES / "otel_genai.json").read_text()), chat]),
         # personal data in what a quarantine row shows: an id, and a key where the excerpt ends
         "pii-lines.jsonl": jsonl([
@@ -158,6 +160,7 @@ def test_each_fix_is_the_one_for_its_case(quarantined):
         by.setdefault(row["source_file"], []).append(row["reason"])
     fixes = {
         "otel-capture-off.json": "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true",
+        "adk-elided.json": "Google ADK records no messages while content capture is off",
         "responses-bare.jsonl": "log the request's `input` beside it",
         "unknown.jsonl": "convert the file into one of those formats",
         "mixed.jsonl": "put records of another format in a file of their own",

@@ -59,9 +59,10 @@ class BadRecord(ValueError):
 
 
 class NoContent(BadRecord):
-    """A trace whose model calls recorded no messages, or no user turn: the instrumentation does
-    not capture the content (or the log holds only the answer). The fix is the format's
-    content-capture switch, `CAPTURE[format]`.
+    """A trace whose model calls recorded no messages, or no user turn, or a placeholder in place
+    of a message (`placeholder_problem`): the instrumentation does not capture the content (or
+    the log holds only the answer). The fix is the setting that records it: the reader's where it
+    knows the instrumentation, else the format's content-capture switch, `CAPTURE[format]`.
     """
 
 
@@ -92,6 +93,63 @@ CAPTURE = {
                         "request's `input` beside it",
     "openai-chat": "log the request's `messages`, the user's turn included, on each line",
 }
+
+
+# What instrumentations write in place of a message's content they did not record (content
+# capture off, hidden, masked or scrubbed), as patterns, each with the setting that records the
+# content instead; read from each tool's own source, named beside it. A message whose whole text
+# is such placeholders is no text to learn from (`placeholder_problem`).
+PLACEHOLDERS = {
+    # google/adk-python src/google/adk/telemetry/_stable_semconv.py (USER_CONTENT_ELIDED) and
+    # open-telemetry/opentelemetry-python-contrib instrumentation-genai/opentelemetry-
+    # instrumentation-google-genai/src/opentelemetry/instrumentation/google_genai/
+    # generate_content.py (_CONTENT_ELIDED): the content of each gen_ai.system.message /
+    # gen_ai.user.message / gen_ai.choice log event while capture is off, their default
+    r"<elided>": "record the messages: Google ADK and opentelemetry-instrumentation-google-genai "
+                 "write <elided> for each one while content capture is off; set "
+                 "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY and "
+                 "OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental where the agent runs",
+    # Arize-ai/openinference python/openinference-instrumentation/src/openinference/
+    # instrumentation/config.py (REDACTED_VALUE, TraceConfig.mask): each message's text under
+    # hide_input_text / hide_output_text (hide_inputs / hide_outputs drop the messages instead)
+    r"__REDACTED__": "let OpenInference record message text: unset "
+                     "OPENINFERENCE_HIDE_INPUT_TEXT and OPENINFERENCE_HIDE_OUTPUT_TEXT "
+                     "(TraceConfig's hide_input_text / hide_output_text) where the app runs",
+    # langfuse/langfuse-python langfuse/_client/constants.py (MASK_FALLBACK_VALUE): the whole
+    # input or output when the client's `mask` function raised (langfuse/_client/span.py)
+    r"<fully masked due to failed mask function>":
+        "fix the Langfuse client's `mask` function: it raised, so the SDK wrote this in place "
+        "of the whole input and output (offseason scrubs personal data itself at ingest)",
+    # pydantic/logfire logfire/_internal/scrubbing.py (BaseScrubber._redact): a value that
+    # mentions a sensitive word (password, secret, auth, session, cookie, api key, ...) whole
+    r"\[Scrubbed due to '[^'\n]{1,80}'\]":
+        "keep the messages out of Logfire's scrubbing: logfire.configure(scrubbing="
+        "logfire.ScrubbingOptions(callback=...)) returning the message values, or "
+        "scrubbing=False (offseason scrubs personal data and secrets itself at ingest)",
+}
+_MARKER = re.compile("|".join(PLACEHOLDERS))
+_PLACEHOLDER = re.compile(r"\s*(?:(?:" + _MARKER.pattern + r")\s*)+")  # only placeholders
+
+
+def placeholder_problem(messages: list[dict]) -> tuple[str, str] | None:
+    """(what is wrong, what to change) when a message's whole text is placeholders, what an
+    instrumentation writes in place of content it did not record (`PLACEHOLDERS`); None if
+    none is. One such message is enough: a conversation with a hole is not what production
+    saw, and learning from it would teach the placeholder. Text that only mentions one
+    ("... shows <elided> where ...") is text.
+    """
+    found = []
+    for message in messages:
+        content = message.get("content")
+        text = content if isinstance(content, str) else _text(content) if content else ""
+        if text and _PLACEHOLDER.fullmatch(text):
+            found.append(text)
+    if not found:
+        return None
+    marker = _MARKER.search(found[0]).group(0)
+    fix = next(fix for pattern, fix in PLACEHOLDERS.items() if re.fullmatch(pattern, marker))
+    return (f"{len(found)} of {len(messages)} messages hold only {marker!r}, what an "
+            f"instrumentation writes in place of content it did not record"), fix
 
 
 # What a reader raises on a record shaped in a way it did not foresee: quarantined, never a crash.
@@ -224,6 +282,9 @@ def make_row(trace: dict, source_file: str, source_line: int, fmt: str, scrubber
     """A normalized trace as one row of SCHEMA, every string scrubbed by `scrubber` first."""
     if not trace["messages"]:
         raise NoContent("the trace has no messages")
+    problem = placeholder_problem(trace["messages"])
+    if problem is not None:  # a reader that knows the instrumentation refused it with its setting
+        raise NoContent(problem[0], fix=problem[1])
     feedback = trace.get("feedback")  # a source may pass on what is no object (`feedback_problem`)
     parts = {"messages": trace["messages"], "tools": trace.get("tools") or [],
              "feedback": feedback if isinstance(feedback, dict) else {}}

@@ -35,6 +35,10 @@ json_schema` -> `tools`; `llm.model_name` -> `model`; `llm.token_count.prompt` /
 trace) -> `feedback["error"]`. `session.id` (of the first span in start order that has one)
 -> `conversation_id`; `user.id` has no place in the normalized form.
 
+A trace with a message whose text OpenInference hid (`__REDACTED__`, its `hide_input_text` /
+`hide_output_text`) is refused (`NoContent`), the fix naming the setting that hid it by where the
+placeholder is (`llm.input_messages` or `llm.output_messages`).
+
 Reasoning parts (`message_content.type == "reasoning"`) become the assistant message's
 `reasoning_content`. Image, audio and video parts raise `BadRecord`: the normalized content is
 text, and dropping them would leave a conversation that refers to something it no longer has.
@@ -49,7 +53,14 @@ import json
 import re
 from typing import Any
 
-from stages.traces.schema import TEXT_ONLY, BadRecord, attempt, first_error
+from stages.traces.schema import (
+    TEXT_ONLY,
+    BadRecord,
+    NoContent,
+    attempt,
+    first_error,
+    placeholder_problem,
+)
 from stages.traces.sources import otlp
 from stages.traces.sources.messages import (
     Call,
@@ -76,6 +87,14 @@ _JSON_LEAVES = ("tool.json_schema", "function.arguments", "input.value", "output
 _FEEDBACK = re.compile(r"^((?:trace\.)?(?:annotations|evaluations))\.(\d+)\."
                        r"(?:annotation|evaluation)\.(name|score|label)$")
 _ERROR_CODES = ("ERROR", "STATUS_CODE_ERROR", "2", 2)
+# What OpenInference writes for a message text it hides, and the setting that hides it, by where:
+# Arize-ai/openinference python/openinference-instrumentation/src/openinference/instrumentation/
+# config.py (REDACTED_VALUE; TraceConfig.mask: hide_input_text / hide_output_text redact
+# message.content and message_content.text, hide_inputs / hide_outputs drop the messages)
+REDACTED = "__REDACTED__"
+_HIDING = {"llm.input_messages.": "OPENINFERENCE_HIDE_INPUT_TEXT (TraceConfig's hide_input_text)",
+           "llm.output_messages.": "OPENINFERENCE_HIDE_OUTPUT_TEXT (TraceConfig's "
+                                   "hide_output_text)"}
 
 
 def detect(record: dict) -> bool:
@@ -173,8 +192,17 @@ def _trace(trace_id: str, spans: list[dict], extra_scores: dict[str, Any]) -> di
     first = min(spans, key=_start_key)
     session = next((s["attributes"]["session.id"] for s in sorted(spans, key=_start_key)
                     if s["attributes"].get("session.id") not in (None, "")), None)
-    return make_trace(trace_id, calls, created_at=iso_time(first["start"]), feedback=feedback,
-                      where=where, conversation_id=session)
+    trace = make_trace(trace_id, calls, created_at=iso_time(first["start"]), feedback=feedback,
+                       where=where, conversation_id=session)
+    problem = placeholder_problem(trace["messages"])
+    if problem is not None:
+        hidden = sorted({setting for span in spans if span["kind"] == "LLM"
+                         for key, value in span["attributes"].items() if value == REDACTED
+                         for prefix, setting in _HIDING.items() if key.startswith(prefix)})
+        raise NoContent(f"{where}: {problem[0]}", fix=problem[1] if not hidden else (
+            f"let OpenInference record message text: unset {' and '.join(hidden)} where the "
+            f"app runs"))
+    return trace
 
 
 def _start_key(span: dict) -> tuple[bool, float]:

@@ -8,7 +8,11 @@ or one a line): `resourceSpans[].scopeSpans[].spans[]`, each span with hex `trac
 becomes one normalized trace whose `trace_id` is the OTel trace id. Traces with no GenAI span at
 all (health checks, plain HTTP) are skipped; a trace whose model calls (a `chat`-like operation,
 Semantic Kernel's `chat.completions`, OpenLLMetry's `llm.request.type` chat) recorded no messages
-is refused (`NoContent`: quarantined, naming the instrumentation's content-capture switch).
+is refused (`NoContent`: quarantined, naming the instrumentation's content-capture switch), and
+so is one that recorded placeholders instead: a message of only `<elided>` (Google ADK's and
+opentelemetry-instrumentation-google-genai's log events with capture off; `schema.PLACEHOLDERS`),
+or a text part with no `content` (Pydantic AI's `include_content=False`). The spans' scope names
+the instrumentation where it is one of `_CAPTURE_BY_SCOPE`, and the fix is then its own setting.
 
 Span attributes read (GenAI semantic conventions, `docs/gen-ai/gen-ai-spans.md`):
 
@@ -62,6 +66,7 @@ from stages.traces.schema import (
     NoContent,
     attempt,
     first_error,
+    placeholder_problem,
 )
 from stages.traces.sources import otlp
 
@@ -83,6 +88,33 @@ _UNMAPPABLE_PARTS = ("blob", "file", "file_data", "uri", "server_tool_call",
                      "server_tool_call_response")
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 _ROLE_ALIASES = {"model": "assistant"}  # Gemini's name for the assistant
+# Instrumentations known by their scope name, and what records their messages where this reader
+# reads them, for a trace whose messages they did not record (content capture off)
+_CAPTURE_BY_SCOPE = {
+    # google/adk-python src/google/adk/telemetry/tracing.py (tracer and otel_logger
+    # "gcp.vertex.agent"), context.py (TelemetryConfig); under its stable conventions (ADK 1.x,
+    # and ADK 2's schema 1) the messages are log events of "<elided>" while capture is off, and
+    # their Gemini Content bodies when it is on; with the current ones each call's messages are
+    # gen_ai.input.messages / gen_ai.output.messages (checked with google-adk 1.39.1, 2.13.0)
+    "gcp.vertex.agent": "Google ADK records no messages while content capture is off: set "
+                        "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY and "
+                        "OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental where the agent "
+                        "runs, so each model call's messages are on its span",
+    # open-telemetry/opentelemetry-python-contrib instrumentation-genai/opentelemetry-
+    # instrumentation-google-genai/src/opentelemetry/instrumentation/google_genai/
+    # generate_content.py (_CONTENT_ELIDED) and flags.py
+    "opentelemetry.instrumentation.google_genai":
+        "turn opentelemetry-instrumentation-google-genai's content capture on: set "
+        "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY and "
+        "OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental where the app runs",
+    # pydantic/pydantic-ai pydantic_ai_slim/pydantic_ai/models/instrumented.py (scope
+    # "pydantic-ai", InstrumentationSettings.include_content) and messages.py (a text part
+    # without its content while include_content is off)
+    "pydantic-ai": "Pydantic AI records no message text with include_content=False: "
+                   "instrument with InstrumentationSettings(include_content=True) (Agent("
+                   "instrument=...), Agent.instrument_all(...), or "
+                   "logfire.instrument_pydantic_ai(include_content=True))",
+}
 
 
 def detect(record: dict) -> bool:
@@ -115,8 +147,9 @@ def parse_each(document: dict) -> list[tuple[str, dict | Exception]]:
         scopes = resource.get("scopeSpans") or resource.get("instrumentationLibrarySpans") or []
         for j, scope in enumerate(scopes):
             spans = scope.get("spans") if isinstance(scope, dict) else None
+            name = _scope_name(scope)
             for k, raw in enumerate(spans or []):
-                span = _span(raw, f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]")
+                span = _span(raw, f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]", name)
                 by_trace.setdefault(span["trace_id"], []).append(span)
     _join_events(by_trace, document.get("resourceLogs") or [])
     results = []
@@ -130,7 +163,15 @@ def parse_each(document: dict) -> list[tuple[str, dict | Exception]]:
 
 # --- OTLP JSON -------------------------------------------------------------------------------
 
-def _span(raw: object, where: str) -> dict:
+def _scope_name(scope: object) -> str | None:
+    """The instrumentation scope's name (`instrumentationLibrary` before OTLP 0.15)."""
+    if not isinstance(scope, dict):
+        return None
+    named = scope.get("scope") or scope.get("instrumentationLibrary")
+    return named.get("name") if isinstance(named, dict) else None
+
+
+def _span(raw: object, where: str, scope: str | None) -> dict:
     if not isinstance(raw, dict):
         raise BadRecord(f"{where} is not an object")
     trace_id, span_id = raw.get("traceId"), raw.get("spanId")
@@ -155,7 +196,7 @@ def _span(raw: object, where: str) -> dict:
     status = raw.get("status") if isinstance(raw.get("status"), dict) else {}
     return {"trace_id": trace_id, "span_id": span_id, "label": label,
             "parent": raw.get("parentSpanId") or "", "start": start, "attrs": attrs,
-            "events": events, "status": status}
+            "events": events, "status": status, "scope": scope}
 
 
 # GenAI events (log records) with one message each (semconv 1.28 to 1.36), and the role each
@@ -182,6 +223,7 @@ def _join_events(by_trace: dict[str, list[dict]], resource_logs: list) -> None:
         if not isinstance(resource, dict):
             continue
         for scope in resource.get("scopeLogs") or resource.get("instrumentationLibraryLogs") or []:
+            scope_name = _scope_name(scope)
             for raw in (scope.get("logRecords") if isinstance(scope, dict) else None) or []:
                 if not isinstance(raw, dict) or not raw.get("traceId"):
                     continue
@@ -190,9 +232,9 @@ def _join_events(by_trace: dict[str, list[dict]], resource_logs: list) -> None:
                 name = raw.get("eventName") or attrs.get("event.name")
                 if name in _MESSAGE_EVENTS or name in ("gen_ai.choice", _DETAILS_EVENT):
                     records.append((int(raw.get("timeUnixNano") or raw.get(
-                        "observedTimeUnixNano") or 0), name, attrs, raw))
+                        "observedTimeUnixNano") or 0), name, attrs, raw, scope_name))
     records.sort(key=lambda r: r[0])  # stable: file order breaks ties
-    for time, name, attrs, raw in records:
+    for time, name, attrs, raw, scope_name in records:
         trace_id, span_id = str(raw["traceId"]), str(raw.get("spanId") or "")
         spans = by_trace.setdefault(trace_id, [])
         span = next((s for s in spans if s["span_id"] == span_id), None)
@@ -200,7 +242,7 @@ def _join_events(by_trace: dict[str, list[dict]], resource_logs: list) -> None:
             span = {"trace_id": trace_id, "span_id": span_id,
                     "label": f"trace {trace_id} span {span_id or '(none)'}", "parent": "",
                     "start": time, "attrs": {"gen_ai.operation.name": "chat"}, "events": [],
-                    "status": {}}
+                    "status": {}, "scope": scope_name}
             spans.append(span)
         span_attrs = span["attrs"]
         if name == _DETAILS_EVENT:
@@ -251,7 +293,7 @@ def _trace(trace_id: str, spans: list[dict]) -> dict | None:
             raise NoContent(f"trace {trace_id}: its GenAI spans record no messages (content "
                             "capture is off, or its log records were not exported with them)",
                             fix="turn OpenLLMetry's content tracing on: TRACELOOP_TRACE_CONTENT="
-                            "true" if openllmetry else None)
+                            "true" if openllmetry else _capture_fix(spans))
         return None  # not a GenAI trace
 
     threads: list[list[dict]] = []
@@ -278,7 +320,11 @@ def _trace(trace_id: str, spans: list[dict]) -> dict | None:
             touched.append(n)
     messages = threads[max(range(len(threads)), key=lambda t: (len(threads[t]), touched[t]))]
     if not messages:
-        raise NoContent(f"trace {trace_id}: its GenAI spans hold no messages")
+        raise NoContent(f"trace {trace_id}: its GenAI spans hold no messages",
+                        fix=_capture_fix(calls))
+    problem = placeholder_problem(messages)  # "<elided>" where each message was, say
+    if problem is not None:
+        raise NoContent(f"trace {trace_id}: {problem[0]}", fix=_capture_fix(calls) or problem[1])
 
     return {
         "trace_id": trace_id,
@@ -290,6 +336,14 @@ def _trace(trace_id: str, spans: list[dict]) -> dict | None:
         "usage": _usage(calls),
         "conversation_id": _conversation_id(spans),
     }
+
+
+def _capture_fix(spans: list[dict]) -> str | None:
+    """What records the messages of the instrumentation that wrote these spans, where its scope
+    name says which (`_CAPTURE_BY_SCOPE`); else None.
+    """
+    return next((_CAPTURE_BY_SCOPE[s["scope"]] for s in spans
+                 if s["scope"] in _CAPTURE_BY_SCOPE), None)
 
 
 def _conversation_id(spans: list[dict]) -> str | None:
@@ -417,8 +471,8 @@ def _feedback(spans: list[dict], calls: list[dict]) -> dict:
 class _Calls:
     """Tool calls seen in one span's messages, so that every tool reply names a call before it."""
 
-    def __init__(self, label: str) -> None:
-        self.label = label
+    def __init__(self, label: str, scope: str | None) -> None:
+        self.label, self.scope = label, scope
         self.known: set[str] = set()
         self.waiting: list[str] = []  # calls not yet answered, in order
         self.count = 0
@@ -472,7 +526,7 @@ class _Calls:
 def _span_messages(span: dict) -> tuple[list[dict], list[dict]]:
     """A model-call span's input and (first) output as chat messages."""
     attrs, label = span["attrs"], span["label"]
-    calls = _Calls(label)
+    calls = _Calls(label, span["scope"])
     inputs: list[dict] = []
     system = attrs.get("gen_ai.system_instructions")
     if system is not None:
@@ -567,6 +621,10 @@ def _from_parts(role: str, parts: object, calls: _Calls, where: str) -> list[dic
         at = f"{where}.parts[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
+            if "content" not in part:  # the spec requires it: Pydantic AI's include_content=False
+                raise NoContent(f"{calls.label}: {at} is a text part with no content: the "
+                                "instrumentation did not record it",
+                                fix=_CAPTURE_BY_SCOPE.get(calls.scope))
             texts.append(str(part.get("content") or ""))
         elif kind == "reasoning":
             reasoning.append(str(part.get("content") or ""))
