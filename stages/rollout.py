@@ -22,6 +22,17 @@ conversation, the template's special tokens included. Both backends serve this p
 `openai` the server generates each turn from token ids and the template, parser and tools run
 here (`stages.generation.openai_backend.chat_rollout`), so the rows are the same.
 
+One bad episode never stops the stage: `episodes_ended` in the metrics counts every episode by how
+it ended (the counts add up to `episodes`; `stages.generation.chat.ENDINGS` says each in full):
+`answered`, `turn_limit` and `length` as usual; `template_refused`, the model's own turn broke its
+chat template's rules (scored as it stands); and, with the cause in the row's `error` (so the
+reward stage sets it aside, never a zero), `tool_failed` (call_tool raised), `tool_schema` (the
+template refuses the task's tools), `task_messages` (it refuses the task's messages),
+`prompt_too_long` (no room to answer) and `template_unusable` (the ids cannot be kept exact).
+`bad_arguments` counts the turns whose tool call a server returned with arguments that are not
+JSON (`runtime.rollout.api: chat`); those calls are read from the ids instead, and a malformed one
+is answered as a tool error. A server or environment that is down still fails the stage.
+
     python -m stages.rollout data/validated.parquet models/champion data/rollouts.parquet metrics/rollout.json
 """
 
@@ -149,10 +160,15 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
                  for name, env in envs.items()}
     rows, stats = [], []
     refused: list[str] = []  # the chat template's words on the first turn it refused
+    ended = dict.fromkeys(chat.ENDINGS, 0)  # episodes by how they ended
+    bad_arguments = 0
 
     def add(name: str, task: dict, sample: int, episode) -> None:
+        nonlocal bad_arguments
         if episode.template_error and not refused:
             refused.append(f"{name}:{task['task_id']}: {episode.template_error}")
+        ended[episode.ended] += 1
+        bad_arguments += episode.bad_arguments
         added = episode.messages[len(task["messages"]):]
         rows.append({  # ids of different environments' tasks may coincide
             "task_id": f"{name}:{task['task_id']}", "environment": name, "sample": sample,
@@ -246,6 +262,7 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
             # turns the model's own chat template refused (ended there, scored as they stand)
             "template_refused": sum(r["finish"] == "template" for r in rows),
             "template_refused_first": refused[0] if refused else None,
+            "episodes_ended": ended, "bad_arguments": bad_arguments,
             "errors": sum(r["error"] is not None for r in rows), "environments": per_env}
 
 
@@ -368,6 +385,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rollout: {metrics['template_refused']} episode(s) ended on a turn the model's own "
               f"chat template refuses (first: {metrics['template_refused_first']}); they score as "
               f"they stand, and training on them teaches the format the template takes",
+              file=sys.stderr)
+    failed = {k: n for k, n in (metrics.get("episodes_ended") or {}).items()
+              if n and k in ("tool_failed", "tool_schema", "task_messages", "prompt_too_long",
+                             "template_unusable")}
+    if failed:
+        causes = ", ".join(f"{cause} {n}" for cause, n in failed.items())
+        print(f"rollout: episodes ended by a failure that is not the model's, by cause: {causes} "
+              f"(each row's `error` says why; the reward stage sets them aside, never a zero)",
               file=sys.stderr)
 
 

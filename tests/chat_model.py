@@ -4,8 +4,12 @@ template with tools) that `AutoModelForCausalLM` / `AutoTokenizer` load like any
 `build(folder, "llama")` the same with Llama weights, Llama 3's special tokens and Llama 3.1's JSON
 tool template; `build(folder, "mistral")` with Mistral weights, Mistral v0.3's control tokens and its
 official tool template (tests/fixtures/templates/mistral_official.jinja: `[TOOL_CALLS]`, ids of nine
-letters and digits). `build_support_agent(folder)`: the Qwen2 one after a few seconds of SFT on the support
-example's gold conversations (conftest's session-wide `chat_champion_once`).
+letters and digits); `build(folder, "qwen3")` with Qwen3 weights, its `<think>` and tool tags and
+Qwen3-0.6B's template; `build(folder, "hermes3")` with Llama weights, Llama 3's and ChatML's special
+tokens and Hermes 3's tool-use template; `build(folder, family, template)` with another template
+(the real ones of tests/fixtures/templates/). `build_support_agent(folder)`: the Qwen2 one after a
+few seconds of SFT on the support example's gold conversations (conftest's session-wide
+`chat_champion_once`).
 
 Not a test file: tests import it (`from chat_model import build`).
 """
@@ -212,9 +216,19 @@ MISTRAL_SPECIAL = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", 
                    "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
 # its chat template (tokenizer_config.json of mistralai/Mistral-7B-Instruct-v0.3), as vLLM's
 # examples/tool_chat_template_mistral_official.jinja publishes it (the fixture's README)
-MISTRAL_TEMPLATE = (Path(__file__).parent / "fixtures" / "templates" / "mistral_official.jinja").read_text()
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"  # real templates, verbatim (README there)
+MISTRAL_TEMPLATE = (TEMPLATES / "mistral_official.jinja").read_text()
 LLAMA_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                  "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]  # all special in Llama 3
+# Qwen3's tags: added, not special (151657-151668), so they stay in decoded text
+QWEN3_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+# Qwen3-0.6B's chat template (llama.cpp's copy of its tokenizer_config.json's, the README there)
+QWEN3_TEMPLATE = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
+# Hermes 3 is Llama 3.1 with ChatML turns (<|im_start|>, <|im_end|>) and Hermes' tool tags
+HERMES3_SPECIAL = LLAMA_SPECIAL + ["<|im_start|>", "<|im_end|>"]
+HERMES3_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tools>", "</tools>"]
+HERMES3_TEMPLATE = (TEMPLATES / "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja").read_text()
+FAMILIES = ("qwen2", "llama", "mistral", "qwen3", "hermes3")
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
@@ -271,12 +285,14 @@ def corpus(family: str = "qwen2") -> list[str]:
         chat.append(turn("system", "# Tools\n\nYou may call one or more functions to assist with the user "
                                    "query.\n<tools>\n" + tools + "\n</tools>"))
     chat += [turn(role, line) for line in english for role in ("user", "assistant")]
+    if family == "qwen3":
+        chat += [turn("assistant", f"<think>\n{a}\n</think>\n\n{b}") for a, b in zip(english, english[1:])]
     return english + numbers + chat
 
 
 def train_tokenizer(family: str = "qwen2", vocab_size: int = 1024):
     """A byte-level BPE `tokenizers.Tokenizer` trained on `corpus(family)`, with the family's
-    special tokens (and, for Qwen, its `<tool_call>` tags as added tokens)."""
+    special tokens (and, for Qwen and Hermes, their tags as added tokens)."""
     from tokenizers import (
         AddedToken,
         Regex,
@@ -297,17 +313,18 @@ def train_tokenizer(family: str = "qwen2", vocab_size: int = 1024):
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
-    special = {"llama": LLAMA_SPECIAL, "mistral": MISTRAL_SPECIAL}.get(family, SPECIAL)
+    special = {"llama": LLAMA_SPECIAL, "mistral": MISTRAL_SPECIAL, "hermes3": HERMES3_SPECIAL}.get(family, SPECIAL)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(corpus(family), trainer=trainer)
-    if family == "qwen2":
-        tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TOOL_TAGS])
+    tags = {"qwen2": TOOL_TAGS, "qwen3": QWEN3_TAGS, "hermes3": HERMES3_TAGS}.get(family, [])
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in tags])
     return tokenizer
 
 
-def build(folder: Path, family: str = "qwen2") -> Path:
-    """Write a loadable chat-model folder for `family` into `folder`, and return it.
+def build(folder: Path, family: str = "qwen2", template: str | None = None) -> Path:
+    """Write a loadable chat-model folder for `family` into `folder`, and return it; `template`:
+    another chat template than the family's (a real one of tests/fixtures/templates).
 
     Random weights (seeded: the same folder every time), 2 layers, hidden size 64, 4 attention
     heads over 2 key-value heads, MLP width 128, vocabulary the trained tokenizer's size.
@@ -319,6 +336,12 @@ def build(folder: Path, family: str = "qwen2") -> Path:
     "mistral": `MistralConfig`, bos `<s>`, eos `</s>`, pad `<unk>`, Mistral v0.3's official template
     (`MISTRAL_TEMPLATE`: the mistral parser; it refuses tool-call ids other than nine letters and
     digits, as the real one does).
+    "qwen3": `Qwen3Config`, Qwen's tokens and its `<think>` and tool tags (added, not special),
+    eos `<|im_end|>` (generation also stops at `<|endoftext|>`), Qwen3-0.6B's template
+    (`QWEN3_TEMPLATE`: the hermes parser; it drops earlier turns' empty thinking).
+    "hermes3": `LlamaConfig` (Hermes 3 is a Llama 3.1), Llama 3's special tokens plus ChatML's,
+    bos `<|begin_of_text|>`, eos `<|im_end|>` (generation also stops at `<|end_of_text|>`),
+    Hermes 3's tool-use template (`HERMES3_TEMPLATE`: the hermes parser).
     """
     import torch
     from transformers import (
@@ -330,30 +353,40 @@ def build(folder: Path, family: str = "qwen2") -> Path:
         PreTrainedTokenizerFast,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
-    if family not in ("qwen2", "llama", "mistral"):
-        raise ValueError(f"unknown family {family!r}: 'qwen2', 'llama' or 'mistral'")
-    llama = family == "llama"
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tokens = {"llama": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
                         "pad_token": "<|end_of_text|>"},
               "mistral": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<unk>"},
+              "hermes3": {"bos_token": "<|begin_of_text|>", "eos_token": "<|im_end|>",
+                          "pad_token": "<|end_of_text|>"},
               }.get(family, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(family), model_max_length=2048,
                                         clean_up_tokenization_spaces=False, **tokens)
-    tokenizer.chat_template = {"llama": LLAMA31_TEMPLATE, "mistral": MISTRAL_TEMPLATE}.get(family, QWEN25_TEMPLATE)
+    tokenizer.chat_template = template or {
+        "llama": LLAMA31_TEMPLATE, "mistral": MISTRAL_TEMPLATE, "qwen3": QWEN3_TEMPLATE,
+        "hermes3": HERMES3_TEMPLATE}.get(family, QWEN25_TEMPLATE)
     tokenizer.save_pretrained(folder)
     bos, eos, pad = tokenizer.convert_tokens_to_ids(
         [tokens.get("bos_token", tokens["pad_token"]), tokens["eos_token"], tokens["pad_token"]])
-    stops = tokenizer.convert_tokens_to_ids(["<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"]) if llama else eos
-    Config, Model = {"llama": (LlamaConfig, LlamaForCausalLM),
-                     "mistral": (MistralConfig, MistralForCausalLM)}.get(family, (Qwen2Config, Qwen2ForCausalLM))
+    stops = tokenizer.convert_tokens_to_ids({
+        "llama": ["<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"], "qwen3": ["<|im_end|>", "<|endoftext|>"],
+        "hermes3": ["<|im_end|>", "<|end_of_text|>"]}.get(family, [tokens["eos_token"]]))
+    stops = stops if len(stops) > 1 else stops[0]
+    Config, Model = {"llama": (LlamaConfig, LlamaForCausalLM), "hermes3": (LlamaConfig, LlamaForCausalLM),
+                     "mistral": (MistralConfig, MistralForCausalLM),
+                     "qwen3": (Qwen3Config, Qwen3ForCausalLM)}.get(family, (Qwen2Config, Qwen2ForCausalLM))
     config = Config(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
                     max_position_embeddings=2048, tie_word_embeddings=True,
-                    bos_token_id=bos, eos_token_id=stops, pad_token_id=pad)
+                    bos_token_id=bos, eos_token_id=stops, pad_token_id=pad,
+                    **({"head_dim": 16} if family == "qwen3" else {}))  # Qwen3's default is 128
     torch.manual_seed(0)
     model = Model(config)
     # What save_pretrained writes, without its detour through accelerate, which imports DeepSpeed

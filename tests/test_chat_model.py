@@ -231,3 +231,36 @@ def test_llama_family(tmp_path):
                  add_special_tokens=False)
     out = model.generate(**prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.shape == (1, prompt["input_ids"].shape[1] + 4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hermes3"])
+def test_qwen3_and_hermes3_families(tmp_path, family):
+    """Qwen3 (its own config class, `<think>` and tool tags) and Hermes 3 (a Llama 3.1 with
+    ChatML turns): their tokens, end ids and real templates, which render a tool call the hermes
+    parser reads back.
+    """
+    from chat_model import HERMES3_TEMPLATE, QWEN3_TEMPLATE
+
+    folder = build(tmp_path / family, family)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    qwen3 = family == "qwen3"
+    assert model.config.model_type == ("qwen3" if qwen3 else "llama")
+    assert model.config.vocab_size == len(tok) and tok.eos_token == "<|im_end|>"
+    assert tok.bos_token == (None if qwen3 else "<|begin_of_text|>")
+    stops = ["<|im_end|>", "<|endoftext|>" if qwen3 else "<|end_of_text|>"]
+    assert model.generation_config.eos_token_id == tok.convert_tokens_to_ids(stops)
+    tags = ["<think>", "</think>"] if qwen3 else ["<tools>", "</tools>"]
+    for token in ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", *tags]:
+        assert len(ids(tok, token)) == 1, token
+    assert tok.chat_template == (QWEN3_TEMPLATE if qwen3 else HERMES3_TEMPLATE)
+    assert detect(tok.chat_template) == "hermes"
+    talk = [{**m, "content": m["content"] or ""} for m in CONVERSATION]  # Qwen3's takes no None
+    text = render(tok, talk[:3])
+    turn = text[text.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n"):]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in parse("hermes", turn).tool_calls] == [("get_weather", {"city": "Paris"})]
+    prompt = tok(render(tok, talk[:2], add_generation_prompt=True), return_tensors="pt",
+                 add_special_tokens=False)
+    out = model.generate(**prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert out.shape == (1, prompt["input_ids"].shape[1] + 4)

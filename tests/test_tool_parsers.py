@@ -3,6 +3,7 @@ vllm-project/vllm), plus the malformed cases a rollout has to survive.
 """
 
 import json
+import re
 
 import pytest
 
@@ -289,6 +290,107 @@ def test_mistral_malformed_calls_are_errors():
     assert calls(parsed) == [("add", {"a": 1})]
     assert [e.split(":")[0] for e in parsed.errors] == ["tool call 1", "tool call 2"]
     assert "got a number" in parsed.errors[1]
+
+
+# --- vLLM's other cases, and where we part from them ---------------------------------------
+
+# (parser, model output, vLLM's test, the calls vLLM returns): the calls are the same here
+VLLM_SAME_CALLS = [
+    ("llama3_json", 'Here are the results: {"name": "searchTool", "parameters": {"query": "test1"}}; '
+     '{"name": "getOpenIncidentsTool", "parameters": {}}; {"name": "searchTool", "parameters": '
+     '{"query": "test2"}} Would you like to know more?',
+     "test_extract_tool_calls_multiple_json_with_surrounding_text",
+     [("searchTool", {"query": "test1"}), ("getOpenIncidentsTool", {}), ("searchTool", {"query": "test2"})]),
+    ("llama3_json", '{"name": "complexTool", "parameters": {"level1": {"level2": {"level3": {"level4": '
+     '{"value": "deep"}}}}}}', "test_extract_tool_calls_deeply_nested_json",
+     [("complexTool", {"level1": {"level2": {"level3": {"level4": {"value": "deep"}}}}})]),
+    ("llama3_json", '{"name": "simpleTool", "parameters": {"value": "test"}}; {"name": "complexTool", '
+     '"parameters": {"config": {"database": {"connection": {"pool": {"size": 10}}}}}}',
+     "test_extract_tool_calls_multiple_with_deep_nesting",
+     [("simpleTool", {"value": "test"}),
+      ("complexTool", {"config": {"database": {"connection": {"pool": {"size": 10}}}}})]),
+    ("llama3_json", '{"name": "parserTool", "parameters": {"text": "He said \\"Hello {world}\\""}}',
+     "test_extract_tool_calls_with_escaped_quotes_in_nested_json",
+     [("parserTool", {"text": 'He said "Hello {world}"'})]),
+    *[("llama3_json", '{"name": "searchTool", "parameters": {"query": "test1"}}' + separator
+       + '{"name": "getOpenIncidentsTool", "parameters": {}}',
+       "test_extract_tool_calls_streaming_parallel_separators",
+       [("searchTool", {"query": "test1"}), ("getOpenIncidentsTool", {})])
+      for separator in ("; ", ";", ";\n", "\n")],
+    ("mistral", '[TOOL_CALLS] [{"arguments":{"city": "San Francisco", "state": "CA", "unit": "celsius"}, '
+     '"name": "get_current_weather"}]', "test_extract_tool_calls_pre_v11_tokenizer (argument_before_name)",
+     [("get_current_weather", {"city": "San Francisco", "state": "CA", "unit": "celsius"})]),
+    ("mistral", '[TOOL_CALLS]  junk [{"name": "add", "arguments":{"a": 1, "b": 2}}] trail',
+     "test_extract_tool_calls_pre_v11_regex_fallback", [("add", {"a": 1, "b": 2})]),
+    ("mistral", '[TOOL_CALLS]  [ {"name":"add" , "arguments" : {"a": 3, "b": 4} } ]',
+     "test_extract_tool_calls_streaming_one_chunk (pre_v11-single_tool_add)", [("add", {"a": 3, "b": 4})]),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments":{"a": "3", "b": "4"}}]',
+     "test_extract_tool_calls_streaming_one_chunk (pre_v11-single_tool_add_strings)",
+     [("add", {"a": "3", "b": "4"})]),
+    ("mistral", '[TOOL_CALLS]add_this_and_that{"a": 3.5, "b": 4}',
+     "test_extract_tool_calls (single_tool_add)", [("add_this_and_that", {"a": 3.5, "b": 4})]),
+    ("mistral", 'bla[TOOL_CALLS]add_this_and_that{"a": 3.5, "b": 4}',
+     "test_extract_tool_calls_streaming_one_chunk (v11-content_before_tool)",
+     [("add_this_and_that", {"a": 3.5, "b": 4})]),
+]
+
+
+@pytest.mark.parametrize("parser, text, vllm_test, expected", VLLM_SAME_CALLS,
+                         ids=[case[2] for case in VLLM_SAME_CALLS])
+def test_vllm_cases_give_vllm_s_calls(parser, text, vllm_test, expected):
+    parsed = parse(parser, text)
+    assert calls(parsed) == expected and parsed.errors == []
+    for call, (_, arguments) in zip(parsed.tool_calls, expected):
+        assert call["function"]["arguments"] == json.dumps(arguments)  # as vLLM serialises them
+
+
+# Where offseason parts from vLLM on purpose, numbered as tool_parsers' docstring numbers them:
+# (number, parser, model output, vLLM's test, what vLLM returns, what offseason returns)
+DIFFERENCES = [
+    (1, "hermes", HERMES_INVALID_JSON, "test_hermes_parser_non_streaming_tool_call_invalid_json",
+     "no call; the text as content", "an error"),
+    (1, "llama3_json", LLAMA_INVALID_JSON, "test_extract_tool_calls_invalid_json",
+     "no call; the text as content", "an error"),
+    (2, "llama3_json", LLAMA_MISSING_NAME, "test_extract_tool_calls_missing_name_key",
+     "no call; the text as content", "an error"),
+    (3, "llama3_json", '{"name": "toolWithoutParams"}',
+     "test_extract_tool_calls_missing_parameters_and_arguments_key",
+     "no call; the text as content", [("toolWithoutParams", {})]),
+    (4, "hermes", HERMES_BARE_STRING_ARGS, "test_hermes_parser_non_streaming_bare_string_arguments",
+     'a call with the arguments "hello"', "an error"),
+    (5, "llama3_json", LLAMA_SIMPLE, "test_extract_tool_calls_simple", "content None",
+     "Here is the result: Would you like to know more?"),
+    (6, "mistral", MISTRAL_NOT_JSON, "test_extract_tool_calls_pre_v11_regex_fallback_fails",
+     'no call; content "not json at all"', "an error"),
+    (7, "mistral", MISTRAL_V11_UNCLOSED, "test_extract_tool_calls",
+     "a call whose arguments are cut off (not JSON)", "an error"),
+    (8, "mistral", "[TOOL_CALLS]toolname_no_args", "test_extract_tool_calls_v11_without_args_skipped",
+     "no call, no content", "an error"),
+    (9, "mistral", '[TOOL_CALLS] [{"name": "add", "arguments":{"a": 1}}][TOOL_CALLS] [{"name": "sub", '
+     '"arguments":{"b": 2}}]', "test_extract_tool_calls_pre_v11_multiple_bot_tokens_raises",
+     "ValueError", [("add", {"a": 1}), ("sub", {"b": 2})]),
+]
+
+
+@pytest.mark.parametrize("number, parser, text, vllm_test, vllm, ours", DIFFERENCES,
+                         ids=[f"{case[0]}-{case[3]}" for case in DIFFERENCES])
+def test_each_difference_from_vllm_is_what_the_docstring_and_readme_say(number, parser, text,
+                                                                       vllm_test, vllm, ours):
+    from pathlib import Path
+
+    parsed = parse(parser, text)
+    if ours == "an error":
+        assert parsed.tool_calls == [] and len(parsed.errors) == 1
+    elif isinstance(ours, list):
+        assert calls(parsed) == ours and parsed.errors == []
+    else:
+        assert parsed.content == ours
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for where in (tool_parsers.__doc__, readme):  # stated, with the vLLM test it departs from
+        listed = re.split(r"Each difference,\s+with the vLLM test it departs from:", where)[1]
+        stated = re.split(rf"\n{number + 1}\. |\n\n", listed.split(f"\n{number}. ", 1)[1])[0]
+        assert vllm_test in stated, (number, vllm_test)
+    assert "10. Calls are numbered `call_0`" in tool_parsers.__doc__
 
 
 # --- detect ---------------------------------------------------------------------------------

@@ -11,9 +11,20 @@ the ids of everything injected between its turns, never a re-tokenization of the
 injected after a turn is the text the template puts after the model's end token (Qwen's newline
 after `<|im_end|>`), the tool messages and the next generation prompt, found by rendering the
 conversation before and after the new messages and taking the difference. A template that is not
-prefix-preserving (one that rewrites earlier turns, as Qwen3's drops old thinking blocks) is
-rendered incrementally instead: the same difference over a fixed two-message stub, so earlier
-tokens never change (`Template.prefix_preserving` says which; the rollout reports it).
+prefix-preserving (one that rewrites earlier turns, as Qwen3's drops a turn's empty thinking
+block once another message follows, and Hermes 3's closes a tool result differently once it is not
+the last message) is rendered incrementally instead: the same difference over a fixed two-message
+stub, so earlier tokens never change (`Template.prefix_preserving` says which, probed on the shapes
+of turn a rollout makes: thinking, empty thinking and none, with and without a call, then a tool
+result, an answer and a new question; the rollout reports it). Where the stub's own turn is
+re-rendered too (Qwen3 again), what follows a turn is what follows its end token, found by counting
+end tokens, since a template that rewrites a turn still ends it with its end token.
+
+Fail closed: a conversation the template refuses (its own `raise_exception`, or any error it
+raises on a shape it does not take) ends that one episode, never the batch; `ChatEpisode.ended`
+says how each episode ended, one of `ENDINGS`, and the rollout stage counts them. The model's own
+malformed calls are answered as tool errors and the episode goes on, as are calls whose arguments
+a server could not decode (`bad_arguments`, the openai backend's `api: chat`).
 
 `encode` turns a written conversation (a trace, a gold answer) into ids and the mask of the
 assistant's tokens the same way, turn by turn, so a demonstration and a rollout of the same
@@ -24,6 +35,7 @@ transformers backend's batched core, with one KV cache across the turns.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from stages.envs import contract
@@ -38,9 +50,37 @@ _PROBE_TOOLS = [{"type": "function", "function": {
 
 DEFAULT_MAX_TURNS = 4  # tool calls per episode when neither the module nor params say
 
+# How an episode ended (`ChatEpisode.ended`); the rollout stage counts each (`episodes_ended`).
+# The first four are the model's own doing and are scored as they stand; the others are not the
+# model's and carry `error` (scored by no one: the reward stage sets them aside, never a zero).
+ENDINGS = {
+    "answered": "the model answered without a tool call (finish eos)",
+    "turn_limit": "it made one tool call more than the turn limit allows (finish turns)",
+    "length": "out of tokens: its turn's max_new_tokens or the model's context (finish length)",
+    "template_refused": "its own turn broke its chat template's rules, as two calls in one Llama "
+                        "3.1 turn: no next prompt can be rendered (finish template)",
+    "tool_failed": "the environment's call_tool raised: an infrastructure failure (finish error)",
+    "tool_schema": "the chat template refuses the task's tools (Hermes 3's, a tool without a "
+                   "description): never played (finish error)",
+    "task_messages": "the chat template refuses the task's own messages: never played "
+                     "(finish error)",
+    "prompt_too_long": "the task's prompt leaves no room to answer in the model's context: never "
+                       "played (finish error)",
+    "template_unusable": "the chat template re-renders earlier turns so that the ids the model "
+                         "produced cannot be kept exact, even over a stub (finish error)",
+}
+_BY_FINISH = {"eos": "answered", "turns": "turn_limit", "length": "length",
+              "template": "template_refused"}
+
 
 class TemplateError(ValueError):
     """A model whose chat template offseason cannot use; the message says why and what to do."""
+
+
+class Refused(Exception):
+    """The chat template raised on these messages: its own `raise_exception`, or an error on a
+    shape it does not take (Hermes 3's on a tool without a description); says what it said.
+    """
 
 
 @dataclass
@@ -54,7 +94,13 @@ class ChatEpisode:
     finish: str = "length"  # "eos" (answered), "turns", "length", "error" or "template" (below)
     tool_calls: int = 0  # tool calls answered (tool errors the agent saw included)
     tool_errors: int = 0  # of those: unknown tools, bad arguments, ToolError, malformed calls
-    error: str | None = None  # an infrastructure failure (call_tool raised): its cause
+    # a failure that is not the model's (call_tool raised, a task or template that cannot be
+    # rendered): its cause; such an episode is not scored
+    error: str | None = None
+    ended: str = ""  # how it ended: one of ENDINGS
+    # turns whose tool calls a server returned with arguments that are not JSON (api: chat): read
+    # from the ids by the tool parser instead, a malformed one answered as a tool error
+    bad_arguments: int = 0
     # the model's own chat template refused its last turn (Llama 3.1's takes one call a turn,
     # this turn made two): what the template said; the episode ended there (finish "template")
     template_error: str | None = None
@@ -109,10 +155,17 @@ class Template:
         return self._variants[key]
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
-        """The template's text for `messages` (with the tools), as the model reads it."""
-        return self.tokenizer.apply_chat_template(
-            _for_template(messages, self.short_ids), tools=self.tools,
-            add_generation_prompt=generation_prompt, tokenize=False)
+        """The template's text for `messages` (with the tools), as the model reads it.
+
+        Raises Refused when the template raises (whatever it raises: its own exceptions, a jinja
+        error, a TypeError on a shape it does not expect).
+        """
+        try:
+            return self.tokenizer.apply_chat_template(
+                _for_template(messages, self.short_ids), tools=self.tools,
+                add_generation_prompt=generation_prompt, tokenize=False)
+        except Exception as err:  # noqa: BLE001 (a template raises what it likes)
+            raise Refused(f"{type(err).__name__}: {err}") from err
 
     def ids(self, text: str) -> list[int]:
         """The ids of rendered text: its special tokens are in the text, none are added."""
@@ -136,23 +189,46 @@ class Template:
         cut = max(((before.rfind(m), m) for m in self.end_markers if m), default=(-1, ""))
         return before[cut[0] + len(cut[1]):] if cut[0] >= 0 else ""
 
+    def _ends(self, text: str) -> list[int]:
+        """Where each end token in `text` ends, in order."""
+        markers = [m for m in self.end_markers if m]  # longest first
+        if not markers:
+            return []
+        return [m.end() for m in re.finditer("|".join(map(re.escape, markers)), text)]
+
+    def _follows(self, before: str, after: str) -> str | None:
+        """What `after` (a conversation, new messages, the generation prompt) feeds after the end
+        token of the turn that ends `before` (the conversation alone): the rest of `after` where it
+        extends `before`; else, for a template that re-renders the turn (Qwen3 drops its empty
+        thinking once it is not the last), the rest of `after` after as many end tokens as
+        `before` holds (the same turns, each still closed by its end token); else None.
+        """
+        if after.startswith(before):
+            return self._tail(before) + after[len(before):]
+        closed, ends = len(self._ends(before)), self._ends(after)
+        if not closed or len(ends) < closed:
+            return None
+        return after[ends[closed - 1]:]
+
     def after_turn(self, history: list[dict], new: list[dict]) -> str:
         """The text fed after the model's end token: the rest of its turn's rendering, the `new`
         messages (tool results) and the generation prompt of its next turn.
+
+        Raises Refused when the template refuses the conversation, TemplateError when no
+        rendering gives the text that follows the turn.
         """
         if self.prefix_preserving:
             before = self.render(history, False)
             after = self.render(history + new, True)
             if after.startswith(before):
                 return self._tail(before) + after[len(before):]
-        before = self.render(_STUB, False)
-        after = self.render(_STUB + new, True)
-        if not after.startswith(before):
+        text = self._follows(self.render(_STUB, False), self.render(_STUB + new, True))
+        if text is None:
             raise TemplateError(
                 "the chat template renders a conversation's earlier turns differently once new "
                 "messages follow, even over a fixed stub, so the tokens the model produced cannot "
                 "be kept exact; use a template that appends (most Instruct templates do)")
-        return self._tail(before) + after[len(before):]
+        return text
 
     def _wants_short_ids(self) -> bool:
         """Whether the template refuses a tool call's id as OpenAI writes it and takes nine letters
@@ -171,26 +247,45 @@ class Template:
         return False
 
     def _keeps_prefixes(self) -> bool:
-        """Whether rendering a conversation then a longer one only appends: one tool round, its
-        call after a think block (which Qwen3-style templates drop from earlier turns).
+        """Whether rendering a conversation then a longer one only appends, on the shapes of turn
+        a rollout makes (`_PROBE_TALK`): calls after a think block, an empty one (which Qwen3's
+        template drops once the turn is not the last) and none, a call after text, tool results
+        (Hermes 3's closes the last one differently), an answer, a new question.
         """
         saved, self.tools = self.tools, self.tools or _PROBE_TOOLS
         try:
-            # (a system prompt too: Mistral's template moves it to the last user message)
-            talk = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"},
-                    {"role": "assistant", "content": "<think>probe</think>",
-                     "tool_calls": [_PROBE_CALL]},
-                    {"role": "tool", "tool_call_id": "call_0", "content": "ok"},
-                    {"role": "assistant", "content": "Done."}]
+            talk = _PROBE_TALK
             for cut in range(2, len(talk)):
                 if not self.render(talk[:cut + 1], False).startswith(
                         self.render(talk[:cut], False)):
                     return False
             return True
-        except Exception:  # a template that cannot render this probe: take the safe path
+        except Refused:  # a template that cannot render this probe: take the safe path
             return False
         finally:
             self.tools = saved
+
+
+def _probe_call(n: int) -> dict:
+    return {**_PROBE_CALL, "id": f"call_{n}"}
+
+
+# (a system prompt too: Mistral's template moves it to the last user message; one call a turn:
+# Llama 3.1's takes no more, and a template that refuses a turn ends the episode there anyway)
+_PROBE_TALK = [
+    {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"},
+    {"role": "assistant", "content": "<think>\nprobe\n</think>\n\n", "tool_calls": [_probe_call(0)]},
+    {"role": "tool", "tool_call_id": "call_0", "content": "ok"},
+    {"role": "assistant", "content": "<think>\n\n</think>\n\n", "tool_calls": [_probe_call(1)]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "ok"},
+    {"role": "assistant", "content": None, "tool_calls": [_probe_call(2)]},
+    {"role": "tool", "tool_call_id": "call_2", "content": "ok"},
+    {"role": "assistant", "content": "Let me look.", "tool_calls": [_probe_call(3)]},
+    {"role": "tool", "tool_call_id": "call_3", "content": "ok"},
+    {"role": "assistant", "content": "Done."},
+    {"role": "user", "content": "Thanks?"},
+    {"role": "assistant", "content": "<think>\nok\n</think>\n\nYou are welcome."},
+]
 
 
 def _for_template(messages: list[dict], short_ids: bool = False) -> list[dict]:
@@ -199,6 +294,8 @@ def _for_template(messages: list[dict], short_ids: bool = False) -> list[dict]:
     None (templates concatenate it). With `short_ids`, each tool call's id that is not nine letters
     and digits already (`call_0`, OpenAI's `call_` + 24; vLLM's Mistral ids are kept) becomes one
     (`call00000`, `call00001`, ... in order of first appearance), the tool results' ids alike.
+    An empty or null `tool_calls` is dropped: OpenAI means no call by it, and templates that test
+    for the key refuse it (Llama 3.1's "only supports single tool-calls", Hermes 3's iterates it).
     """
     ids: dict[str, str] = {}
 
@@ -214,6 +311,8 @@ def _for_template(messages: list[dict], short_ids: bool = False) -> list[dict]:
         message = dict(message)
         if message.get("content") is None:
             message["content"] = ""
+        if "tool_calls" in message and not message["tool_calls"]:
+            del message["tool_calls"]
         if message.get("tool_calls"):
             calls = []
             for call in message["tool_calls"]:
@@ -296,10 +395,47 @@ class _Play:
                          for task in tasks]
         self.turns_ended = [0] * len(tasks)  # turns that reached their end token
         self.answered = [(0, 0)] * len(tasks)  # (tool_calls, tool_errors) before the last turn
+        # per episode, {message index: the text the model wrote} of each turn with a malformed
+        # call, which the OpenAI message of the turn (its well-formed calls) does not hold
+        self.written: list[dict[int, str]] = [{} for _ in tasks]
 
-    def prompts(self) -> list[list[int]]:
-        """The ids each episode starts from: its task's messages and the generation prompt."""
-        return [t.prompt(task["messages"]) for t, task in zip(self.templates, self.tasks)]
+    def prompts(self, context: int | None = None) -> list[list[int] | None]:
+        """The ids each episode starts from: its task's messages and the generation prompt; None
+        where the episode cannot be played (ended here, `ended` and `error` saying why): its task
+        the template refuses, or a prompt of `context` tokens or more (the model's context).
+        """
+        out: list[list[int] | None] = []
+        for episode, template, task in zip(self.episodes, self.templates, self.tasks):
+            try:
+                ids = template.prompt(task["messages"])
+            except Refused as err:
+                tools = _refuses_tools(template)
+                what = "tools" if tools else "messages"
+                out.append(self._unplayed(episode, "tool_schema" if tools else "task_messages",
+                                          f"the chat template refuses task "
+                                          f"{task['task_id']}'s {what}: {err}"))
+                continue
+            if context is not None and len(ids) >= context:
+                out.append(self._unplayed(episode, "prompt_too_long",
+                                          f"task {task['task_id']}: its prompt ({len(ids)} tokens) "
+                                          f"leaves no room to answer in the model's context of "
+                                          f"{context}"))
+                continue
+            out.append(ids)
+        return out
+
+    def as_written(self, row: int) -> list[dict]:
+        """Episode `row`'s messages as a server must render them to feed the model's own tokens:
+        a turn with a malformed call as the text the model wrote (an OpenAI message holds calls,
+        not a call that failed to parse), the others as they are.
+        """
+        written = self.written[row]
+        return [{"role": "assistant", "content": written[i]} if i in written else message
+                for i, message in enumerate(self.episodes[row].messages)]
+
+    @staticmethod
+    def _unplayed(episode: ChatEpisode, ended: str, error: str) -> None:
+        episode.finish, episode.ended, episode.error = "error", ended, error
 
     def on_turn_end(self, row: int, turn_ids: list[int]):
         """`generate_ids`' hook: the ids to feed after this turn, or why the episode ends."""
@@ -310,6 +446,8 @@ class _Play:
         text = template.strip_end(template.tokenizer.decode(turn_ids, skip_special_tokens=False))
         parsed = tool_parsers.parse(self.parser, text)
         episode.messages.append(assistant_message(parsed))
+        if parsed.errors:
+            self.written[row][len(episode.messages) - 1] = text
         attempts = len(parsed.tool_calls) + len(parsed.errors)
         if not attempts:
             return None
@@ -324,6 +462,7 @@ class _Play:
             except Exception as err:  # an infrastructure failure: recorded, never a zero
                 episode.error = (f"{self.env.where}: call_tool({function['name']!r}) raised "
                                  f"{type(err).__name__}: {err}")
+                episode.ended = "tool_failed"
                 return "error"
             episode.tool_errors += why is not None
             answers.append({"role": "tool", "tool_call_id": call["id"], "content": content})
@@ -334,24 +473,28 @@ class _Play:
         episode.tool_calls += attempts
         try:
             injected = template.after_turn(episode.messages, answers)
-        except Exception as err:
-            if not _refused(err):
-                raise
+        except Refused as err:
             # the model's turn breaks its own template's rules (two calls where Llama 3.1's takes
             # one): no next prompt can be rendered, as a server would answer 400; the episode
             # ends, the policy's failure (finish "template", never an answer), not the stage's
             episode.messages.extend(answers)
-            episode.template_error = f"{type(err).__name__}: {err}"
+            episode.template_error = str(err)
             return "template"
+        except TemplateError as err:  # the template's doing, not the model's: not scored
+            episode.messages.extend(answers)
+            episode.error, episode.ended = f"TemplateError: {err}", "template_unusable"
+            return "error"
         episode.messages.extend(answers)
         return template.ids(injected)
 
 
-def _refused(err: Exception) -> bool:
-    """True for a chat template's own `raise_exception` (jinja2's TemplateError), not ours."""
-    import jinja2
-
-    return isinstance(err, jinja2.TemplateError)
+def _refuses_tools(template: Template) -> bool:
+    """Whether `template` refuses its tools (or their absence) on a one-question conversation."""
+    try:
+        template.render([{"role": "user", "content": "Hello?"}], True)
+    except Refused:
+        return True
+    return False
 
 
 def resolve(rollout, tokenizer, env: contract.Environment) -> tuple[str, int]:
@@ -397,14 +540,19 @@ def rollout(model, tokenizer, env: contract.Environment, tasks: list[dict], *, p
     ends = end_ids(model, tokenizer)
     template = template or Template.of(tokenizer, list(env.tools), ends)
     play = _Play(template, env, tasks, parser, max_turns)
-    prompts = play.prompts()
-    rows = generate_ids(model, tokenizer, prompts, temperature=temperature,
-                        max_new_tokens=max_new_tokens, generator=generator, top_p=top_p,
-                        top_k=top_k, on_turn_end=play.on_turn_end, end_ids=ends,
-                        on_step=on_step)
-    for index, (prompt, row) in enumerate(zip(prompts, rows)):
-        settle(play, index, prompt, row.token_ids, row.model_mask, row.logprobs, row.finish,
-               row.closes)
+    prompts = play.prompts(model.config.max_position_embeddings)
+    live = [i for i, prompt in enumerate(prompts) if prompt is not None]  # the others ended
+    skipped = len(prompts) - len(live)
+    rows = generate_ids(model, tokenizer, [prompts[i] for i in live], temperature=temperature,
+                        max_new_tokens=max_new_tokens,
+                        generator=[generator[i] for i in live] if isinstance(generator, list)
+                        else generator, top_p=top_p, top_k=top_k,
+                        on_turn_end=lambda row, ids: play.on_turn_end(live[row], ids),
+                        end_ids=ends,
+                        on_step=None if on_step is None else lambda n: on_step(n + skipped))
+    for index, row in zip(live, rows):
+        settle(play, index, prompts[index], row.token_ids, row.model_mask, row.logprobs,
+               row.finish, row.closes)
     return episodes_checked(play.episodes)
 
 
@@ -439,6 +587,7 @@ def settle(play: _Play, index: int, prompt: list[int], ids: list[int], mask: lis
     episode.model_mask = [0] * len(prompt) + mask
     episode.logprobs = [0.0] * len(prompt) + logprobs
     episode.finish = finish
+    episode.ended = episode.ended or _BY_FINISH[finish]
     episode.turns = turn_index(len(prompt), mask, closes)
     if finish == "length" and play.turns_ended[index] > len(closes):
         # its last turn's tool answers found no room in the context: never fed, not kept

@@ -32,7 +32,16 @@ the task, the ids the model chose, our rendering of the tool results) and its `t
 the calls `rollout.tool_parser` reads from the ids it returned; either mismatch is an error naming
 the first differing token or call (a template that re-renders earlier turns, a model whose output
 does not re-tokenize to itself, another parser), since training on the server's re-rendering
-would train on tokens the model never chose. The episodes are then the completions ones.
+would train on tokens the model never chose. The episodes are then the completions ones. One
+exception: a turn whose tool call the server returns with arguments that are not JSON (vLLM's
+Mistral parser passes on what the model left unclosed) is not compared but counted on its episode
+(`bad_arguments`); its calls are read from the ids by `rollout.tool_parser` as on the completions
+path, so a malformed one is answered as a tool error and the episode goes on. A turn with a
+malformed call is sent back as the text the model wrote (`messages` hold calls, not a call that
+failed to parse), so the server renders the model's own tokens.
+
+A task the chat template refuses, or whose prompt fills the model's context, is not sent: its
+episode ends at once with its cause (`stages.generation.chat.ENDINGS`), and the others go on.
 
 Requests: async (httpx), at most `concurrency` in flight, each to the least-loaded URL (ties in
 turn: round-robin), so several servers share the work. Timeouts, connection failures, 429 and 5xx
@@ -372,7 +381,7 @@ async def _chat_turn(client: Client, play, index: int, so_far: list[int],
     from stages.generation import tool_parsers
 
     template = play.templates[index]
-    payload = {**payload, "messages": play.episodes[index].messages, "logprobs": True,
+    payload = {**payload, "messages": play.as_written(index), "logprobs": True,
                "return_token_ids": True}
     if template.tools:
         payload.update(tools=template.tools, tool_choice="auto")
@@ -400,8 +409,19 @@ async def _chat_turn(client: Client, play, index: int, so_far: list[int],
     if len(lps) != len(got):
         raise ServerError(f"task {task}: the server sent {len(lps)} log-probs for "
                           f"{len(got)} tokens; ask it for `logprobs` on every token")
-    served = [(c["function"]["name"], json.loads(c["function"]["arguments"] or "{}"))
-              for c in choice["message"].get("tool_calls") or []]
+    served = []
+    for call in choice["message"].get("tool_calls") or []:
+        try:
+            served.append((call["function"]["name"],
+                           json.loads(call["function"]["arguments"] or "{}")))
+        except json.JSONDecodeError:
+            # the server's parser passed on arguments that are not JSON (vLLM's Mistral parser
+            # on a call the model left unclosed): its reading of this turn cannot be compared;
+            # the ids are the model's, and `play.on_turn_end` reads them with rollout.tool_parser
+            # (a malformed call answered as a tool error, as any the model makes)
+            play.episodes[index].bad_arguments += 1
+            served = None
+            break
     if served:
         text = template.strip_end(template.tokenizer.decode(got, skip_special_tokens=False))
         ours = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
@@ -472,7 +492,7 @@ async def _chat_episode(client: Client, model: str, play, index: int, prompt: li
     return chat.settle(play, index, prompt, ids, mask, logprobs, finish, closes)
 
 
-async def _chat(play, prompts: list[list[int]], seeds: list[int], *, urls: list[str], model: str,
+async def _chat(play, prompts: list[list[int] | None], seeds: list[int], *, urls: list[str], model: str,
                 sampling: dict, max_new_tokens: int, context: int, ends: tuple[int, ...],
                 eos: int, concurrency: int, timeout: float, retries: int, backoff: float,
                 api_key: str | None, progress: bool, api: str = "completions"):
@@ -486,6 +506,8 @@ async def _chat(play, prompts: list[list[int]], seeds: list[int], *, urls: list[
 
         async def one(index: int):
             nonlocal done
+            if prompts[index] is None:  # not playable: ended by `play.prompts`, said there
+                return play.episodes[index]
             episode = await _chat_episode(
                 client, model, play, index, prompts[index], sampling=sampling,
                 max_new_tokens=max_new_tokens, context=context, ends=ends, eos=eos,
@@ -525,11 +547,7 @@ def chat_rollout(tokenizer, env, tasks: list[dict], seeds: list[int], *, urls: l
         raise ValueError("no server URL given (runtime.rollout.urls, or runtime.rollout.server_command)")
     template = template or chat.Template.of(tokenizer, list(env.tools), ends)
     play = chat._Play(template, env, tasks, parser, max_turns)
-    prompts = play.prompts()
-    too_long = [task["task_id"] for task, p in zip(tasks, prompts) if len(p) >= context]
-    if too_long:
-        raise ValueError(f"task {too_long[0]}: its prompt has no room to answer in the model's "
-                         f"context of {context} tokens")
+    prompts = play.prompts(context)  # None: a task that cannot be played, its episode ended
     sampling = {"temperature": temperature, "top_p": top_p}
     if top_k:
         sampling["top_k"] = top_k

@@ -21,10 +21,35 @@ a tool error instead of crashing. Calls are numbered `call_0`, `call_1`, ... in 
 appear among the well-formed ones; an error message names the attempted call by its position
 among all the turn's attempts (the first attempt is "tool call 0").
 
-Where we differ from vLLM, on purpose: a call with no arguments key gets `{}` (vLLM drops it);
-arguments given as a string must hold a JSON object (vLLM passes other strings on); and one bad
-call does not turn the whole turn into plain content (vLLM's non-streaming parsers give up on the
-turn). A trailing end-of-turn marker (`<|im_end|>`, `<|eot_id|>`, `</s>`, ...) is ignored, so text
+On every other case of vLLM's own parser tests (tests/tool_parsers/ in vllm-project/vllm;
+tests/test_tool_parsers.py holds them, each naming its vLLM test) the calls and content are vLLM's.
+Where we differ, on purpose: a rollout answers the model, so a call it got wrong is shown to it as
+a tool error (one message per malformed call) rather than passed on as text or dropped unseen, and
+what it wrote around a call stays its content. Each difference, with the vLLM test it departs from:
+
+1. Invalid JSON in a call is an error, and the turn's other calls still count; vLLM gives up on the
+   turn and returns it all as content (hermes `test_hermes_parser_non_streaming_tool_call_invalid_json`,
+   llama3_json `test_extract_tool_calls_invalid_json`).
+2. A call object without a name is an error; vLLM returns the text as content (llama3_json
+   `test_extract_tool_calls_missing_name_key`).
+3. A call without arguments gets `{}`; vLLM drops it, returning the text as content (llama3_json
+   `test_extract_tool_calls_missing_parameters_and_arguments_key`).
+4. Arguments given as a string must hold a JSON object, else it is an error; vLLM passes any other
+   string on as a JSON string (hermes `test_hermes_parser_non_streaming_bare_string_arguments`).
+5. llama3_json keeps the prose around the JSON calls as the content; vLLM drops it (content None,
+   `test_extract_tool_calls_simple`).
+6. mistral: `[TOOL_CALLS]` followed by no call is an error; vLLM returns the rest as content
+   (`test_extract_tool_calls_pre_v11_regex_fallback_fails`).
+7. mistral (v11): arguments left unclosed are an error; vLLM returns the cut-off arguments, which
+   are not JSON, as the call's (`test_extract_tool_calls`, "complex").
+8. mistral (v11): a tool name with no arguments is an error; vLLM skips the call silently
+   (`test_extract_tool_calls_v11_without_args_skipped`).
+9. mistral (before v11): several `[TOOL_CALLS]` lists are read in turn; vLLM raises
+   (`test_extract_tool_calls_pre_v11_multiple_bot_tokens_raises`).
+10. Calls are numbered `call_0`, `call_1`, ... in the turn; vLLM's ids are random (`chatcmpl-tool-`
+    and 24 characters; nine letters and digits for Mistral).
+
+A trailing end-of-turn marker (`<|im_end|>`, `<|eot_id|>`, `</s>`, ...) is ignored, so text
 decoded with special tokens kept can be passed as it is.
 
 `detect` picks the parser a chat template implies (`rollout.tool_parser: auto`).
@@ -202,6 +227,18 @@ def llama3_json(text: str) -> Parsed:
 
 _MISTRAL_BOT = "[TOOL_CALLS]"
 _MISTRAL_NAME = re.compile(r"[A-Za-z0-9_.:\-]+")
+_MISTRAL_LIST = re.compile(r"\[\s*\{")  # a JSON list of call objects, after other text
+
+
+def _mistral_json(turn: _Turn, decoder: json.JSONDecoder, raw: str, start: int) -> None:
+    """The calls of the JSON list (or object) at `start` of `raw`; text after it is ignored."""
+    try:
+        value, _ = decoder.raw_decode(raw, start)
+    except json.JSONDecodeError as e:
+        turn.fail(f"not valid JSON ({e.msg} at char {e.pos - start})", raw)
+        return
+    for obj in value if isinstance(value, list) else [value]:
+        turn.add(obj, json.dumps(obj, ensure_ascii=False))
 
 
 def mistral(text: str) -> Parsed:
@@ -217,17 +254,15 @@ def mistral(text: str) -> Parsed:
         if not raw:
             turn.fail(f"nothing after {_MISTRAL_BOT}", raw)
         elif raw[0] in "[{":  # before v11: a JSON list of calls (or one object); trailing text ignored
-            try:
-                value, _ = decoder.raw_decode(raw)
-            except json.JSONDecodeError as e:
-                turn.fail(f"not valid JSON ({e.msg} at char {e.pos})", raw)
-                continue
-            for obj in value if isinstance(value, list) else [value]:
-                turn.add(obj, json.dumps(obj, ensure_ascii=False))
+            _mistral_json(turn, decoder, raw, 0)
         else:  # v11 and later: name{arguments}; HF tokenizers may leave an [ARGS] marker between
             brace = raw.find("{")
             name = (raw if brace < 0 else raw[:brace]).replace("[ARGS]", "").strip()
-            if not _MISTRAL_NAME.fullmatch(name):
+            listed = _MISTRAL_LIST.search(raw)
+            if not _MISTRAL_NAME.fullmatch(name) and listed:
+                # before v11, the list after other text (vLLM's fallback finds it as well)
+                _mistral_json(turn, decoder, raw, listed.start())
+            elif not _MISTRAL_NAME.fullmatch(name):
                 turn.fail('expected a tool name then its JSON arguments, as name{"key": ...}', raw)
             elif brace < 0:
                 turn.fail(f"no JSON arguments after the tool name {name!r}", raw)
