@@ -41,7 +41,7 @@ report-tools:
 	      { apt-get update -qq >/dev/null 2>&1 && \
 	        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$pkg >/dev/null 2>&1; }; } && \
 	    echo "installed $$pkg for the HTML report"; } || \
-	    echo "note: $$pkg is not installed (needs root and apt-get): see 'offseason report' in README.md"; \
+	    echo "note: $$pkg is not installed (needs root and apt-get): see 'offseason report' in docs/operations.md"; \
 	done
 
 # torch first, by pip and pinned: pip finds the CPU build of 2.13.0 that this machine keeps on disk

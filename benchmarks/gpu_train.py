@@ -1,6 +1,6 @@
 """GPU check: the demo model trained by the train stage's SFT under DeepSpeed ZeRO-2 in bf16.
 
-    .venv/bin/python benchmarks/gpu_train.py              # needs one CUDA GPU (see README, "GPUs")
+    .venv/bin/python benchmarks/gpu_train.py              # needs one CUDA GPU (see docs/gpus.md, "GPUs")
     .venv/bin/python benchmarks/gpu_train.py --steps 200 --batch 256
 
 Builds the demo's generation-0 architecture (params.yaml `init:`), trains it on warm-start
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_train: no CUDA GPU visible to torch; run this on a machine with one "
-              "(README, 'GPUs')", file=sys.stderr)
+              "(docs/gpus.md, 'GPUs')", file=sys.stderr)
         return 2
     from train import demonstrations, fresh, tokens_of  # benchmarks/train.py
 

@@ -1137,7 +1137,7 @@ def service_commands(sub) -> None:
                        "to a Prefect server (`offseason ui` starts one).")
     s.add_argument("--work-pool", metavar="NAME",
                    help="register the deployments to this Prefect work pool instead of serving "
-                   "them here; a worker of the pool runs them (see README)")
+                   "them here; a worker of the pool runs them (see docs/operations.md)")
     s.add_argument("--collect", action="store_true",
                    help="also receive traces (`offseason collect`, runtime.collect) beside them, "
                    "until Ctrl-C stops both")

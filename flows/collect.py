@@ -46,8 +46,8 @@ with the environment variable `runtime.collect.token_env` names set, requests wi
     offseason collect --port 0           # a free port (printed)
     offseason collect --status           # the running receiver's counters
 
-For more traffic than one process takes, run an OpenTelemetry Collector in front (README,
-"Live: offseason collect").
+For more traffic than one process takes, run an OpenTelemetry Collector in front
+(docs/traces.md, "Live: offseason collect").
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ from stages.traces.sources import (
 
 MANIFEST = "manifest.json"
 FEEDBACK_SHAPE = ('A rating is {"thumbs_up": true or false}, or {"scores": {"<name>": a number in '
-                  '[0, 1] or a boolean}} with reward.feedback_score naming the score (README, '
+                  '[0, 1] or a boolean}} with reward.feedback_score naming the score (docs/traces.md, '
                   '"Traces in")')
 # a file's duplicates beside its part (`duplicates-<file>.parquet`): each row's id and place, and
 # the id of the trace it repeats, so `offseason lineage --trace` can follow a duplicate's id; and
@@ -320,7 +320,7 @@ def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, d
             yield number, "unknown", _unreadable(record) if isinstance(record, Unreadable) else \
                 Refusal(f"unknown format (first record has {_keys(first)}); expected one of "
                         f"{expected}", _raw(record), fix="convert the file into one of those "
-                        "formats (README, \"Traces in\"), or take it out of the inbox")
+                        "formats (docs/traces.md, \"Traces in\"), or take it out of the inbox")
         return
     if fmt in LINE_FORMATS:
         module = LINE_FORMATS[fmt]

@@ -11,8 +11,8 @@ chose, their log-probabilities, the turn of each token) and `metrics/rollout.jso
 `openai` (OpenAI-compatible servers, `stages.generation.openai_backend`: the ones at `runtime.rollout.urls`, or one
 the stage starts with `runtime.rollout.server_command` on models/champion and stops afterwards).
 
-With an `environments:` section in params.yaml (your own environments, README "Bring your own
-agent"), the champion is a chat model and each environment's `tasks` file is attempted instead:
+With an `environments:` section in params.yaml (your own environments, docs/agent.md, "Bring your
+own agent"), the champion is a chat model and each environment's `tasks` file is attempted instead:
 each turn rendered by the model's chat template, its tool calls parsed by `rollout.tool_parser`
 and answered by the environment's `call_tool`, exact token ids kept (`stages.generation.chat`).
 `rollout.max_tasks` (0 = all) is then shared among the environments by `weight`. Each row holds

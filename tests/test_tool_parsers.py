@@ -385,7 +385,7 @@ def test_each_difference_from_vllm_is_what_the_docstring_and_readme_say(number, 
         assert calls(parsed) == ours and parsed.errors == []
     else:
         assert parsed.content == ours
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "agent.md").read_text()
     for where in (tool_parsers.__doc__, readme):  # stated, with the vLLM test it departs from
         listed = re.split(r"Each difference,\s+with the vLLM test it departs from:", where)[1]
         stated = re.split(rf"\n{number + 1}\. |\n\n", listed.split(f"\n{number}. ", 1)[1])[0]
