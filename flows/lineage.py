@@ -119,13 +119,18 @@ def parquet_column(root: Path, md5: str, columns: list[str]) -> list[dict]:
     return read_parquet(stored_object(root, md5), columns).to_pylist()
 
 
-def read_parquet(data: bytes, columns: list[str]):
-    """A Parquet file's columns from bytes in memory, read in this thread: an Arrow worker thread
-    holding these Python bytes could need the GIL while the interpreter exits, which aborted
-    the process now and then ("terminate called without an active exception").
+def read_parquet(data: bytes, columns: list[str] | None):
+    """A Parquet file's columns (None: all) from bytes in memory, read in this thread alone.
+
+    Not `pq.read_table`: it reads through Arrow's dataset scanner, whose pool thread (started
+    even with `use_threads=False`) can drop its last reference to these Python bytes after the
+    table is returned; when the interpreter was exiting by then, that thread, waiting for the
+    GIL, was ended by Python inside a C++ destructor: SIGABRT, "terminate called without an
+    active exception", after the command had printed its answer (1 run in 150 of `lineage
+    --trace` on a busy machine). `ParquetFile.read` without pre-buffering starts no thread.
     """
-    return pq.read_table(pa.BufferReader(data), columns=columns, use_threads=False,
-                         pre_buffer=False)
+    return pq.ParquetFile(pa.BufferReader(data), pre_buffer=False).read(columns=columns,
+                                                                        use_threads=False)
 
 
 # --- what a generation recorded -------------------------------------------------------------

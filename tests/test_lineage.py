@@ -176,6 +176,40 @@ def test_trace_finds_every_generation_that_learned_from_it(learned):
     assert f"a duplicate of trace {trace_id}" in text and "its training data held it: gen-1" in text
 
 
+# `offseason lineage --trace` in one process: the threads it left behind, by id and name
+THREADS_LEFT = """
+import os, sys
+import numpy, pyarrow as pa
+from flows import cli
+
+def threads():
+    return {t: open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
+
+pa.table({"x": [1]}).to_pylist()  # the libraries' own threads (OpenBLAS's, jemalloc's) start
+before = threads()
+for trace_id in sys.argv[1:]:
+    assert cli.main(["lineage", "--trace", trace_id]) == 0
+print({t: name for t, name in threads().items() if t not in before})
+"""
+
+
+def test_trace_leaves_no_thread_running_at_exit(learned):
+    """`lineage --trace` printed its answer, then died now and then with SIGABRT, "terminate
+    called without an active exception" (issue 46): a thread of Arrow's pool, started by
+    `pq.read_table`, still held the Parquet bytes and, waiting for the GIL while the interpreter
+    exited, was ended inside a C++ destructor. Parquet is read in the calling thread now: the
+    command starts no thread, so none is left to run at exit. (The abort itself came in 1 run of
+    150 on a busy machine; the thread was there in every run.)"""
+    trace_id = chain(learned, "gen-1")["training_traces"][0]
+    # the trained-on trace (the replay buffer, the inbox files), a duplicate (ingest's parts),
+    # a quarantined one
+    probe = subprocess.run([sys.executable, "-c", THREADS_LEFT, trace_id, "repeat-1", "broken-1"],
+                           cwd=learned, capture_output=True, text=True, env=cli_env(learned))
+    assert probe.returncode == 0, probe.stderr[-4000:]
+    left = probe.stdout.splitlines()[-1]
+    assert left == "{}", f"threads the command started, still there (id: name): {left}"
+
+
 def test_a_cycle_that_trained_nothing_did_not_train_on_the_trace(learned, tmp_path):
     """A cycle whose train stage trained nothing (GRPO without a reward spread, too few examples)
     still holds the trace in its replay buffer: lineage said it "trained on it directly"."""

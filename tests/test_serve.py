@@ -18,8 +18,17 @@ pytestmark = pytest.mark.slow
 # the shared warm-started project (conftest.LEARN: some rollouts verified correct, so a candidate
 # is trained: one identical to the champion never passes), with gate margins no trained candidate
 # can miss: the run must reach the approval, whatever the tiny model learned
+# every rule of the gate relaxed: these tests are about approval, not the verdict, and a verdict
+# that refused (a forgetting or hack guard) ends the flow run before it waits (issue 46.7)
 APPROVABLE = {"gate": {"min_improvement": -1.0, "max_length_increase": 100.0,
-                       "max_format_regression": 1.0, "max_tool_error_regression": 1.0}}
+                       "max_format_regression": 1.0, "max_tool_error_regression": 1.0,
+                       "forgetting_max_regression": 1.0, "max_hack_increase": 1.0}}
+
+
+def verdict(project):
+    """The gate's verdict in `project`, to say why a run did not wait for approval."""
+    gate = project / "metrics" / "gate.json"
+    return gate.read_text()[-3000:] if gate.exists() else "(no metrics/gate.json)"
 
 
 def free_port():
@@ -147,7 +156,8 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, lear
             waiting = wait_until(lambda: (lambda s: s if s.is_paused() or s.is_final() else None)(
                 state()), 900, "the flow run to wait for approval", serve, log)
             # suspended, not paused: the served process is free, the overrides are undone
-            assert waiting.name == "Suspended", (waiting, log.read_text()[-4000:])
+            assert waiting.name == "Suspended", (waiting, verdict(project),
+                                                 log.read_text()[-4000:])
             wait_until(lambda: (project / "params.yaml").read_text() == standing, 30,
                        "params.yaml back to the standing values while the run waits")
             pending = api_cli(project, prefect_server, "pending").stdout
