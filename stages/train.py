@@ -274,17 +274,27 @@ def _fingerprint(examples: list[dict], champion: Path, config: cfg.Train, seed: 
 
 def last_checkpoint(work: Path) -> str | None:
     """The newest complete checkpoint in `work` (the Trainer writes trainer_state.json last, so a
-    folder without it is one the run was killed while saving: deleted).
+    folder without it, or with only part of it, is one the run was killed while saving: deleted).
     """
     if not work.exists():
         return None
     found = {}
     for folder in work.glob("checkpoint-*"):
-        if (folder / "trainer_state.json").exists():
+        if _whole_json(folder / "trainer_state.json"):
             found[int(folder.name.rsplit("-", 1)[-1])] = folder
         else:
             shutil.rmtree(folder, ignore_errors=True)
     return str(found[max(found)]) if found else None
+
+
+def _whole_json(path: Path) -> bool:
+    """Whether `path` holds a whole JSON document: a kill while the Trainer wrote it leaves the
+    file empty or cut short, and resuming from it failed with a JSONDecodeError."""
+    try:
+        json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _steps_csv(history: list[dict]) -> str:

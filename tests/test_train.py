@@ -290,6 +290,18 @@ def test_killed_stage_resumes_to_the_same_weights(tmp_path, champion):
     assert [int(r["step"]) for r in steps_file(killed)] == list(range(1, 37))
 
 
+def test_a_checkpoint_cut_short_while_saving_is_not_resumed_from(tmp_path):
+    """A kill while the Trainer wrote trainer_state.json (its last file) left it empty or half
+    written: resuming from it failed with a JSONDecodeError, so the stage could not be rerun."""
+    for step, state in [(4, '{"global_step": 4}'), (8, ""), (12, '{"global_step": 1'), (16, None)]:
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if state is not None:
+            (folder / "trainer_state.json").write_text(state)
+    assert train.last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
+
+
 def steps_file(folder):
     return list(csv.DictReader((folder / "steps.csv").open()))
 
