@@ -32,10 +32,9 @@ def main() -> None:
             row = {"suite": suite, "id": f"{suite}-{i}", "format": 1.0, "tool_ok": 1.0}
             pairs.append(({**row, "correct": float(c), "tokens": 30},
                           {**row, "correct": float(h), "tokens": 28}))
-    suites = {name: cfg.Suite() for name in ("arith", "code", "toolcall")}
     solved = {(c["suite"], c["id"]) for c, h in pairs if h["correct"] == 1.0}
     for sequential in ("none", "lord"):
-        config = cfg.Gate(suites=suites, sequential=sequential, forgetting_min_items=30)
+        config = cfg.Gate(sequential=sequential, forgetting_min_items=30)
         history = [{"level": 0.001, "passed": i % 5 == 0} for i in range(51)]
         times = []
         for _ in range(args.repeats):

@@ -4,30 +4,26 @@
     .venv/bin/python benchmarks/gpu_rollout_vllm.py       # prints both throughputs (Markdown)
     .venv/bin/python benchmarks/gpu_rollout_vllm.py --tasks 512 --samples 8 --keep /tmp/gpu-check
 
-`--path chat` (the default, the path the demo and every `environments:` project run): generation 0
-is the demo's chat model, the tasks are arith's chat tasks, and `stages.rollout.run_chat` runs
-them through vLLM (each turn sent as token ids rendered by the chat template here, the model's ids
-back with `return_tokens_as_token_ids`, the end ids as `stop_token_ids`) and through the
-transformers backend; it fails unless vLLM gave token ids, tool calls, and prompts that begin
+Generation 0 is the demo's chat model, the tasks are arith's chat tasks, and `stages.rollout.run`
+runs them through vLLM (each turn sent as token ids rendered by the chat template here, the
+model's ids back with `return_tokens_as_token_ids`, the end ids as `stop_token_ids`) and through
+the transformers backend; it fails unless vLLM gave token ids, tool calls, and prompts that begin
 every stored conversation as rendered here. `--api chat` sends the turns to vLLM's
 /chat/completions instead (messages and `tools=`, vLLM started with `--enable-auto-tool-choice
 --tool-call-parser hermes`, `return_token_ids`), which offseason checks token for token against
-its own rendering and parsing (`runtime.rollout.api: chat`). `--path tags`: the tag protocol, as below.
+its own rendering and parsing (`runtime.rollout.api: chat`).
 
 What it does, in a temporary folder: builds generation 0 with `stages.init` (the demo's params.yaml
-`init:` section; `--warmup-steps` shortens the warm start), writes a validated-tasks file of
-`--tasks` arithmetic questions, then runs `stages.rollout.run` twice on the same tasks and seed:
+`init:` section; `--warmup-steps` shortens the warm start), writes a task file of `--tasks`
+arithmetic questions, then runs the rollout stage twice on the same tasks and seed:
 1. `rollout.backend: openai` with `rollout.server_command` = `.venv-vllm/bin/vllm serve {model}
    --port {port} ...`: the stage starts vLLM on the champion folder in its own process group, waits
-   for /health, runs the multi-turn episodes (tool results injected between turns) and stops it;
+   for /health, runs the multi-turn episodes (tool results between turns) and stops it;
 2. `rollout.backend: transformers`, the stage as it is (it loads the model where
-   `stages.tinylm.load` puts it: the printed device says which);
-3. when torch sees a GPU, `stages.generation.transformers_backend.generate` on the same prompts with the model moved to
-   it (the loop's tensors follow the model's device), for a like-for-like GPU figure.
-It prints episodes, generated tokens and tokens/s of both (the server's start-up is not counted),
-the share of episodes whose completions agree (greedy runs with `--temperature 0` should agree on
-most; float32 vs vLLM's kernels may flip near-ties), and exits non-zero if vLLM gave no tool calls
-or no token ids.
+   `stages.tinylm.load` puts it).
+It prints episodes, generated tokens and tokens/s of both (the server's start-up is not counted)
+and the share of conversations with identical ids (greedy runs with `--temperature 0` should agree
+on most; float32 vs vLLM's kernels may flip near-ties).
 
 What was checked and what was not (written without a GPU; vLLM could not be installed or run):
 - checked on CPU: the same rollout stage through `rollout.server_command` starting
@@ -37,12 +33,8 @@ What was checked and what was not (written without a GPU; vLLM could not be inst
   `model.safetensors`) with a character-level `PreTrainedTokenizerFast` (`tokenizer.json`): vLLM
   supports GPT-2 and loads tokenizers with AutoTokenizer, but the tiny vocabulary (~30 tokens), the
   80-position context and the head size 32 are untested with its kernels. If the tokenizer is the
-  problem, try `--tokenizer-mode slow` or `--skip-tokenizer-init` (the backend sends token ids; stop
-  strings then need `--tokenizer`); if the kernels are, `--enforce-eager` is already set and
-  `--dtype float32` keeps the comparison fair;
-- NOT checked: that vLLM returns `stop_reason` and honours `include_stop_str_in_output` and
-  `return_tokens_as_token_ids` for the completions API as documented (the backend reads them; the
-  script fails loudly if token ids are missing).
+  problem, try `--tokenizer-mode slow`; if the kernels are, `--enforce-eager` is already set and
+  `--dtype float32` keeps the comparison fair.
 """
 
 from __future__ import annotations
@@ -52,10 +44,8 @@ import random
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -63,9 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from stages import config as cfg  # noqa: E402
-from stages import init, rollout, tinylm  # noqa: E402
+from stages import init, rollout  # noqa: E402
 from stages.envs import arith  # noqa: E402
-from stages.generation import transformers_backend  # noqa: E402
 
 VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
 COMMAND = (f"{VLLM} serve {{model}} --port {{port}} --host 127.0.0.1 --dtype float32 "
@@ -84,8 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-command", default=COMMAND,
                         help="rollout.server_command ({model} and {port} are filled in)")
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it")
-    parser.add_argument("--path", choices=("chat", "tags"), default="chat",
-                        help="chat: the environments: path (default); tags: the tag protocol")
     parser.add_argument("--api", choices=("completions", "chat"), default="completions",
                         help="the chat path's endpoint (runtime.rollout.api)")
     args = parser.parse_args(argv)
@@ -100,61 +87,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     work = args.keep or Path(tempfile.mkdtemp(prefix="offseason-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
-    if args.path == "chat":
-        try:
-            return chat_check(args, work)
-        finally:
-            if args.keep is None:
-                shutil.rmtree(work, ignore_errors=True)
     try:
-        base = cfg.Base(seed=0)
-        params = cfg.load("init", ROOT / "params.yaml")
-        champion = work / "champion"
-        init.run(base, cfg.Init(**{**params.__dict__, "warmup_steps": args.warmup_steps}), champion)
-        rng = random.Random(7)
-        questions = [arith.sample_question(rng) for _ in range(args.tasks)]
-        validated = work / "validated.parquet"
-        pq.write_table(pa.Table.from_pylist([
-            {"trace_id": f"t{i:05d}", "question": q, "answer": str(arith.gold_answer(q))}
-            for i, q in enumerate(questions)]), validated)
-        results = both_backends(args, work, lambda config, out: rollout.run(
-            base, config, validated, champion, out))
-        device = "cuda" if next(tinylm.load(champion)[0].parameters()).is_cuda else "cpu"
-        if torch.cuda.is_available():
-            model, tokenizer = tinylm.load(champion)
-            model.cuda()
-            prompts = [arith.prompt(q) for q in questions for _ in range(args.samples)]
-            started = time.time()
-            episodes = transformers_backend.generate(model, tokenizer, arith, prompts,
-                                         temperature=args.temperature, max_new_tokens=48, seed=0,
-                                         batch_size=1024, progress=False)
-            seconds = time.time() - started
-            tokens = sum(sum(e.model_mask) for e in episodes)
-            results["transformers, generate() on the GPU"] = (
-                {"episodes": len(episodes), "generated_tokens": tokens,
-                 "seconds": round(seconds, 2), "tokens_per_second": round(tokens / seconds),
-                 "tool_use_rate": round(sum(e.tool_calls > 0 for e in episodes) / len(episodes), 4)},
-                [])
-        print(f"\ntorch {torch.__version__}, GPU: "
-              f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}; "
-              f"transformers backend on {device}\n")
-        print("| backend | episodes | generated tokens | seconds | tokens/s | tool use |")
-        print("|---|---|---|---|---|---|")
-        for name, (metrics, _) in results.items():
-            print(f"| {name} | {metrics['episodes']} | {metrics['generated_tokens']} | "
-                  f"{metrics['seconds']} | {metrics['tokens_per_second']} | "
-                  f"{metrics['tool_use_rate']} |")
-        (served, served_rows), (_, local_rows) = list(results.values())[:2]
-        same = sum(a["completion"] == b["completion"] for a, b in zip(served_rows, local_rows))
-        print(f"\ncompletions identical in both: {same}/{len(local_rows)}; server retries: "
-              f"{served['retries']}; requests by URL: {served['requests_by_url']}")
-        if not any(r["token_ids"] for r in served_rows):
-            print("error: vLLM returned no token ids (return_tokens_as_token_ids)", file=sys.stderr)
-            return 1
-        if not any(r["tool_calls"] for r in served_rows):
-            print("error: no episode through vLLM called the tool", file=sys.stderr)
-            return 1
-        return 0
+        return chat_check(args, work)
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -176,20 +110,19 @@ def both_backends(args, work: Path, run_stage) -> dict:
 
 
 def chat_check(args, work: Path) -> int:
-    """The chat path: `run_chat` through the server and in-process on arith's chat tasks."""
+    """The rollout stage through the server and in-process on arith's chat tasks."""
     import json
 
     base = cfg.Base(seed=0)
     params = cfg.load("init", ROOT / "params.yaml")
     champion = work / "champion"
-    init.run(base, cfg.Init(**{**params.__dict__, "warmup_steps": args.warmup_steps}), champion,
-             chat=True)
+    init.run(base, cfg.Init(**{**params.__dict__, "warmup_steps": args.warmup_steps}), champion)
     rng = random.Random(7)
     tasks = work / "arith.jsonl"
     tasks.write_text("".join(json.dumps({"task_id": f"t{i:05d}", **arith.chat_task(
         arith.sample_question(rng))}) + "\n" for i in range(args.tasks)))
     specs = {"arith": cfg.EnvironmentSpec(module="stages.envs.arith", tasks=str(tasks))}
-    results = both_backends(args, work, lambda config, out: rollout.run_chat(
+    results = both_backends(args, work, lambda config, out: rollout.run(
         base, config, specs, champion, out, ROOT))
     print(f"\ntorch {torch.__version__}, GPU: "
           f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}\n")

@@ -1,19 +1,19 @@
-"""When does Ray pay? The reward stage's scoring on a local Ray cluster against the local process pool.
+"""The reward stage's fan-out: the code environment's rewards in 1 and 2 local worker processes
+and on a 2-node local Ray cluster.
 
-    .venv/bin/python benchmarks/reward_scaleout.py            # the demo's size and 50x that
-    .venv/bin/python benchmarks/reward_scaleout.py --sizes 800 40000 --envs arith code
+    .venv/bin/python benchmarks/reward_scaleout.py                  # 400 rollouts, best of 2
+    .venv/bin/python benchmarks/reward_scaleout.py --rollouts 1000 --repeats 1
 
 Runs itself inside a network namespace with only loopback (`unshare -n`, needs root), where Ray
-binds 127.0.0.1 only. For each environment and size: rollouts of the suite's tasks (arith:
-answered right and wrong; code: each reference solution, run in the sandbox), scored by
-the reward stage's own command (`python -m stages.reward`, as DVC runs it) with the local process
-pool (one worker per core) and with `runtime.reward.ray_address` set to a local Ray cluster
-started beforehand (2 CPUs), each timed from start to exit (start-up and imports included; for
-Ray also connecting and shipping the work). The rewards must be equal. Prints a Markdown table.
-
-One machine cannot show what Ray is for (more cores than one machine has): it shows Ray's cost
-per stage (connecting, scheduling, moving the rows) against the pool's, so that the gain from
-more machines can be weighed against it.
+binds 127.0.0.1 only. The rollouts are the code environment's task file (data/tasks/code.jsonl,
+20 tasks) answered by each task's reference solution, `--rollouts` of them in the rollout stage's
+schema; every gold check and every reward runs the task's unit tests in the sandbox
+(stages/envs/sandbox.py). The reward stage's own command (`python -m stages.reward`, as DVC runs
+it) scores them with `runtime.reward.workers` 1 (in its own process) and 2 (local worker
+processes), and with `runtime.reward.ray_address` naming a Ray cluster of two nodes on this
+machine (`ray start --head` and a second `ray start --address`, one CPU each), each timed from
+start to exit (start-up, imports and, for Ray, connecting and shipping the work included). The
+three must give equal rewards. Prints a Markdown table and the load average before and after.
 """
 
 from __future__ import annotations
@@ -21,107 +21,132 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+RAY = Path(sys.executable).parent / "ray"
 
 
-def rollouts(env_name: str, n: int):
-    """`n` rollouts of the environment's suite tasks, in the rollout stage's schema."""
+def rollouts(n: int):
+    """`n` rollouts of the code task file, each answered by its task's reference solution."""
     import pyarrow as pa
 
     from stages import rollout
-    from stages.envs import coding
+    from stages.envs import coding, contract
 
-    rng = random.Random(0)
+    tasks = contract.load_tasks(ROOT / "data/tasks/code.jsonl", "code")
     rows = []
-    if env_name == "code":
-        tasks = coding.load_tasks(ROOT / "data/tasks/code.jsonl")
-        for i in range(n):
-            t = tasks[i % len(tasks)]
-            rows.append((t["id"], t["question"], t["answer"],
-                         coding.gold_completion(t["question"], t["answer"])))
-    else:  # 200 questions (the demo's suite size), each sampled n / 200 times, half right
-        questions = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(200)]
-        for i in range(n):
-            a, b = questions[i % 200]
-            answer = a * b if rng.random() < 0.5 else a * b + 1
-            rows.append((f"t{i % 200}", f"{a}*{b}", str(a * b),
-                         f"<calc>{a}*{b}</calc><result>{a * b}</result>answer:{answer}"))
-    return pa.Table.from_pylist([
-        {"task_id": t, "trace_id": t, "sample": i, "question": q, "answer": a, "prompt": q,
-         "completion": c, "token_ids": [], "model_mask": [], "logprobs": [], "finish": "eos",
-         "tool_calls": 0} for i, (t, q, a, c) in enumerate(rows)], schema=rollout.SCHEMA)
+    for i in range(n):
+        task = tasks[i % len(tasks)]
+        added = coding.gold(task)
+        rows.append({"task_id": f"code:{task['task_id']}", "environment": "code",
+                     "sample": i // len(tasks), "task": json.dumps(task),
+                     "messages": json.dumps(task["messages"] + added),
+                     "completion": json.dumps(added), "token_ids": [], "model_mask": [],
+                     "logprobs": [], "finish": "eos", "tool_calls": 0, "tool_errors": 0,
+                     "error": None, "turns": []})
+    return pa.Table.from_pylist(rows, schema=rollout.SCHEMA)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def two_nodes() -> str:
+    """A Ray cluster of two nodes on this machine, one CPU each; returns its address."""
+    port = free_port()
+    env = os.environ
+    common = ["--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
+    subprocess.run([str(RAY), "start", "--head", "--port", str(port), "--include-dashboard",
+                    "false", *common], check=True, env=env, capture_output=True)
+    address = f"127.0.0.1:{port}"
+    subprocess.run([str(RAY), "start", "--address", address, *common], check=True, env=env,
+                   capture_output=True)
+    return address
 
 
 def inside(args) -> int:
-    """The measurements, in the namespace: the reward stage's command, timed, with and without
-    `runtime.reward.ray_address` (a Ray cluster this process started and keeps up).
-    """
-    import tempfile
-
+    """The measurements, in the namespace."""
     import pyarrow.parquet as pq
-    import ray
     import yaml
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False,
-             object_store_memory=200 * 1024 ** 2,
-             log_to_driver=False)
-    address = ray.get_runtime_context().gcs_address
-    work = Path(tempfile.mkdtemp(prefix="offseason-scaleout-"))
-    results = []
-    for env_name in args.envs:
-        for n in args.sizes:
-            if env_name == "code":
-                n = min(n, args.code_cap)
-            table = work / f"{env_name}-{n}.parquet"
-            pq.write_table(rollouts(env_name, n), table)
-            timings, outputs = {}, {}
-            for how, where in (("pool", ""), ("ray", address)):
+    # the stage and both nodes: no usage stats; no token (Ray 2.60's `ray start --head` asks for
+    # one, kept in the home folder): a loopback-only cluster in a namespace no one else reaches
+    os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+    work = Path(tempfile.mkdtemp(prefix="offseason-reward-fanout-"))
+    table = work / "rollouts.parquet"
+    pq.write_table(rollouts(args.rollouts), table)
+    load_before = os.getloadavg()
+    address = two_nodes()
+    try:
+        deadline = time.time() + 120  # the second node registers a few seconds after it starts
+        while True:
+            status = subprocess.run([str(RAY), "status", "--address", address],
+                                    capture_output=True, text=True).stdout
+            if status.count(" node_") == 2 or time.time() > deadline:
+                break
+            time.sleep(2)
+        assert status.count(" node_") == 2, status  # both nodes up, one CPU each
+        placements = {"1 worker (in the stage's process)": {"workers": 1},
+                      "2 workers (local processes)": {"workers": 2},
+                      "Ray, 2 nodes x 1 CPU (local cluster)": {"ray_address": address}}
+        timings: dict[str, list[float]] = {}
+        outputs = {}
+        for _ in range(args.repeats):
+            for name, runtime in placements.items():
                 params = work / "params.yaml"
                 params.write_text(yaml.safe_dump({
-                    "base": {"environment": env_name}, "reward": {},
-                    "runtime": {"reward": {"ray_address": where}}}))
-                out = work / f"{how}.parquet"
+                    "reward": {}, "environments": {"code": {"module": "stages.envs.coding"}},
+                    "runtime": {"reward": runtime}}))
+                out = work / "rewards.parquet"
                 started = time.perf_counter()
                 subprocess.run([sys.executable, "-m", "stages.reward", str(table), str(out),
-                                str(work / f"{how}.json"), "--params", str(params)],
-                               check=True, cwd=ROOT, capture_output=True)
-                timings[how] = time.perf_counter() - started
-                outputs[how] = pq.read_table(out)
-            assert outputs["pool"].equals(outputs["ray"]), "different rewards"
-            results.append({"env": env_name, "rollouts": n, **{k: round(v, 2)
-                                                               for k, v in timings.items()}})
-            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    ray.shutdown()
-    print("| environment | rollouts | local pool, s | Ray (local cluster), s | Ray / pool |")
-    print("|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['env']} | {r['rollouts']} | {r['pool']} | {r['ray']} | "
-              f"{r['ray'] / r['pool']:.2f} |")
+                                str(work / "reward.json"), "--params", str(params)],
+                               check=True, cwd=work, capture_output=True)
+                timings.setdefault(name, []).append(time.perf_counter() - started)
+                outputs[name] = pq.read_table(out)
+                metrics = json.loads((work / "reward.json").read_text())
+                assert metrics["correct_episodes"] == args.rollouts, metrics  # every gold passes
+                print(json.dumps({name: round(timings[name][-1], 2)}), file=sys.stderr,
+                      flush=True)
+        first = next(iter(outputs.values()))
+        assert all(t.equals(first) for t in outputs.values()), "different rewards"
+    finally:
+        subprocess.run([str(RAY), "stop", "--force"], capture_output=True)
+    load_after = os.getloadavg()
+    best = {name: min(values) for name, values in timings.items()}
+    one = best["1 worker (in the stage's process)"]
+    print(f"{args.rollouts} rollouts of data/tasks/code.jsonl (20 tasks) plus 20 gold checks, "
+          f"each a sandbox run; best of {args.repeats}; {os.cpu_count()} cores; load average "
+          f"{load_before[0]:.1f} before, {load_after[0]:.1f} after")
+    print("\n| reward stage, runtime.reward | seconds | rollouts/s | vs 1 worker |")
+    print("|---|---|---|---|")
+    for name, seconds in best.items():
+        print(f"| {name} | {seconds:.2f} | {args.rollouts / seconds:.1f} | "
+              f"{one / seconds:.2f}x |")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Re-run inside a loopback-only network namespace, then measure."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[800, 40_000],
-                        help="rollouts per run (default: the demo's 800 and 50x that)")
-    parser.add_argument("--envs", nargs="+", default=["arith", "code"])
-    parser.add_argument("--code-cap", type=int, default=2000,
-                        help="at most this many code rollouts (each runs the sandbox)")
+    parser.add_argument("--rollouts", type=int, default=400)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each, the best kept")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inside:
         return inside(args)
-    command = [sys.executable, __file__, "--inside", "--sizes", *map(str, args.sizes),
-               "--envs", *args.envs, "--code-cap", str(args.code_cap)]
+    command = [sys.executable, __file__, "--inside", "--rollouts", str(args.rollouts),
+               "--repeats", str(args.repeats)]
     return subprocess.run(["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
                            *command], cwd=ROOT).returncode
 

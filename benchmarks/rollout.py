@@ -1,13 +1,13 @@
-"""Rollout throughput: the transformers backend (multi-turn, tool results injected) against a plain
-batched `model.generate` (single-turn) on the same model and prompts.
+"""Rollout throughput: the transformers backend on the chat path (multi-turn, tool results fed
+between turns) against a plain batched `model.generate` (single-turn) on the same model and prompts.
 
     .venv/bin/python benchmarks/rollout.py                 # prints a Markdown table for BENCHMARKS.md
     .venv/bin/python benchmarks/rollout.py --episodes 4096 --batch 1024 --repeats 3
     .venv/bin/python benchmarks/rollout.py --model /tmp/warm   # warm-start once, reuse after
 
-The model is the demo's generation-0 architecture (params.yaml `init:`), warm-started for
-`--warmup-steps` on demonstrations that use the calculator (so episodes really call the tool and
-get results injected mid-episode; weights only change which tokens are sampled, not the cost of a
+The model is the demo's generation-0 architecture and chat template (params.yaml `init:`),
+warm-started for `--warmup-steps` on demonstrations that use the calculator (so episodes really
+call the tool and get its results between turns; weights only change which tokens are sampled, not the cost of a
 step). Both sample at temperature 1 with `max_new_tokens` 48 and stop a row at <eos>; tokens/s
 counts completion tokens (what each row appended after its prompt before <eos>: the model's own
 and, for the backend, the injected tool results, each of which costs a forward step like any
@@ -35,10 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 from stages import config as cfg  # noqa: E402
 from stages import tinylm  # noqa: E402
-from stages.envs import arith  # noqa: E402
-from stages.generation import transformers_backend  # noqa: E402
+from stages.envs import arith, contract  # noqa: E402
+from stages.generation import chat  # noqa: E402
 from stages.training import warmstart  # noqa: E402
-from stages.training.warmstart import demonstrations  # noqa: E402
 
 
 def cpu_seconds() -> float:
@@ -47,14 +46,18 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def backend(model, tokenizer, prompts, batch):
-    """Time the transformers rollout backend on the prompts; returns its numbers."""
-    started, cpu = time.time(), cpu_seconds()
-    episodes = transformers_backend.generate(model, tokenizer, arith, prompts, temperature=1.0,
-                                 max_new_tokens=48, seed=0, batch_size=batch, progress=False,
-                                 max_turns=4)
+def backend(model, tokenizer, tasks, batch):
+    """Time the rollout stage's chat loop on the tasks; returns its numbers."""
+    env = contract.load("arith", "stages.envs.arith")
+    template = chat.Template.of(tokenizer, list(arith.TOOLS), chat.end_ids(model, tokenizer))
+    started, cpu, episodes = time.time(), cpu_seconds(), []
+    for start in range(0, len(tasks), batch):
+        episodes += chat.rollout(model, tokenizer, env, tasks[start:start + batch],
+                                 parser="hermes", temperature=1.0, max_new_tokens=48,
+                                 max_turns=4, template=template,
+                                 generator=torch.Generator().manual_seed(start))
     seconds, cpu = time.time() - started, cpu_seconds() - cpu
-    prompt_lens = [len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts]
+    prompt_lens = [len(template.prompt(task["messages"])) for task in tasks]
     tokens = sum(len(e.token_ids) - n for e, n in zip(episodes, prompt_lens))
     chosen = sum(sum(e.model_mask) for e in episodes)
     calls = sum(e.tool_calls for e in episodes)
@@ -62,14 +65,14 @@ def backend(model, tokenizer, prompts, batch):
 
 
 @torch.inference_mode()
-def plain_generate(model, tokenizer, prompts, batch):
-    """Time plain `model.generate` on the prompts, the baseline; returns its numbers."""
-    eos, pad, bos = tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id
+def plain_generate(model, tokenizer, tasks, batch):
+    """Time plain `model.generate` on the tasks' prompts, the baseline; returns its numbers."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    template = chat.Template.of(tokenizer, list(arith.TOOLS), chat.end_ids(model, tokenizer))
     torch.manual_seed(0)
     started, cpu, tokens = time.time(), cpu_seconds(), 0
-    for start in range(0, len(prompts), batch):
-        ids = [[bos] + tokenizer.encode(p, add_special_tokens=False)
-               for p in prompts[start:start + batch]]
+    for start in range(0, len(tasks), batch):
+        ids = [template.prompt(task["messages"]) for task in tasks[start:start + batch]]
         width = max(map(len, ids))
         input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in ids])
         attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
@@ -102,19 +105,21 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = tinylm.build_tokenizer(arith)
         model = tinylm.build_model(tokenizer, init.n_layer, init.n_embd, init.n_head,
                                    init.n_positions, seed=0)
-        warmstart.train(model, demonstrations(tokenizer, arith, random.Random(0), init.tool_fraction,
-                                        init.batch_size),
-                  steps=args.warmup_steps, lr=init.lr, tokenizer=tokenizer, seed=0,
-                  label="warm start")
+        template = chat.Template.of(tokenizer, list(arith.TOOLS), chat.end_ids(model, tokenizer))
+        warmstart.train(model, warmstart.demonstrations(template, arith, random.Random(0),
+                                                        init.tool_fraction, init.batch_size),
+                        steps=args.warmup_steps, lr=init.lr, tokenizer=tokenizer, seed=0,
+                        label="warm start")
         if args.model:
             tinylm.save(model, tokenizer, args.model)
     model.eval()
     rng = random.Random(1)
-    prompts = [arith.prompt(arith.sample_question(rng)) for _ in range(args.episodes)]
+    tasks = [{"task_id": str(i), **arith.chat_task(arith.sample_question(rng))}
+             for i in range(args.episodes)]
     ours, theirs = [], []
     for _ in range(args.repeats):
-        ours.append(backend(model, tokenizer, prompts, args.batch))
-        theirs.append(plain_generate(model, tokenizer, prompts, args.batch))
+        ours.append(backend(model, tokenizer, tasks, args.batch))
+        theirs.append(plain_generate(model, tokenizer, tasks, args.batch))
     seconds, _, tokens, chosen, calls = min(ours)
     g_seconds, _, g_tokens = min(theirs)
     cpu, g_cpu = min(r[1] for r in ours), min(r[1] for r in theirs)

@@ -30,10 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stages.envs import (
-    coding,  # noqa: E402
-    sandbox,  # noqa: E402
-)
+from stages.envs import contract, sandbox  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +43,7 @@ BARE = ("import sys, unittest; sys.path.append('.'); import test_solution; "
 def jobs() -> list[tuple[str, str]]:
     """The (reference solution, tests) pairs of the coding task and benchmark suites."""
     tasks = [t for p in ("data/tasks/code.jsonl", "data/benchmarks/code.jsonl")
-             for t in coding.load_tasks(REPO / p)]
+             for t in contract.load_tasks(REPO / p, "code")]
     pairs = []
     for task in tasks:
         answer = json.loads(task["answer"])

@@ -4,13 +4,14 @@
     .venv/bin/python benchmarks/train.py --steps 50 --threads 1   # shorter, one thread
 
 The model is the demo's generation-0 architecture (params.yaml `init:`, 0.8M parameters), the data
-`steps x batch` warm-start demonstrations (prompt, tool call, injected result, answer; loss on the
-model's own tokens only), the settings the stage's: AdamW (betas 0.9/0.95, no weight decay),
-gradient clipping at 1, warm-up then cosine, fp32 on CPU, one optimizer step per batch. Tokens/s
-counts the non-padding tokens of every sequence trained on, over the wall time of the whole
-training call (optimizer set-up, data loading, logging and the stage's checkpoints included). The
-plain loop and our stage run twice, interleaved, and the best of each is reported, so a burst of
-load from other processes on a shared machine does not decide the ratio.
+`steps x batch` warm-start demonstrations as chat conversations (question, tool call, the tool's
+result, answer, rendered by the demo's chat template; loss on the model's own tokens only), the
+settings the stage's: AdamW (betas 0.9/0.95, no weight decay), gradient clipping at 1, warm-up
+then cosine, fp32 on CPU, one optimizer step per batch. Tokens/s counts the non-padding tokens of
+every sequence trained on, over the wall time of the whole training call (optimizer set-up, data
+loading, logging and the stage's checkpoints included). The plain loop and our stage run twice,
+interleaved, and the best of each is reported, so a burst of load from other processes on a
+shared machine does not decide the ratio.
 
 Rows: the plain loop (`stages/training/warmstart.py`, which `offseason init` uses); the stage's SFT (the
 transformers Trainer, `stages/training/trainers.py`); TRL's SFTTrainer used directly on the same
@@ -37,22 +38,26 @@ sys.path.insert(0, str(ROOT))
 from stages import config as cfg  # noqa: E402
 from stages import tinylm, train  # noqa: E402
 from stages.envs import arith  # noqa: E402
+from stages.generation import chat  # noqa: E402
 from stages.training import trainers, warmstart  # noqa: E402
-from stages.training.batches import encode_completion  # noqa: E402
 
 
 def demonstrations(tokenizer, n: int, seed: int) -> list[dict]:
-    """`n` SFT rows of arithmetic demonstrations, tokenized, for timing training."""
+    """`n` SFT rows of arithmetic demonstrations, encoded by the chat template, for timing
+    training; each with a wrong answer beside it (`bad_ids`).
+    """
+    template = chat.Template.of(tokenizer, list(arith.TOOLS), (tokenizer.eos_token_id,))
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         question = arith.sample_question(rng)
-        good = arith.demonstration(question, use_tool=True)
-        bad = f"{arith.ANSWER}{rng.randint(0, 999)}"
-        ids, mask = encode_completion(tokenizer, arith, arith.prompt(question), good)
-        bad_ids, bad_mask = encode_completion(tokenizer, arith, arith.prompt(question), bad)
-        rows.append({"task_id": question, "completion": good, "token_ids": ids, "model_mask": mask,
-                     "bad_ids": bad_ids, "bad_mask": bad_mask})
+        task = arith.chat_task(question)
+        good = arith.chat_demonstration(question, use_tool=True)
+        bad = [{"role": "assistant", "content": f"{arith.ANSWER}{rng.randint(0, 999)}"}]
+        ids, mask = chat.encode(template.for_task(task), task["messages"] + good)
+        bad_ids, bad_mask = chat.encode(template.for_task(task), task["messages"] + bad)
+        rows.append({"task_id": question, "completion": str(good), "token_ids": ids,
+                     "model_mask": mask, "bad_ids": bad_ids, "bad_mask": bad_mask})
     return rows
 
 
@@ -63,8 +68,8 @@ def fresh(init: cfg.Init, tokenizer):
 
 
 def tokens_of(rows: list[dict]) -> int:
-    """The tokens the rows train on, <bos> and <eos> included."""
-    return sum(len(r["token_ids"]) + 2 for r in rows)  # <bos> ... <eos>
+    """The tokens the rows train on: whole conversations, as they are."""
+    return sum(len(r["token_ids"]) for r in rows)
 
 
 def plain_loop(init, tokenizer, rows, batch, lr, tokens=None):
@@ -104,10 +109,10 @@ def stage(algorithm, init, tokenizer, rows, batch, lr, work):
         examples = [{"prompt_ids": r["token_ids"][:c], "chosen_ids": r["token_ids"][c:],
                      "chosen_mask": r["model_mask"][c:], "rejected_ids": r["bad_ids"][c:],
                      "rejected_mask": r["bad_mask"][c:]} for r, c in zip(rows, cut)]
-        tokens = tokens_of(rows) + sum(len(r["bad_ids"]) + 2 for r in rows)
+        tokens = tokens_of(rows) + sum(len(r["bad_ids"]) for r in rows)
     else:
         examples = [{"episodes": group} for group in grpo_episodes(rows)]
-        tokens = sum(len(e["token_ids"]) + 1 for g in examples for e in g["episodes"])
+        tokens = sum(len(e["token_ids"]) for g in examples for e in g["episodes"])
     champion = work / "champion"
     if not champion.exists():
         tinylm.save(fresh(init, tokenizer), tokenizer, champion)
@@ -126,8 +131,7 @@ def trl_sft(init, tokenizer, rows, batch, lr, work):
 
     data = []
     for r in rows:
-        seq = [tokenizer.bos_token_id, *r["token_ids"], tokenizer.eos_token_id]
-        keep = [0, *r["model_mask"], 1]
+        seq, keep = r["token_ids"], r["model_mask"]
         data.append({"input_ids": seq, "labels": [t if k else -100 for t, k in zip(seq, keep)]})
     args = args_for(work / "trl-sft", batch, lr)(len(rows) // batch, cls=SFTConfig,
                                                  gradient_checkpointing=False, max_length=None,
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         # GRPO's episodes are a different set (a short wrong answer beside each good one: more
         # padding per batch), so its baseline is the plain loop on those same episodes
         episodes = [e for group in grpo_episodes(rows) for e in group]
-        counted = sum(len(e["token_ids"]) + 1 for e in episodes)
+        counted = sum(len(e["token_ids"]) for e in episodes)
         for _ in range(2):
             results.setdefault("plain-grpo", []).append(
                 plain_loop(init, tokenizer, episodes, batch, lr, counted))

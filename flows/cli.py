@@ -66,42 +66,10 @@ def workspace(*, env: bool = True) -> tuple[Path, dict]:
     return root, settings.load_all(root / "params.yaml")
 
 
-def benchmark_path(root: Path) -> Path:
-    """The held-out benchmark, as the gate stage in dvc.yaml names it (paths live in dvc.yaml)."""
-    cmd = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["gate"]["cmd"]
-    return root / next(d for d in cmd.split() if d.startswith("data/benchmarks/"))
-
-
 def inbox_path(root: Path) -> Path:
     """The inbox, as the ingest stage in dvc.yaml names it (its first path)."""
     cmd = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["ingest"]["cmd"].split()
     return root / cmd[cmd.index("stages.ingest") + 1]
-
-
-def read_benchmark(root: Path) -> list[dict]:
-    """The benchmark's items; a missing, empty or unreadable file fails naming it, before any
-    model is built or stage runs (the gate would otherwise fail only at the end of a cycle).
-    """
-    path = benchmark_path(root)
-    if not path.exists():
-        raise WorkspaceError(f"{path}: benchmark not found; restore it (`git checkout -- "
-                             f"{path.relative_to(root)}`) or write one")
-    items = []
-    for number, line in enumerate(path.read_text(errors="replace").split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except ValueError as err:
-            raise WorkspaceError(f"{path}, line {number}: not valid JSON ({err})") from None
-        if not isinstance(item, dict) or not {"id", "question"} <= set(item):
-            raise WorkspaceError(f"{path}, line {number}: a benchmark item is an object with "
-                                 f"'id' and 'question'")
-        items.append(item)
-    if not items:
-        raise WorkspaceError(f"{path}: the benchmark is empty; the gate needs items to compare "
-                             f"candidate and champion on")
-    return items
 
 
 def days(text: str) -> int:
@@ -126,54 +94,49 @@ def cmd_init(args) -> int:
         return 0
     # what can be wrong with the inputs is checked before torch, transformers and MLflow load
     # (seconds): a bad benchmark or params key fails at once
-    from stages.envs import contract
-    from stages.envs.registry import ENVIRONMENTS
+    from stages.envs import arith, contract
 
     specs = configs["environments"]
     base_model = args.base_model or (Path(configs["base"].model) if configs["base"].model
                                      else None)
     demo = False  # the demo's own tiny chat model as generation 0
-    if specs:  # the user's environments: a chat model of theirs, their benchmarks
-        if base_model is None:
-            demo_module = ENVIRONMENTS[configs["base"].environment].__name__
-            demo = any(spec.module == demo_module for spec in specs.values())
-            if not demo:
-                raise cfg.ParamsError(
-                    "base.model: the environments: path needs your chat model as generation 0; "
-                    "set base.model to its Hugging Face folder (or run `offseason init "
-                    f"--base-model PATH`); only the demo's environment ({demo_module}, "
-                    "base.environment) has a tiny model offseason can build")
-        elif not base_model.is_absolute():
-            base_model = root / base_model
-        chats = contract.benchmark_suites(specs, root, configs["gate"].benchmark_size)
+    if base_model is None:
+        demo = any(spec.module == arith.__name__ for spec in specs.values())
+        if not demo:
+            raise cfg.ParamsError(
+                "base.model: your environments need your chat model as generation 0; set "
+                "base.model to its Hugging Face folder (or run `offseason init --base-model "
+                f"PATH`); only the demo's environment ({arith.__name__}) has a tiny model "
+                "offseason can build")
+    elif not base_model.is_absolute():
+        base_model = root / base_model
+    chats = contract.benchmark_suites(specs, root, configs["gate"].benchmark_size)
 
-        def templates_of(folder: Path) -> list:
-            """The model's chat template for each environment's tools; a folder without its
-            files, or a model without a chat template, fails naming what to fix.
-            """
-            from stages import modelfiles
+    def templates_of(folder: Path) -> list:
+        """The model's chat template for each environment's tools; a folder without its
+        files, or a model without a chat template, fails naming what to fix.
+        """
+        from stages import modelfiles
 
-            modelfiles.check(folder)  # a missing file fails before torch loads (seconds)
-            from stages import io
+        modelfiles.check(folder)  # a missing file fails before torch loads (seconds)
+        from stages import io
 
-            with io.heavy_imports():  # torch and transformers
-                from stages import tinylm
-                from stages.generation import chat
+        with io.heavy_imports():  # torch and transformers
+            from stages import tinylm
+            from stages.generation import chat
 
-            tokenizer = tinylm.load_tokenizer(folder)
-            return [chat.Template.of(tokenizer, list(env.tools)) for env, _ in chats.values()]
+        tokenizer = tinylm.load_tokenizer(folder)
+        return [chat.Template.of(tokenizer, list(env.tools)) for env, _ in chats.values()]
 
-        templates = []
-        if base_model is not None and (base_model / "config.json").is_file():
-            # checked before anything is written (a missing folder: init.run says so)
-            templates = templates_of(base_model)
-            if not all(t.prefix_preserving for t in templates):
-                print(f"init: the chat template of {base_model} rewrites earlier turns once a "
-                      f"conversation goes on (as Qwen3's drops old thinking); rollouts render "
-                      f"each turn incrementally, so the tokens the model produced stay exact",
-                      flush=True)
-    else:
-        items = read_benchmark(root)
+    templates = []
+    if base_model is not None and (base_model / "config.json").is_file():
+        # checked before anything is written (a missing folder: init.run says so)
+        templates = templates_of(base_model)
+        if not all(t.prefix_preserving for t in templates):
+            print(f"init: the chat template of {base_model} rewrites earlier turns once a "
+                  f"conversation goes on (as Qwen3's drops old thinking); rollouts render "
+                  f"each turn incrementally, so the tokens the model produced stay exact",
+                  flush=True)
     from stages import io
 
     with io.heavy_imports():  # torch and transformers
@@ -188,26 +151,19 @@ def cmd_init(args) -> int:
         print("init: building generation 0 ...", flush=True)
         note_environments(root)  # what the stages' dep data/environments.json says
         champion = root / "models" / "champion"
-        metrics = init.run(configs["base"], configs["init"], champion, base_model, chat=demo)
-        if specs:
-            scores = gate.score_chat(champion, chats, configs["rollout"], configs["base"].seed)
-            if demo:  # the demo's model exists only now
-                templates = templates_of(champion)
-            metrics["template"] = "prefix-preserving" if all(
-                t.prefix_preserving for t in templates) else "incremental"
-        else:
-            env = ENVIRONMENTS[configs["base"].environment]
-            scores = gate.score(champion, env, items, configs["base"].seed)
-        primary = [r for r in scores if r.get("suite", configs["gate"].primary)
-                   == configs["gate"].primary] if specs else scores
+        metrics = init.run(configs["base"], configs["init"], champion, base_model)
+        scores = gate.score(champion, chats, configs["rollout"], configs["base"].seed)
+        if demo:  # the demo's model exists only now
+            templates = templates_of(champion)
+        metrics["template"] = "prefix-preserving" if all(
+            t.prefix_preserving for t in templates) else "incremental"
+        primary = [r for r in scores if r["suite"] == configs["gate"].primary]
         metrics["benchmark_score"] = round(sum(r["correct"] or 0.0 for r in primary)
                                            / len(primary), 4)
         metrics["benchmark_items"] = len(primary)
-        if specs:
-            metrics["benchmarks"] = {name: round(sum(r["correct"] or 0.0 for r in scores
-                                                     if r["suite"] == name)
-                                                 / len(tasks), 4)
-                                     for name, (_, tasks) in chats.items()}
+        metrics["benchmarks"] = {name: round(sum(r["correct"] or 0.0 for r in scores
+                                                 if r["suite"] == name) / len(tasks), 4)
+                                 for name, (_, tasks) in chats.items()}
         io.write_json(root / "metrics" / "init.json", metrics)
         dvc(root, "add", "--quiet", "models/champion")
 
@@ -271,16 +227,16 @@ def cmd_simulate(args) -> int:
 
     for _ in range(args.days):
         out = simulate.run(configs["base"], configs["simulate"], root / "models" / "champion",
-                           root / "data" / "inbox", benchmark_path(root),
-                           configs["environments"], configs["rollout"], root)
+                           root / "data" / "inbox", configs["environments"], configs["rollout"],
+                           root)
         print(f"simulate: day {out['day']}: {out['lines']} lines in {out['file']} (the champion "
               f"answered {out['champion_correct']:.1%} correctly)")
     return 0
 
 
 def read_environment_benchmarks(root: Path, specs: dict) -> None:
-    """Each environment's benchmark parses and has tasks (`environments:`), or fails naming the
-    file and line, before any stage runs (as `read_benchmark` for the built-in one).
+    """Each environment's benchmark parses and has tasks, or fails naming the file and line,
+    before any stage runs.
     """
     from stages.envs import contract
 
@@ -304,11 +260,7 @@ def cmd_run(args) -> int:
     try:
         # fail before any stage (or Prefect) starts
         configs = settings.load_all(root / "params.yaml")
-        specs = configs["environments"]
-        if specs:
-            read_environment_benchmarks(root, specs)
-        else:
-            read_benchmark(root)
+        read_environment_benchmarks(root, configs["environments"])
         with cycle_lock(root, "offseason run"):
             note_children(root, session.proc.pid, session.marker)
             # the estimate before anything runs: refused over budget, else kept for the ledger
@@ -737,13 +689,12 @@ def cmd_rescore(args) -> int:
                                 f"(`offseason run`) or name a rewards or rollouts parquet file")
     out = args.output or root / "data" / "rescored.parquet"
     try:
-        summary = reward.rescore(configs["base"], configs["reward"], source, out,
-                                 everything=args.all,
-                                 specs=cfg.environments(root / "params.yaml"), root=root)
+        summary = reward.rescore(configs["reward"], source, out, configs["environments"],
+                                 everything=args.all, root=root)
     except reward.VerifierBroken as err:
         print(f"offseason rescore: error: {err}", file=sys.stderr)
         return 1
-    except ValueError as err:  # not a table of this path's rollouts: says which file and why
+    except ValueError as err:  # not a table of rollouts: says which file and why
         print(f"offseason rescore: error: {err}", file=sys.stderr)
         return 2
     io.write_json(out.with_suffix(".json"), summary)
@@ -771,10 +722,7 @@ def cmd_benchmark(args) -> int:
     from stages.envs import contract
 
     root, configs = workspace(env=False)
-    specs = cfg.environments(root / "params.yaml")
-    if not specs:
-        raise cfg.ParamsError("environments: is empty; benchmark refresh works on the "
-                              "environments: path (the held-out pool holds their tasks)")
+    specs = configs["environments"]
     if args.env and args.env not in specs:
         raise cfg.ParamsError(f"environments.{args.env}: no such environment; one of "
                               f"{', '.join(sorted(specs))}")
@@ -1084,7 +1032,7 @@ def audit_commands(sub) -> None:
     s.add_argument("--out", type=Path, metavar="HTML", help="default reports/index.html")
     s.set_defaults(func=cmd_report)
     s = sub.add_parser("benchmark", help="benchmark upkeep: `benchmark refresh`",
-                       description="Benchmark upkeep on the environments: path.")
+                       description="Benchmark upkeep: the environments' benchmarks refreshed.")
     actions = s.add_subparsers(dest="action", required=True, metavar="ACTION")
     s = actions.add_parser(
         "refresh", help="replace worn benchmark items by held-out production tasks",

@@ -5,11 +5,12 @@
       init simulate                  generation 0 and the demo's traffic (`offseason init/simulate`)
       config io tinylm               typed params, atomic writes, loading and saving model folders
       modelfiles                     what a model folder must hold, checked without torch
-      envs/        the environments: registry, errors, arith, coding (+ its sandbox), toolcall,
-                   contract (a user's own environment module, checked), replay (any trace as a
-                   task, its tool calls answered from the record), judge (the LLM judge a reward
-                   calls), mcp_tools (the tools of MCP servers)
-      generation/  the episode loop: episode (shared types), transformers_backend, openai_backend,
+      envs/        the environments: contract (what an environment module defines, loading and
+                   checking one, the reward stage's scoring jobs), errors, the built-in ones on
+                   the contract: arith (the demo's), coding (+ its sandbox), toolcall, replay
+                   (any trace as a task, its tool calls answered from the record); judge (the
+                   LLM judge a reward calls), mcp_tools (the tools of MCP servers)
+      generation/  the episode loop: episode (turns, progress), transformers_backend, openai_backend,
                    serve_tiny (the demo model behind an OpenAI-compatible server), chat (a chat
                    model in a user's environment, token in and token out), tool_parsers
       training/    sft, dpo, grpo (one module per `train.algorithm`), trainers (what they share),
@@ -21,13 +22,14 @@ The one rule of each folder, which is what it may import (imports point down, ne
 nothing in stages/ imports Prefect or flows/):
 - a stage module may import anything below it in stages/; no stage imports another stage, except
   champion_scores, which scores with the gate's own code;
-- `envs/` imports only itself (`errors` is its leaf; `registry` imports the environments), but
-  `judge` and `replay` read `config` (the judge's params) and `remote` (the judge's probe);
+- `envs/` imports only itself (`errors` is its leaf; `contract` the sandbox), but `judge` and
+  `replay` read `config` (the judge's params) and `remote` (the judge's probe);
 - `generation/` imports nothing of stages/ but `tinylm` and `envs/contract` (how a user's tool
   call is answered); an environment comes in as an argument;
 - `training/` imports `tinylm` and itself (`trainers` and `batches` are its leaves);
 - `traces/` imports only itself (`schema` and `pii` are its leaves; `sources/` read formats).
-`config` and `io` import nothing of stages/ but the environment registry (for name checks);
+`config` imports nothing of stages/ but `envs/sandbox` and `envs/mcp_tools` (the settings it
+checks there), `io` only the error types it explains;
 `modelfiles` imports nothing, so `tinylm` and the CLI can check a folder before torch loads.
 dvc.yaml lists, for each stage, the files and folders it imports (tests/test_layout.py checks it).
 """

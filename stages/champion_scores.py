@@ -1,11 +1,12 @@
 r"""Champion scores: the champion's per-item results on every benchmark suite, once per champion.
 
-Reads `models/champion` and the suites `data/benchmarks/<suite>.jsonl` (each a `gate.suites.<suite>`
-entry in params.yaml); writes `data/champion_scores.parquet` (suite, id, question, answer, correct,
-format, tool_ok, tokens, completion and the champion's weights hash) and `metrics/champion_scores.json`.
-Its deps are the champion, the suites and this code, so DVC runs it again only when one of them
-changes (a promotion or a rollback); the gate reads these scores instead of scoring the champion
-every cycle. Greedy decoding with `base.seed`, exactly as the gate scores the candidate.
+Reads `models/champion` and the benchmarks of the `environments:` (each one's `benchmark`, held-out
+tasks under `data/benchmarks/`); writes `data/champion_scores.parquet` (suite, id, question,
+correct, reward, format, tool_ok, tokens, completion and the champion's weights hash) and
+`metrics/champion_scores.json`. Its deps are the champion, the benchmarks, the environments and
+this code, so DVC runs it again only when one of them changes (a promotion or a rollback); the gate
+reads these scores instead of scoring the champion every cycle. Greedy decoding with `base.seed`
+through the chat path, exactly as the gate scores the candidate (`gate.score`).
 
 It also keeps `data/forgetting.jsonl` (a persistent output): every item some champion solved, with
 the weights hashes of the champions that solved it (`solved_by`). Each new champion adds its solved
@@ -19,8 +20,7 @@ Where an environment's reward calls the (held-out) judge, its paid judgments are
 cycle, so the new champion's cost nothing again); what the judge cost is in the metrics' `judges`.
 
     python -m stages.champion_scores models/champion data/champion_scores.parquet data/forgetting.jsonl \
-        metrics/champion_scores.json data/benchmarks/arith.jsonl \
-        --judgments data/champion_judgments --judged-before data/gate_judgments
+        metrics/champion_scores.json --judgments data/champion_judgments --judged-before data/gate_judgments
 """
 
 from __future__ import annotations
@@ -35,16 +35,14 @@ from stages import config as cfg
 from stages import gate, io, tinylm
 
 
-def run(base: cfg.Base, config: cfg.Gate, champion: Path, suites: list[Path], scores_out: Path,
-        forgetting: Path, specs: dict | None = None, rollout: cfg.Rollout | None = None,
-        root: Path | None = None) -> dict:
-    """Score the champion on every suite and extend the forgetting set; returns the metrics.
-    With `specs` (an `environments:` section) the suites are the environments' benchmarks, as
-    the gate scores them.
+def run(base: cfg.Base, config: cfg.Gate, champion: Path, scores_out: Path, forgetting: Path,
+        specs: dict, rollout: cfg.Rollout, root: Path | None = None) -> dict:
+    """Score the champion on the benchmark of every environment of `specs` (the `environments:`
+    section), as the gate scores a candidate, and extend the forgetting set; returns the metrics.
     """
     tinylm.set_threads(base.threads)
     weights = gate.weights_hash(champion)
-    items, scored, _ = gate.score_all(champion, config, suites, base.seed, specs, rollout, root)
+    items, scored, _ = gate.score_all(champion, config, base.seed, specs, rollout, root)
     rows = [{**row, "champion_weights": weights} for row in scored]
     io.write_parquet(scores_out, pa.Table.from_pylist(rows))
     kept = {(r["suite"], r["id"]): r for r in
@@ -54,8 +52,7 @@ def run(base: cfg.Base, config: cfg.Gate, champion: Path, suites: list[Path], sc
         if r["correct"] != 1.0:
             continue
         entry = kept.setdefault((r["suite"], r["id"]), {
-            "suite": r["suite"], "id": r["id"], "question": r["question"], "answer": r["answer"],
-            "solved_by": []})
+            "suite": r["suite"], "id": r["id"], "question": r["question"], "solved_by": []})
         added += not entry["solved_by"]
         if weights[:16] not in entry["solved_by"]:
             entry["solved_by"].append(weights[:16])
@@ -74,7 +71,6 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("champion", "scores", "forgetting", "metrics"):
         parser.add_argument(name, type=Path)
-    parser.add_argument("suites", type=Path, nargs="+", help="data/benchmarks/<suite>.jsonl")
     parser.add_argument("--params", default="params.yaml")
     from stages.envs import judge
 
@@ -86,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     # an environment's reward calls the held-out judge here
     judge.for_benchmarks(args.judgments, tuple(args.judged_before))
     metrics = run(cfg.load("base", args.params), cfg.load("gate", args.params), args.champion,
-                  args.suites, args.scores, args.forgetting, cfg.environments(args.params),
+                  args.scores, args.forgetting, cfg.environments(args.params),
                   cfg.load("rollout", args.params), Path(args.params).resolve().parent)
     io.write_metrics(args.metrics, {**metrics, **judge.spent()})
     print(f"champion_scores: {metrics['suites']}; forgetting set {metrics['forgetting_items']} "

@@ -37,21 +37,13 @@ class Base:
     """Settings every stage shares."""
 
     seed: int = 0  # every source of randomness derives from it, so DVC's run-cache stays correct
-    environment: str = "arith"  # the environment tasks, rollouts and benchmarks run in
     registered_model: str = "offseason-agent"  # MLflow registered model name
     threads: int = 0  # torch CPU threads; 0 = all cores
     # a Hugging Face chat model (folder or hub id) as generation 0; "" = the demo's tiny model
     model: str = ""
 
     def __post_init__(self):
-        """Refuse an unknown environment."""
-        from stages.envs.registry import ENVIRONMENTS
-
-        if self.environment not in ENVIRONMENTS:
-            raise ParamsError(
-                f"base.environment: unknown environment {self.environment!r}; "
-                f"choose one of {sorted(ENVIRONMENTS)}"
-            )
+        """Refuse a negative thread count."""
         if self.threads < 0:
             raise ParamsError(f"base.threads: must be >= 0 (0 uses every core), got {self.threads}")
 
@@ -151,12 +143,10 @@ class Rollout:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 48
     max_turns: int = 0  # tool calls answered per episode; 0 = the environment's MAX_TURNS
-    stop: str = ""  # the episode also ends when its text ends with this ("" = at <eos> only)
     batch_size: int = 1024  # sequences generated together; 1024 is fastest on 2 CPU cores
-    max_tasks: int = 0  # 0 = every task; otherwise the first N (sorted by trace id)
-    # tasks of the environment's suite (data/tasks/<environment>.jsonl) attempted every cycle
-    # beside those of the traces: 0 = none, otherwise the first N (sorted by task id)
-    suite_tasks: int = 0
+    # 0 = every task; otherwise N, shared among the environments by weight (each one's traces'
+    # tasks first, then its task file's)
+    max_tasks: int = 0
     # openai backend: servers already up (base URLs ending in /v1, separated by commas), or a
     # command that starts one on the champion ({model}, {port} filled in) for this stage only
     urls: str = ""
@@ -201,8 +191,8 @@ class Rollout:
         if not 0.0 < self.top_p <= 1.0:
             raise ParamsError(f"rollout.top_p: must be in (0, 1] (1 turns it off), got {self.top_p}")
         for key, value in {"top_k": self.top_k, "max_turns": self.max_turns,
-                           "max_tasks": self.max_tasks, "runtime.rollout.retries": self.retries,
-                           "suite_tasks": self.suite_tasks}.items():
+                           "max_tasks": self.max_tasks,
+                           "runtime.rollout.retries": self.retries}.items():
             if value < 0:
                 where = key if key.startswith("runtime.") else f"rollout.{key}"
                 raise ParamsError(f"{where}: must be >= 0, got {value}")
@@ -245,40 +235,45 @@ class Rollout:
 class Reward:
     """Verification of each rollout."""
 
-    # weight of each reward component (see stages/envs/registry.py); a component not named weighs 0.
-    # `feedback` (the user's rating of production's answer, stages/reward.py `trace_feedback`)
-    # weighs this much against each of an environment's own components (environments: path)
-    weights: dict[str, float] = dataclasses.field(
-        default_factory=lambda: {"correct": 1.0, "format": 0.0, "tool_ok": 0.0, "feedback": 0.0})
+    # an environment's own components each weigh 1 (its reward is their mean); `feedback` (the
+    # user's rating of production's answer, stages/reward.py `trace_feedback`) weighs this much
+    # against each of them. 0: recorded, not mixed in
+    weights: dict[str, float] = dataclasses.field(default_factory=lambda: {FEEDBACK: 0.0})
     # the name of a trace's `feedback.scores` entry (a Langfuse / LangSmith / OTel evaluation score,
     # a number in [0, 1]) used as the user's rating where the trace has no thumbs; "" = thumbs only
     feedback_score: str = ""
     # more of a cycle's episodes than this failing to score (a judge answering garbage, a tool
     # server that died, a reward that raises) fails the stage: a broken scorer, not a few bad rows
     max_error_fraction: float = 0.5
-    workers: int = 0  # verifier processes; 0 = one per core, 1 = in the stage's own process
-    ray_address: str = ""  # "" = a local process pool; "auto" or "host:port" = that Ray cluster
+    # where the rewards and gold checks run (stages/reward.py, "Fan-out"): local processes
+    # (0 = one per core, 1 = in the stage's own process), or the Ray cluster at ray_address
+    workers: int = 0
+    ray_address: str = ""  # "" = the local processes; "auto" or "host:port" = that Ray cluster
 
     def __post_init__(self):
         """Refuse unknown reward components and bad weights."""
-        from stages.envs.registry import COMPONENTS
-
-        valid = (*COMPONENTS, FEEDBACK)
         for name, weight in self.weights.items():
-            if name not in valid:
-                near = difflib.get_close_matches(str(name), valid, n=1)
+            if name in RETIRED_COMPONENTS:
+                raise ParamsError(f"reward.weights.{name}: the tag protocol's components are "
+                                  f"retired; an environment's own components each weigh 1 (its "
+                                  f"reward is their mean) and only `feedback` has a weight: "
+                                  f"write `weights: {{feedback: 0.0}}`")
+            if name != FEEDBACK:
+                near = difflib.get_close_matches(str(name), (FEEDBACK,), n=1)
                 hint = f" (did you mean 'reward.weights.{near[0]}'?)" if near else ""
-                raise ParamsError(f"reward.weights.{name}: unknown reward component{hint}; "
-                                  f"valid components: {', '.join(valid)}")
+                raise ParamsError(f"reward.weights.{name}: unknown reward component{hint}; the "
+                                  f"one weighted component is {FEEDBACK}")
             if weight < 0:
                 raise ParamsError(f"reward.weights.{name}: must be >= 0, got {weight}")
-        # every component, in a fixed order, so the params print and log complete
-        object.__setattr__(self, "weights", {c: self.weights.get(c, 0.0) for c in valid})
+        object.__setattr__(self, "weights", {FEEDBACK: self.weights.get(FEEDBACK, 0.0)})
         if self.workers < 0:
             raise ParamsError(f"runtime.reward.workers: must be >= 0 (0 uses every core), got {self.workers}")
         if not 0.0 <= self.max_error_fraction <= 1.0:
             raise ParamsError(f"reward.max_error_fraction: must be in [0, 1], got "
                               f"{self.max_error_fraction}")
+
+
+RETIRED_COMPONENTS = ("correct", "format", "tool_ok")  # the tag protocol's reward.weights
 
 
 @dataclass(frozen=True)
@@ -404,18 +399,6 @@ class Train:
 
 
 @dataclass(frozen=True)
-class Suite:
-    """One benchmark suite of the gate. Its items are `data/benchmarks/<name>.jsonl`, named in dvc.yaml
-    as an argument and a dep of the `champion_scores` and `gate` stages.
-    """
-
-    environment: str = "arith"  # the environment whose verifier scores the suite's items
-    # a guard suite fails when the lower bound of the candidate - champion interval falls below
-    # minus this; unused for the primary suite, which must improve by gate.min_improvement
-    max_regression: float = 0.05
-
-
-@dataclass(frozen=True)
 class Gate:
     """Candidate against champion on the held-out benchmark suites, with paired statistics."""
 
@@ -425,8 +408,9 @@ class Gate:
     # decision (one-sided): the primary's test and every guard's bound are set by it
     alpha: float = 0.05
     bootstrap_samples: int = 2000
-    primary: str = "arith"  # the suite that must improve; every other suite is a guard
-    suites: dict[str, Suite] = dataclasses.field(default_factory=lambda: {"arith": Suite()})
+    # the environment whose benchmark must improve; every other one with a benchmark is a guard,
+    # with its own environments.<name>.max_regression
+    primary: str = "arith"
     # guard on the items earlier champions solved (data/forgetting.jsonl), once there are enough
     forgetting_max_regression: float = 0.1
     forgetting_min_items: int = 30
@@ -447,9 +431,7 @@ class Gate:
     sequential: str = "none"
 
     def __post_init__(self):
-        """Refuse an alpha outside (0, 0.5] and an unusable suite setup."""
-        from stages.envs.registry import ENVIRONMENTS
-
+        """Refuse an alpha outside (0, 0.5] and out-of-range margins."""
         if not 0.0 < self.alpha <= 0.5:
             raise ParamsError(f"gate.alpha: must be in (0, 0.5] (the one-sided error rate, e.g. "
                               f"0.05), got {self.alpha}")
@@ -463,16 +445,6 @@ class Gate:
         if self.underpowered not in ("decide", "skip"):
             raise ParamsError(f"gate.underpowered: {self.underpowered!r}; use decide (an "
                               f"underpowered guard still decides, flagged) or skip (it does not)")
-        if not self.suites:
-            raise ParamsError("gate.suites: needs at least the primary suite, e.g. "
-                              "`suites: {arith: {environment: arith}}`")
-        for name, suite in self.suites.items():
-            if suite.environment not in ENVIRONMENTS:
-                raise ParamsError(f"gate.suites.{name}.environment: unknown environment "
-                                  f"{suite.environment!r}; choose one of {sorted(ENVIRONMENTS)}")
-            if suite.max_regression < 0:
-                raise ParamsError(f"gate.suites.{name}.max_regression: must be >= 0, got "
-                                  f"{suite.max_regression}")
         margins = {"forgetting_max_regression": self.forgetting_max_regression,
                    "max_length_increase": self.max_length_increase,
                    "max_format_regression": self.max_format_regression,
@@ -509,12 +481,17 @@ class Judge:
     api_key_env: str = "OPENAI_API_KEY"  # runtime: the environment variable holding its key
     request_timeout: float = 60.0  # runtime: seconds per request before it is retried
     retries: int = 3  # runtime: per judgment, on timeouts, 429, 5xx and unparseable answers
+    # runtime: judgments in flight at once (the reward stage's judged environments), always
+    # within max_calls and max_cost
+    concurrency: int = 8
 
     def __post_init__(self):
         """Refuse budgets and timeouts that cannot work."""
         for key in ("max_calls", "max_cost", "retries"):
             if getattr(self, key) < 0:
                 raise ParamsError(f"judge.{key}: must be >= 0, got {getattr(self, key)}")
+        if self.concurrency < 1:
+            raise ParamsError(f"runtime.judge.concurrency: must be >= 1, got {self.concurrency}")
         if not self.request_timeout > 0:
             raise ParamsError(f"runtime.judge.request_timeout: must be > 0, got "
                               f"{self.request_timeout}")
@@ -621,7 +598,8 @@ def collect(path: str | Path = "params.yaml") -> Collect:
                   str(path))
 
 
-# sections a params.yaml may leave out (`pull:` is the flow's: flows/pull.py)
+# sections a params.yaml may leave out (`pull:` is the flow's: flows/pull.py); `environments:`
+# may not, but `environments()` says so with what to write
 OPTIONAL = {"environments", "runtime", "judge", "cost", "budget", "pull"}
 
 # Settings that say where and how fast work runs, never what it computes. They live in params.yaml's
@@ -632,7 +610,7 @@ RUNTIME = {"rollout": ("urls", "server_command", "server_timeout", "concurrency"
                        "request_timeout", "retries", "api_key_env", "api"),
            "reward": ("workers", "ray_address"),
            "judge": ("url", "server_command", "server_timeout", "api_key_env", "request_timeout",
-                     "retries"),
+                     "retries", "concurrency"),
            # `offseason collect`'s own section: every key of it (no stage section to merge into)
            "collect": tuple(f.name for f in dataclasses.fields(Collect)),
            "sandbox": tuple(f.name for f in dataclasses.fields(Sandbox))}
@@ -668,8 +646,8 @@ def _runtime(raw: dict, section: str, where: str) -> dict:
 
 
 def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]:
-    """The `environments:` section, {name: EnvironmentSpec}, in params.yaml order; {} without
-    one (the built-in environment of `base.environment` runs). Also applies
+    """The `environments:` section, {name: EnvironmentSpec}, in params.yaml order; a missing or
+    empty one is an error (every stage that plays, scores or trains needs one). Also applies
     `runtime.sandbox.allow_unisolated` to this process and those it starts, since every process
     that loads environments reads them here (stages/envs/sandbox.py: `allow_unisolated`).
     """
@@ -678,7 +656,12 @@ def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]
     code_sandbox.allow_unisolated(sandbox(path).allow_unisolated)
     raw = read_params(path).get("environments")
     if raw is None or raw == {}:
-        return {}
+        _fail(str(path), f"environments: {'empty' if raw == {} else 'missing'}; name the "
+                         f"environments your agent works in (`environments: {{}}`, the built-in "
+                         f"one of base.environment on the tag protocol, is retired): for the "
+                         f"demo's arithmetic write {_entries({'arith': {}})}; for your own "
+                         f"module `environments: {{support: {{module: my_envs.support, tasks: "
+                         f"data/tasks/support.jsonl, benchmark: data/benchmarks/support.jsonl}}}}`")
     if not isinstance(raw, dict):
         _fail(str(path), "environments: expected a mapping of your names for your environments "
                          "to {module, tasks, benchmark, weight}, e.g. 'environments: {support: "
@@ -839,6 +822,56 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+# The tag protocol's built-in environments, as `environments:` entries (the retired keys' fix)
+BUILT_IN = {"arith": {"module": "stages.envs.arith", "benchmark": "data/benchmarks/arith.jsonl"},
+            "code": {"module": "stages.envs.coding", "tasks": "data/tasks/code.jsonl",
+                     "benchmark": "data/benchmarks/code.jsonl"},
+            "toolcall": {"module": "stages.envs.toolcall", "tasks": "data/tasks/toolcall.jsonl",
+                         "benchmark": "data/benchmarks/toolcall.jsonl"}}
+
+
+def _entries(names: dict) -> str:
+    """`environments: {...}` for the built-in environments `names` maps to extra keys."""
+    written = {name: {**BUILT_IN.get(name, {"module": "my_envs." + name}), **extra}
+               for name, extra in names.items()}
+    return "`environments: " + yaml.safe_dump(written, default_flow_style=True,
+                                               sort_keys=False, width=1000).strip() + "`"
+
+
+def _suites(value) -> dict:
+    """gate.suites as `environments:` entries: each suite's environment, with its margin."""
+    out = {}
+    for name, suite in (value if isinstance(value, dict) else {"arith": {}}).items():
+        suite = suite if isinstance(suite, dict) else {}
+        out[str(suite.get("environment", name))] = (
+            {"max_regression": suite["max_regression"]} if "max_regression" in suite else {})
+    return out
+
+
+# Keys that are gone, by (section, key): the message, from the value written, saying what to write
+RETIRED = {
+    ("gate", "confidence"): lambda value: (
+        "gate.confidence is replaced by gate.alpha, the one-sided error rate: the old confidence "
+        "0.9 (a two-sided 90% interval) is alpha 0.05; write `alpha: 0.05` instead"),
+    ("base", "environment"): lambda value: (
+        f"base.environment is retired with the tag protocol: each environment is an entry of "
+        f"`environments:`, played by a chat model; write "
+        f"{_entries({str(value): {}})} and delete base.environment"),
+    ("gate", "suites"): lambda value: (
+        f"gate.suites is retired with the tag protocol: each environment's benchmark is a gate "
+        f"suite, with its own max_regression; write {_entries(_suites(value))} and delete "
+        f"gate.suites"),
+    ("rollout", "suite_tasks"): lambda value: (
+        "rollout.suite_tasks is retired with the tag protocol: an environment's task file is "
+        "attempted every cycle beside its traces' tasks; name it as environments.<name>.tasks "
+        "(e.g. `tasks: data/tasks/code.jsonl`), share rollout.max_tasks among environments by "
+        "their weight, and delete rollout.suite_tasks"),
+    ("rollout", "stop"): lambda value: (
+        "rollout.stop is retired with the tag protocol: a chat model's turn ends at its own end "
+        "tokens (the eos ids of its generation config); delete rollout.stop"),
+}
+
+
 def _build(cls: type, section: str, raw, where: str):
     if raw is None:
         raw = {}
@@ -848,10 +881,8 @@ def _build(cls: type, section: str, raw, where: str):
     names = [f.name for f in dataclasses.fields(cls)]
     values = {}
     for key, value in raw.items():
-        if (section, key) == ("gate", "confidence"):
-            _fail(where, "gate.confidence is replaced by gate.alpha, the one-sided error rate: "
-                         "the old confidence 0.9 (a two-sided 90% interval) is alpha 0.05; write "
-                         "`alpha: 0.05` instead")
+        if (section, key) in RETIRED:
+            _fail(where, RETIRED[section, key](value))
         if key not in names:
             # where work runs is no key of the section itself (`load` refuses it there)
             shown = [n for n in names if n not in RUNTIME.get(section, ())]
@@ -863,14 +894,6 @@ def _build(cls: type, section: str, raw, where: str):
                          f"{', '.join(shown)}{elsewhere}")
         if dataclasses.is_dataclass(hints[key]):  # a sub-section, e.g. train.dpo
             values[key] = _build(hints[key], f"{section}.{key}", value, where)
-            continue
-        inner = typing.get_args(hints[key])[1] if typing.get_origin(hints[key]) is dict else None
-        if dataclasses.is_dataclass(inner):  # a mapping of named sub-sections, e.g. gate.suites
-            if not isinstance(value, dict):
-                _fail(where, f"{section}.{key}: expected a mapping of names to sections, got "
-                             f"{value!r}")
-            values[key] = {str(name): _build(inner, f"{section}.{key}.{name}", sub, where)
-                           for name, sub in value.items()}
             continue
         values[key] = _check_type(where, f"{section}.{key}", value, hints[key])
     try:
@@ -960,19 +983,13 @@ def load_all(path: str | Path = "params.yaml", sections: dict | None = None) -> 
 
 
 def check_primary(gate: Gate, specs: dict[str, EnvironmentSpec]) -> None:
-    """Refuse a gate.primary that names no suite the gate scores: one of gate.suites, or, with
-    an `environments:` section, one of the environments with a benchmark.
-    """
-    if specs:
-        scored = [name for name, spec in specs.items() if spec.benchmark]
-        if not scored:
-            raise ParamsError("environments: none has a benchmark, so the gate has nothing to "
-                              "compare candidate and champion on; give the one that must improve "
-                              "a benchmark (environments.<name>.benchmark: held-out tasks)")
-        if gate.primary not in scored:
-            raise ParamsError(f"gate.primary: {gate.primary!r} is not one of your environments "
-                              f"with a benchmark ({', '.join(scored)}); name the one that must "
-                              f"improve")
-    elif gate.primary not in gate.suites:
-        raise ParamsError(f"gate.primary: {gate.primary!r} is not one of gate.suites "
-                          f"({', '.join(gate.suites)}); name the suite that must improve")
+    """Refuse a gate.primary that names none of the environments with a benchmark."""
+    scored = [name for name, spec in specs.items() if spec.benchmark]
+    if not scored:
+        raise ParamsError("environments: none has a benchmark, so the gate has nothing to "
+                          "compare candidate and champion on; give the one that must improve "
+                          "a benchmark (environments.<name>.benchmark: held-out tasks)")
+    if gate.primary not in scored:
+        raise ParamsError(f"gate.primary: {gate.primary!r} is not one of your environments "
+                          f"with a benchmark ({', '.join(scored)}); name the one that must "
+                          f"improve")

@@ -2,10 +2,15 @@ r"""Gate: the candidate against the champion on every benchmark suite, with pair
 
 Reads `models/candidate`, the champion's per-item scores (`data/champion_scores.parquet`, written
 once per champion by `stages.champion_scores`), the items earlier champions solved
-(`data/forgetting.jsonl`), the candidate's training data (`data/rewards.parquet` of this cycle and
-`data/replay/`) and the suites `data/benchmarks/<suite>.jsonl` (each one a `gate.suites.<suite>`
-entry in params.yaml). The candidate answers every item greedily with the seed the champion was
-scored with. Writes per-item results to `data/gate.parquet` and the verdict to `metrics/gate.json`.
+(`data/forgetting.jsonl`) and the candidate's training data (`data/rewards.parquet` of this cycle
+and `data/replay/`). The suites are the `environments:` with a `benchmark` (held-out tasks,
+`contract.benchmark_suites`): `gate.primary` names the one that must improve, each other one is a
+guard with its own `environments.<name>.max_regression`. The candidate attempts every task
+greedily through the chat path, with the seed the champion was scored with and the rollout's
+`max_new_tokens`, `max_turns` and `tool_parser` (`score`), and each environment's reward scores
+it: `correct` is full marks, `format` "the model ended its answer itself" and `tool_ok` "no tool
+call failed". Writes per-item results to `data/gate.parquet` and the verdict to
+`metrics/gate.json`.
 
 The rules, every one recorded in the verdict with its numbers:
 - every rule is a one-sided test at `gate.alpha`: the chance of promoting a candidate that is
@@ -16,7 +21,7 @@ The rules, every one recorded in the verdict with its numbers:
   continuous scores or a positive `min_improvement`, the paired bootstrap's one-sided lower
   bound at level 1 - alpha must exceed `min_improvement`. Both numbers are reported either way.
 - guard suites (every other suite): fail when the one-sided lower bound (level 1 - alpha) falls
-  below `-gate.suites.<suite>.max_regression`. Each suite reports `detectable_change`, the
+  below `-environments.<suite>.max_regression`. Each suite reports `detectable_change`, the
   smallest change it detects at 80% power (`detectable`); a guard whose margin is below it is
   flagged `underpowered` and then decides or is skipped, as `gate.underpowered` says.
 - forgetting: the items an earlier champion (not the current one) solved, a guard with
@@ -37,18 +42,14 @@ The rules, every one recorded in the verdict with its numbers:
 `passed`, `candidate_score`, `champion_score`, `difference` and `interval` at the top level are
 the primary suite's.
 
-With an `environments:` section the suites are the user's environments with a `benchmark`
-(`contract.benchmark_suites`; `gate.primary` names the one that must improve, each other one is a
-guard with its own `environments.<name>.max_regression`), attempted greedily through the chat path
-with the rollout's `max_new_tokens`, `max_turns` and `tool_parser` (`score_chat`); `format` is then
-"the model ended its answer itself" and `tool_ok` "no tool call failed". Where an environment's
-reward calls the judge (the held-out one here), its paid judgments are kept in `--judgments`
-(data/gate_judgments, a persistent output) and those of the champion's answers read from
-`--judged-before` (data/champion_judgments): an answer the candidate gives as the champion did is
-not paid for again, and scores as it did. What the judge cost is in the verdict's `judges`.
+Where an environment's reward calls the judge (the held-out one here), its paid judgments are kept
+in `--judgments` (data/gate_judgments, a persistent output) and those of the champion's answers
+read from `--judged-before` (data/champion_judgments): an answer the candidate gives as the
+champion did is not paid for again, and scores as it did. What the judge cost is in the verdict's
+`judges`.
 
     python -m stages.gate models/candidate data/champion_scores.parquet data/forgetting.jsonl data/rewards.parquet \
-        data/replay data/gate.parquet metrics/gate.json data/benchmarks/arith.jsonl \
+        data/replay data/gate.parquet metrics/gate.json \
         --judgments data/gate_judgments --judged-before data/champion_judgments
 """
 
@@ -68,12 +69,9 @@ import pyarrow.parquet as pq
 from stages import config as cfg
 from stages import io
 from stages.envs import contract
-from stages.envs.registry import ENVIRONMENTS
 
-# tinylm and the backends (torch, transformers: seconds) are imported where a model is loaded:
-# the statistics and `offseason benchmark refresh` (item_decisions, refreshed) need neither
-
-MAX_NEW_TOKENS = 48
+# tinylm and the generation loop (torch, transformers: seconds) are imported where a model is
+# loaded: the statistics and `offseason benchmark refresh` (item_decisions, refreshed) need neither
 
 
 def weights_hash(folder: Path) -> str:
@@ -81,39 +79,6 @@ def weights_hash(folder: Path) -> str:
     from stages import tinylm
 
     return tinylm.weights_digest(folder)
-
-
-def components(env, question: str, answer: str, completion: str) -> dict[str, float] | None:
-    """correct, format and tool_ok of one completion, and suspect (1.0 when the verifier noted a
-    likely reward hack); None when the verifier cannot judge it.
-    """
-    parts = env.score(question, answer, completion)
-    if parts is None:
-        return None
-    return {**{k: float(parts[k]) for k in ("correct", "format", "tool_ok")},
-            "suspect": float(bool(contract.suspected(parts)))}
-
-
-def score(model_dir: Path, env, items: list[dict], seed: int) -> list[dict]:
-    """One row per item: correct, format, tool_ok (None when unjudgeable), tokens, completion."""
-    from stages import tinylm
-    from stages.generation import transformers_backend
-
-    model, tokenizer = tinylm.load(model_dir)
-    episodes = transformers_backend.generate(model, tokenizer, env, [env.prompt(i["question"]) for i in items],
-                                 temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, seed=seed,
-                                 batch_size=1024, progress=False)
-    rows = []
-    for item, episode in zip(items, episodes):
-        try:
-            parts = components(env, item["question"], str(item["answer"]), episode.completion)
-        except Exception as err:  # the verifier broke: the gate cannot decide, say which item
-            raise RuntimeError(f"{env.NAME} verifier raised {type(err).__name__} on item "
-                               f"{item['id']}: {err}") from err
-        parts = parts or {"correct": None, "format": None, "tool_ok": None, "suspect": None}
-        rows.append({**parts, "tokens": int(sum(episode.model_mask)),
-                     "completion": episode.completion})
-    return rows
 
 
 def question_of(task: dict) -> str:
@@ -127,8 +92,8 @@ def question_of(task: dict) -> str:
     return ""
 
 
-def score_chat(model_dir: Path, suites: dict[str, tuple], rollout: cfg.Rollout, seed: int
-               ) -> list[dict]:
+def score(model_dir: Path, suites: dict[str, tuple], rollout: cfg.Rollout, seed: int
+          ) -> list[dict]:
     """Every benchmark task of the user's environments attempted greedily by one chat model
     (its template, `rollout.tool_parser`, `rollout.max_new_tokens` per turn) and scored by the
     environment's reward: correct (full marks), reward (mean of the components), format (the
@@ -157,7 +122,6 @@ def score_chat(model_dir: Path, suites: dict[str, tuple], rollout: cfg.Rollout, 
             judged = parts is not None
             rows.append({
                 "suite": name, "id": task["task_id"], "question": question_of(task),
-                "answer": "",
                 "correct": float(contract.full_marks(parts)) if judged else None,
                 "reward": contract.mean(parts) if judged else None,
                 "format": float(episode.finish == "eos") if judged else None,
@@ -168,64 +132,15 @@ def score_chat(model_dir: Path, suites: dict[str, tuple], rollout: cfg.Rollout, 
     return rows
 
 
-def score_all(model_dir: Path, config: cfg.Gate, suites: list[Path], seed: int,
-              specs: dict | None = None, rollout: cfg.Rollout | None = None,
-              root: Path | None = None) -> tuple[dict, list[dict], dict | None]:
-    """(items by suite, one model's score rows, the chat suites or None): the user's
-    environments' benchmarks through the chat path when `specs` is set, else the suites of
-    `gate.suites`. What champion_scores and the gate both score, alike.
+def score_all(model_dir: Path, config: cfg.Gate, seed: int, specs: dict, rollout: cfg.Rollout,
+              root: Path | None = None) -> tuple[dict, list[dict], dict]:
+    """(tasks by suite, one model's score rows, the suites: {name: (Environment, tasks)}): the
+    environments' benchmarks (the first `gate.benchmark_size` of each when set), attempted and
+    scored (`score`). What champion_scores and the gate both score, alike.
     """
-    if specs:
-        chats = contract.benchmark_suites(specs, root or Path.cwd(), config.benchmark_size)
-        items = {name: tasks for name, (_, tasks) in chats.items()}
-        return items, score_chat(model_dir, chats, rollout or cfg.Rollout(), seed), chats
-    items = suite_items(config, suites)
-    return items, score_suites(model_dir, config, items, seed), None
-
-
-def suite_items(config: cfg.Gate, suites: list[Path]) -> dict[str, list[dict]]:
-    """The items of each suite, by name; a path and its params entry must name each other."""
-    named = {}
-    for path in suites:
-        if path.stem not in config.suites:
-            raise cfg.ParamsError(f"{path}: no params entry gate.suites.{path.stem}; add one "
-                                  f"(environment, max_regression) to params.yaml, or remove the "
-                                  f"path from the champion_scores and gate stages in dvc.yaml")
-        named[path.stem] = path
-    for name in config.suites:
-        if name not in named:
-            raise cfg.ParamsError(f"gate.suites.{name}: no data/benchmarks/{name}.jsonl among the "
-                                  f"suites dvc.yaml gives this stage; add it to the cmd and deps "
-                                  f"of the champion_scores and gate stages")
-    out = {}
-    for name, path in named.items():
-        env = ENVIRONMENTS[config.suites[name].environment]
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: benchmark not found; write it with "
-                                    f"`python -m stages.{env.NAME} --write-benchmark {path}`")
-        items = io.read_jsonl(path)
-        if config.benchmark_size:
-            items = items[:config.benchmark_size]
-        if not items:
-            raise ValueError(f"{path}: the benchmark is empty; the gate needs items to compare on")
-        for n, item in enumerate(items, 1):
-            missing = {"id", "question", "answer"} - set(item)
-            if missing:
-                raise ValueError(f"{path}: line {n} lacks {', '.join(sorted(missing))}")
-        out[name] = items
-    return out
-
-
-def score_suites(model_dir: Path, config: cfg.Gate, items: dict[str, list[dict]], seed: int
-                 ) -> list[dict]:
-    """Every suite's items scored by one model, as rows keyed by suite and id."""
-    rows = []
-    for name, suite in items.items():
-        env = ENVIRONMENTS[config.suites[name].environment]
-        for item, result in zip(suite, score(model_dir, env, suite, seed)):
-            rows.append({"suite": name, "id": str(item["id"]), "question": item["question"],
-                         "answer": str(item["answer"]), **result})
-    return rows
+    suites = contract.benchmark_suites(specs, root or Path.cwd(), config.benchmark_size)
+    items = {name: tasks for name, (_, tasks) in suites.items()}
+    return items, score(model_dir, suites, rollout, seed), suites
 
 
 def paired_interval(a: np.ndarray, b: np.ndarray, samples: int, confidence: float, seed: int,
@@ -376,17 +291,12 @@ def normalized_hash(text: str) -> str:
 
 
 def training_prompts(rewards: Path, replay: Path, tokenizer) -> set[str]:
-    """Normalized hashes of every prompt in the candidate's training data: the rewards' `prompt`
-    text, or (chat rollouts, replayed rows) the decoded ids before the model's first own token.
+    """Normalized hashes of every prompt in the candidate's training data: the decoded ids of
+    each episode (this cycle's rewards, the replayed parts) before the model's first own token.
     """
-    seen = set()
     parts = sorted(replay.glob("part-*.parquet")) if replay.exists() else []
-    if rewards.exists() and "prompt" in pq.read_schema(rewards).names:
-        seen |= {normalized_hash(p) for p in pq.read_table(rewards, columns=["prompt"])
-                 .column("prompt").to_pylist()}
-    elif rewards.exists():
-        parts = [rewards, *parts]
-    for part in parts:
+    seen = set()
+    for part in [rewards, *parts] if rewards.exists() else parts:
         table = pq.read_table(part, columns=["token_ids", "model_mask"]).to_pylist()
         # the prompt is what precedes the model's first own token
         prompts = [row["token_ids"][:row["model_mask"].index(1) if 1 in row["model_mask"]
@@ -397,22 +307,18 @@ def training_prompts(rewards: Path, replay: Path, tokenizer) -> set[str]:
 
 
 def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path,
-        forgetting: Path, rewards: Path, replay: Path, suites: list[Path], items_out: Path,
-        specs: dict | None = None, rollout: cfg.Rollout | None = None, root: Path | None = None,
-        history: Path | None = None) -> dict:
-    """Score the candidate, compare with the champion's scores and decide; returns the verdict.
-
-    With `specs` (an `environments:` section) the suites are the environments' benchmarks
-    (`suites` unused), attempted as the rollout settings say and guarded by each one's
-    `max_regression`.
+        forgetting: Path, rewards: Path, replay: Path, items_out: Path, specs: dict,
+        rollout: cfg.Rollout, root: Path | None = None, history: Path | None = None) -> dict:
+    """Score the candidate on the benchmarks of the `environments:` (`specs`, attempted as the
+    `rollout` settings say), compare with the champion's scores and decide; returns the verdict.
     """
     from stages import tinylm
+    from stages.generation import chat
 
     tinylm.set_threads(base.threads)
-    items, cand, chats = score_all(candidate, config, suites, base.seed, specs, rollout, root)
-    margins = None if chats is None else {
-        name: (f"{name} ({env.module})", specs[name].max_regression)
-        for name, (env, _) in chats.items()}
+    items, cand, suites = score_all(candidate, config, base.seed, specs, rollout, root)
+    margins = {name: (f"{name} ({env.module})", specs[name].max_regression)
+               for name, (env, _) in suites.items()}
     champ_rows = pq.read_table(champion_scores).to_pylist()
     champ = {(r["suite"], r["id"]): r for r in champ_rows}
     missing = [(r["suite"], r["id"]) for r in cand if (r["suite"], r["id"]) not in champ]
@@ -427,22 +333,13 @@ def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path
 
     tokenizer = AutoTokenizer.from_pretrained(candidate)
     seen = training_prompts(rewards, replay, tokenizer)
-    if specs:  # a chat task's prompt as the model saw it: its template's rendering, decoded
-        from stages.generation import chat
-
-        contaminated = []
-        for name, suite in items.items():
-            template = chat.Template.of(tokenizer, list(chats[name][0].tools))
-            contaminated += [f"{name}/{task['task_id']}" for task in suite if normalized_hash(
-                tokenizer.decode(template.for_task(task).prompt(task["messages"]),
-                                 skip_special_tokens=True))
-                in seen]
-        contaminated.sort()
-    else:
-        contaminated = sorted(f"{name}/{item['id']}" for name, suite in items.items()
-                              for item in suite if normalized_hash(ENVIRONMENTS[
-                                  config.suites[name].environment].prompt(item["question"]))
-                              in seen)
+    contaminated = []  # a task's prompt as the model saw it: its template's rendering, decoded
+    for name, suite in items.items():
+        template = chat.Template.of(tokenizer, list(suites[name][0].tools))
+        contaminated += [f"{name}/{task['task_id']}" for task in suite if normalized_hash(
+            tokenizer.decode(template.for_task(task).prompt(task["messages"]),
+                             skip_special_tokens=True)) in seen]
+    contaminated.sort()
     candidate_weights = weights_hash(candidate)
     unchanged = candidate_weights == champ_rows[0]["champion_weights"]
     io.write_parquet(items_out, pa.Table.from_pylist([
@@ -459,7 +356,7 @@ def run(base: cfg.Base, config: cfg.Gate, candidate: Path, champion_scores: Path
                if h["key"] != key]
     verdict = decide(config, base.seed, pairs, solved, contaminated, unchanged, margins,
                      [h for h in earlier if not h.get("unchanged")])
-    used = {name: sorted({str(item.get("task_id", item.get("id"))) for item in suite})
+    used = {name: sorted({str(task["task_id"]) for task in suite})
             for name, suite in items.items()}
     verdict["item_usage"] = item_usage(earlier, used, unchanged)
     if history is not None:
@@ -541,15 +438,6 @@ GUARDS = {
 }
 
 
-def place(suite: str, environment: str) -> str:
-    """Where a guard looked, in words: the environment, and its suite where named apart
-    (`environment` is the environment's name, or with `environments:` "name (module)").
-    """
-    if environment == suite or environment.startswith(f"{suite} ("):
-        return f"environment {environment}"
-    return f"suite {suite} (environment {environment})"
-
-
 def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: set,
            contaminated: list[str], unchanged: bool,
            margins: dict[str, tuple[str, float]] | None = None,
@@ -558,10 +446,11 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
 
     A row has suite, id, correct (None: unjudged), format, tool_ok and tokens; `solved` holds the
     (suite, id) of the forgetting set; `contaminated` the items found in the training data.
-    `margins`: {suite: (its environment, its max_regression)}; default: `gate.suites`.
+    `margins`: {suite: (its environment in words, its max_regression)}; default: each suite its
+    own environment, with an environment's default max_regression.
     """
-    margins = margins or {name: (suite.environment, suite.max_regression)
-                          for name, suite in config.suites.items()}
+    margins = margins or {c["suite"]: (c["suite"], cfg.EnvironmentSpec().max_regression)
+                          for c, _ in pairs}
     history = history or []  # the earlier cycles' decisions (data/gate_history.jsonl)
     earlier = [bool(h["passed"]) for h in history]
     level = lord_level(config.alpha, earlier) if config.sequential == "lord" else config.alpha
@@ -616,7 +505,7 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
     for name in suites_out:
         everything = [(c, h) for c, h in pairs if c["suite"] == name]
         rows = [(c, h) for c, h in judged if c["suite"] == name]
-        where = place(name, margins[name][0])
+        where = f"environment {margins[name][0]}"
         for guard, (words, key, growth) in GUARDS.items():
             guards[guard][name] = {
                 "environment": margins[name][0],
@@ -683,7 +572,6 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("candidate", "champion_scores", "forgetting", "rewards", "replay", "items",
                  "metrics"):
         parser.add_argument(name, type=Path)
-    parser.add_argument("suites", type=Path, nargs="+", help="data/benchmarks/<suite>.jsonl")
     parser.add_argument("--history", type=Path, help="data/gate_history.jsonl: every cycle's "
                         "decision, for error control across cycles (gate.sequential)")
     parser.add_argument("--params", default="params.yaml")
@@ -697,8 +585,8 @@ def main(argv: list[str] | None = None) -> None:
     # an environment's reward calls the held-out judge here
     judge.for_benchmarks(args.judgments, tuple(args.judged_before))
     verdict = run(cfg.load("base", args.params), cfg.load("gate", args.params), args.candidate,
-                  args.champion_scores, args.forgetting, args.rewards, args.replay, args.suites,
-                  args.items, cfg.environments(args.params), cfg.load("rollout", args.params),
+                  args.champion_scores, args.forgetting, args.rewards, args.replay, args.items,
+                  cfg.environments(args.params), cfg.load("rollout", args.params),
                   Path(args.params).resolve().parent, args.history)
     io.write_metrics(args.metrics, {**verdict, **judge.spent()})
     print(f"gate: candidate {verdict['candidate_score']:.3f} vs champion "

@@ -1,9 +1,12 @@
-"""Generation 0, the first champion: a tiny model warm-started on demonstrations, or an import.
+"""Generation 0, the first champion: the demo's tiny chat model warm-started on demonstrations, or
+an import.
 
 Reads the `base` and `init` sections of params.yaml; writes a Hugging Face model folder. The demo's
-warm start shows the model demonstrations of which `init.tool_fraction` use the calculator, so
-generation 0 knows the tool exists but rarely calls it; the cycles must teach it when it pays off.
-`offseason init` calls this, then registers, `dvc add`s, commits and tags the result.
+model plays the arithmetic environment (`stages.envs.arith`) through the chat path: its warm start
+shows it chat conversations of which `init.tool_fraction` call the calculator, so generation 0
+knows the tool exists but rarely calls it; the cycles must teach it when it pays off. `offseason
+init` calls this (for `base.model`, or `--base-model`, a model of the user's is imported instead),
+then registers, `dvc add`s, commits and tags the result.
 
     python -m stages.init models/champion                 # the demo's generation 0
     python -m stages.init models/champion --base-model PATH   # import a local HF model folder
@@ -18,14 +21,12 @@ from pathlib import Path
 
 from stages import config as cfg
 from stages import io, tinylm
-from stages.envs.registry import ENVIRONMENTS
+from stages.envs import arith
 
 
-def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None = None,
-        chat: bool = False) -> dict:
-    """Write generation 0 to `output`; returns its metrics. `chat`: the demo's model with a chat
-    template, warm-started on chat conversations (the `environments:` path), rather than on the
-    environment's own tag protocol.
+def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None = None) -> dict:
+    """Write generation 0 to `output`: the demo's model, or `base_model` imported; returns its
+    metrics.
     """
     tinylm.set_threads(base.threads)
     output = Path(output)
@@ -41,31 +42,22 @@ def run(base: cfg.Base, config: cfg.Init, output: Path, base_model: Path | None 
         metrics = {"source": "import", "base_model": str(base_model),
                    "parameters": sum(p.numel() for p in model.parameters())}
     else:
-        from stages.training import warmstart  # the trainers' imports: only to build a model
+        from stages.generation import chat  # the trainers' imports: only to build a model
+        from stages.training import warmstart
 
-        env = ENVIRONMENTS[base.environment]
-        tokenizer = tinylm.build_tokenizer(env, chat=chat)
+        tokenizer = tinylm.build_tokenizer(arith)
         model = tinylm.build_model(tokenizer, config.n_layer, config.n_embd, config.n_head,
                                    config.n_positions, base.seed)
-        rng = random.Random(base.seed)
-        if chat:
-            from stages.generation import chat as chat_path
-
-            template = chat_path.Template.of(tokenizer, list(env.TOOLS),
-                                             chat_path.end_ids(model, tokenizer))
-            batches = warmstart.chat_demonstrations(template, env, rng, config.tool_fraction,
-                                                    config.batch_size)
-        else:
-            batches = warmstart.demonstrations(tokenizer, env, rng, config.tool_fraction,
-                                               config.batch_size)
+        template = chat.Template.of(tokenizer, list(arith.TOOLS), chat.end_ids(model, tokenizer))
+        batches = warmstart.demonstrations(template, arith, random.Random(base.seed),
+                                           config.tool_fraction, config.batch_size)
         metrics = warmstart.train(
             model, batches,
             steps=config.warmup_steps, lr=config.lr, tokenizer=tokenizer, seed=base.seed,
             label="warm start",
         )
         metrics.update(source="warm-start", parameters=sum(p.numel() for p in model.parameters()))
-        tinylm.save(model, tokenizer, tmp, card={"generation": 0, "environment": env.NAME,
-                                                 "chat": chat})
+        tinylm.save(model, tokenizer, tmp, card={"generation": 0, "environment": arith.NAME})
     # the old model goes only once the new one is whole: a folder that fails to import (`init
     # --force --base-model` with a typo) leaves the champion as it was
     if output.exists():

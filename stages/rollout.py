@@ -1,26 +1,23 @@
-"""Rollout: the champion re-attempts the tasks of the validated traces, several samples each.
+"""Rollout: the champion, a chat model, plays the tasks of its environments, several samples each.
 
-Reads `data/validated.parquet` (one task per trace: `question`, `answer`) and `models/champion`.
-Each task is attempted `rollout.samples_per_task` times at `rollout.temperature`, multi-turn: the
-environment answers each tool call and the model goes on, up to `rollout.max_turns` calls. Writes
-`data/rollouts.parquet` (one row per episode: task, completion, token ids, which tokens the model
-chose, their log-probabilities, the turn of each token) and `metrics/rollout.json`. Seeded by
-`base.seed`, so a rerun gives the same episodes.
+Reads the `environments:` modules of params.yaml (docs/agent.md, "Bring your own agent"), their
+tasks (the validated traces' tasks each module's `task_from_trace` claimed, in
+`data/validated.parquet`, then its `tasks` file) and `models/champion`. Each task is attempted `rollout.samples_per_task` times at
+`rollout.temperature`, multi-turn: each turn rendered by the model's chat template, its tool calls
+parsed by `rollout.tool_parser` and answered by the environment's `call_tool`, up to
+`rollout.max_turns` calls, the exact token ids kept (`stages.generation.chat`). `rollout.max_tasks`
+(0 = all) is shared among the environments by `weight`. Writes `data/rollouts.parquet` (one row per
+episode: its conversation, `messages` as JSON, its environment, the token ids, which tokens the
+model chose, their log-probabilities, the turn of each token; its `task_id` is `<environment>:<task
+id>`, as two environments' ids may coincide) and `metrics/rollout.json`. Seeded by `base.seed` and
+each episode's identity, so a rerun gives the same episodes.
 
-`rollout.backend` picks who generates: `transformers` (in this process, `stages.generation.transformers_backend`) or
-`openai` (OpenAI-compatible servers, `stages.generation.openai_backend`: the ones at `runtime.rollout.urls`, or one
-the stage starts with `runtime.rollout.server_command` on models/champion and stops afterwards).
-
-With an `environments:` section in params.yaml (your own environments, docs/agent.md, "Bring your
-own agent"), the champion is a chat model and each environment's `tasks` file is attempted instead:
-each turn rendered by the model's chat template, its tool calls parsed by `rollout.tool_parser`
-and answered by the environment's `call_tool`, exact token ids kept (`stages.generation.chat`).
-`rollout.max_tasks` (0 = all) is then shared among the environments by `weight`. Each row holds
-the episode's conversation (`messages`, JSON) and its environment; its `task_id` is
-`<environment>:<task id>` (two environments' ids may coincide); `chat` marks its ids as the whole
-conversation, the template's special tokens included. Both backends serve this path: with
-`openai` the server generates each turn from token ids and the template, parser and tools run
-here (`stages.generation.openai_backend.chat_rollout`), so the rows are the same.
+`rollout.backend` picks who generates: `transformers` (in this process) or `openai`
+(OpenAI-compatible servers, `stages.generation.openai_backend`: the ones at
+`runtime.rollout.urls`, or one the stage starts with `runtime.rollout.server_command` on
+models/champion and stops afterwards). With `openai` the server generates each turn from token
+ids and the template, parser and tools run here (`openai_backend.chat_rollout`), so the rows are
+the same.
 
 One bad episode never stops the stage: `episodes_ended` in the metrics counts every episode by how
 it ended (the counts add up to `episodes`; `stages.generation.chat.ENDINGS` says each in full):
@@ -48,30 +45,18 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from transformers import AutoTokenizer
 
 from stages import budget as budgets
 from stages import config as cfg
 from stages import io, tinylm
-from stages.envs.registry import ENVIRONMENTS, load_tasks
-from stages.generation import openai_backend, transformers_backend
+from stages.generation import openai_backend
 
 SCHEMA = pa.schema([
-    ("task_id", pa.string()), ("trace_id", pa.string()), ("sample", pa.int64()),
-    ("question", pa.string()), ("answer", pa.string()), ("prompt", pa.string()),
-    ("completion", pa.string()), ("token_ids", pa.list_(pa.int32())),
-    ("model_mask", pa.list_(pa.int8())), ("logprobs", pa.list_(pa.float32())),
-    ("finish", pa.string()), ("tool_calls", pa.int64()), ("turns", pa.list_(pa.int16())),
-])
-
-
-CHAT_SCHEMA = pa.schema([
     ("task_id", pa.string()), ("environment", pa.string()), ("sample", pa.int64()),
     ("task", pa.string()), ("messages", pa.string()), ("completion", pa.string()),
     ("token_ids", pa.list_(pa.int32())), ("model_mask", pa.list_(pa.int8())),
     ("logprobs", pa.list_(pa.float32())), ("finish", pa.string()), ("tool_calls", pa.int64()),
     ("tool_errors", pa.int64()), ("error", pa.string()), ("turns", pa.list_(pa.int16())),
-    ("chat", pa.bool_()),
 ])
 
 
@@ -123,11 +108,12 @@ def chat_jobs(specs: dict, config: cfg.Rollout, root: Path, validated: Path | No
     return envs, jobs
 
 
-def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
-             rollouts: Path, root: Path | None = None, validated: Path | None = None,
-             meter: budgets.Meter | None = None) -> dict:
-    """The episodes of a chat model in the user's environments; returns the stage metrics.
-    `meter`: the cycle's budget, checked before each batch (`stages/budget.py`).
+def run(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path, rollouts: Path,
+        root: Path | None = None, validated: Path | None = None,
+        meter: budgets.Meter | None = None) -> dict:
+    """The episodes of the chat model in the `environments:` (`specs`, the modules imported from
+    `root`); returns the stage metrics. `meter`: the cycle's budget, checked first and between
+    batches (`stages/budget.py`).
     """
     import zlib
 
@@ -136,8 +122,11 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
     from stages.generation import chat
     from stages.generation.episode import Progress
 
+    tinylm.set_threads(base.threads)
     root = root or Path.cwd()
     envs, jobs = chat_jobs(specs, config, root, validated)
+    if meter is not None:
+        meter.check("no episode yet", f"{len(jobs)} episodes")
     served = config.backend == "openai"
     if served:  # the server holds the weights; the chat template and the tool parser run here
         from types import SimpleNamespace
@@ -177,7 +166,7 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
             "model_mask": episode.model_mask, "logprobs": episode.logprobs,
             "finish": episode.finish, "tool_calls": episode.tool_calls,
             "tool_errors": episode.tool_errors, "error": episode.error,
-            "turns": episode.turns, "chat": True})
+            "turns": episode.turns})
 
     started = time.time()
     with contextlib.ExitStack() as stack:
@@ -206,7 +195,7 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
                     add(name, task, sample, episode)
                 continue
             for start in range(0, len(mine), config.batch_size):
-                if meter is not None:
+                if meter is not None and rows:
                     meter.check(f"{len(rows)} of {len(jobs)} episodes",
                                 f"{len(jobs) - len(rows)} episodes")
                 chunk = mine[start:start + config.batch_size]
@@ -224,7 +213,7 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
         if bar is not None:
             bar.close()
         seconds = time.time() - started  # generation only, not the server's start and stop
-    io.write_parquet(rollouts, pa.Table.from_pylist(rows, schema=CHAT_SCHEMA))
+    io.write_parquet(rollouts, pa.Table.from_pylist(rows, schema=SCHEMA))
     generated = sum(sum(r["model_mask"]) for r in rows)
     per_env = {}
     for name in envs:
@@ -250,7 +239,7 @@ def run_chat(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path,
                 by_url[url] = by_url.get(url, 0) + count
         requests = {"requests": sum(s.requests for s in stats),
                     "retries": sum(s.retries for s in stats), "requests_by_url": by_url}
-    return {"backend": config.backend, "path": "chat", "tool_parser": parser, **requests,
+    return {"backend": config.backend, "tool_parser": parser, **requests,
             "prompt_tokens": sum(e["prompt_tokens"] for e in per_env.values()),
             "tool_calls": sum(e["tool_calls"] for e in per_env.values()),
             "template": "prefix-preserving" if all(t.prefix_preserving for t in templates.values())
@@ -276,107 +265,18 @@ def token_counts(rows: list[dict]) -> dict:
             "generated_tokens": generated, "tool_calls": sum(r["tool_calls"] for r in rows)}
 
 
-def suite(config: cfg.Rollout, env, suites: Path | None) -> list[dict]:
-    """The first `rollout.suite_tasks` tasks of the environment's suite, as trace-like rows."""
-    if not config.suite_tasks:
-        return []
-    path = (suites or Path("data/tasks")) / f"{env.NAME}.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: rollout.suite_tasks={config.suite_tasks} asks for tasks "
-                                f"of the {env.NAME} suite, but there is none; write it (one JSON "
-                                f"object a line: task_id, question, answer) or set "
-                                f"rollout.suite_tasks: 0")
-    tasks = sorted(load_tasks(path), key=lambda t: t["task_id"])[:config.suite_tasks]
-    return [{"trace_id": f"suite:{t['task_id']}", "question": t["question"],
-             "answer": t["answer"]} for t in tasks]
-
-
-def run(base: cfg.Base, config: cfg.Rollout, validated: Path, champion: Path,
-        rollouts: Path, suites: Path | None = None, meter: budgets.Meter | None = None) -> dict:
-    """Generate the episodes; returns the stage metrics. `meter`: the cycle's budget, checked
-    before and between batches (`stages/budget.py`).
-    """
-    tinylm.set_threads(base.threads)
-    env = ENVIRONMENTS[base.environment]
-    tasks = pq.read_table(validated, columns=["trace_id", "question", "answer"]).to_pylist()
-    tasks.sort(key=lambda t: t["trace_id"])
-    if config.max_tasks:
-        tasks = tasks[:config.max_tasks]
-    from_traces = len(tasks)
-    tasks += suite(config, env, suites)
-    jobs = [(task, sample) for task in tasks for sample in range(config.samples_per_task)]
-    prompts = [env.prompt(task["question"]) for task, _ in jobs]
-    max_turns = config.max_turns or env.MAX_TURNS
-    stop = (config.stop,) if config.stop else ()
-    served = {}
-    if meter is not None:
-        meter.check("no episode yet", f"{len(jobs)} episodes")
-    if config.backend == "transformers":
-        model, tokenizer = tinylm.load(champion)
-        started = time.time()
-        episodes = transformers_backend.generate(
-            model, tokenizer, env, prompts, temperature=config.temperature,
-            max_new_tokens=config.max_new_tokens, seed=base.seed, batch_size=config.batch_size,
-            top_p=config.top_p, top_k=config.top_k, max_turns=max_turns, stop=stop,
-            between=None if meter is None else lambda done: meter.check(
-                f"{done} of {len(jobs)} episodes", f"{len(jobs) - done} episodes"),
-        )
-        seconds = time.time() - started
-    else:  # the served model is the champion: its tokenizer encodes prompts and tool results
-        tokenizer = AutoTokenizer.from_pretrained(champion)
-        with contextlib.ExitStack() as stack:
-            urls = openai_backend.servers(config, champion, stack)
-            started = time.time()
-            episodes, stats = openai_backend.generate(
-                prompts, env, urls=urls, tokenizer=tokenizer, model=config.model,
-                temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                max_new_tokens=config.max_new_tokens, max_turns=max_turns, stop=stop,
-                seed=base.seed, concurrency=config.concurrency, timeout=config.request_timeout,
-                retries=config.retries, api_key=openai_backend.api_key_from(config.api_key_env),
-            )
-            seconds = time.time() - started
-        served = {"requests": stats.requests, "retries": stats.retries,
-                  "requests_by_url": stats.by_url}
-    rows = [{
-        "task_id": f"{task['trace_id']}", "trace_id": task["trace_id"], "sample": sample,
-        "question": task["question"], "answer": task["answer"], "prompt": episode.prompt,
-        "completion": episode.completion, "token_ids": episode.token_ids,
-        "model_mask": episode.model_mask, "logprobs": episode.logprobs,
-        "finish": episode.finish, "tool_calls": episode.tool_calls, "turns": episode.turns,
-    } for (task, sample), episode in zip(jobs, episodes)]
-    io.write_parquet(rollouts, pa.Table.from_pylist(rows, schema=SCHEMA))
-    # the model's own tokens (a server that gives no token ids: its log-probs count them)
-    generated = sum(sum(e.model_mask) if e.token_ids else len(e.logprobs) for e in episodes)
-    return {"backend": config.backend, "tasks": len(tasks), "suite_tasks": len(tasks) - from_traces, "episodes": len(episodes),
-            "generated_tokens": generated, "prompt_tokens": token_counts(rows)["prompt_tokens"],
-            "tool_calls": sum(e.tool_calls for e in episodes),
-            "environments": {env.NAME: {"episodes": len(rows), **token_counts(rows)}},
-            "seconds": round(seconds, 2), "tokens_per_second": round(generated / max(seconds, 1e-9)),
-            "tool_use_rate": round(sum(e.tool_calls > 0 for e in episodes) / max(1, len(episodes)), 4),
-            "truncated": sum(e.finish == "length" for e in episodes),
-            "turn_limited": sum(e.finish == "turns" for e in episodes), **served}
-
-
 def main(argv: list[str] | None = None) -> None:
     """Roll out the champion on the tasks (the DVC stage's command line)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("validated", "champion", "rollouts", "metrics"):
         parser.add_argument(name, type=Path)
-    parser.add_argument("--tasks", type=Path, default=Path("data/tasks"),
-                        help="the folder of task suites, <environment>.jsonl (rollout.suite_tasks)")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     io.watch_gpus()  # per GPU busy seconds, peak memory (the cost ledger); none: nothing
     base, config = cfg.load("base", args.params), cfg.load("rollout", args.params)
-    specs = cfg.environments(args.params)
-    meter = budgets.Meter.of("rollout", args.params)
-    if specs:
-        tinylm.set_threads(base.threads)
-        metrics = run_chat(base, config, specs, args.champion, args.rollouts,
-                           Path(args.params).resolve().parent, args.validated, meter)
-    else:
-        metrics = run(base, config, args.validated, args.champion, args.rollouts, args.tasks,
-                      meter)
+    metrics = run(base, config, cfg.environments(args.params), args.champion, args.rollouts,
+                  Path(args.params).resolve().parent, args.validated,
+                  budgets.Meter.of("rollout", args.params))
     metrics["runtime"] = cfg.runtime_of(config)  # what ran where (runtime.rollout)
     io.write_metrics(args.metrics, metrics)
     print(f"rollout: {metrics['episodes']} episodes for {metrics['tasks']} tasks in "

@@ -2,8 +2,9 @@
 
 No model hub is reachable, so generation 0 of the demo is a GPT-2 built from a config (a Llama-style
 model of the same size never learned to copy into and out of the tool; see DEMO-NOTES) with a
-character-level tokenizer whose environment tags are single tokens. `save()` writes config.json,
-model.safetensors and the tokenizer files, so transformers or vLLM load the folder unchanged.
+character-level tokenizer whose chat tags are single tokens and a chat template of the Hermes shape.
+`save()` writes config.json, model.safetensors and the tokenizer files, so transformers or vLLM load
+the folder unchanged.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from stages.modelfiles import ModelFolderError
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
-# The demo's chat protocol (`build_tokenizer(env, chat=True)`): the roles and Hermes/Qwen2.5's
+# The demo's chat protocol (`build_tokenizer`): the roles and Hermes/Qwen2.5's
 # tool-call tags, each one token. The template has the Hermes shape (`<tool_call>{"name": ...,
 # "arguments": {...}}</tool_call>`, results in `<tool_response>`), so `rollout.tool_parser: auto`
 # reads it as `hermes`, as it would a Qwen2.5 model's; it leaves out what a 80-position model has
@@ -52,15 +53,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(env, chat: bool = False) -> PreTrainedTokenizerFast:
-    """A character tokenizer over the environment's alphabet, with each tag a single token.
-
-    `chat`: the chat protocol instead of the environment's own tags: `CHAT_TAGS`, the
-    environment's `CHAT_TOKENS` (the fixed parts of its tool calls' JSON, one token each, as a
-    BPE vocabulary would merge them) and `CHAT_TEMPLATE`, so the model runs the chat path
-    (`stages/generation/chat.py`) as a Hugging Face chat model does.
+def build_tokenizer(env) -> PreTrainedTokenizerFast:
+    """A character tokenizer over the environment's alphabet (`CHARS`) with the chat protocol:
+    `CHAT_TAGS` and the environment's `CHAT_TOKENS` (the fixed parts of its tool calls' JSON, as a
+    BPE vocabulary would merge them) each one token, and `CHAT_TEMPLATE`, so the model runs the
+    chat path (`stages/generation/chat.py`) as a Hugging Face chat model does.
     """
-    tags = CHAT_TAGS + list(env.CHAT_TOKENS) if chat else list(env.TAGS)
+    tags = CHAT_TAGS + list(env.CHAT_TOKENS)
     vocab = {tok: i for i, tok in enumerate(SPECIALS + tags + list(env.CHARS))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -71,8 +70,7 @@ def build_tokenizer(env, chat: bool = False) -> PreTrainedTokenizerFast:
         tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
         unk_token="<unk>", model_max_length=512,
     )
-    if chat:
-        tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 

@@ -11,10 +11,9 @@ never on the prompt or on a tool result the environment injected):
 - `sft`: rejection-sampling fine-tuning on the verified-correct episodes (once per distinct
   completion of a task), through the transformers Trainer;
 - `dpo`: preference pairs from the same task's higher- and lower-reward episodes, and from the
-  traces' thumbs (the trace's own answer against a rollout of its task, only where the verifier
-  agrees with the thumbs: `feedback_pairs`; on the `environments:` path the trace's conversation,
-  encoded by the chat template: `chat_feedback_pairs`), through TRL's DPOTrainer with the champion as the
-  explicit reference model;
+  traces' thumbs (the trace's conversation, encoded by the chat template, against a rollout of
+  its task, only where the reward agrees with the thumbs: `dpo.feedback_pairs`), through TRL's
+  DPOTrainer with the champion as the explicit reference model;
 - `grpo`: group-relative advantages over each task's samples and a clipped ratio against the
   log-probabilities recorded at rollout time, optionally a KL term to the champion: our loss on
   the transformers Trainer (TRL's GRPO generates online, which would fold rollout and reward into
@@ -61,14 +60,12 @@ from transformers import TrainerCallback
 from stages import budget as budgets
 from stages import config as cfg
 from stages import io, tinylm
-from stages.envs.registry import ENVIRONMENTS
 from stages.training import trainers
 
 REPLAY = pa.schema([("task_id", pa.string()), ("completion", pa.string()),
                     ("token_ids", pa.list_(pa.int32())), ("model_mask", pa.list_(pa.int8())),
                     ("logprobs", pa.list_(pa.float32())), ("correct", pa.float64()),
-                    ("reward", pa.float64()), ("chat", pa.bool_()),
-                    ("environment", pa.string())])
+                    ("reward", pa.float64()), ("environment", pa.string())])
 STEP_COLUMNS = ["step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "epoch"]
 
 
@@ -133,7 +130,7 @@ def encoded_traces(validated: Path, specs: dict, root: Path, tokenizer,
 def trace_conversations(validated: Path, specs: dict, root: Path, tokenizer,
                         end_ids: tuple[int, ...] = (), context: int | None = None
                         ) -> tuple[list, dict]:
-    """SFT rows from the production traces with a thumbs up (an `environments:` section): each
+    """SFT rows from the production traces with a thumbs up (`specs`: the `environments:`): each
     trace's own conversation, its tool calls and tool results included (`encoded_traces`: the
     loss on the assistant's tokens only). A trace is kept when its environment's reward gives its
     turns full marks or cannot judge them (None); one the reward scores lower is counted, not used.
@@ -154,7 +151,7 @@ def trace_conversations(validated: Path, specs: dict, root: Path, tokenizer,
         rows.append({"task_id": item["task_id"], "environment": item["environment"],
                      "completion": item["completion"], "correct": 1.0, "reward": 1.0,
                      "token_ids": item["token_ids"], "model_mask": item["model_mask"],
-                     "logprobs": None, "chat": True})
+                     "logprobs": None})
     counts["trace_examples"] = len(rows)
     return rows, counts
 
@@ -213,7 +210,7 @@ def examples_from(rewards: Path) -> list[dict]:
 def _read(rewards: Path) -> list[dict]:
     names = pq.read_schema(rewards).names
     columns = [c for c in ("task_id", "completion", "correct", "reward", "token_ids",
-                           "model_mask", "logprobs", "chat", "environment") if c in names]
+                           "model_mask", "logprobs", "environment") if c in names]
     return pq.read_table(rewards, columns=columns).to_pylist()
 
 
@@ -226,13 +223,12 @@ def store_and_replay(rows: list[dict], replay: Path, name: str, fraction: float,
     The part is named by its content, so a stage killed after writing it and run again neither
     duplicates it nor replays it as if it were earlier data; a part that begins with this cycle's
     very rollouts (stored by a run with `train.algorithm` switched since) is this cycle's too: not
-    stored again, not replayed. Parts written before the stage stored every rollout hold only
-    verified-correct examples: they read as reward 1 (for GRPO, a group without spread).
+    stored again, not replayed.
     """
     replay.mkdir(parents=True, exist_ok=True)
     stored = [{"task_id": r["task_id"], "completion": r["completion"], "token_ids": r["token_ids"],
                "model_mask": r["model_mask"], "logprobs": r.get("logprobs"),
-               "correct": r["correct"], "reward": r["reward"], "chat": bool(r.get("chat")),
+               "correct": r["correct"], "reward": r["reward"],
                "environment": r.get("environment")} for r in rows + (traced or [])]
     part = replay / f"part-{_rows_digest(stored)[:16]}.parquet"
     mine = _rows_digest(stored[:len(rows)]) if rows else None
@@ -245,10 +241,6 @@ def store_and_replay(rows: list[dict], replay: Path, name: str, fraction: float,
                 # adds is its trace examples, if that run had none
                 stored = stored[len(rows):] if len(old) == len(rows) else []
                 continue
-            for row in old:
-                row.setdefault("correct", 1.0)
-                row.setdefault("reward", 1.0)
-                row.setdefault("chat", False)  # parts from before chat episodes existed
             earlier.extend(algorithm(name).examples(old)[0])
     if stored and not (part := replay / f"part-{_rows_digest(stored)[:16]}.parquet").exists():
         io.write_parquet(part, pa.Table.from_pylist(stored, schema=REPLAY))
@@ -289,7 +281,8 @@ def last_checkpoint(work: Path) -> str | None:
 
 def _whole_json(path: Path) -> bool:
     """Whether `path` holds a whole JSON document: a kill while the Trainer wrote it leaves the
-    file empty or cut short, and resuming from it failed with a JSONDecodeError."""
+    file empty or cut short, and resuming from it failed with a JSONDecodeError.
+    """
     try:
         json.loads(path.read_text())
     except (OSError, ValueError):
@@ -364,9 +357,9 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
         replay: Path, checkpoints: Path | None = None, steps_csv: Path | None = None,
         validated: Path | None = None, specs: dict | None = None, root: Path | None = None,
         temperature: float = 1.0, meter: budgets.Meter | None = None) -> dict:
-    """Train and write the candidate; returns the stage metrics. `validated`: the traces whose
-    feedback adds DPO pairs (see `feedback_pairs`), or, with `specs` (an `environments:`
-    section) and SFT, whose thumbs-up conversations are trained on (`trace_conversations`).
+    """Train and write the candidate; returns the stage metrics. `validated`, with `specs` (the
+    `environments:` section): the traces whose thumbs add DPO pairs (`dpo.feedback_pairs`)
+    or, for SFT, whose thumbs-up conversations are trained on (`trace_conversations`).
     `meter`: the cycle's budget, checked after every optimizer step; at the limit the stage saves
     a checkpoint and raises `BudgetSpent` (a rerun resumes there).
     """
@@ -388,25 +381,13 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
         environment_of = {r["task_id"]: r.get("environment") for r in rows + traced}
         examples, counts["examples_by_environment"] = by_weight(examples, environment_of, specs,
                                                                 base.seed)
-    if config.algorithm == "dpo" and specs:
+    if config.algorithm == "dpo":
         counts["pairs_from_rollouts"] = len(examples)
-        if validated is not None:
+        if validated is not None and specs:
             tokenizer, ends = chat_tokenizer(champion)
-            more, feedback = method.chat_feedback_pairs(
+            more, feedback = method.feedback_pairs(
                 rows, encoded_traces(validated, specs, root or Path.cwd(), tokenizer, ends,
                                      thumbs=(True, False), context=model_context(champion)),
-                {(e["task_id"], e["completion"]) for e in examples})
-            examples = examples + more
-            counts.update(feedback)
-        counts["pairs_from_feedback"] = len(examples) - counts["pairs_from_rollouts"]
-    if config.algorithm == "dpo" and not specs:
-        counts["pairs_from_rollouts"] = len(examples)
-        if validated is not None:
-            from transformers import AutoTokenizer
-
-            more, feedback = method.feedback_pairs(
-                rows, method.read_traces(validated), ENVIRONMENTS[base.environment],
-                AutoTokenizer.from_pretrained(champion),
                 {(e["task_id"], e["completion"]) for e in examples})
             examples = examples + more
             counts.update(feedback)

@@ -3,13 +3,15 @@ r"""Validate: Great Expectations checks on the ingested traces; failing traces g
 Reads `data/ingested.parquet`. GE does not validate nested data, so the traces are flattened into
 three tables first: one row per trace, one per message, one per tool call. Each failed expectation
 sends the trace it came from to `data/quarantine/validate.jsonl` with the expectation, the source
-file and line; the rest go to `data/validated.parquet` with the task the environment derived from
-each (`question`, `answer`). Writes `metrics/validate.json` (counts, per format, the traffic
+file and line; the rest go to `data/validated.parquet` with the task behind each: the first that
+one of the `environments:` modules finds in it (`task_from_trace`, in params.yaml order;
+`contract.Router`), as JSON with its environment's name in `question` (the rollout stage routes it
+back); a trace none of them claims is quarantined. Writes `metrics/validate.json` (counts, per format, the traffic
 profile and its drift from the previous cycle's, kept in `data/profiles/`) and GE's Data Docs
 (`data/docs/index.html`). The stage fails only when the valid
 fraction falls below `validate.min_valid_fraction`.
 
-Held out (the `environments:` path, `validate.holdout_fraction` > 0): that share of the valid traces
+Held out (`validate.holdout_fraction` > 0): that share of the valid traces
 that give a task, chosen by a hash of the seed and the trace id (the same traces on a rerun), is
 not written to `data/validated.parquet`, so it is never rolled out or trained on; its tasks are
 appended to `--holdout` (`data/holdout/<environment>.jsonl`, task id `trace:<id>`, a persistent
@@ -40,7 +42,7 @@ import pyarrow.parquet as pq
 
 from stages import config as cfg
 from stages import datadocs, io
-from stages.envs.registry import ENVIRONMENTS
+from stages.envs import contract
 from stages.traces import drift
 
 BATCH = 100_000  # traces checked at a time
@@ -52,19 +54,20 @@ class ValidationFailed(RuntimeError):
     """Too few valid traces to go on; the message says how many and where the reasons are."""
 
 
-def flatten(traces: pd.DataFrame, env) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """One row per trace, per message and per tool call, each keyed by the trace's row number."""
+def flatten(traces: pd.DataFrame, router: contract.Router
+            ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """One row per trace (`question`: its task, `Router.task_of`), per message and per tool call,
+    each keyed by the trace's row number.
+    """
     per_trace, per_message, per_call = [], [], []
     # the columns it reads as lists (`itertuples` made a Python value of every cell, of every column)
     columns = (traces[name].tolist() for name in ("trace_id", "n_messages", "user_text", "messages",
                                                   "tools"))
     for row, (trace_id, n_messages, user_text, messages, tools) in enumerate(zip(*columns)):
         messages = json.loads(messages)
-        task = env.task_from_messages(messages, tools=json.loads(tools or "[]"))
         per_trace.append({"row": row, "trace_id": trace_id, "n_messages": n_messages,
                           "user_text": user_text,
-                          "question": task["question"] if task else None,
-                          "answer": task["answer"] if task else None})
+                          "question": router.task_of(messages, json.loads(tools or "[]"))})
         for index, message in enumerate(messages):
             per_message.append({"row": row, "index": index, "role": message.get("role")})
             for call in message.get("tool_calls") or []:
@@ -73,7 +76,7 @@ def flatten(traces: pd.DataFrame, env) -> tuple[pd.DataFrame, pd.DataFrame, pd.D
                                  "arguments": arguments if isinstance(arguments, str)
                                  else json.dumps(arguments)})
     frames = (pd.DataFrame(per_trace, columns=["row", "trace_id", "n_messages", "user_text",
-                                               "question", "answer"]),
+                                               "question"]),
               pd.DataFrame(per_message, columns=["row", "index", "role"]),
               pd.DataFrame(per_call, columns=["row", "name", "arguments"]))
     return frames
@@ -98,19 +101,14 @@ def suites() -> dict[str, list]:
     }
 
 
-def meanings(env) -> dict[str, str]:
+def meanings(router: contract.Router) -> dict[str, str]:
     """What each expectation's failure means for a trace, in words, with what to change: added
     to the expectation's name in a quarantine reason (the name finds it in the Data Docs).
     """
-    names = getattr(env, "envs", None)  # a Router: the user's environments, in order
-    if names:
-        claim = (f"no environment's task_from_trace claimed it (environments: "
-                 f"{', '.join(names)}, asked in that order); give the one it belongs to a "
-                 f"task_from_trace that finds its task, or list stages.envs.replay last to "
-                 f"replay any trace with a request and an answer")
-    else:
-        claim = (f"the {env.NAME} environment found no task in it (base.environment); an "
-                 f"environments: section can give your own")
+    claim = (f"no environment's task_from_trace claimed it (environments: "
+             f"{', '.join(router.envs)}, asked in that order); give the one it belongs to a "
+             f"task_from_trace that finds its task, or list stages.envs.replay last to "
+             f"replay any trace with a request and an answer")
     return {
         "traces: expect_column_values_to_not_be_null(trace_id)": "the trace has no id",
         "traces: expect_column_values_to_not_be_null(user_text)":
@@ -260,47 +258,37 @@ def add_to_pool(holdout: Path, tasks: list[dict]) -> int:
 
 
 def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
-        quarantine: Path, profiles: Path, docs: Path, specs: dict | None = None,
-        root: Path | None = None, holdout: Path | None = None) -> dict:
+        quarantine: Path, profiles: Path, docs: Path, specs: dict, root: Path | None = None,
+        holdout: Path | None = None) -> dict:
     """Split the ingested traces into valid and quarantined; returns the stage metrics.
 
-    Reads and checks `BATCH` traces at a time, so memory does not grow with their number. With
-    `specs` (an `environments:` section) a trace's task is the one the first of the user's
-    environments finds in it (`task_from_trace`; `contract.Router`), its question that task as
-    JSON; a trace none of them claims is quarantined. `holdout`: the pool of held-out tasks
+    Reads and checks `BATCH` traces at a time, so memory does not grow with their number. A
+    trace's task is the one the first of the `environments:` (`specs`, the modules under `root`)
+    finds in it (`task_from_trace`; `contract.Router`), its question that task as JSON; a trace
+    none of them claims is quarantined. `holdout`: the pool of held-out tasks
     (`validate.holdout_fraction`).
     """
-    if config.holdout_fraction and not specs:
-        raise cfg.ParamsError("validate.holdout_fraction: holding traces out for the benchmarks "
-                              "needs an environments: section (their tasks are the benchmark "
-                              "items); set it to 0 on the tag protocol")
     if config.holdout_fraction and holdout is None:
         raise cfg.ParamsError("validate.holdout_fraction is set but the validate stage in "
                               "dvc.yaml has no `--holdout data/holdout`; add it (and "
                               "`data/holdout: {persist: true}` to its outs)")
-    if specs:
-        from stages.envs import contract
-
-        env = contract.Router({name: contract.load(name, spec.module, root or Path.cwd())
-                               for name, spec in specs.items()})
-    else:
-        env = ENVIRONMENTS[base.environment]
+    router = contract.Router({name: contract.load(name, spec.module, root or Path.cwd())
+                              for name, spec in specs.items()})
     source = pq.ParquetFile(ingested)
     docs_tmp = docs.with_name(f".{docs.name}.tmp")
     shutil.rmtree(docs_tmp, ignore_errors=True)
     docs_tmp.mkdir(parents=True)
     checker = Checker(docs_tmp) if source.metadata.num_rows else None
-    schema = source.schema_arrow.append(pa.field("question", pa.string())) \
-        .append(pa.field("answer", pa.string()))
+    schema = source.schema_arrow.append(pa.field("question", pa.string()))
     tmp = validated.with_name(f".{validated.name}.tmp")
     writer = pq.ParquetWriter(tmp, schema)
     quarantined, failed, per_format, profile = [], {}, {}, drift.Profile()
     unknown: dict[str, dict[str, int]] = {}  # environment -> tool it lacks -> calls of it
-    meaning = meanings(env)
+    meaning = meanings(router)
     pool: list[dict] = []
     for table in source.iter_batches(batch_size=BATCH):
         traces = table.to_pandas()
-        per_trace, per_message, per_call = flatten(traces, env)
+        per_trace, per_message, per_call = flatten(traces, router)
         failures = checker.check({"traces": per_trace, "messages": per_message,
                                   "tool_calls": per_call})
         for labels in failures.values():
@@ -327,7 +315,6 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
         tasks = per_trace.drop(index=bad).reset_index(drop=True)
         questions = tasks.question
         good["question"] = questions.astype("string")
-        good["answer"] = tasks.answer.astype("string")  # the environment's, from its trace
         # from the flattened tables: the messages were parsed once already
         # (a loop: pandas' groupby-apply called Python once a trace, a fifth of the stage)
         tools_of: dict[int, list[str]] = {}
@@ -337,9 +324,8 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
         for r, n_messages, feedback, question in zip(
                 kept, good.n_messages.tolist(), good.feedback.tolist(), questions.tolist()):
             profile.add(n_messages, tools_of.get(r, []), json.loads(feedback),
-                        env.task_kind(question))
-            if specs:
-                offered_unknown(env, question, tools_of.get(r, []), unknown)
+                        router.task_kind(question))
+            offered_unknown(router, question, tools_of.get(r, []), unknown)
         if config.holdout_fraction:  # kept from training: the benchmarks' future items
             out = [i for i, (trace_id, question) in enumerate(zip(good.trace_id, questions))
                    if question is not None and not pd.isna(question)

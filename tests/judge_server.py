@@ -24,11 +24,17 @@ class Scripted:
     the last one repeated): a dict (the JSON answer), "malformed", "refusal", "500", "slow".
     """
 
-    def __init__(self, script, port: int = 0, log: Path | None = None):
+    def __init__(self, script, port: int = 0, log: Path | None = None,
+                 by_content: dict | None = None, delay: float = 0.0):
         """Serve `script` on 127.0.0.1:`port` (0: a free one) from a background thread; `log`:
-        a file each request's body is appended to, as a JSON line.
+        a file each request's body is appended to, as a JSON line. `by_content`: {text: step},
+        the step for a request whose conversation holds the text (whatever the order requests
+        come in); `delay`: seconds each answer takes. `most_in_flight`: the most requests it
+        answered at once.
         """
         self.script, self.requests = list(script), []
+        self.in_flight = self.most_in_flight = 0
+        lock = threading.Lock()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -45,13 +51,29 @@ class Scripted:
                 self.wfile.write(data)
 
             def do_POST(self):  # noqa: N802 (http.server's name)
+                with lock:
+                    outer.in_flight += 1
+                    outer.most_in_flight = max(outer.most_in_flight, outer.in_flight)
+                try:
+                    self.answer()
+                finally:
+                    with lock:
+                        outer.in_flight -= 1
+
+            def answer(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append({"path": self.path, "body": body,
                                        "auth": self.headers.get("Authorization")})
                 if log is not None:
                     with log.open("a") as lines:
                         lines.write(json.dumps(body) + "\n")
-                step = outer.script.pop(0) if len(outer.script) > 1 else outer.script[0]
+                text = json.dumps(body.get("messages"))
+                step = next((step for key, step in (by_content or {}).items() if key in text),
+                            None)
+                if step is None:
+                    with lock:
+                        step = outer.script.pop(0) if len(outer.script) > 1 else outer.script[0]
+                time.sleep(delay)
                 if step == "slow":
                     time.sleep(1.5)
                 if step == "500":

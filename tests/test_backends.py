@@ -1,39 +1,43 @@
-"""Generation backends: the transformers loop's sampling, turn limit and tool-close detection, and
-the openai backend against a real HTTP server (stages.generation.serve_tiny) serving the same model."""
+"""Generation backends: the transformers loop's sampling, turn limit and stop strings, and the
+openai backend against a real HTTP server (stages.generation.serve_tiny) serving the same model:
+the demo's chat model playing the arithmetic environment, token ids in and out."""
 
+import json
 import os
 import random
 import re
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from stages import config as cfg
 from stages import rollout, tinylm
-from stages.envs import arith
-from stages.generation import openai_backend, serve_tiny, transformers_backend
+from stages.envs import arith, contract
+from stages.generation import chat, openai_backend, serve_tiny, transformers_backend
 from stages.training import warmstart
-from stages.training.warmstart import demonstrations
 
 # one xdist worker runs this module: its module-scoped fixture is built once
 pytestmark = pytest.mark.xdist_group("backends")
 
 QUESTIONS = ["12*34", "5+6", "300-7", "8*9", "41+17", "7*66", "90-45", "3*3"]
+ENV = contract.load("arith", "stages.envs.arith")
+SPECS = {"arith": cfg.EnvironmentSpec(module="stages.envs.arith")}
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A very small model that has seen tool demonstrations (so it calls the tool), saved."""
+    """A very small chat model that has seen tool demonstrations (so it calls the tool), saved."""
     tokenizer = tinylm.build_tokenizer(arith)
     model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
-    warmstart.train(model, demonstrations(tokenizer, arith, random.Random(0), 1.0, 32), steps=60,
-              lr=1e-2, tokenizer=tokenizer, seed=0)
+    template = chat.Template.of(tokenizer, list(arith.TOOLS), chat.end_ids(model, tokenizer))
+    warmstart.train(model, warmstart.demonstrations(template, arith, random.Random(0), 1.0, 32),
+                    steps=60, lr=1e-2, tokenizer=tokenizer, seed=0)
     model.eval()
     folder = tmp_path_factory.mktemp("model") / "champion"
     tinylm.save(model, tokenizer, folder)
@@ -88,79 +92,80 @@ def serve(trained):
         server.close()
 
 
-def prompts(n=2):
-    return [arith.prompt(q) for q in QUESTIONS] * n
+def tasks(n=2):
+    return [{"task_id": f"t{i}", **arith.chat_task(q)} for i, q in enumerate(QUESTIONS)] * n
 
 
 def run_transformers(trained, **kwargs):
     model, tokenizer, _ = trained
-    options = {"temperature": 0.0, "max_new_tokens": 40, "seed": 0, "batch_size": 64,
-               "progress": False, "max_turns": 4, **kwargs}
-    return transformers_backend.generate(model, tokenizer, arith, options.pop("prompts", prompts()), **options)
+    options = {"temperature": 0.0, "max_new_tokens": 40, "max_turns": 4, "parser": "hermes",
+               **kwargs}
+    played, seed = options.pop("tasks", tasks()), options.pop("seed", 0)
+    return chat.rollout(model, tokenizer, ENV, played, generator=[
+        torch.Generator().manual_seed(seed * 1000 + i) for i in range(len(played))], **options)
 
 
 def run_openai(trained, urls, **kwargs):
-    options = {"tokenizer": trained[1], "temperature": 0.0, "max_new_tokens": 40, "max_turns": 4,
-               "progress": False, "backoff": 0.01, "concurrency": 8, **kwargs}
-    return openai_backend.generate(options.pop("prompts", prompts()), arith, urls=urls, **options)
+    model, tokenizer, _ = trained
+    options = {"temperature": 0.0, "max_new_tokens": 40, "max_turns": 4, "parser": "hermes",
+               "progress": False, "backoff": 0.01, "concurrency": 8,
+               "context": model.config.max_position_embeddings, **kwargs}
+    played, seed = options.pop("tasks", tasks()), options.pop("seed", 0)
+    return openai_backend.chat_rollout(tokenizer, ENV, played, [seed * 1000 + i for i in
+                                                                range(len(played))],
+                                       urls=urls, ends=chat.end_ids(model, tokenizer), **options)
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(trained):
-    greedy = [e.completion for e in run_transformers(trained)]
-    assert [e.completion for e in run_transformers(trained, temperature=1.0, top_k=1)] == greedy
-    assert [e.completion for e in run_transformers(trained, temperature=1.0, top_p=1e-6)] == greedy
-    sampled = [e.completion for e in run_transformers(trained, temperature=1.5, seed=1)]
+    greedy = [e.token_ids for e in run_transformers(trained)]
+    assert [e.token_ids for e in run_transformers(trained, temperature=1.0, top_k=1)] == greedy
+    assert [e.token_ids for e in run_transformers(trained, temperature=1.0, top_p=1e-6)] == greedy
+    sampled = [e.token_ids for e in run_transformers(trained, temperature=1.5, seed=1)]
     assert sampled != greedy
 
 
 def test_turn_index_and_turn_limit(trained):
-    tokenizer = trained[1]
-    close = tokenizer.convert_tokens_to_ids("</calc>")
-    episodes = run_transformers(trained, temperature=1.0, seed=2, prompts=prompts(4))
-    with_tool = [e for e in episodes if e.tool_calls]
-    assert with_tool
+    episodes = run_transformers(trained, temperature=1.0, seed=2, tasks=tasks(4))
+    assert any(e.tool_calls for e in episodes)
     for episode in episodes:
         assert len(episode.turns) == len(episode.token_ids) == len(episode.model_mask)
-        prompt_len = len(tokenizer.encode(episode.prompt, add_special_tokens=False))
-        assert episode.turns[:prompt_len] == [0] * prompt_len
-        # each answered call closes a turn; its result belongs to it; the next model token opens
-        # the next turn
-        closes = [i for i, (t, m) in enumerate(zip(episode.token_ids, episode.model_mask))
-                  if t == close and m]
-        assert len(closes) >= episode.tool_calls
-        for k, i in enumerate(closes[:episode.tool_calls]):
-            assert episode.turns[i] == k + 1 and episode.turns[i + 1] == k + 1
-        assert max(episode.turns) == episode.tool_calls + (1 if any(episode.model_mask) else 0)
-    greedy = run_transformers(trained, prompts=prompts(1))
+        start = episode.model_mask.index(1)
+        assert episode.turns[:start] == [0] * start  # the prompt
+        # each model turn is numbered, and the tool's answer belongs to the turn it answers
+        model_turns = sum(m["role"] == "assistant" for m in episode.messages)
+        assert max(episode.turns) == model_turns
+        chosen = {t for t, m in zip(episode.turns, episode.model_mask) if m}
+        assert chosen == set(range(1, model_turns + 1))
+    greedy = run_transformers(trained, tasks=tasks(1))
     assert any(e.tool_calls for e in greedy)
-    limited = run_transformers(trained, prompts=prompts(1), max_turns=0)
+    limited = run_transformers(trained, tasks=tasks(1), max_turns=0)
     for before, after in zip(greedy, limited):
         if before.tool_calls:  # the same first turn, then the call is refused: finish "turns"
             assert after.finish == "turns" and after.tool_calls == 0
-            assert after.completion.endswith("</calc>") and "<result>" not in after.completion
+            assert after.messages[-1]["tool_calls"] and after.messages == before.messages[:2]
     assert all(e.finish in ("eos", "length", "turns") for e in limited)
 
 
-def test_tool_close_found_in_text_when_it_is_not_one_token(trained):
-    # "/calc>" is no token of the demo tokenizer; the decoded text ends with it after "</calc>"
-    env = types.SimpleNamespace(TOOL_CLOSE="/calc>", on_tool_close=arith.on_tool_close,
-                                MAX_TURNS=4)
+def test_stop_strings_end_a_completion(trained):
+    # what serve_tiny does with an OpenAI request's `stop`: a single token ("<tool_call>") or text
+    # a token only ends with ("}", the last character of the call's '"}}')
     model, tokenizer, _ = trained
-    assert transformers_backend.single_token(tokenizer, env.TOOL_CLOSE) is None
-    fast = run_transformers(trained, temperature=1.0, seed=5)
-    slow = transformers_backend.generate(model, tokenizer, env, prompts(), temperature=1.0, max_new_tokens=40,
-                             seed=5, batch_size=64, progress=False)
-    assert [e.completion for e in slow] == [e.completion for e in fast]
-    assert [e.tool_calls for e in slow] == [e.tool_calls for e in fast]
-    assert any(e.tool_calls for e in slow)
-
-
-def test_stop_string_ends_the_episode(trained):
-    episodes = run_transformers(trained, stop=("answer:",))
-    stopped = [e for e in episodes if e.finish == "stop"]
-    assert stopped
-    for episode in stopped:
-        assert episode.completion.endswith("answer:") and episode.completion.count("answer:") == 1
+    template = chat.Template.of(tokenizer, list(ENV.tools), chat.end_ids(model, tokenizer))
+    prefixes = [template.prompt(task["messages"]) for task in tasks(1)]
+    plain = transformers_backend.generate_ids(model, tokenizer, prefixes, temperature=0.0,
+                                              max_new_tokens=40, generator=torch.Generator())
+    called = [i for i, row in enumerate(plain) if '"}}' in tokenizer.decode(row.token_ids)]
+    assert called and all(row.finish == "eos" and row.stop is None for row in plain)
+    for stop, ends in (("<tool_call>", "<tool_call>"), ("}", '"}}')):
+        rows = transformers_backend.generate_ids(model, tokenizer, prefixes, temperature=0.0,
+                                                 max_new_tokens=40, generator=torch.Generator(),
+                                                 stop=(stop,))
+        for i in called:
+            text = tokenizer.decode(rows[i].token_ids, skip_special_tokens=True)
+            assert rows[i].finish == "stop" and rows[i].stop == stop
+            assert text.endswith(ends) and text.count(ends) == 1
+            assert tokenizer.decode(plain[i].token_ids).startswith(
+                tokenizer.decode(rows[i].token_ids))  # the same tokens, up to the stop
 
 
 def test_openai_backend_matches_transformers_multi_turn(trained, serve):
@@ -169,18 +174,17 @@ def test_openai_backend_matches_transformers_multi_turn(trained, serve):
     remote, stats = run_openai(trained, [server.url])
     assert any(e.tool_calls for e in remote), "the episodes must exercise tool calls"
     for a, b in zip(local, remote):
-        assert (b.completion, b.token_ids, b.model_mask, b.finish, b.tool_calls, b.turns) == \
-            (a.completion, a.token_ids, a.model_mask, a.finish, a.tool_calls, a.turns)
+        assert (b.messages, b.token_ids, b.model_mask, b.finish, b.tool_calls, b.turns) == \
+            (a.messages, a.token_ids, a.model_mask, a.finish, a.tool_calls, a.turns)
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
-    for episode in remote:  # the environment's answer was injected after each answered call
-        text, at = episode.completion, 0
-        for _ in range(episode.tool_calls):
-            at = text.index("</calc>", at) + len("</calc>")
-            assert text[at:].startswith(arith.on_tool_close(text[:at]))
-    # one request per model turn: one per answered call, plus the last unless the budget ran out
-    calls, cut = sum(e.tool_calls for e in remote), sum(e.finish == "length" for e in remote)
-    assert stats.requests == server.handler.posts
-    assert len(remote) + calls - cut <= stats.requests <= len(remote) + calls
+    for episode in remote:  # each call answered by the calculator
+        for call, reply in zip(episode.messages, episode.messages[1:]):
+            if call.get("tool_calls"):
+                arguments = json.loads(call["tool_calls"][0]["function"]["arguments"])
+                assert reply["content"] == arith.call_tool({}, "calculator", arguments)
+    # one request per model turn: each assistant message the episodes hold
+    turns = sum(m["role"] == "assistant" for e in remote for m in e.messages)
+    assert stats.requests == server.handler.posts == turns
     assert stats.retries == 0
 
 
@@ -189,8 +193,8 @@ def test_openai_backend_sampling_is_seeded(trained, serve):
     first, _ = run_openai(trained, [server.url], temperature=1.0, seed=3)
     again, _ = run_openai(trained, [server.url], temperature=1.0, seed=3, concurrency=3)
     other, _ = run_openai(trained, [server.url], temperature=1.0, seed=4)
-    assert [e.completion for e in first] == [e.completion for e in again]
-    assert [e.completion for e in first] != [e.completion for e in other]
+    assert [e.token_ids for e in first] == [e.token_ids for e in again]
+    assert [e.token_ids for e in first] != [e.token_ids for e in other]
 
 
 def test_retries_500_and_429_then_succeeds(trained, serve, monkeypatch):
@@ -208,7 +212,7 @@ def test_retries_500_and_429_then_succeeds(trained, serve, monkeypatch):
     clean, _ = run_openai(trained, [serve().url])
     assert stats.retries == 4
     assert flaky.handler.posts == stats.requests + 4
-    assert [e.completion for e in episodes] == [e.completion for e in clean]
+    assert [e.token_ids for e in episodes] == [e.token_ids for e in clean]
     assert flaky.handler.keys == {"Bearer sk-test-123"}
 
 
@@ -219,14 +223,15 @@ def test_timeout_is_retried(trained, serve):
         return False
 
     server = serve(handler(slow))
-    episodes, stats = run_openai(trained, [server.url], timeout=0.5, prompts=prompts(1)[:2])
+    episodes, stats = run_openai(trained, [server.url], timeout=0.5, tasks=tasks(1)[:2])
     assert stats.retries >= 1 and len(episodes) == 2
 
 
 def test_bad_request_fails_at_once_with_the_servers_message(trained, serve):
     server = serve()
-    with pytest.raises(openai_backend.ServerError) as err:
-        run_openai(trained, [server.url], max_new_tokens=200, concurrency=1, retries=5)
+    with pytest.raises(openai_backend.ServerError) as err:  # a context the model does not have
+        run_openai(trained, [server.url], context=1000, max_new_tokens=200, concurrency=1,
+                   retries=5)
     assert "HTTP 400" in str(err.value) and "maximum context length" in str(err.value)
     assert server.url in str(err.value)
     assert server.handler.posts == 1  # not retried
@@ -235,11 +240,11 @@ def test_bad_request_fails_at_once_with_the_servers_message(trained, serve):
 def test_the_server_keeps_the_end_token_it_stopped_on_as_vllm_does(trained, serve):
     import httpx
 
-    _, tokenizer, _ = trained
+    model, tokenizer, _ = trained
     server = serve()
-    body = {"prompt": [tokenizer.bos_token_id] + tokenizer.encode(
-        arith.prompt("5+6"), add_special_tokens=False), "max_tokens": 40, "temperature": 0.0,
-        "logprobs": 1, "return_tokens_as_token_ids": True}
+    template = chat.Template.of(tokenizer, list(ENV.tools), chat.end_ids(model, tokenizer))
+    body = {"prompt": template.prompt(arith.chat_task("5+6")["messages"]), "max_tokens": 40,
+            "temperature": 0.0, "logprobs": 1, "return_tokens_as_token_ids": True}
 
     def complete(**extra):
         choice = httpx.post(f"{server.url}/completions", json={**body, **extra}).json()
@@ -263,7 +268,7 @@ def test_server_that_never_recovers_names_the_url(trained, serve):
 
     server = serve(handler(down))
     with pytest.raises(openai_backend.ServerError, match="after 3 attempts") as err:
-        run_openai(trained, [server.url], retries=2, concurrency=1, prompts=prompts(1)[:1])
+        run_openai(trained, [server.url], retries=2, concurrency=1, tasks=tasks(1)[:1])
     assert server.url in str(err.value) and "HTTP 503" in str(err.value)
     assert "overloaded" in str(err.value)
 
@@ -280,12 +285,14 @@ def test_several_urls_share_the_work_and_a_failing_one_is_routed_around(trained,
 
     broken, good = serve(handler(down)), serve()
     again, stats = run_openai(trained, [broken.url, good.url], concurrency=4)
-    assert [e.completion for e in again] == [e.completion for e in episodes]
+    assert [e.token_ids for e in again] == [e.token_ids for e in episodes]
     assert stats.retries == broken.handler.posts > 0 and stats.by_url[broken.url] == 0
 
 
 def _validated(path: Path) -> Path:
-    rows = [{"trace_id": f"t{i}", "question": q, "answer": str(arith.gold_answer(q))}
+    """Validated traces, each routed to the arith environment's task of its question."""
+    rows = [{"trace_id": f"t{i}",
+             "question": json.dumps({**arith.chat_task(q), "environment": "arith"})}
             for i, q in enumerate(QUESTIONS)]
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
@@ -312,22 +319,24 @@ def test_rollout_stage_starts_and_stops_the_server(trained, tmp_path):
     config = cfg.Rollout(backend="openai", server_command=command, samples_per_task=2,
                          temperature=0.0, max_new_tokens=40, max_turns=4)
     base = cfg.Base()
-    metrics = rollout.run(base, config, validated, folder, tmp_path / "rollouts.parquet")
+    metrics = rollout.run(base, config, SPECS, folder, tmp_path / "rollouts.parquet",
+                          validated=validated)
     assert _servers_of(folder) == []
     table = pq.read_table(tmp_path / "rollouts.parquet").to_pylist()
     local = rollout.run(base, cfg.Rollout(samples_per_task=2, temperature=0.0, max_new_tokens=40,
                                           max_turns=4),
-                        validated, folder, tmp_path / "local.parquet")
+                        SPECS, folder, tmp_path / "local.parquet", validated=validated)
     expected = pq.read_table(tmp_path / "local.parquet").to_pylist()
-    assert [r["completion"] for r in table] == [r["completion"] for r in expected]
+    assert [r["messages"] for r in table] == [r["messages"] for r in expected]
     assert [r["token_ids"] for r in table] == [r["token_ids"] for r in expected]
     assert metrics["episodes"] == 16 and metrics["backend"] == "openai"
     assert metrics["generated_tokens"] == local["generated_tokens"]
     assert metrics["requests"] >= 16 and metrics["retries"] == 0
 
-    failing = cfg.Rollout(backend="openai", server_command=command, max_new_tokens=200)
+    # the chat endpoint, asked with tools, of a server started without a tool parser: 400
+    failing = cfg.Rollout(backend="openai", server_command=command, api="chat")
     with pytest.raises(openai_backend.ServerError, match="HTTP 400"):
-        rollout.run(base, failing, validated, folder, tmp_path / "never.parquet")
+        rollout.run(base, failing, SPECS, folder, tmp_path / "never.parquet", validated=validated)
     assert _servers_of(folder) == [] and not (tmp_path / "never.parquet").exists()
 
 
@@ -389,27 +398,6 @@ def test_api_key_only_from_the_environment(monkeypatch):
     assert os.environ["OFFSEASON_NO_SUCH_KEY"] == "k"
 
 
-def test_progress_lines_on_stderr(trained, capsys):
-    run_transformers(trained, progress=True, prompts=prompts(1))
-    assert "generate: 8/8 episodes" in capsys.readouterr().err
-
-
-def test_suite_tasks_join_the_trace_tasks(trained, tmp_path):
-    _, _, folder = trained
-    validated = _validated(tmp_path / "validated.parquet")
-    suites = tmp_path / "tasks"
-    suites.mkdir()
-    (suites / "arith.jsonl").write_text(
-        '{"task_id": "s2", "question": "2+2", "answer": "4"}\n'
-        '{"task_id": "s1", "question": "9*9", "answer": 81}\n')
-    config = cfg.Rollout(samples_per_task=1, temperature=0.0, max_new_tokens=40, suite_tasks=1)
-    out = tmp_path / "rollouts.parquet"
-    metrics = rollout.run(cfg.Base(), config, validated, folder, out, suites)
-    rows = pq.read_table(out).to_pylist()
-    assert metrics["tasks"] == len(QUESTIONS) + 1 and metrics["suite_tasks"] == 1
-    assert [(r["trace_id"], r["question"], r["answer"]) for r in rows if
-            r["trace_id"].startswith("suite:")] == [("suite:s1", "9*9", "81")]
-
-    (suites / "arith.jsonl").unlink()
-    with pytest.raises(FileNotFoundError, match=r"arith\.jsonl.*rollout\.suite_tasks"):
-        rollout.run(cfg.Base(), config, validated, folder, out, suites)
+def test_progress_lines_on_stderr(trained, serve, capsys):
+    run_openai(trained, [serve().url], progress=True, tasks=tasks(1))
+    assert "rollout (openai): 8/8 episodes" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Broken model folders, an empty benchmark, an unknown environment: through the real CLI, each
+"""Broken model folders, an empty benchmark, a retired params key: through the real CLI, each
 fails with exit code 2 (or a stage failure) whose message names the file or key to fix.
 """
 
@@ -17,7 +17,7 @@ from stages.envs import arith
 def model_folder(tmp_path_factory):
     """A small, valid Hugging Face chat model folder, as `offseason init --base-model` takes it."""
     folder = tmp_path_factory.mktemp("models") / "good"
-    tokenizer = tinylm.build_tokenizer(arith, chat=True)
+    tokenizer = tinylm.build_tokenizer(arith)
     model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
     tinylm.save(model, tokenizer, folder)
     return folder
@@ -73,23 +73,15 @@ def test_a_good_model_folder_loads(model_folder):
 CHAT_TASK = '{"task_id": "a", "messages": [{"role": "user", "content": "1+1"}], "answer": 2}'
 
 
-@pytest.mark.parametrize("path, content, says", [
-    ("chat", "", "arith.jsonl: the benchmark of environment 'arith' is empty"),
-    ("chat", "\n\n", "arith.jsonl: the benchmark of environment 'arith' is empty"),
-    ("chat", CHAT_TASK + '\n{"task_id": \n', "arith.jsonl:2: not valid JSON"),
-    ("chat", '["1+1"]\n', "arith.jsonl:1: a task is a JSON object"),
-    ("chat", '{"id": "a", "question": "1+1"}\n', "arith.jsonl:1: missing 'task_id'"),
-    ("tag", "", "the benchmark is empty"),
-    ("tag", "\n\n", "the benchmark is empty"),
-    ("tag", '{"id": "a", "question": "1+1"}\n{"id": \n', "line 2: not valid JSON"),
-    ("tag", '["1+1"]\n', "line 1: a benchmark item is an object with 'id' and 'question'"),
+@pytest.mark.parametrize("content, says", [
+    ("", "arith.jsonl: the benchmark of environment 'arith' is empty"),
+    ("\n\n", "arith.jsonl: the benchmark of environment 'arith' is empty"),
+    (CHAT_TASK + '\n{"task_id": \n', "arith.jsonl:2: not valid JSON"),
+    ('["1+1"]\n', "arith.jsonl:1: a task is a JSON object"),
+    ('{"id": "a", "question": "1+1"}\n', "arith.jsonl:1: missing 'task_id'"),
 ])
-def test_a_bad_benchmark_fails_init_and_run_naming_the_file(tmp_path, path, content, says):
-    """Both paths: the demo's default (arith on the chat path) and `environments: {}` (the
-    built-in environment's tag protocol)."""
+def test_a_bad_benchmark_fails_init_and_run_naming_the_file(tmp_path, content, says):
     root = make_project(tmp_path / "p")
-    if path == "tag":
-        write_params(root, {"environments": {}})
     (root / "data/benchmarks/arith.jsonl").write_text(content)
     for command in ("init", "run"):
         result = offseason(root, command, check=False)
@@ -99,14 +91,14 @@ def test_a_bad_benchmark_fails_init_and_run_naming_the_file(tmp_path, path, cont
     assert not (root / "models" / "champion").exists()
 
 
-def test_an_unknown_environment_is_refused_naming_the_key(tmp_path):
+def test_the_retired_base_environment_is_refused_saying_what_to_write(tmp_path):
     root = make_project(tmp_path / "p")
     write_params(root, {"base": {"environment": "chess"}})
     for command in ("init", "simulate", "run", "check"):
         result = offseason(root, command, check=False)
         assert result.returncode == 2, (command, result.stderr[-3000:])
-        assert "base.environment: unknown environment 'chess'; choose one of" in result.stderr
-        assert "'arith'" in result.stderr
+        assert "base.environment is retired with the tag protocol" in result.stderr
+        assert "write `environments: {chess: {module: my_envs.chess}}`" in result.stderr
 
 
 @pytest.mark.slow

@@ -219,8 +219,8 @@ def test_200_tasks_roll_out_under_each_template_every_episode_counted_by_how_it_
         out.writelines(json.dumps(task) + "\n" for task in two_hundred_tasks())
     specs = {"orders": cfg.EnvironmentSpec(module=module, tasks="tasks.jsonl")}
     config = cfg.Rollout(samples_per_task=1, max_new_tokens=4, max_turns=1)
-    metrics = rollout.run_chat(cfg.Base(seed=0), config, specs, folder,
-                               tmp_path / "rollouts.parquet", root=tmp_path)
+    metrics = rollout.run(cfg.Base(seed=0), config, specs, folder, tmp_path / "rollouts.parquet",
+                          root=tmp_path)
     ended = metrics["episodes_ended"]
     assert metrics["episodes"] == 200 and sum(ended.values()) == 200, ended
     assert set(ended) == set(chat.ENDINGS)

@@ -11,8 +11,11 @@ def write(tmp_path, data):
     return path
 
 
+DEMO = {"arith": {"module": "stages.envs.arith", "benchmark": "data/benchmarks/arith.jsonl"}}
+
+
 def full(**changes):
-    data = {name: {} for name in settings.SECTIONS}
+    data = {**{name: {} for name in settings.SECTIONS}, "environments": DEMO}
     for section, values in changes.items():
         data[section] = values
     return data
@@ -21,7 +24,7 @@ def full(**changes):
 def test_defaults_load(tmp_path):
     configs = settings.load_all(write(tmp_path, full()))
     assert configs["train"].method.lr == 1e-3
-    assert configs["base"].environment == "arith"
+    assert configs["reward"].weights == {"feedback": 0.0}
 
 
 def test_repo_params_are_valid():
@@ -88,9 +91,35 @@ def test_cross_field_check(tmp_path):
         settings.load_all(write(tmp_path, full(init={"n_embd": 30, "n_head": 4})))
 
 
-def test_unknown_environment_lists_valid_ones(tmp_path):
-    with pytest.raises(cfg.ParamsError, match=r"unknown environment 'chess'.*'arith'.*'toolcall'"):
-        settings.load_all(write(tmp_path, full(base={"environment": "chess"})))
+@pytest.mark.parametrize("changes, says", [
+    # the tag protocol's keys: each names itself and says what to write instead
+    ({"base": {"environment": "code"}}, "base.environment is retired with the tag protocol: each "
+     "environment is an entry of `environments:`, played by a chat model; write `environments: "
+     "{code: {module: stages.envs.coding, tasks: data/tasks/code.jsonl, benchmark: "
+     "data/benchmarks/code.jsonl}}` and delete base.environment"),
+    ({"gate": {"suites": {"arith": {"environment": "arith", "max_regression": 0.1}}}},
+     "gate.suites is retired with the tag protocol: each environment's benchmark is a gate suite, "
+     "with its own max_regression; write `environments: {arith: {module: stages.envs.arith, "
+     "benchmark: data/benchmarks/arith.jsonl, max_regression: 0.1}}` and delete gate.suites"),
+    ({"environments": {}}, "environments: empty; name the environments your agent works in "
+     "(`environments: {}`, the built-in one of base.environment on the tag protocol, is retired): "
+     "for the demo's arithmetic write `environments: {arith: {module: stages.envs.arith, "
+     "benchmark: data/benchmarks/arith.jsonl}}`"),
+    ({"environments": None}, "environments: missing; name the environments"),
+    ({"rollout": {"suite_tasks": 8}}, "rollout.suite_tasks is retired with the tag protocol: an "
+     "environment's task file is attempted every cycle"),
+    ({"rollout": {"stop": "</calc>"}}, "rollout.stop is retired with the tag protocol"),
+    ({"reward": {"weights": {"correct": 1.0, "feedback": 0.5}}}, "reward.weights.correct: the tag "
+     "protocol's components are retired; an environment's own components each weigh 1 (its "
+     "reward is their mean) and only `feedback` has a weight: write `weights: {feedback: 0.0}`"),
+])
+def test_the_tag_protocols_params_say_what_to_write_instead(tmp_path, changes, says):
+    data = full(**changes)
+    if data["environments"] is None:
+        del data["environments"]
+    with pytest.raises(cfg.ParamsError) as err:
+        settings.load_all(write(tmp_path, data))
+    assert f"params.yaml: {says}" in str(err.value), err.value
 
 
 def test_range_check(tmp_path):

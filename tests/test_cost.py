@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import train_config
-from tiny_arith import BAD, GOOD, build_champion, scored
+from tiny_arith import BAD, GOOD, SPECS, build_champion, scored
 
 from flows import cost
 from stages import budget as budgets
@@ -30,18 +30,24 @@ def cpu_now():
 
 
 def validated(tmp_path, questions):
+    """Validated traces, each routed to the arith environment's task of its question."""
     path = tmp_path / "validated.parquet"
     pq.write_table(pa.Table.from_pylist([
-        {"trace_id": f"tr{i}", "question": q, "answer": str(arith.gold_answer(q))}
+        {"trace_id": f"tr{i}", "question": json.dumps({**arith.chat_task(q), "environment": "arith"})}
         for i, q in enumerate(questions)]), path)
     return path
+
+
+def roll(config, tasks, champion, out, meter=None):
+    """The rollout stage on the arith environment's trace tasks."""
+    return rollout.run(cfg.Base(), config, SPECS, champion, out, validated=tasks, meter=meter)
 
 
 def test_the_ledgers_token_counts_are_the_rollouts_and_the_batches_own(tmp_path, champion):
     # the rollout: its episodes' own token ids, per environment
     config = cfg.Rollout(samples_per_task=3, max_new_tokens=24, batch_size=8)
-    rolled = rollout.run(cfg.Base(), config, validated(tmp_path, ["2*3", "7+5", "9-4", "3*3"]),
-                         champion, tmp_path / "episodes.parquet")
+    rolled = roll(config, validated(tmp_path, ["2*3", "7+5", "9-4", "3*3"]), champion,
+                  tmp_path / "episodes.parquet")
     table = pq.read_table(tmp_path / "episodes.parquet").to_pylist()
     generated = sum(m for row in table for m in row["model_mask"])
     read = sum(len(row["token_ids"]) for row in table) - generated
@@ -55,10 +61,10 @@ def test_the_ledgers_token_counts_are_the_rollouts_and_the_batches_own(tmp_path,
     examples = {(r["task_id"], r["completion"]): r for r in pq.read_table(rewards).to_pylist()
                 if r["correct"] == 1.0}
     assert len(examples) == 3  # one per task: GOOD, once per distinct completion
-    # the demo's rows train as <bos> ids <eos>: every one a real token, the loss on the model's
-    # own ones and its <eos>
-    tokens = 2 * sum(len(r["token_ids"]) + 2 for r in examples.values())
-    seen = 2 * sum(sum(r["model_mask"]) + 1 for r in examples.values())
+    # each row trains as the conversation it is: every id a real token, the loss on the
+    # model's own ones (its end tokens included)
+    tokens = 2 * sum(len(r["token_ids"]) for r in examples.values())
+    seen = 2 * sum(sum(r["model_mask"]) for r in examples.values())
     assert trained["trained"] and seen < tokens
     spent = cost.ledger({"rollout": rolled, "train": trained}, {"rollout": True, "train": True},
                         cfg.Cost())
@@ -120,13 +126,13 @@ def test_a_budget_stops_the_rollout_between_batches_and_a_raised_one_gives_the_u
     config = cfg.Rollout(samples_per_task=4, batch_size=4)  # 24 episodes in 6 batches
     whole, stopped = tmp_path / "whole.parquet", tmp_path / "stopped.parquet"
     before = cpu_now()
-    rollout.run(cfg.Base(), config, tasks, champion, whole)
+    roll(config, tasks, champion, whole)
     batch = (cpu_now() - before) / 6  # CPU seconds of a batch, the model's loading included
     prices = cfg.Cost(cpu_hour_usd=3600.0)  # a dollar a CPU-second: max_usd counts CPU seconds
     # half a batch: the check before the first batch passes, one after a batch stops the stage
     meter = budgets.Meter("rollout", cfg.Budget(max_usd=batch / 2), prices, since_cpu=cpu_now())
     with pytest.raises(budgets.BudgetSpent) as err:
-        rollout.run(cfg.Base(), config, tasks, champion, stopped, meter=meter)
+        roll(config, tasks, champion, stopped, meter)
     message = str(err.value)
     assert "budget.max_usd=" in message and "reached" in message, message
     done = re.search(r"done: (\d+) of 24 episodes; left to do: (\d+) episodes", message)
@@ -134,7 +140,7 @@ def test_a_budget_stops_the_rollout_between_batches_and_a_raised_one_gives_the_u
     assert 0 < int(done[1]) < 24 and int(done[1]) % 4 == 0 and int(done[2]) == 24 - int(done[1])
     assert not stopped.exists()  # no partial table is left as the stage's output
     raised = budgets.Meter("rollout", cfg.Budget(max_usd=1e6), prices, since_cpu=cpu_now())
-    rollout.run(cfg.Base(), config, tasks, champion, stopped, meter=raised)
+    roll(config, tasks, champion, stopped, raised)
     kept = ["task_id", "sample", "completion", "token_ids", "model_mask"]
     assert pq.read_table(stopped, columns=kept).to_pylist() == \
         pq.read_table(whole, columns=kept).to_pylist()
@@ -146,9 +152,8 @@ def test_a_budget_spent_before_the_rollout_stops_it_naming_the_key(tmp_path, cha
                           since_cpu=cpu_now())
     with pytest.raises(budgets.BudgetSpent, match=r"budget.max_judge_tokens=500 reached: this "
                        r"cycle spent 900 judge tokens .*left to do: 4 episodes"):
-        rollout.run(cfg.Base(), cfg.Rollout(samples_per_task=2),
-                    validated(tmp_path, ["2*3", "1+1"]), champion, tmp_path / "r.parquet",
-                    meter=meter)
+        roll(cfg.Rollout(samples_per_task=2), validated(tmp_path, ["2*3", "1+1"]), champion,
+             tmp_path / "r.parquet", meter)
     assert not (tmp_path / "r.parquet").exists()
     with pytest.raises(cfg.ParamsError, match="budget.max_usd: must be >= 0"):
         cfg.Budget(max_usd=-1)

@@ -44,7 +44,7 @@ def project(tmp_path, monkeypatch) -> Path:
         chat_trace("none", "Hello?", "Hello! How can I help?", None)]))
     shutil.copy(FIXTURES / "langfuse.json", inbox / "langfuse.json")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({
-        "base": {}, "reward": {"weights": {"correct": 1.0}},
+        "base": {}, "reward": {},
         "environments": {"replay": {"module": "stages.envs.replay"}}}))
     monkeypatch.chdir(tmp_path)
     data = tmp_path / "data"
@@ -71,9 +71,8 @@ def episodes(root: Path, answers: dict[str, list[str]]) -> None:
                          "messages": json.dumps(task["messages"] + added),
                          "completion": json.dumps(added), "token_ids": [1, 2],
                          "model_mask": [0, 1], "logprobs": [0.0, -0.5], "finish": "stop",
-                         "tool_calls": 0, "tool_errors": 0, "error": None, "turns": [1],
-                         "chat": True})
-    pq.write_table(pa.Table.from_pylist(rows, schema=rollout.CHAT_SCHEMA),
+                         "tool_calls": 0, "tool_errors": 0, "error": None, "turns": [1]})
+    pq.write_table(pa.Table.from_pylist(rows, schema=rollout.SCHEMA),
                    root / "data/rollouts.parquet")
 
 
@@ -115,7 +114,7 @@ def test_a_rated_answer_gives_its_rating_as_the_feedback_component(project):
     # weighed in: the weighted mean over the components present, renormalised; and the
     # Langfuse score named as the rating of traces without thumbs
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["reward"]["weights"]["feedback"] = 3.0
+    params["reward"]["weights"] = {"feedback": 3.0}
     params["reward"]["feedback_score"] = "user-feedback"
     (project / "params.yaml").write_text(yaml.safe_dump(params))
     rows, metrics = score(project)

@@ -59,21 +59,23 @@ def skip_unless_long(request) -> None:
 
 
 def simulate_like_lines(n: int = 12) -> bytes:
-    """Traffic shaped exactly like `offseason simulate` writes it with `environments: {}`
-    (stages/simulate.py), with its junk: tool calls, feedback, an e-mail address, a duplicate, a
-    cut line, small talk. The chat path's lines have the same keys; their texts differ (the bare
-    expression as the request, `answer:N` as the final answer, ids `call-<day>-<trace>-<n>`).
+    """Traffic shaped exactly like `offseason simulate` writes it (stages/simulate.py), with its
+    junk: tool calls, feedback, an e-mail address, a duplicate, a cut line, small talk.
     """
     rng = random.Random(7)
     lines = []
     for i in range(n):
         question = arith.sample_question(rng)
-        completion = arith.demonstration(question, use_tool=i % 2 == 0)
+        answer = arith.chat_demonstration(question, use_tool=i % 2 == 0)
+        for message in answer:  # the call ids unique in the log, `call-<day>-<trace>-<n>`
+            for call in message.get("tool_calls") or []:
+                call["id"] = f"call-0-{i}-0"
+            if message["role"] == "tool":
+                message["tool_call_id"] = f"call-0-{i}-0"
         record = {"id": f"tr-000-{i:05d}", "created_at": "2026-01-01T09:00:00+00:00",
                   "model": "offseason-agent@champion",
-                  "messages": arith.messages_from_completion(f"What is {question}?", completion,
-                                                             f"call-0-{i}"),
-                  "tools": [arith.TOOL_SCHEMA]}
+                  "messages": [{"role": "user", "content": question}] + answer,
+                  "tools": arith.TOOLS}
         if i % 3:
             record["feedback"] = {"thumbs_up": i % 2 == 0}
         lines.append(json.dumps(record))
@@ -310,7 +312,8 @@ def check_ingest(folder: Path, files: list[tuple[str, bytes]]) -> dict:
 def check_validate(folder: Path, accepted: int) -> None:
     m = validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.0), folder / "ingested.parquet",
                      folder / "valid.parquet", folder / "qv.jsonl", folder / "profiles",
-                     folder / "docs")
+                     folder / "docs", {"arith": cfg.EnvironmentSpec(module="stages.envs.arith")},
+                     folder)
     assert m["rows_read"] == accepted
     assert m["accepted"] + m["quarantined"] == accepted
     assert pq.read_metadata(folder / "valid.parquet").num_rows == m["accepted"]

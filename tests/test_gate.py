@@ -14,9 +14,8 @@ from flows import params as settings
 from stages import champion_scores, gate, tinylm
 from stages import config as cfg
 from stages.envs import arith
+from stages.generation import chat
 from stages.training import warmstart
-from stages.training.batches import encode_completion
-from stages.training.warmstart import demonstrations
 
 # one xdist worker runs this module: its module-scoped fixture is built once
 pytestmark = pytest.mark.xdist_group("gate")
@@ -66,7 +65,7 @@ def test_a_higher_score_within_noise_is_held_back():
 
 
 def test_a_guard_suite_regression_fails_naming_the_suite():
-    config = cfg.Gate(suites={"arith": cfg.Suite(), "hard": cfg.Suite(max_regression=0.05)})
+    config = cfg.Gate()  # every guard at an environment's default max_regression, 0.05
     good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
     guard = pairs(rows([0] * 30 + [1] * 70, "hard"), rows([1] * 100, "hard"))
     verdict = gate.decide(config, 0, good + guard, set(), [], False)
@@ -114,7 +113,7 @@ def test_a_primary_suite_without_judged_items_fails():
     assert "arith: no judged items" in verdict["reason"]
     assert verdict["suites"]["arith"]["unjudged"] == 20
     # an empty guard suite still does not block
-    config = cfg.Gate(suites={"arith": cfg.Suite(), "hard": cfg.Suite()})
+    config = cfg.Gate()
     guard = pairs([{**r, "correct": None} for r in rows([1] * 5, "hard")], rows([1] * 5, "hard"))
     good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
     verdict = gate.decide(config, 0, good + guard, set(), [], False)
@@ -130,10 +129,11 @@ def test_a_difference_exactly_at_the_margin_is_not_lost_to_rounding():
     low, _ = gate.paired_interval(np.array(candidate, float), np.array(champion, float), 2000,
                                   0.9, 0)
     assert low == -0.15  # the 5% quantile falls inside the resamples that lost 3 times
-    config = cfg.Gate(suites={"arith": cfg.Suite(), "hard": cfg.Suite(max_regression=0.15)})
     good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
-    verdict = gate.decide(config, 0, good + pairs(rows(candidate, "hard"), rows(champion, "hard")),
-                          set(), [], False)
+    margins = {"arith": ("arith", 0.05), "hard": ("hard", 0.15)}
+    verdict = gate.decide(cfg.Gate(), 0, good + pairs(rows(candidate, "hard"),
+                                                      rows(champion, "hard")),
+                          set(), [], False, margins)
     hard = verdict["suites"]["hard"]
     assert hard["interval"][0] == -0.15 and hard["passed"] is True, hard["reason"]
     assert hard["difference"] == -0.05
@@ -176,64 +176,76 @@ def tiny(tmp_path_factory):
     for name, steps in (("champion", 5), ("candidate", 30)):
         model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64,
                                    seed=0)
-        warmstart.train(model, demonstrations(tokenizer, arith, random.Random(0), 0.5, 16), steps=steps,
-                  lr=1e-2, tokenizer=tokenizer, seed=0)
+        template = chat.Template.of(tokenizer, list(arith.TOOLS), chat.end_ids(model, tokenizer))
+        warmstart.train(model, warmstart.demonstrations(template, arith, random.Random(0), 0.5, 16),
+                        steps=steps, lr=1e-2, tokenizer=tokenizer, seed=0)
         tinylm.save(model, tokenizer, folder / name)
     return folder
 
 
+def benchmark(root, size):
+    """An arith benchmark of `size` tasks in `root`, and the environments: naming it."""
+    arith.write_benchmark(root / "arith.jsonl", size=size)
+    return {"arith": cfg.EnvironmentSpec(module="stages.envs.arith", benchmark="arith.jsonl")}
+
+
+def scores_of(tmp_path, model, config, specs):
+    return champion_scores.run(cfg.Base(), config, model, tmp_path / "scores.parquet",
+                               tmp_path / "forgetting.jsonl", specs, cfg.Rollout(), tmp_path)
+
+
 def test_contaminated_benchmark_fails_naming_the_items(tmp_path, tiny):
-    bench = tmp_path / "arith.jsonl"
-    arith.write_benchmark(bench, size=12)
-    items = [line for line in bench.read_text().splitlines()]
-    leaked = [json.loads(items[3]), json.loads(items[7])]
+    specs = benchmark(tmp_path, 12)
+    leaked = [json.loads(line) for line in (tmp_path / "arith.jsonl").read_text().splitlines()]
+    leaked = [leaked[3], leaked[7]]
     config = cfg.Gate(min_improvement=-1.0, bootstrap_samples=100, max_length_increase=100,
                       max_format_regression=1, max_tool_error_regression=1,
                       forgetting_max_regression=1)
     scores, forgetting = tmp_path / "scores.parquet", tmp_path / "forgetting.jsonl"
-    metrics = champion_scores.run(cfg.Base(), config, tiny / "champion", [bench], scores,
-                                  forgetting)
+    metrics = scores_of(tmp_path, tiny / "champion", config, specs)
     assert metrics["suites"]["arith"]["items"] == 12
     assert pq.read_table(scores).num_rows == 12
-    # this cycle's rewards ask one benchmark question (spaced differently), the replay another
-    tokenizer = tinylm.build_tokenizer(arith)
+    # this cycle's rewards ask one benchmark question, the replay another: each an episode as
+    # the chat template renders its task
+    model, tokenizer = tinylm.load(tiny / "candidate")
+    template = chat.Template.of(tokenizer, list(arith.TOOLS), chat.end_ids(model, tokenizer))
+
+    def episode(question):
+        task = arith.chat_task(question)
+        ids, mask = chat.encode(template.for_task(task),
+                                task["messages"] + arith.chat_demonstration(question, True))
+        return {"task_id": "t", "completion": "", "token_ids": ids, "model_mask": mask}
+
     rewards = tmp_path / "rewards.parquet"
-    q = leaked[0]["question"]
-    pq.write_table(pa.Table.from_pylist([{"prompt": arith.prompt(q.replace("*", " * ")
-                                                                 .replace("+", " + "))},
-                                         {"prompt": arith.prompt("1+1000")}]), rewards)
+    pq.write_table(pa.Table.from_pylist([episode(leaked[0]["messages"][0]["content"]),
+                                         episode("1+1000")]), rewards)
     replay = tmp_path / "replay"
     replay.mkdir()
-    ids, mask = encode_completion(tokenizer, arith, arith.prompt(leaked[1]["question"]),
-                                  arith.demonstration(leaked[1]["question"], use_tool=True))
-    pq.write_table(pa.Table.from_pylist([{"task_id": "t", "completion": "", "token_ids": ids,
-                                          "model_mask": mask}]), replay / "part-0.parquet")
-    verdict = gate.run(cfg.Base(), config, tiny / "candidate", scores, forgetting, rewards,
-                       replay, [bench], tmp_path / "gate.parquet")
+    pq.write_table(pa.Table.from_pylist([episode(leaked[1]["messages"][0]["content"])]),
+                   replay / "part-0.parquet")
+    args = (cfg.Base(), config, tiny / "candidate", scores, forgetting, rewards, replay,
+            tmp_path / "gate.parquet", specs, cfg.Rollout(), tmp_path)
+    verdict = gate.run(*args)
     assert verdict["passed"] is False
-    assert verdict["contamination"]["items"] == sorted([f"arith/{leaked[0]['id']}",
-                                                        f"arith/{leaked[1]['id']}"])
-    assert f"arith/{leaked[0]['id']}" in verdict["reason"]
+    assert verdict["contamination"]["items"] == sorted([f"arith/{leaked[0]['task_id']}",
+                                                        f"arith/{leaked[1]['task_id']}"])
+    assert f"arith/{leaked[0]['task_id']}" in verdict["reason"]
     assert "contamination: 2 benchmark items" in verdict["reason"]
     assert "replace those items in the benchmark files" in verdict["contamination"]["reason"]
     # the same without the leak: only the contamination rule changes
     rewards.unlink()
     for part in replay.iterdir():
         part.unlink()
-    clean = gate.run(cfg.Base(), config, tiny / "candidate", scores, forgetting, rewards, replay,
-                     [bench], tmp_path / "gate.parquet")
+    clean = gate.run(*args)
     assert clean["contamination"]["passed"] and clean["contamination"]["items"] == []
 
 
 def test_forgetting_set_keeps_what_any_champion_solved(tmp_path, tiny):
-    bench = tmp_path / "arith.jsonl"
-    arith.write_benchmark(bench, size=30)
+    specs = benchmark(tmp_path, 30)
     scores, forgetting = tmp_path / "scores.parquet", tmp_path / "forgetting.jsonl"
     config = cfg.Gate()
-    first = champion_scores.run(cfg.Base(), config, tiny / "champion", [bench], scores,
-                                forgetting)
-    second = champion_scores.run(cfg.Base(), config, tiny / "candidate", [bench], scores,
-                                 forgetting)
+    first = scores_of(tmp_path, tiny / "champion", config, specs)
+    second = scores_of(tmp_path, tiny / "candidate", config, specs)
     kept = [r["id"] for r in pq.read_table(scores).to_pylist() if r["correct"] == 1.0]
     assert first["forgetting_items"] + second["forgetting_added"] == second["forgetting_items"]
     lines = {line["id"]: line for line in map(json.loads, forgetting.read_text().splitlines())}
@@ -241,42 +253,28 @@ def test_forgetting_set_keeps_what_any_champion_solved(tmp_path, tiny):
     hashes = {gate.weights_hash(tiny / name)[:16] for name in ("champion", "candidate")}
     assert all(set(line["solved_by"]) <= hashes and line["solved_by"] for line in lines.values())
     # run again for the same champion (a rerun stage): nothing is added twice
-    again = champion_scores.run(cfg.Base(), config, tiny / "candidate", [bench], scores,
-                                forgetting)
+    again = scores_of(tmp_path, tiny / "candidate", config, specs)
     assert (again["forgetting_items"], again["forgetting_added"]) == \
         (second["forgetting_items"], 0)
 
 
-def test_nested_suite_params_name_the_full_key(tmp_path):
+def test_gate_params_name_the_key(tmp_path):
     path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump({"gate": {"suites": {"arith": {"max_regresion": 0.1}}}}))
-    with pytest.raises(cfg.ParamsError, match=r"unknown key 'gate.suites.arith.max_regresion' "
-                                              r"\(did you mean 'gate.suites.arith.max_regression'"):
+    arith_env = {"arith": {"module": "stages.envs.arith", "benchmark": "b.jsonl"}}
+    path.write_text(yaml.safe_dump({"gate": {"primary": "code"}, "environments": arith_env}))
+    with pytest.raises(cfg.ParamsError, match="gate.primary: 'code' is not one of your "
+                                              "environments with a benchmark \\(arith\\)"):
         cfg.load("gate", path)
-    path.write_text(yaml.safe_dump({"gate": {"primary": "code", "suites": {"arith": {}}}}))
-    with pytest.raises(cfg.ParamsError, match="gate.primary: 'code' is not one of gate.suites"):
+    path.write_text(yaml.safe_dump({"gate": {}, "environments": {
+        "arith": {"module": "stages.envs.arith"}}}))
+    with pytest.raises(cfg.ParamsError, match="environments: none has a benchmark"):
         cfg.load("gate", path)
-    path.write_text(yaml.safe_dump({"gate": {"suites": {"arith": {"environment": "cobol"}}}}))
-    with pytest.raises(cfg.ParamsError, match="gate.suites.arith.environment: unknown"):
-        cfg.load("gate", path)
-    path.write_text(yaml.safe_dump({"gate": {"suites": {"arith": {"max_regression": "lots"}}}}))
-    with pytest.raises(cfg.ParamsError, match="gate.suites.arith.max_regression: expected a num"):
+    path.write_text(yaml.safe_dump({"gate": {"alpha": "lots"}, "environments": arith_env}))
+    with pytest.raises(cfg.ParamsError, match="gate.alpha: expected a num"):
         cfg.load("gate", path)
     path.write_text(yaml.safe_dump({"promotion": {"approval_timeout": 0}}))
     with pytest.raises(cfg.ParamsError, match="promotion.approval_timeout: must be > 0"):
         cfg.load("promotion", path, settings.SECTIONS)
-
-
-def test_suite_paths_and_params_must_match(tmp_path):
-    arith.write_benchmark(tmp_path / "arith.jsonl", size=3)
-    arith.write_benchmark(tmp_path / "code.jsonl", size=3)
-    with pytest.raises(cfg.ParamsError, match="code.jsonl: no params entry gate.suites.code"):
-        gate.suite_items(cfg.Gate(), [tmp_path / "arith.jsonl", tmp_path / "code.jsonl"])
-    two = cfg.Gate(suites={"arith": cfg.Suite(), "code": cfg.Suite()})
-    with pytest.raises(cfg.ParamsError, match="gate.suites.code: no data/benchmarks/code.jsonl"):
-        gate.suite_items(two, [tmp_path / "arith.jsonl"])
-    assert [len(v) for v in gate.suite_items(two, [tmp_path / "arith.jsonl",
-                                                   tmp_path / "code.jsonl"]).values()] == [3, 3]
 
 
 def split(only_candidate: int, only_champion: int, same: int = 190) -> list:
@@ -347,8 +345,7 @@ def test_a_guard_too_small_for_its_margin_is_reported_underpowered_and_params_sa
     # a 10-item guard: 2 items lost, 1 won; it cannot tell a 0.05 regression from noise
     small = pairs(rows([0, 0, 1] + [1] * 4 + [0] * 3, "small"),
                   rows([1, 1, 0] + [1] * 4 + [0] * 3, "small"))
-    suites = {"arith": cfg.Suite(), "small": cfg.Suite(max_regression=0.05)}
-    decided = gate.decide(cfg.Gate(suites=suites), 0, good + small, set(), [], False)
+    decided = gate.decide(cfg.Gate(), 0, good + small, set(), [], False)  # its margin: 0.05
     guard = decided["suites"]["small"]
     a = np.array([0, 0, 1] + [1] * 4 + [0] * 3, float)
     b = np.array([1, 1, 0] + [1] * 4 + [0] * 3, float)
@@ -364,8 +361,7 @@ def test_a_guard_too_small_for_its_margin_is_reported_underpowered_and_params_sa
     assert guard["underpowered"] is True and guard["passed"] is False
     assert "underpowered: with 10 items it detects a change of" in guard["reason"]
     assert decided["passed"] is False  # gate.underpowered: decide (the default) lets it block
-    skipped = gate.decide(cfg.Gate(suites=suites, underpowered="skip"), 0, good + small, set(),
-                          [], False)
+    skipped = gate.decide(cfg.Gate(underpowered="skip"), 0, good + small, set(), [], False)
     assert skipped["suites"]["small"]["skipped"] is True and skipped["passed"] is True
     assert "skipped (gate.underpowered: skip)" in skipped["suites"]["small"]["reason"]
     # the 200-item primary is not flagged, and reports what it can detect
@@ -379,8 +375,7 @@ def test_check_says_a_primary_suite_too_small_can_never_pass(tmp_path):
     from flows.cli import power_lines
 
     tiny = pairs(rows([1, 0, 1, 0], "mine"), rows([1, 0, 1, 0], "mine"))
-    verdict = gate.decide(cfg.Gate(primary="mine", suites={"mine": cfg.Suite()}), 0, tiny, set(),
-                          [], False)
+    verdict = gate.decide(cfg.Gate(primary="mine"), 0, tiny, set(), [], False)
     assert verdict["suites"]["mine"]["detectable_change"] == 1.25
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "gate.json").write_text(json.dumps(verdict))
@@ -446,19 +441,17 @@ def test_52_weekly_cycles_with_sequential_control_keep_false_promotions_at_alpha
 
 def test_the_gate_stage_keeps_one_history_line_per_decision(tmp_path, tiny, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "data" / "benchmarks").mkdir(parents=True)
-    items = [{"id": f"b{i}", "question": f"{i}+{i}", "answer": str(2 * i)} for i in range(20)]
-    (tmp_path / "data" / "benchmarks" / "arith.jsonl").write_text(
-        "".join(json.dumps(i) + "\n" for i in items))
+    items = [{"task_id": f"b{i}", "messages": [{"role": "user", "content": f"{i}+{i}"}],
+              "answer": str(2 * i)} for i in range(20)]
+    (tmp_path / "arith.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    specs = {"arith": cfg.EnvironmentSpec(module="stages.envs.arith", benchmark="arith.jsonl")}
     config = cfg.Gate(benchmark_size=20, bootstrap_samples=200, sequential="lord")
     base = cfg.Base()
-    suites = [tmp_path / "data" / "benchmarks" / "arith.jsonl"]
-    champion_scores.run(base, config, tiny / "champion", suites, tmp_path / "scores.parquet",
-                        tmp_path / "forgetting.jsonl")
+    scores_of(tmp_path, tiny / "champion", config, specs)
     history = tmp_path / "history.jsonl"
     args = (base, config, tiny / "candidate", tmp_path / "scores.parquet",
             tmp_path / "forgetting.jsonl", tmp_path / "none.parquet", tmp_path / "replay",
-            suites, tmp_path / "gate.parquet")
+            tmp_path / "gate.parquet", specs, cfg.Rollout(), tmp_path)
     first = gate.run(*args, history=history)
     again = gate.run(*args, history=history)  # the same cycle's gate, rerun: replaces its line
     lines = [json.loads(line) for line in history.read_text().splitlines()]
@@ -468,7 +461,7 @@ def test_the_gate_stage_keeps_one_history_line_per_decision(tmp_path, tiny, monk
     assert first["sequence"]["level"] == pytest.approx(gate.lord_level(0.05, []), abs=1e-6)
     assert "LORD++" in first["rule"]
     # each item informed this one decision (the rerun replaced, not added, its line)
-    assert lines[0]["items"] == {"arith": sorted(i["id"] for i in items)}
+    assert lines[0]["items"] == {"arith": sorted(i["task_id"] for i in items)}
     assert again["item_usage"] == {"arith": {"items": 20, "decisions_min": 1,
                                              "decisions_mean": 1.0, "decisions_max": 1}}
 
@@ -499,8 +492,7 @@ def test_check_shows_what_each_suite_detects_and_warns_about_an_underpowered_gua
     good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
     small = pairs(rows([0, 0, 1] + [1] * 4 + [0] * 3, "small"),
                   rows([1, 1, 0] + [1] * 4 + [0] * 3, "small"))
-    suites = {"arith": cfg.Suite(), "small": cfg.Suite(max_regression=0.05)}
-    verdict = gate.decide(cfg.Gate(suites=suites), 0, good + small, set(), [], False)
+    verdict = gate.decide(cfg.Gate(), 0, good + small, set(), [], False)  # small's margin 0.05
     verdict["item_usage"] = gate.item_usage([{"items": {"arith": ["a0", "a1"]}}],
                                             {"arith": ["a0", "a1", "a2"]}, False)
     (tmp_path / "metrics" / "gate.json").write_text(json.dumps(verdict))
@@ -593,8 +585,7 @@ def share(p, n):
     return [1.0] * round(p * n) + [0.0] * (n - round(p * n))
 
 
-TWO_ENVIRONMENTS = cfg.Gate(suites={"arith": cfg.Suite(),
-                                    "code": cfg.Suite(environment="code", max_regression=0.5)})
+TWO_ENVIRONMENTS = {"arith": ("arith", 0.05), "code": ("code", 0.5)}  # their max_regression
 # guard: (its row key, arith's champion and candidate, code's champion and candidate): better on
 # arith (200 items), worse on code (100 items), so that the figure over both passes
 ONE_BETTER_ONE_WORSE = {
@@ -629,12 +620,12 @@ def test_a_guard_fails_in_the_environment_that_regressed_though_the_pooled_figur
     margin = {"length": "max_length_increase", "format": "max_format_regression",
               "tool_ok": "max_tool_error_regression", "hacking": "max_hack_increase"}[guard]
     pooled = gate.compare("pooled", np.array([c[key] for c, _ in both], float),
-                          np.array([h[key] for _, h in both], float), TWO_ENVIRONMENTS, 0,
-                          threshold=getattr(TWO_ENVIRONMENTS, margin), primary=False,
+                          np.array([h[key] for _, h in both], float), CONFIG, 0,
+                          threshold=getattr(CONFIG, margin), primary=False,
                           relative=guard == "length", lower_is_better=guard in ("length",
                                                                                   "hacking"))
     assert pooled["passed"] is True, pooled  # what the gate decided before: a pass
-    verdict = gate.decide(TWO_ENVIRONMENTS, 0, both, set(), [], False)
+    verdict = gate.decide(CONFIG, 0, both, set(), [], False, TWO_ENVIRONMENTS)
     assert verdict["suites"]["arith"]["passed"] and verdict["suites"]["code"]["passed"]
     per = verdict["guards"][guard]
     assert per["arith"]["passed"] is True and per["code"]["passed"] is False, per
@@ -647,7 +638,7 @@ def test_a_guard_fails_in_the_environment_that_regressed_though_the_pooled_figur
 
 
 def test_a_candidate_fine_in_every_environment_passes_each_guard_reported_per_environment():
-    verdict = gate.decide(TWO_ENVIRONMENTS, 0, two_environments(), set(), [], False)
+    verdict = gate.decide(CONFIG, 0, two_environments(), set(), [], False, TWO_ENVIRONMENTS)
     assert verdict["passed"] is True, verdict["reason"]
     assert {guard: sorted(per) for guard, per in verdict["guards"].items()} == {
         guard: ["arith", "code"] for guard in ("length", "format", "tool_ok", "hacking")}
@@ -655,15 +646,10 @@ def test_a_candidate_fine_in_every_environment_passes_each_guard_reported_per_en
         assert per["arith"]["passed"] and per["arith"]["items"] == 200
         assert per["code"]["passed"] and per["code"]["items"] == 100
         assert (per["arith"]["environment"], per["code"]["environment"]) == ("arith", "code")
-    # a suite named apart from its environment is named with it; an environment's own
-    # benchmarks (an `environments:` section) by the environment and its module
-    apart = cfg.Gate(suites={"arith": cfg.Suite(), "hard": cfg.Suite()})
+    # each environment is named with its module, as the gate stage gives them
     hard = pairs(rows([1] * 50, "hard", tokens=80), rows([1] * 50, "hard", tokens=10))
-    verdict = gate.decide(apart, 0, two_environments()[:200] + hard, set(), [], False)
-    assert "length (generated tokens) in suite hard (environment arith): upper bound" in \
-        verdict["guards"]["length"]["hard"]["reason"]
     modules = {"arith": ("arith (stages.envs.arith)", 0.05), "hard": ("hard (my.env)", 0.05)}
-    verdict = gate.decide(apart, 0, two_environments()[:200] + hard, set(), [], False, modules)
+    verdict = gate.decide(CONFIG, 0, two_environments()[:200] + hard, set(), [], False, modules)
     assert verdict["guards"]["length"]["hard"]["reason"].startswith(
         "length (generated tokens) in environment hard (my.env): upper bound")
 
@@ -672,7 +658,8 @@ def test_the_report_the_summary_and_mlflow_show_each_guard_per_environment(tmp_p
     from flows import promotion, report, tracking
 
     key, *values = ONE_BETTER_ONE_WORSE["format"]
-    verdict = gate.decide(TWO_ENVIRONMENTS, 0, two_environments(key, values), set(), [], False)
+    verdict = gate.decide(CONFIG, 0, two_environments(key, values), set(), [], False,
+                          TWO_ENVIRONMENTS)
     text = report.markdown(tmp_path, 1, {"gate": verdict}, {})
     assert "guard `format` in `code` **failed**: candidate 0.700 vs champion 1.000" in text, text
     assert "guard `format` in `arith`: candidate 1.000 vs champion 0.500" in text
@@ -683,5 +670,5 @@ def test_the_report_the_summary_and_mlflow_show_each_guard_per_environment(tmp_p
     assert numbers["guards.format.code.passed"] == 0.0
     assert numbers["guards.format.arith.passed"] == 1.0
     assert numbers["guards.length.code.items"] == 100.0
-    passed = gate.decide(TWO_ENVIRONMENTS, 0, two_environments(), set(), [], False)
+    passed = gate.decide(CONFIG, 0, two_environments(), set(), [], False, TWO_ENVIRONMENTS)
     assert "guards per environment: arith held; code held" in promotion.gate_summary(passed)

@@ -112,20 +112,26 @@ def test_log_probs_recorded_at_a_temperature_are_those_the_loss_takes_at_it():
     model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
     model.eval()
     rng = random.Random(0)
-    prompts = [[tokenizer.bos_token_id] + tokenizer.encode(
-        arith.prompt(arith.sample_question(rng)), add_special_tokens=False) for _ in range(4)]
+    prompts = [tokenizer.apply_chat_template(arith.chat_task(arith.sample_question(rng))
+                                             ["messages"], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+               for _ in range(4)]
     rows = transformers_backend.generate_ids(model, tokenizer, prompts, temperature=0.7,
                                              max_new_tokens=12,
                                              generator=torch.Generator().manual_seed(0))
+    taken, at_one, recorded = [], [], []
     for prompt, row in zip(prompts, rows):
         ids = torch.tensor([prompt + row.token_ids])
         with torch.no_grad():
             at_t = grpo.token_logprobs(model, ids, torch.ones_like(ids), temperature=0.7)[0]
             at_1 = grpo.token_logprobs(model, ids, torch.ones_like(ids))[0]
         chosen = [len(prompt) - 1 + i for i, m in enumerate(row.model_mask) if m]
-        recorded = torch.tensor([lp for lp, m in zip(row.logprobs, row.model_mask) if m])
-        assert torch.allclose(at_t[chosen], recorded, atol=1e-5)
-        assert not torch.allclose(at_1[chosen], recorded, atol=1e-3)  # T = 1 would be off
+        taken += at_t[chosen].tolist()
+        at_one += at_1[chosen].tolist()
+        recorded += [lp for lp, m in zip(row.logprobs, row.model_mask) if m]
+    assert len(recorded) > 10
+    assert torch.allclose(torch.tensor(taken), torch.tensor(recorded), atol=1e-5)
+    assert not torch.allclose(torch.tensor(at_one), torch.tensor(recorded), atol=1e-3)  # T = 1
 
 
 def trl_loss(logits, inputs, loss_type, clip, clip_high, kl_coef, max_completion_length,

@@ -30,8 +30,8 @@ RUBRIC = "1 when the answer is correct and polite, 0 when it is wrong."
 def server():
     made = []
 
-    def start(*script):
-        made.append(Scripted(script))
+    def start(*script, **options):
+        made.append(Scripted(script, **options))
         return made[-1]
 
     yield start
@@ -147,13 +147,14 @@ def reward_group(task, episodes):
 '''
 
 
-def judged_project(tmp_path, url, module=ENV, **judge_params):
+def judged_project(tmp_path, url, module=ENV, concurrency=8, **judge_params):
     # a module name of its own per test: contract.load imports it by name (sys.modules)
     name = f"judged_env_{'group' if 'reward_group' in module else 'one'}"
     (tmp_path / f"{name}.py").write_text(module)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({
         "judge": {"model": "judge-7b", "rubric": "rubric.md", **judge_params},
-        "runtime": {"judge": {"url": url, "request_timeout": 1.0, "retries": 1}}}))
+        "runtime": {"judge": {"url": url, "request_timeout": 10.0, "retries": 1,
+                              "concurrency": concurrency}}}))
     (tmp_path / "rubric.md").write_text(RUBRIC)
     from stages import config as cfg
 
@@ -177,10 +178,11 @@ def fresh_judges(monkeypatch, tmp_path):
 
 def test_the_reward_stage_keeps_the_judgment_and_counts_failures(server, tmp_path,
                                                                   fresh_judges):
-    srv = server({"reasoning": "good", "score": 0.75}, "refusal",
-                 {"reasoning": "good", "score": 0.75})
+    # the judgments are asked concurrently: the judge refuses the one that says "5", whenever
+    # it comes
+    srv = server({"reasoning": "good", "score": 0.75}, by_content={"### assistant\\n5": "refusal"})
     specs = judged_project(tmp_path, srv.url)
-    out, metrics = reward.score_chat(specs, rollouts(["4", "5", "four"]), tmp_path)
+    out, metrics = reward.score(specs, rollouts(["4", "5", "four"]), tmp_path)
     rows = out.to_pylist()
     assert [r["score_judge"] for r in rows] == [0.75, None, 0.75]
     assert rows[1]["reward"] is None and "refused to judge" in rows[1]["error"]  # not a zero
@@ -190,7 +192,7 @@ def test_the_reward_stage_keeps_the_judgment_and_counts_failures(server, tmp_pat
     assert metrics["judges"][0]["requests"] == 3
     # a rerun (the stage killed and resumed, or reproduced): the paid judgments are not asked again
     judge.use_cache(tmp_path / "data" / "judgments")
-    out2, metrics2 = reward.score_chat(specs, rollouts(["4", "four"]), tmp_path)
+    out2, metrics2 = reward.score(specs, rollouts(["4", "four"]), tmp_path)
     assert metrics2["judges"][0]["requests"] == 0 and metrics2["judges"][0]["cache_hits"] == 2
 
 
@@ -198,14 +200,58 @@ def test_a_spent_budget_stops_the_reward_stage(server, tmp_path, fresh_judges):
     srv = server({"reasoning": "good", "score": 0.75})
     specs = judged_project(tmp_path, srv.url, max_calls=1)
     with pytest.raises(judge.JudgeBudget, match="judge.max_calls=1"):
-        reward.score_chat(specs, rollouts(["4", "5"]), tmp_path)
+        reward.score(specs, rollouts(["4", "5"]), tmp_path)
+
+
+def test_judgments_are_asked_concurrently_within_the_budget(server, tmp_path, fresh_judges):
+    """The reward stage asks a judged environment's judgments `runtime.judge.concurrency` at a
+    time, and concurrency never spends more of the budget than asking one at a time would: no
+    request beyond judge.max_calls, and none once the tokens spent plus those of every request in
+    flight (each as large as the largest so far) would pass judge.max_cost."""
+    answers = [str(n) for n in range(12)]
+    srv = server({"reasoning": "good", "score": 0.75}, delay=0.2)
+    specs = judged_project(tmp_path, srv.url, concurrency=4)
+    out, metrics = reward.score(specs, rollouts(answers), tmp_path)
+    assert out.column("score_judge").to_pylist() == [0.75] * 12
+    assert metrics["judges"][0]["requests"] == len(srv.requests) == 12
+    assert 1 < srv.most_in_flight <= 4  # concurrent, and never more than asked for
+    # judge.max_calls: exactly that many requests reach the server, then the stage stops
+    judge.use_cache(None)
+    counted = server({"reasoning": "good", "score": 0.75}, delay=0.2)
+    specs = judged_project(tmp_path, counted.url, concurrency=8, max_calls=3)
+    with pytest.raises(judge.JudgeBudget, match="judge.max_calls=3"):
+        reward.score(specs, rollouts(answers), tmp_path)
+    assert len(counted.requests) == 3
+    # judge.max_cost, 100 tokens a request: one at a time it sends three (0, 100, 200 < 250)
+    judge.use_cache(None)
+    costly = server({"reasoning": "good", "score": 0.75}, delay=0.2)
+    specs = judged_project(tmp_path, costly.url, concurrency=8, max_cost=250)
+    with pytest.raises(judge.JudgeBudget, match="judge.max_cost=250 tokens"):
+        reward.score(specs, rollouts(answers), tmp_path)
+    assert len(costly.requests) == 3 and judge.used()[0].tokens == 300
+
+
+def test_a_judge_called_in_a_worker_process_is_refused_saying_what_to_do(server, tmp_path,
+                                                                       fresh_judges):
+    # a module that imports the judge only inside its reward: the stage cannot see it calls the
+    # judge, so it scores it in worker processes, where each would have a budget of its own
+    lazy = ("TOOLS = []\n\n\ndef reward(task, messages):\n    from stages.envs import judge\n"
+            "    return judge.score(task, messages)\n")
+    srv = server({"reasoning": "good", "score": 0.75})
+    specs = judged_project(tmp_path, srv.url, module=lazy)
+    from stages import config as cfg
+
+    with pytest.raises(reward.VerifierBroken, match="called the judge in a worker process.*"
+                                                    "import the judge at the top"):
+        reward.score(specs, rollouts(["4", "5"]), tmp_path, cfg.Reward(workers=2))
+    assert srv.requests == []
 
 
 def test_reward_group_judges_the_samples_of_a_task_together(server, tmp_path, fresh_judges):
     srv = server({"scores": [{"id": 1, "reasoning": "a", "score": 0.25},
                              {"id": 2, "reasoning": "b", "score": 1.0}]})
     specs = judged_project(tmp_path, srv.url, module=GROUP_ENV)
-    out, _ = reward.score_chat(specs, rollouts(["five", "4"]), tmp_path)
+    out, _ = reward.score(specs, rollouts(["five", "4"]), tmp_path)
     assert out.column("reward").to_pylist() == [0.25, 1.0] and len(srv.requests) == 1
 
 
@@ -236,7 +282,7 @@ def test_a_judge_that_is_down_stops_the_stage_in_seconds(fault, tmp_path, fresh_
         specs = judged_project(tmp_path, url)
         started = time.monotonic()
         with pytest.raises(RemoteDown, match=r"runtime.judge.url='http://127.0.0.1:\d+/v1'"):
-            reward.score_chat(specs, rollouts(["4", "5", "6"]), tmp_path)
+            reward.score(specs, rollouts(["4", "5", "6"]), tmp_path)
         assert time.monotonic() - started < 5
 
 

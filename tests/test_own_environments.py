@@ -219,13 +219,15 @@ def test_rollout_reward_and_training_on_a_chat_model_in_two_own_environments(wor
 
     # SFT trains on the rollouts' own ids, unchanged: the ids generated are the ids trained on
     examples = train.examples_from(workspace / "data/rewards.parquet")
-    assert examples and all(e["chat"] for e in examples)
-    by_completion = {(r["task_id"], r["completion"]): r["token_ids"] for r in table}
-    from stages.training.batches import frame
+    assert examples
+    by_completion = {(r["task_id"], r["completion"]): r for r in table}
+    from stages.training.batches import collate
     for example in examples:
-        ids, mask = frame(example, bos=None, eos=0)
-        assert ids == by_completion[(example["task_id"], example["completion"])]
-        assert mask == example["model_mask"]
+        row = by_completion[(example["task_id"], example["completion"])]
+        assert (example["token_ids"], example["model_mask"]) == (row["token_ids"],
+                                                                 row["model_mask"])
+        batch = collate([example], pad=0)  # trained on as they are: nothing added
+        assert batch["input_ids"][0].tolist() == row["token_ids"]
     for algorithm in ("sft", "dpo", "grpo"):
         params = yaml.safe_load((workspace / "params.yaml").read_text())
         params["train"]["algorithm"] = algorithm
@@ -274,7 +276,7 @@ def test_the_benchmark_stages_count_and_keep_the_held_out_judges_judgments(works
     try:
         champion_scores.main([str(champion), "data/champion_scores.parquet",
                               "data/forgetting.jsonl", "metrics/champion_scores.json",
-                              "data/benchmarks/arith.jsonl", *judgments])
+                              *judgments])
         scored = json.loads((workspace / "metrics/champion_scores.json").read_text())
         [held_out] = scored["judges"]
         assert held_out["judge"].startswith("judge-70b/rubric-")
@@ -287,8 +289,8 @@ def test_the_benchmark_stages_count_and_keep_the_held_out_judges_judgments(works
 
         gate.main([str(champion), "data/champion_scores.parquet", "data/forgetting.jsonl",
                    "data/rewards.parquet", "data/replay", "data/gate.parquet", "metrics/gate.json",
-                   "data/benchmarks/arith.jsonl", "--judgments", "data/gate_judgments",
-                   "--judged-before", "data/champion_judgments"])
+                   "--judgments", "data/gate_judgments", "--judged-before",
+                   "data/champion_judgments"])
         verdict = json.loads((workspace / "metrics/gate.json").read_text())
         [again] = verdict["judges"]
         assert again["requests"] == 0 and again["cache_hits"] == 2 and len(server.requests) == 2
@@ -564,7 +566,7 @@ def test_a_thumbs_up_trace_is_trained_on_as_it_is_with_its_tool_calls(tmp_path, 
     good = support_trace("A1001", "delivered", True)
     wrong = support_trace("A1002", "lost", True)  # the reward says otherwise: not trained on
     rows = [{"trace_id": trace_id, "messages": json.dumps(t["messages"]), "thumbs_up": True,
-             "question": router.task_from_messages(t["messages"], t["tools"])["question"]}
+             "question": router.task_of(t["messages"], t["tools"])}
             for trace_id, t in (("a", good), ("b", wrong))]
     validated = tmp_path / "validated.parquet"
     pq.write_table(pa.Table.from_pylist(rows), validated)
@@ -579,7 +581,7 @@ def test_a_thumbs_up_trace_is_trained_on_as_it_is_with_its_tool_calls(tmp_path, 
                        '\n</tool_call><|im_end|>Your order A1001 is delivered.<|im_end|>']
     shown = tok.decode(example["token_ids"])
     assert '<tool_response>\n{"status": "delivered"}\n</tool_response>' in shown
-    assert example["chat"] and example["task_id"] == "support:trace:a"
+    assert example["task_id"] == "support:trace:a"
     # a conversation longer than the model's positions is counted, not trained on (it crashed
     # the training: an IndexError in the position embedding)
     examples, counts = train.trace_conversations(validated, specs, REPO, tok,
@@ -604,7 +606,7 @@ def test_thumbs_on_traces_become_dpo_pairs_against_their_tasks_rollouts(tmp_path
     pq.write_table(pa.Table.from_pylist([
         {"trace_id": trace_id, "messages": json.dumps(t["messages"]),
          "thumbs_up": t["feedback"]["thumbs_up"],
-         "question": router.task_from_messages(t["messages"], t["tools"])["question"]}
+         "question": router.task_of(t["messages"], t["tools"])}
         for trace_id, t in traces.items()]), validated)
     tok, ends = train.chat_tokenizer(champion)
     template = chat.Template.of(tok, list(support.tools), ends)
@@ -622,7 +624,7 @@ def test_thumbs_on_traces_become_dpo_pairs_against_their_tasks_rollouts(tmp_path
             rollout("down-right", "Your order A1007 is returned.", 1.0)]
     specs = {"support": cfg.EnvironmentSpec(module="examples.support.support_env")}
     items = train.encoded_traces(validated, specs, REPO, tok, ends, thumbs=(True, False))
-    pairs, counts = dpo.chat_feedback_pairs(rows, items)
+    pairs, counts = dpo.feedback_pairs(rows, items)
     assert counts == {"feedback_traces": 4, "thumbs_up_verifier_wrong": 1,
                       "thumbs_down_verifier_correct": 1, "feedback_unusable": 0,
                       "feedback_without_partner": 0}
@@ -639,10 +641,10 @@ def test_thumbs_on_traces_become_dpo_pairs_against_their_tasks_rollouts(tmp_path
     # thumbs down: a rollout with full marks over the trace's answer
     assert "A1004 is out for delivery" in said(down["chosen_ids"], down["chosen_mask"])
     assert "A1004 is lost" in said(down["rejected_ids"], down["rejected_mask"])
-    assert up["chat"] and up["prompt_ids"] == rows[0]["token_ids"][:len(up["prompt_ids"])]
+    assert up["prompt_ids"] == rows[0]["token_ids"][:len(up["prompt_ids"])]
     assert tok.decode(up["prompt_ids"]).endswith("<|im_start|>assistant\n")
     # a pair the rollouts already gave is not added twice
-    again, _ = dpo.chat_feedback_pairs(rows, items, {(p["task_id"], p["completion"]) for p in pairs})
+    again, _ = dpo.feedback_pairs(rows, items, {(p["task_id"], p["completion"]) for p in pairs})
     assert again == []
 
 
@@ -683,15 +685,15 @@ def test_examples_are_shared_among_environments_by_weight():
     assert train.by_weight(examples, where, specs, seed=0) == (kept, counts)  # deterministic
 
 
-def test_replayed_chat_rows_stay_chat_rows(tmp_path):
+def test_replayed_rows_are_trained_on_as_they_are(tmp_path):
     rows = [{"task_id": "support:t1", "completion": "[]", "token_ids": [5, 6, 7],
              "model_mask": [0, 1, 1], "logprobs": [0.0, -0.5, -0.1], "correct": 1.0,
-             "reward": 1.0, "chat": True, "environment": "support"}]
+             "reward": 1.0, "environment": "support"}]
     train.store_and_replay(rows, tmp_path, "sft", 1.0, 0, [])
     replayed, available = train.store_and_replay([], tmp_path, "sft", 1.0, 0, [])
-    assert available == 1 and replayed[0]["chat"] is True
+    assert available == 1 and replayed[0]["token_ids"] == [5, 6, 7]
     from stages.training.batches import collate
-    batch = collate(replayed, bos=None, eos=2, pad=0)  # as they are: no <bos>, no extra <eos>
+    batch = collate(replayed, pad=0)  # as they are: no <bos>, no extra <eos>
     assert batch["input_ids"].tolist() == [[5, 6, 7]]  # nothing added, not even padding
     assert batch["labels"].tolist() == [[-100, 6, 7]]
 
@@ -720,7 +722,7 @@ def test_switching_the_algorithm_neither_stores_nor_replays_the_same_rollouts_ag
     def row(i, reward):
         return {"task_id": f"support:t{i}", "completion": f"answer {i}", "token_ids": [5, 6, 7 + i],
                 "model_mask": [0, 1, 1], "logprobs": [0.0, -0.5, -0.1], "correct": reward,
-                "reward": reward, "chat": True, "environment": "support"}
+                "reward": reward, "environment": "support"}
     rows = [row(i, float(i % 2)) for i in range(6)]
     traced = [{**row(9, 1.0), "task_id": "trace:x"}]
     train.store_and_replay(rows, tmp_path, "sft", 1.0, 0, [], traced)

@@ -11,11 +11,14 @@ naming the setting, the address and what to do. RELIABILITY.md has the matrix.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
 import subprocess
 import time
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import BIN, cli_env
 
@@ -64,12 +67,19 @@ def says(err: str, fault: str) -> bool:
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-def test_ray(fault, black_hole):
+def test_ray(fault, black_hole, tmp_path):
+    # the reward stage's one path: runtime.reward.ray_address is probed before anything is scored
     where = address(fault, black_hole)
+    task = {"task_id": "t0", "messages": [{"role": "user", "content": "2*3"}], "answer": "6"}
+    rollouts = tmp_path / "rollouts.parquet"
+    pq.write_table(pa.Table.from_pylist([{
+        "task_id": "arith:t0", "environment": "arith", "task": json.dumps(task),
+        "messages": json.dumps(task["messages"] + [{"role": "assistant", "content": "6"}]),
+        "error": None}]), rollouts)
+    specs = {"arith": cfg.EnvironmentSpec(module="stages.envs.arith")}
     started = time.monotonic()
     with pytest.raises(remote.RemoteDown) as err:
-        with reward.verifier_pool(ray_address=where):
-            pass
+        reward.run(cfg.Reward(ray_address=where), rollouts, tmp_path / "rewards.parquet", specs)
     assert time.monotonic() - started < BOUND_S + 1
     assert f"runtime.reward.ray_address='{where}'" in str(err.value) and says(str(err.value), fault)
     assert "ray start --head" in str(err.value)

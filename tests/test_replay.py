@@ -42,10 +42,10 @@ def test_every_fixture_trace_with_tool_calls_replays_its_own_calls(env):
     router = contract.Router({"replay": env})
     replayed = 0
     for trace in traces:
-        routed = router.task_from_messages(trace["messages"], trace.get("tools"))
+        routed = router.task_of(trace["messages"], trace.get("tools"))
         if routed is None:  # e.g. a trace that ends on a tool call: no final answer
             continue
-        task = json.loads(routed["question"])
+        task = json.loads(routed)
         assert task["environment"] == "replay" and task["messages"][-1]["role"] != "assistant"
         for call in task["recorded"]:
             # as the agent would send them: a JSON string, keys in another order

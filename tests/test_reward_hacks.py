@@ -106,7 +106,7 @@ def completion(code: str) -> str:
 
 @pytest.mark.parametrize("name", list(HACKS))
 def test_a_reward_hack_scores_zero_with_a_reason(name):
-    verdict = coding.check("solve", ANSWER, completion(HACKS[name]))
+    verdict = coding.check(ANSWER, completion(HACKS[name]))
     assert verdict.correct == 0.0, (name, verdict)
     assert verdict.reason, verdict
 
@@ -131,19 +131,19 @@ def test_the_json_patch_can_only_claim_values_for_its_own_calls():
     the encoder, it could only claim values for its own calls, as a function returning them
     does: the tests' expected values never reach its process.
     """
-    verdict = coding.check("solve", ANSWER, completion(HACKS["json patched"]))
+    verdict = coding.check(ANSWER, completion(HACKS["json patched"]))
     assert verdict.correct == 0.0 and "0 != -1" in verdict.reason, verdict
 
 
 def test_an_unencodable_return_names_its_type():
-    verdict = coding.check("solve", ANSWER, completion(HACKS["always equal"]))
+    verdict = coding.check(ANSWER, completion(HACKS["always equal"]))
     assert "returned an object of type solution.E" in verdict.reason, verdict
 
 
 def test_touching_the_test_framework_or_builtins_is_suspected():
-    patched = coding.check("solve", ANSWER, completion(HACKS["unittest assertEqual"]))
-    builtins = coding.check("solve", ANSWER, completion(HACKS["builtins"]))
-    honest = coding.check("solve", ANSWER, completion("def solve(x):\n    return -x\n"))
+    patched = coding.check(ANSWER, completion(HACKS["unittest assertEqual"]))
+    builtins = coding.check(ANSWER, completion(HACKS["builtins"]))
+    honest = coding.check(ANSWER, completion("def solve(x):\n    return -x\n"))
     assert "unittest" in patched.suspect and "builtins.AssertionError" in builtins.suspect
     assert honest.correct == 1.0 and honest.suspect == ""
 
@@ -176,16 +176,17 @@ def f(x, k=None):
 
 @pytest.mark.parametrize("suite", ["data/tasks/code.jsonl", "data/benchmarks/code.jsonl"])
 def test_every_honest_reference_solution_still_scores_one(suite):
-    for task in coding.load_tasks(REPO / suite):
-        verdict = coding.check(task["question"], task["answer"],
-                               coding.gold_completion(task["question"], task["answer"]))
-        assert verdict.correct == 1.0, (task["id"], verdict)
+    from stages.envs import contract
+
+    for task in contract.load_tasks(REPO / suite, "code"):
+        verdict = coding.check(task["answer"], coding.gold(task)[-1]["content"])
+        assert verdict.correct == 1.0, (task["task_id"], verdict)
 
 
 def test_suspected_hacks_are_counted_by_the_reward_stage():
-    """The sandbox's note rides with the scores (never a component): a `hack_suspected` column
-    in the rewards and a count per reason in the metrics, on the tag protocol and through a
-    chat environment's reward alike.
+    """The sandbox's note rides with the scores (never a component): coding.reward returns it
+    beside its reward, contract.score keeps it apart from the components, and the reward stage
+    writes a `hack_suspected` column and counts each reason, across its worker processes too.
     """
     import pyarrow as pa
 
@@ -193,13 +194,22 @@ def test_suspected_hacks_are_counted_by_the_reward_stage():
     from stages import reward
     from stages.envs import contract
 
+    task = {"task_id": "t", "messages": [{"role": "user", "content": "solve"}],
+            "answer": json.loads(ANSWER)}
+    env = contract.load("code", "stages.envs.coding", REPO)
+    said = [{"role": "assistant", "content": completion(HACKS["unittest assertEqual"])}]
+    scores = contract.score(env, task, said)
+    assert scores == {"reward": 0.0} and "unittest" in contract.suspected(scores)
+
     codes = {"honest": "def solve(x):\n    return -x\n", "wrong": WRONG,
              "patched": HACKS["unittest assertEqual"], "builtins": HACKS["builtins"]}
     table = pa.Table.from_pylist([
-        {"task_id": "t", "trace_id": "t", "sample": i, "question": "solve", "answer": ANSWER,
-         "prompt": "solve", "completion": completion(code), "token_ids": [], "model_mask": [],
-         "logprobs": [], "finish": "eos", "tool_calls": 0} for i, code in enumerate(codes.values())])
-    out, metrics = reward.score_table("code", cfg.Reward(workers=2), table, progress=False)
+        {"task_id": "code:t", "environment": "code", "task": json.dumps(task),
+         "messages": json.dumps(task["messages"] + [{"role": "assistant",
+                                                     "content": completion(code)}]),
+         "error": None} for code in codes.values()])
+    specs = {"code": cfg.EnvironmentSpec(module="stages.envs.coding")}
+    out, metrics = reward.score(specs, table, REPO, cfg.Reward(workers=2))
     notes = dict(zip(codes, out.column("hack_suspected").to_pylist()))
     assert notes["honest"] is None and notes["wrong"] is None
     assert "unittest" in notes["patched"] and "builtins.AssertionError" in notes["builtins"]
@@ -207,14 +217,3 @@ def test_suspected_hacks_are_counted_by_the_reward_stage():
     assert metrics["hack_suspected"]["episodes"] == 2
     assert sum(metrics["hack_suspected"]["reasons"].values()) == 2
     assert "hack_suspected" not in metrics["components"]  # a note, not a component
-
-    # the chat path: coding.reward returns the note beside its reward; contract.score keeps it
-    # apart from the components
-    task = {"task_id": "t", "question": "solve", "answer": json.loads(ANSWER)}
-    env = contract.load("code", "stages.envs.coding", REPO)
-    said = [{"role": "assistant", "content": completion(HACKS["unittest assertEqual"])}]
-    scores = contract.score(env, task, said)
-    assert scores == {"reward": 0.0} and "unittest" in contract.suspected(scores)
-    honest = contract.score(env, task, [{"role": "assistant",
-                                         "content": completion(codes["honest"])}])
-    assert honest == {"reward": 1.0} and contract.suspected(honest) == ""

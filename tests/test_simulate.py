@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import make_project, offseason, write_params
 
 from stages import config as cfg
 from stages import simulate
@@ -32,7 +31,7 @@ def test_a_day_is_the_champions_own_conversations_with_the_calculator_run(simula
     rows = records(root / "data/inbox/traffic-000.jsonl")
     requests = [r for r in rows if r["id"] != "tr-000-chat"]  # all but the small talk
     assert len(requests) == 48 + 1  # the day's requests and a duplicate
-    benchmark = {json.loads(line)["question"]
+    benchmark = {arith.question_of(json.loads(line)["messages"])
                  for line in (root / "data/benchmarks/arith.jsonl").read_text().splitlines()}
     emails = 0
     for row in requests:
@@ -62,42 +61,15 @@ def test_its_accuracy_is_the_share_of_right_answers_and_of_thumbs_up(simulated_o
     params = root / "params.yaml"
     out = simulate.run(cfg.load("base", params),
                        cfg.Simulate(traces_per_day=24, feedback_rate=1.0, junk=False),
-                       root / "models/champion", tmp_path / "inbox",
-                       root / "data/benchmarks/arith.jsonl", cfg.environments(params),
+                       root / "models/champion", tmp_path / "inbox", cfg.environments(params),
                        cfg.load("rollout", params), root)
     rows = records(Path(out["file"]))
-    assert out["path"] == "chat" and len(rows) == out["lines"] == 24
+    assert len(rows) == out["lines"] == 24
     assert out["champion_correct"] == sum(r["feedback"]["thumbs_up"] for r in rows) / 24
 
 
-def test_with_no_environments_the_tag_champion_answers_and_the_log_has_free_text(tmp_path):
-    root = make_project(tmp_path / "p")
-    write_params(root, {"environments": {}})
-    offseason(root, "init")
-    params = root / "params.yaml"
-    out = simulate.run(cfg.load("base", params),
-                       cfg.Simulate(traces_per_day=24, feedback_rate=1.0),
-                       root / "models/champion", root / "data/inbox",
-                       root / "data/benchmarks/arith.jsonl", cfg.environments(params),
-                       cfg.load("rollout", params), root)
-    rows = records(Path(out["file"]))
-    assert out["path"] == "tag" and out["lines"] == 24 + 3
-    requests = rows[:24]
-    assert all(arith.question_from_text(r["messages"][0]["content"]) for r in requests)
-    assert "jane.doe@example.com" in requests[1]["messages"][0]["content"]
-    for row in requests:
-        question = arith.question_from_text(row["messages"][0]["content"])
-        completion = arith.completion_from_messages(row["messages"])
-        right = completion is not None and arith.verify(
-            question, str(arith.gold_answer(question)), completion) == 1.0
-        assert row["feedback"]["thumbs_up"] == right
-    assert out["champion_correct"] == sum(r["feedback"]["thumbs_up"] for r in requests) / 24
-
-
 def test_environments_without_the_demos_module_have_no_traffic_to_simulate():
-    assert simulate.demo_environment(cfg.Base(), {}) is None  # the tag protocol's traffic
     assert simulate.demo_environment(
-        cfg.Base(), {"maths": cfg.EnvironmentSpec(module="stages.envs.arith")}) == "maths"
+        {"maths": cfg.EnvironmentSpec(module="stages.envs.arith")}) == "maths"
     with pytest.raises(cfg.ParamsError, match="no entry has module stages.envs.arith"):
-        simulate.demo_environment(cfg.Base(),
-                                  {"support": cfg.EnvironmentSpec(module="my_envs.support")})
+        simulate.demo_environment({"support": cfg.EnvironmentSpec(module="my_envs.support")})

@@ -4,7 +4,6 @@ import pytest
 
 from stages.envs import toolcall
 from stages.envs.errors import VerifierError
-from stages.envs.registry import load_tasks
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "minLength": 1},
@@ -16,104 +15,88 @@ TIMER = {"type": "function", "function": {"name": "set_timer", "parameters": {
 Q = "What's the weather in Paris?"
 
 
-def answer(arguments=None, name="get_weather", tools=(WEATHER, TIMER)):
-    return json.dumps({"tools": list(tools), "expected": {"name": name, "arguments": arguments}})
-
-
-def call(name, arguments) -> str:
-    body = json.dumps({"name": name, "arguments": arguments})
-    return f"<tool_call>{body}</tool_call>" + toolcall.on_tool_close(f"<tool_call>{body}</tool_call>")
-
-
 FULL = {"correct": 1.0, "format": 1.0, "tool_ok": 1.0, "right_tool": 1.0, "arguments_valid": 1.0}
 
 
+def turn(name, arguments, call_id="call_0", reply='{"ok": true}'):
+    """A call (its arguments as JSON text, as a chat model's tool call carries them) and the
+    tool's reply."""
+    return [{"role": "assistant", "content": None, "tool_calls": [{
+        "id": call_id, "type": "function",
+        "function": {"name": name, "arguments": arguments if isinstance(arguments, str)
+                     else json.dumps(arguments)}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": reply}]
+
+
+def chat_task(arguments=None, name="get_weather", tools=(WEATHER, TIMER)):
+    return {"task_id": "t", "messages": [{"role": "user", "content": Q}], "tools": list(tools),
+            "expected": {"name": name, "arguments": arguments}}
+
+
+def score(added, task=None):
+    task = task or chat_task({"city": "Paris"})
+    return toolcall.reward(task, task["messages"] + added)
+
+
 def test_right_call():
-    a = answer({"city": "Paris"})
-    assert toolcall.score(Q, a, call("get_weather", {"city": "Paris"})) == FULL
-    assert toolcall.verify(Q, a, call("get_weather", {"city": "Paris"})) == 1.0
-    # arguments as a JSON string, as OpenAI's API sends them
-    text = '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>'
-    assert toolcall.verify(Q, a, text) == 1.0
+    assert score(turn("get_weather", {"city": "Paris"})) == FULL
     # no expected arguments: any the schema accepts are right
-    assert toolcall.score(Q, answer(None), call("get_weather", {"city": "Lyon"})) == FULL
+    assert score(turn("get_weather", {"city": "Lyon"}), chat_task(None)) == FULL
 
 
 def test_wrong_calls():
-    a = answer({"city": "Paris"})
     # the wrong tool: well-formed, schema-valid, but not what was asked
-    assert toolcall.score(Q, a, call("set_timer", {"minutes": 3})) == \
+    assert score(turn("set_timer", {"minutes": 3})) == \
         {**FULL, "correct": 0.0, "right_tool": 0.0, "arguments_valid": 0.0}
     # the right tool, valid but different arguments
-    assert toolcall.score(Q, a, call("get_weather", {"city": "Rome"})) == {**FULL, "correct": 0.0}
+    assert score(turn("get_weather", {"city": "Rome"})) == {**FULL, "correct": 0.0}
     # arguments the schema rejects: a tool error too
     bad = {**FULL, "correct": 0.0, "tool_ok": 0.0, "arguments_valid": 0.0}
-    assert toolcall.score(Q, answer(None), call("get_weather", {"city": ""})) == bad
-    assert toolcall.score(Q, answer(None), call("get_weather", {"town": "Paris"})) == bad
+    assert score(turn("get_weather", {"city": ""}), chat_task(None)) == bad
+    assert score(turn("get_weather", {"town": "Paris"}), chat_task(None)) == bad
     # a tool that was not offered
-    assert toolcall.score(Q, a, call("delete_files", {"path": "/"}))["tool_ok"] == 0.0
+    assert score(turn("delete_files", {"path": "/"}))["tool_ok"] == 0.0
     # no call at all
-    assert toolcall.score(Q, a, "It is sunny in Paris.") == \
+    assert score([{"role": "assistant", "content": "It is sunny in Paris."}]) == \
         {"correct": 0.0, "format": 0.0, "tool_ok": 1.0, "right_tool": 0.0, "arguments_valid": 0.0}
 
 
-def test_a_retry_after_a_bad_call_is_judged_on_the_last_call():
-    a = answer({"city": "Paris"})
-    first = call("get_weather", {"city": ""})
-    components = toolcall.score(Q, a, first + call("get_weather", {"city": "Paris"}))
-    assert components == {**FULL, "tool_ok": 0.0}  # right in the end; the first call failed
-
-
-@pytest.mark.parametrize("completion", [
-    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}</tool_call>',  # a brace short
-    '<tool_call>{"arguments": {"city": "Paris"}}</tool_call>',  # no name
-    '<tool_call>{"name": "get_weather", "arguments": ["Paris"]}</tool_call>',  # not an object
-    '<tool_call>["get_weather", {"city": "Paris"}]</tool_call>',
-    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}',  # never closed
+@pytest.mark.parametrize("added", [
+    turn("get_weather", '{"city": "Paris"'),  # arguments a brace short
+    turn("get_weather", '["Paris"]'),  # not an object
+    # what the chat path records when its parser could not read the call: the model's text, and
+    # a tool error answering no call it made
+    [{"role": "assistant", "content": '<tool_call>{"arguments": {"city": "Paris"}}</tool_call>'},
+     {"role": "tool", "tool_call_id": "call_malformed_0", "content": "Error: no name"}],
 ])
-def test_malformed_calls(completion):
-    components = toolcall.score(Q, answer({"city": "Paris"}), completion)
+def test_malformed_calls(added):
+    components = score(added)
     assert components["format"] == 0.0 and components["correct"] == 0.0
     assert components["tool_ok"] == 0.0
 
 
-def test_the_environment_answers_a_malformed_call_with_an_error():
-    assert toolcall.on_tool_close('<tool_call>{"name": "x"</tool_call>') == \
-        '<tool_response>{"error": "not a JSON object with name and arguments"}</tool_response>'
-    assert toolcall.on_tool_close('x<tool_call>{"name": "x", "arguments": {}}</tool_call>') == \
-        '<tool_response>{"ok": true}</tool_response>'
-
-
-@pytest.mark.parametrize("bad_answer", [
-    "not json",
-    json.dumps({"expected": {"name": "get_weather", "arguments": None}}),  # no tools
-    answer({"city": "Paris"}, name="get_time"),  # expected tool not offered
-    json.dumps({"tools": [WEATHER], "expected": None}),
-    json.dumps({"tools": [{"type": "function", "function": {
-        "name": "get_weather", "parameters": {"type": "no-such-type"}}}],
-        "expected": {"name": "get_weather", "arguments": None}}),  # not a JSON schema
+@pytest.mark.parametrize("bad_task", [
+    {**chat_task(), "tools": None},  # no tools
+    chat_task({"city": "Paris"}, name="get_time"),  # expected tool not offered
+    {**chat_task(), "expected": None},
+    chat_task(tools=[{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "no-such-type"}}}]),  # not a JSON schema
 ])
-def test_unjudgeable_tasks(bad_answer):
-    assert toolcall.score(Q, bad_answer, call("get_weather", {"city": "Paris"})) is None
-    assert toolcall.verify(Q, bad_answer, call("get_weather", {"city": "Paris"})) is None
+def test_unjudgeable_tasks(bad_task):
+    assert score(turn("get_weather", {"city": "Paris"}), bad_task) is None
 
 
 def test_an_unresolvable_schema_ref_is_a_verifier_error_not_a_zero():
     remote = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "$ref": "https://schemas.example.com/weather.json"}}}
     with pytest.raises(VerifierError, match="get_weather.*cannot be resolved"):
-        toolcall.score(Q, answer(None, tools=[remote]), call("get_weather", {"city": "Paris"}))
+        score(turn("get_weather", {"city": "Paris"}), chat_task(None, tools=[remote]))
 
 
-def test_gold_scores_full_marks_on_every_suite_task():
-    tasks = load_tasks("data/tasks/toolcall.jsonl") + load_tasks("data/benchmarks/toolcall.jsonl")
-    assert len(tasks) == 30
-    for task in tasks:
-        gold = toolcall.gold_completion(task["question"], task["answer"])
-        assert toolcall.score(task["question"], task["answer"], gold) == FULL, task["task_id"]
-    # made up from the schema when no arguments are expected
-    assert json.loads(toolcall.gold_completion(Q, answer(None)).split("<tool_call>")[1].split("</")[0]) == \
-        {"name": "get_weather", "arguments": {"city": "x"}}
+def test_gold_makes_up_arguments_from_the_schema_when_none_are_expected():
+    call = toolcall.gold(chat_task(None))[0]["tool_calls"][0]["function"]
+    assert (call["name"], json.loads(call["arguments"])) == ("get_weather", {"city": "x"})
+    assert score(toolcall.gold(chat_task(None)), chat_task(None)) == FULL
 
 
 def trace(tools):
@@ -125,61 +108,32 @@ def trace(tools):
             {"role": "assistant", "content": "It is -3 C in Oslo."}]
 
 
-def test_task_from_a_trace_uses_its_tool_schema():
-    task = toolcall.task_from_messages(trace([WEATHER, TIMER]), tools=[WEATHER, TIMER])
-    assert task["question"] == "weather in Oslo please"
-    data = json.loads(task["answer"])
-    assert data == {"tools": [WEATHER], "expected": {"name": "get_weather", "arguments": None}}
-    assert toolcall.verify(task["question"], task["answer"], call("get_weather", {"city": "Oslo"})) \
-        == 1.0
-    assert toolcall.task_from_messages(trace([]), tools=[]) is None  # no schema: nothing to judge
-    assert toolcall.task_from_messages(trace([TIMER]), tools=[TIMER]) is None  # tool not offered
-    assert toolcall.task_from_messages(trace([WEATHER])[:1], tools=[WEATHER]) is None  # no call
-
-
-def test_messages_from_completion():
-    completion = call("get_weather", {"city": "Oslo"}) + "Done."
-    messages = toolcall.messages_from_completion("weather in Oslo", completion, "c")
-    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
-    assert json.loads(messages[1]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
-    assert messages[2] == {"role": "tool", "tool_call_id": "c-0", "content": '{"ok": true}'}
-    assert messages[3]["content"] == "Done."
-
-
 def test_validate_derives_tool_call_tasks_from_trace_rows():
     import pandas as pd
 
     from stages import validate
+    from stages.envs import contract
 
     traces = pd.DataFrame([
         {"trace_id": "a", "n_messages": 4, "user_text": "weather in Oslo please",
          "messages": json.dumps(trace([WEATHER])), "tools": json.dumps([WEATHER, TIMER])},
         {"trace_id": "b", "n_messages": 4, "user_text": "weather in Oslo please",
          "messages": json.dumps(trace([])), "tools": "[]"}])
-    per_trace, _, calls = validate.flatten(traces, toolcall)
-    assert json.loads(per_trace.answer[0])["tools"] == [WEATHER]
+    router = contract.Router({"toolcall": contract_env()})
+    per_trace, _, calls = validate.flatten(traces, router)
+    assert json.loads(per_trace.question[0]) == {
+        "messages": trace([])[:1], "tools": [WEATHER, TIMER],
+        "expected": {"name": "get_weather", "arguments": None}, "environment": "toolcall"}
     assert pd.isna(per_trace.question[1])  # no schema in the trace: quarantined by validate
     assert list(calls.name) == ["get_weather", "get_weather"]
 
 
-# --- on the environment contract: a chat model's native tool calls, each task its own tools ----
+# --- through the contract: a chat model's native tool calls, each task its own tools ------------
 
 def contract_env():
     from stages.envs import contract
 
     return contract.load("toolcall", "stages.envs.toolcall")
-
-
-def turn(name, arguments, call_id="call_0", reply='{"ok": true}'):
-    return [{"role": "assistant", "content": None, "tool_calls": [{
-        "id": call_id, "type": "function",
-        "function": {"name": name, "arguments": json.dumps(arguments)}}]},
-        {"role": "tool", "tool_call_id": call_id, "content": reply}]
-
-
-def chat_task(arguments=None, name="get_weather", tools=(WEATHER, TIMER)):
-    return {"task_id": "t", "messages": [{"role": "user", "content": Q}], "tools": list(tools),
-            "expected": {"name": name, "arguments": arguments}}
 
 
 def test_on_the_contract_every_suite_task_has_its_own_tools_and_a_full_marks_gold():
@@ -231,7 +185,7 @@ def test_on_the_contract_the_reward_judges_the_last_call_of_the_conversation():
     assert contract.score(env, {**task, "expected": {"name": "nope"}}, task["messages"]) is None
 
 
-def test_on_the_contract_a_trace_that_called_an_offered_tool_is_a_task():
+def test_a_trace_that_called_an_offered_tool_is_a_task():
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": Q},
                 *turn("get_weather", {"city": "Paris"}),
                 {"role": "assistant", "content": "Sunny."}]
@@ -240,6 +194,7 @@ def test_on_the_contract_a_trace_that_called_an_offered_tool_is_a_task():
                     "expected": {"name": "get_weather", "arguments": None}}
     assert toolcall.task_from_trace(messages, [TIMER]) is None  # the called tool not offered
     assert toolcall.task_from_trace(messages[:2], [WEATHER]) is None  # no call
+    assert toolcall.task_from_trace(messages, []) is None  # no schema: nothing to judge
 
 
 def test_a_task_line_with_bad_tools_is_refused_naming_its_line(tmp_path):

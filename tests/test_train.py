@@ -14,13 +14,12 @@ import pytest
 import torch
 import yaml
 from conftest import REPO, train_config
-from tiny_arith import BAD, GOOD, build_champion, scored
+from tiny_arith import BAD, GOOD, SPECS, build_champion, encoded, said, scored
 
 from stages import config as cfg
 from stages import gate, tinylm, train
-from stages.envs import arith
+from stages.envs import arith, contract
 from stages.training import dpo, grpo
-from stages.training.batches import encode_completion
 
 # one xdist worker runs this module: its module-scoped fixture is built once
 pytestmark = pytest.mark.xdist_group("train")
@@ -33,8 +32,8 @@ def champion(tmp_path_factory):
 def sequence_logprob(folder, completion, question="2*3"):
     """Summed log-probability of the model's own tokens of `completion`."""
     model, tokenizer = tinylm.load(folder)
-    ids, mask = encode_completion(tokenizer, arith, arith.prompt(question), completion)
-    batch = grpo.collate(tokenizer.bos_token_id, tokenizer.pad_token_id)(
+    ids, mask = encoded(folder, question, completion)
+    batch = grpo.collate(tokenizer.pad_token_id)(
         [{"token_ids": ids, "model_mask": mask, "logprobs": [0.0] * len(ids), "advantage": 0.0}])
     with torch.no_grad():
         logp = grpo.token_logprobs(model, batch["input_ids"], batch["attention_mask"])
@@ -45,7 +44,7 @@ def run_train(tmp_path, champion, rewards, validated=None, **params):
     config = train_config(**{"min_examples": 1, "batch_size": 4, **params})
     return train.run(cfg.Base(), config, rewards, champion, tmp_path / "candidate",
                      tmp_path / "replay", tmp_path / "candidate.ckpt", tmp_path / "steps.csv",
-                     validated)
+                     validated, SPECS, REPO)
 
 
 def steps(tmp_path):
@@ -58,11 +57,14 @@ def test_dpo_pairs_keep_the_model_tokens_only(tmp_path, champion):
     assert len(pairs) == 1 and counts == {"tasks_without_pair": 1}  # distinct completions only
     _, tokenizer = tinylm.load(champion)
     pair = pairs[0]
-    assert tokenizer.decode(pair["prompt_ids"]) == "Q:2*3"
-    assert tokenizer.decode(pair["chosen_ids"]) == GOOD
-    # the injected <result>6</result> is context, not a target
+    assert tokenizer.decode(pair["prompt_ids"]) == "<|user|>2*3<|assistant|>"
+    assert tokenizer.decode(pair["chosen_ids"]) == (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call><eos>'
+        '<tool_response>6</tool_response><|assistant|>answer:6<eos>')
+    # the calculator's answer (and the template's turn) is context, not a target
     masked = [t for t, m in zip(pair["chosen_ids"], pair["chosen_mask"]) if not m]
-    assert tokenizer.decode(masked) == "<result>6</result>"
+    assert tokenizer.decode(masked) == "<tool_response>6</tool_response><|assistant|>"
+    assert tokenizer.decode(pair["rejected_ids"]) == "answer:5<eos>"
     assert all(pair["rejected_mask"])
 
 
@@ -80,68 +82,47 @@ def test_dpo_ranks_a_completion_sampled_twice_by_its_mean_reward():
 
 
 def validated_traces(tmp_path, traces):
-    """A validated.parquet of (trace_id, question, the trace's answer as model text, thumbs)."""
-    rows = [{"trace_id": trace_id, "question": question, "answer": str(arith.gold_answer(question)),
-             "thumbs_up": thumbs, "messages": json.dumps(
-                 arith.messages_from_completion(f"what is {question}?", answer, trace_id))}
-            for trace_id, question, answer, thumbs in traces]
+    """A validated.parquet of (trace_id, question, the trace's answer as messages, thumbs), each
+    routed to the arith environment as the validate stage routes it.
+    """
+    router = contract.Router({"arith": contract.load("arith", "stages.envs.arith")})
+    rows = []
+    for trace_id, question, answer, thumbs in traces:
+        messages = [{"role": "user", "content": question}] + answer
+        rows.append({"trace_id": trace_id, "question": router.task_of(messages),
+                     "thumbs_up": thumbs, "messages": json.dumps(messages)})
     path = tmp_path / "validated.parquet"
     pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([
-        ("trace_id", pa.string()), ("question", pa.string()), ("answer", pa.string()),
-        ("thumbs_up", pa.bool_()), ("messages", pa.string())])), path)
+        ("trace_id", pa.string()), ("question", pa.string()), ("thumbs_up", pa.bool_()),
+        ("messages", pa.string())])), path)
     return path
 
 
-FEEDBACK = [("t0", "2*3", "answer:7", False),  # wrong, thumbs down: rejected against GOOD
-            ("t1", "4+4", "answer:9", True),  # thumbs up, but the verifier says wrong
-            ("t2", "5+1", "<calc>5+1</calc><result>6</result>answer:6", True),  # chosen
-            ("t3", "2+2", "answer:4", False),  # thumbs down, but the verifier says right
-            ("t4", "3+3", "<calc>3+3</calc><result>7</result>answer:7", False),  # forged tool
-            ("t5", "1+1", "answer:2", None)]  # no feedback
-ROLLOUTS = [("2*3", [GOOD, GOOD]), ("4+4", ["answer:8", "answer:5"]), ("5+1", ["answer:5"] * 2),
-            ("2+2", ["answer:4", "answer:3"]), ("3+3", ["answer:6", "answer:5"]),
-            ("1+1", ["answer:2", "answer:3"])]
-
-
-def test_feedback_pairs_follow_the_verifier_not_the_thumbs(tmp_path, champion):
-    rewards = scored(tmp_path, champion, ROLLOUTS)
-    rows = pq.read_table(rewards).to_pylist()
-    _, tokenizer = tinylm.load(champion)
-    traces = dpo.read_traces(validated_traces(tmp_path, FEEDBACK))
-    assert sorted(t["trace_id"] for t in traces) == ["t0", "t1", "t2", "t3", "t4"]
-    pairs, counts = dpo.feedback_pairs(rows, traces, arith, tokenizer)
-    assert counts == {"feedback_traces": 5, "thumbs_up_verifier_wrong": 1,
-                      "thumbs_down_verifier_correct": 1, "feedback_unusable": 1,
-                      "feedback_without_partner": 0}
-    by_task = {p["task_id"]: p for p in pairs}
-    assert sorted(by_task) == ["t0", "t2"]
-    down, up = by_task["t0"], by_task["t2"]
-    assert tokenizer.decode(down["prompt_ids"]) == "Q:2*3"
-    assert tokenizer.decode(down["chosen_ids"]) == GOOD  # the verified rollout
-    assert tokenizer.decode(down["rejected_ids"]) == "answer:7"  # the trace's own answer
-    assert all(down["rejected_mask"])
-    assert tokenizer.decode(up["prompt_ids"]) == "Q:5+1"
-    assert tokenizer.decode(up["chosen_ids"]) == "<calc>5+1</calc><result>6</result>answer:6"
-    assert tokenizer.decode(up["rejected_ids"]) == "answer:5"
-    # the trace's tool result is context, as in a rollout: only the model's tokens are targets
-    masked = [t for t, m in zip(up["chosen_ids"], up["chosen_mask"]) if not m]
-    assert tokenizer.decode(masked) == "<result>6</result>"
-
-
 def test_dpo_counts_rollout_and_feedback_pairs_apart(tmp_path, champion):
-    rewards = scored(tmp_path, champion, ROLLOUTS)
-    validated = validated_traces(tmp_path, FEEDBACK)
+    feedback = [("t0", "2*3", said("answer:7"), False),  # wrong, thumbs down: rejected vs GOOD
+                ("t1", "4+4", said("answer:9"), True),  # thumbs up, but the reward says wrong
+                ("t2", "5+1", arith.chat_demonstration("5+1", True), True),  # chosen
+                ("t3", "2+2", said("answer:4"), False),  # thumbs down, but the reward says right
+                ("t5", "1+1", said("answer:2"), None)]  # no feedback
+    rollouts = [("2*3", [GOOD, GOOD]), ("4+4", [said("answer:8"), said("answer:5")]),
+                ("5+1", [said("answer:5")] * 2), ("2+2", [said("answer:4"), said("answer:3")]),
+                ("1+1", [said("answer:2"), said("answer:3")])]
+    # the rollouts of the traces' tasks, named as the rollout stage names them
+    rewards = scored(tmp_path, champion, rollouts, [f"trace:{t[0]}" for t in feedback])
+    validated = validated_traces(tmp_path, feedback)
     m = run_train(tmp_path, champion, rewards, validated, algorithm="dpo", epochs=1)
-    # rollout pairs: 4+4, 2+2, 3+3 and 1+1 have a better and a worse completion
-    assert (m["pairs_from_rollouts"], m["pairs_from_feedback"], m["examples"]) == (4, 2, 6)
-    assert m["thumbs_up_verifier_wrong"] == 1 and m["trained"] is True
+    # rollout pairs: 4+4, 2+2 and 1+1 have a better and a worse completion; feedback pairs:
+    # the thumbs down of 2*3 and the thumbs up of 5+1, where the reward agrees
+    assert (m["pairs_from_rollouts"], m["pairs_from_feedback"], m["examples"]) == (3, 2, 5)
+    assert (m["thumbs_up_verifier_wrong"], m["thumbs_down_verifier_correct"]) == (1, 1)
+    assert m["trained"] is True
     without = run_train(tmp_path / "no", champion, rewards, algorithm="dpo", epochs=1)
-    assert (without["pairs_from_rollouts"], without["pairs_from_feedback"]) == (4, 0)
+    assert (without["pairs_from_rollouts"], without["pairs_from_feedback"]) == (3, 0)
 
 
 def test_grpo_groups_and_flat_groups_counted(tmp_path, champion):
     rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD, BAD, BAD]), ("4+4", [BAD] * 4),
-                                          ("5+1", ["answer:6"] * 4)])
+                                          ("5+1", [said("answer:6")] * 4)])
     groups, counts = grpo.examples(pq.read_table(rewards).to_pylist())
     assert counts == {"groups_without_spread": 2} and len(groups) == 1
     advantages = [e["advantage"] for e in groups[0]["episodes"]]
@@ -184,7 +165,7 @@ def test_grpo_kl_and_replay_of_earlier_groups(tmp_path, champion):
     run_train(tmp_path, champion, rewards, algorithm="grpo", epochs=1)
     second = tmp_path / "two"
     second.mkdir()
-    rewards = scored(second, champion, [("4+4", ["answer:8", "answer:9"])])
+    rewards = scored(second, champion, [("4+4", [said("answer:8"), said("answer:9")])])
     m = run_train(tmp_path, champion, rewards, algorithm="grpo", epochs=1, kl_coef=0.1)
     assert (m["examples"], m["replayed"], m["replay_available"]) == (1, 1, 1)
     assert m["trained"] is True

@@ -16,9 +16,19 @@ def ingested(tmp_path, records):
     return tmp_path / "ingested.parquet"
 
 
+SPECS = {"arith": cfg.EnvironmentSpec(module="stages.envs.arith")}
+
+
 def good(trace_id, question):
-    return {"id": trace_id, "messages": arith.messages_from_completion(
-        f"what is {question}", "<calc>1+1</calc><result>2</result>answer:2", trace_id)}
+    """A trace of the arithmetic environment: the question, a calculator call, its answer."""
+    value = str(arith.gold_answer(question))
+    call = {"id": f"{trace_id}-0", "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": question})}}
+    return {"id": trace_id, "messages": [
+        {"role": "user", "content": f"what is {question}"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": value},
+        {"role": "assistant", "content": value}]}
 
 
 @pytest.mark.parametrize("batch", [100_000, 3])  # 3: rows of later batches map back correctly
@@ -35,12 +45,13 @@ def test_ge_quarantines_failing_traces_with_reason(tmp_path, monkeypatch, batch)
         bad_role, bad_args]
     path = ingested(tmp_path, records)
     m = validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.5), path,
-                     tmp_path / "valid.parquet", tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs")
+                     tmp_path / "valid.parquet", tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs",
+                     SPECS, tmp_path)
     assert (m["rows_read"], m["accepted"], m["quarantined"]) == (10, 6, 4)
     assert m["rows_read"] == m["accepted"] + m["quarantined"]
     bad = {b["trace_id"]: b for b in map(json.loads, (tmp_path / "q.jsonl").read_text().splitlines())}
     assert set(bad) == {"chat", "short", "r", "j"}
-    assert bad["chat"]["reason"].startswith("the arith environment found no task in it")
+    assert bad["chat"]["reason"].startswith("no environment's task_from_trace claimed it")
     assert "(Data Docs: traces: expect_column_values_to_not_be_null(question))" in \
         bad["chat"]["reason"]  # what it means first, then the expectation's name
     assert "a message's role is none of assistant, developer, system, tool, user (" in \
@@ -51,8 +62,9 @@ def test_ge_quarantines_failing_traces_with_reason(tmp_path, monkeypatch, batch)
     assert bad["r"]["source_file"] == "d.jsonl" and bad["r"]["source_line"] == 9
     import pyarrow.parquet as pq
     valid = pq.read_table(tmp_path / "valid.parquet").to_pylist()
-    assert [v["question"] for v in valid] == [f"{i}+1" for i in range(6)]
-    assert [v["answer"] for v in valid] == [str(i + 1) for i in range(6)]
+    assert [json.loads(v["question"]) for v in valid] == [
+        {"messages": [{"role": "user", "content": f"{i}+1"}], "answer": str(i + 1),
+         "environment": "arith"} for i in range(6)]  # each routed to its environment's task
     assert (tmp_path / "docs" / "index.html").exists()
     assert "role" in (tmp_path / "docs" / "expectations" / "messages.html").read_text()
     assert list((tmp_path / "docs" / "validations" / "messages").rglob("*.html"))
@@ -71,36 +83,56 @@ def test_below_threshold_fails_the_stage(tmp_path):
     path = ingested(tmp_path, records)
     with pytest.raises(validate.ValidationFailed, match=r"1 of 2 traces .*min_valid_fraction=0.9"):
         validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.9), path,
-                     tmp_path / "valid.parquet", tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs")
+                     tmp_path / "valid.parquet", tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs",
+                     SPECS, tmp_path)
 
 
 def test_empty_input_is_not_an_error(tmp_path):
     path = ingested(tmp_path, [])
     m = validate.run(cfg.Base(), cfg.Validate(), path, tmp_path / "v.parquet", tmp_path / "q.jsonl",
-                     tmp_path / "profiles", tmp_path / "docs")
+                     tmp_path / "profiles", tmp_path / "docs", SPECS, tmp_path)
     assert m["rows_read"] == 0 and m["accepted"] == 0
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def weather(trace_id, city):
+    """A trace of the toolcall environment: its assistant called an offered tool."""
+    return {"id": trace_id, "tools": [WEATHER], "messages": [
+        {"role": "user", "content": f"weather in {city} please"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "-3 C"},
+        {"role": "assistant", "content": f"It is -3 C in {city}."}]}
+
+
 def test_drift_against_the_previous_cycle(tmp_path):
+    # the task mix is each environment's share of the traces
+    specs = {**SPECS, "toolcall": cfg.EnvironmentSpec(module="stages.envs.toolcall")}
     sums = [good(f"s{i}", f"{i}+1") for i in range(8)]
     first = ingested(tmp_path / "one", sums)
-    one = validate.run(cfg.Base(), cfg.Validate(), first, tmp_path / "v.parquet",
-                       tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs")
-    assert one["drift"]["baseline"] is True and one["profile"]["task_mix"] == {"sum": 1.0}
-    products = [good(f"p{i}", f"{i}*3") for i in range(6)] + sums[:2]
-    for record in products[:6]:
-        record["messages"][1]["tool_calls"][0]["function"]["name"] = "multiplier"
-    second = ingested(tmp_path / "two", products)
-    two = validate.run(cfg.Base(), cfg.Validate(), second, tmp_path / "v.parquet",
-                       tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs")
-    assert two["drift"]["task_mix_distance"] == 0.75 and two["drift"]["new_tools"] == ["multiplier"]
+
+    def run(path, config=cfg.Validate()):
+        return validate.run(cfg.Base(), config, path, tmp_path / "v.parquet",
+                            tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs",
+                            specs, tmp_path)
+
+    one = run(first)
+    assert one["drift"]["baseline"] is True and one["profile"]["task_mix"] == {"arith": 1.0}
+    cities = ["Oslo", "Rome", "Lima", "Bonn", "Kyiv", "Doha"]
+    second = ingested(tmp_path / "two", [weather(f"w{i}", c) for i, c in enumerate(cities)]
+                      + sums[:2])
+    two = run(second)
+    assert two["drift"]["task_mix_distance"] == 0.75
+    assert two["drift"]["new_tools"] == ["get_weather"]
     # the same cycle run again compares against the cycle before, not against itself
-    again = validate.run(cfg.Base(), cfg.Validate(), second, tmp_path / "v.parquet",
-                         tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs")
+    again = run(second)
     assert again["drift"] == two["drift"]
     with pytest.raises(validate.ValidationFailed, match=r"task mix moved 0.75 .*max_drift=0.5"):
-        validate.run(cfg.Base(), cfg.Validate(max_drift=0.5), second, tmp_path / "v.parquet",
-                     tmp_path / "q.jsonl", tmp_path / "profiles", tmp_path / "docs")
+        run(second, cfg.Validate(max_drift=0.5))
 
 
 def test_the_same_input_renders_the_same_data_docs(tmp_path):
@@ -112,7 +144,7 @@ def test_the_same_input_renders_the_same_data_docs(tmp_path):
     for n in (1, 2):
         validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.5), path,
                      tmp_path / f"valid{n}.parquet", tmp_path / f"q{n}.jsonl",
-                     tmp_path / f"profiles{n}", tmp_path / f"docs{n}")
+                     tmp_path / f"profiles{n}", tmp_path / f"docs{n}", SPECS, tmp_path)
         docs = tmp_path / f"docs{n}"
         pages.append({p.relative_to(docs).as_posix(): p.read_bytes()
                       for p in docs.rglob("*") if p.is_file()})
@@ -129,7 +161,7 @@ def test_the_same_input_renders_the_same_data_docs(tmp_path):
 def test_a_share_of_traces_is_held_out_for_the_benchmarks_and_never_trained_on(tmp_path):
     import pyarrow.parquet as pq
 
-    specs = {"arith": cfg.EnvironmentSpec(module="stages.envs.arith")}
+    specs = SPECS
     path = ingested(tmp_path, [good(f"g{i}", f"{i}+1") for i in range(40)])
     holdout = tmp_path / "holdout"
 
@@ -150,10 +182,11 @@ def test_a_share_of_traces_is_held_out_for_the_benchmarks_and_never_trained_on(t
     assert run() == m | {"held_out_new": 0}  # a rerun holds out the same traces, adds nothing
     assert len((holdout / "arith.jsonl").read_text().splitlines()) == len(pool)
     assert run(seed=1)["held_out_new"] > 0  # another seed, another share: new pool items
-    with pytest.raises(cfg.ParamsError, match="validate.holdout_fraction: holding traces out"):
+    with pytest.raises(cfg.ParamsError, match="validate.holdout_fraction is set but the validate "
+                                              "stage in dvc.yaml has no `--holdout"):
         validate.run(cfg.Base(), cfg.Validate(holdout_fraction=0.25), path,
                      tmp_path / "v2.parquet", tmp_path / "q2.jsonl", tmp_path / "p2",
-                     tmp_path / "d2", holdout=holdout)
+                     tmp_path / "d2", specs, tmp_path)
     with pytest.raises(cfg.ParamsError, match="must be between 0 and 0.5"):
         cfg.Validate(holdout_fraction=0.8)
 
@@ -162,7 +195,7 @@ def test_a_trace_no_environment_claims_says_so_and_what_to_change(tmp_path):
     """Its reason was the expectation's name alone ("traces: expect_column_values_to_not_be_null
     (question)"); it now says which environments were asked and what would claim it. A trace
     calling a tool its environment does not offer is counted in `unknown_tools`."""
-    specs = {"arith": cfg.EnvironmentSpec(module="stages.envs.arith")}
+    specs = SPECS
     # and one calling a tool the environment does not offer: accepted, and said (it was silent)
     other = good("g2", "2+2")
     other["messages"][1]["tool_calls"][0]["function"]["name"] = "get_forecast"
@@ -216,7 +249,7 @@ def test_data_docs_open_offline_with_every_asset_local(tmp_path):
     path = ingested(tmp_path, [good(f"g{i}", f"{i}+1") for i in range(4)] + [bad])
     docs = tmp_path / "docs"
     validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.5), path, tmp_path / "v.parquet",
-                 tmp_path / "q.jsonl", tmp_path / "profiles", docs)
+                 tmp_path / "q.jsonl", tmp_path / "profiles", docs, SPECS, tmp_path)
     for page in [*docs.rglob("*.html"), *(docs / "static" / "styles").rglob("*.css")]:
         assert datadocs.outside_assets(page.read_text()) == [], page
     index = docs / "index.html"

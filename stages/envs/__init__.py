@@ -1,5 +1,6 @@
-"""The environments tasks run in: `registry` (ENVIRONMENTS by name, loading task suites, scoring
-jobs for the reward stage), `errors` (VerifierError, TaskFileError: the leaf everything may
-import), and one module per built-in environment (`arith`, `coding` with its `sandbox`,
-`toolcall`). `stages/envs/registry.py` documents what an environment module defines.
+"""The environments tasks run in: `contract` (what an environment module defines, loading and
+checking one, scoring jobs for the reward stage), `errors` (VerifierError, TaskFileError: the
+leaf everything may import), the built-in environments on that contract (`arith`, `coding` with
+its `sandbox`, `toolcall`, `replay`), `judge` (the LLM judge a reward calls) and `mcp_tools` (the
+tools of MCP servers).
 """

@@ -55,6 +55,7 @@ import inspect
 import json
 import math
 import numbers
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -67,7 +68,7 @@ from stages.envs.errors import TaskFileError, ToolError, VerifierError
 
 __all__ = ["ENTRY_POINT_GROUP", "ContractError", "Environment", "GoldError", "TaskFileError",
            "ToolError", "VerifierError", "call", "check_gold", "load", "load_spec", "load_tasks",
-           "score"]
+           "run_job", "run_jobs", "score"]
 
 ENTRY_POINT_GROUP = "offseason.environments"
 ROLES = ("system", "user", "assistant", "tool")
@@ -100,6 +101,9 @@ class Environment:
     source: str | None = None  # the module's file, for lineage (a DVC dep)
     entry_point: str | None = None  # the entry point's name it was found by; None: a dotted path
     reward_group: Callable[[dict, list], list] | None = None  # all samples of a task at once
+    # its module holds stages.envs.judge (or one of its functions): its rewards run in the
+    # reward stage's own process, where the judge's one cache and budget are (stages/reward.py)
+    judged: bool = False
     validators: dict = field(init=False, repr=False, compare=False)  # tool name -> validator
 
     def __post_init__(self):
@@ -330,7 +334,7 @@ def load(name: str, module: str, root: str | Path | None = None) -> Environment:
     if version is not None and (not isinstance(version, str) or not version.strip()):
         raise ContractError(f"{where}: VERSION must be a non-empty string (recorded with every "
                             f"score, e.g. VERSION = \"support@1\"), got {version!r}")
-    if _uses_sandbox(obj):  # fail closed: model-written code never runs unisolated unasked
+    if _uses(obj, sandbox.__name__):  # fail closed: model-written code never runs unisolated unasked
         try:
             sandbox.require_isolation(where)
         except sandbox.SandboxError as e:
@@ -339,14 +343,16 @@ def load(name: str, module: str, root: str | Path | None = None) -> Environment:
     return Environment(name=name, module=dotted, tools=tools, max_turns=max_turns,
                        version=version, call_tool=call_tool, reward=reward, gold=gold,
                        task_from_trace=from_trace, source=source, entry_point=entry_point,
-                       reward_group=reward_group)
+                       reward_group=reward_group, judged=_uses(obj, "stages.envs.judge"))
 
 
-def _uses_sandbox(module: Any) -> bool:
-    """Whether an environment module runs code in stages/envs/sandbox.py: it holds that module or
-    one of its functions (the built-in `code` environment does).
+def _uses(module: Any, name: str) -> bool:
+    """Whether an environment module holds the module `name` or one of its functions: the
+    sandbox (stages/envs/sandbox.py: the built-in `code` environment runs code there), the
+    judge (stages/envs/judge.py, `from stages.envs import judge` as its docstring shows).
     """
-    return any(value is sandbox or getattr(value, "__module__", None) == sandbox.__name__
+    return any(getattr(value, "__name__", None) == name
+               or getattr(value, "__module__", None) == name
                for value in getattr(module, "__dict__", {}).values())
 
 
@@ -643,21 +649,75 @@ def check_gold(env: Environment, task: dict) -> dict[str, float] | None:
     return scores
 
 
-class Router:
-    """The user's environments as the validate stage sees them, in place of a built-in one.
+# --- scoring jobs: what the reward stage fans out (stages/reward.py, "Fan-out") ----------------
 
-    The task behind a trace is the first that an environment's `task_from_trace` finds (in
-    params.yaml order); its `question` is the task as JSON with its environment's name (the
-    rollout stage routes it back), `answer` is empty (the task holds what its reward needs), and
-    `task_kind`, the drift report's category, is the environment's name.
+WORKER = "OFFSEASON_SCORING_WORKER"  # set in a worker process: the judge refuses to run there
+_LOADED: dict[tuple, Environment] = {}  # a worker's environments, loaded once per process
+
+
+def run_job(env: Environment, kind: str, task_json: str, payload_json: str | None,
+            stops: tuple[type, ...] = ()) -> tuple[Any, str | None]:
+    """One scoring job of `env` on a task (JSON text): (its result, None), or (None, the cause)
+    when the module broke, never a zero. `kind` "gold": `check_gold` (result None; a gold short
+    of full marks is the cause "task set aside: ..."); "reward": `score` of one episode
+    (`payload_json`: its messages); "group": `reward_group` over every episode of the task
+    (`payload_json`: a list of message lists), a result for each. An exception of `stops` (a
+    spent judge budget, a judge that is down) propagates: it stops the stage.
+    """
+    task = json.loads(task_json)
+    try:
+        if kind == "gold":
+            try:
+                check_gold(env, task)
+            except GoldError as err:
+                return None, f"task set aside: {err}"
+            return None, None
+        if kind == "reward":
+            return score(env, task, json.loads(payload_json)), None
+        episodes = json.loads(payload_json)
+        results = env.reward_group(task, episodes)
+        if not isinstance(results, list) or len(results) != len(episodes):
+            raise VerifierError(f"{env.where}: reward_group() returned {type(results).__name__} "
+                                f"for {len(episodes)} episodes; return a list with one result "
+                                f"per episode")
+        return [normalize(env, result) for result in results], None
+    except stops:
+        raise
+    except Exception as err:  # a broken reward: its cause, never a zero
+        what = {"gold": "reward() raised on the gold:", "reward": f"{env.where}: reward() raised",
+                "group": f"{env.where}: reward_group() raised"}[kind]
+        return None, f"{what} {type(err).__name__}: {err}"
+
+
+def run_jobs(jobs: list[tuple], unisolated: bool) -> list[tuple]:
+    """A chunk of scoring jobs in a worker (a local process or a Ray worker), results in order:
+    each job `(kind, name, module, root, task_json, payload_json)` (`run_job`). Only where to
+    find an environment travels, never its functions: each is loaded here, once per process.
+    `unisolated`: runtime.sandbox.allow_unisolated, which a Ray worker's own environment lacks.
+    """
+    os.environ[WORKER] = "1"
+    sandbox.allow_unisolated(unisolated)
+    out = []
+    for kind, name, module, root, task_json, payload_json in jobs:
+        if (name, module, root) not in _LOADED:
+            _LOADED[name, module, root] = load(name, module, root)
+        out.append(run_job(_LOADED[name, module, root], kind, task_json, payload_json))
+    return out
+
+
+class Router:
+    """The environments as the validate stage sees them: the task behind a trace is the first
+    that an environment's `task_from_trace` finds (in params.yaml order), as JSON with its
+    environment's name (the rollout stage routes it back); `task_kind`, the drift report's
+    category, is the environment's name.
     """
 
     def __init__(self, envs: dict[str, Environment]):
         """Route over `envs` ({name: Environment}, in params.yaml order)."""
         self.envs = envs
 
-    def task_from_messages(self, messages: list[dict], tools: list | None = None) -> dict | None:
-        """{"question": <task JSON>, "answer": ""}, or None when no environment claims the trace."""
+    def task_of(self, messages: list[dict], tools: list | None = None) -> str | None:
+        """The task JSON, or None when no environment claims the trace."""
         for name, env in self.envs.items():
             if env.task_from_trace is None:
                 continue
@@ -674,7 +734,7 @@ class Router:
                                     f"task (a dict with 'messages' and the fields its reward "
                                     f"needs) or None")
             # keys in the task's order: its tools and messages render as production logged them
-            return {"question": json.dumps({**task, "environment": name}), "answer": ""}
+            return json.dumps({**task, "environment": name})
         return None
 
     @staticmethod

@@ -30,7 +30,11 @@ that times out, refuses, answers with an HTTP error or with unparseable JSON is 
 (`retries`), then raises `JudgeError`: a verifier's infrastructure failure, recorded with its
 cause, never a zero. The budget (`judge.max_calls` requests, `judge.max_cost` tokens, per stage
 run; cache hits are free) raises `JudgeBudget`, which stops the stage with what was spent instead
-of a surprise bill.
+of a surprise bill. The reward stage asks from several threads (`runtime.judge.concurrency`
+requests in flight): the counters, cache and budget are one per process, and a request starts
+only while the budget has room for it and every request in flight (`Judge._reserve`), so asked
+concurrently the judge spends no more than asked one at a time. It is refused in the reward
+stage's worker processes (`contract.WORKER`), which would each hold a budget of their own.
 
     python -m stages.envs.judge --url http://127.0.0.1:8000/v1 --model m "What is 2+2?" "4"
 """
@@ -44,11 +48,12 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.envs.contract import Scores, text_of
+from stages.envs.contract import WORKER, ContractError, Scores, text_of
 from stages.envs.errors import VerifierError
 
 COMPONENT = "judge"  # the reward component a judged episode gets
@@ -111,6 +116,7 @@ class Judge:
     max_cost: int = 2_000_000
     cache_dir: Path | None = None
     judged_before: tuple[Path, ...] = ()  # other stages' caches: read, never written
+    concurrency: int = 8  # requests in flight at once, at most (runtime.judge.concurrency)
     calls: int = 0  # requests sent (retries included)
     tokens: int = 0  # as the server reported them
     prompt_tokens: int = 0  # of those, the server's `usage.prompt_tokens`
@@ -121,6 +127,11 @@ class Judge:
     _client: object = field(default=None, repr=False)  # one connection pool for every request
     _files: dict = field(default_factory=dict, repr=False)  # cache shard -> its open file
     _probed: bool = field(default=False, repr=False)
+    # the reward stage asks from several threads (`concurrency`): the counters, the cache and
+    # the requests in flight (and the largest a request has cost) are kept under this
+    _room: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _in_flight: int = field(default=0, repr=False)
+    _largest: int = field(default=0, repr=False)
 
     @classmethod
     def from_params(cls, params: str | Path = "params.yaml", cache_dir: Path | None = None,
@@ -145,7 +156,8 @@ class Judge:
         return cls(url=url, model=config.model, rubric=read_rubric(config.rubric, root),
                    api_key=os.environ.get(config.api_key_env) or None,
                    request_timeout=config.request_timeout, retries=config.retries,
-                   max_calls=config.max_calls, max_cost=config.max_cost,
+                   concurrency=config.concurrency, max_calls=config.max_calls,
+                   max_cost=config.max_cost,
                    cache_dir=cache_dir, judged_before=tuple(judged_before))
 
     @property
@@ -166,6 +178,10 @@ class Judge:
         return hashlib.sha256(data.encode()).hexdigest()
 
     def _load_cache(self) -> dict:
+        with self._room:
+            return self._loaded_cache()
+
+    def _loaded_cache(self) -> dict:
         if self._cache is None:
             self._cache = {}
             for folder in (*self.judged_before, self.cache_dir):
@@ -181,7 +197,11 @@ class Judge:
         return self._cache
 
     def _store(self, key: str, judgment) -> None:
-        self._load_cache()[key] = judgment
+        with self._room:
+            self._stored(key, judgment)
+
+    def _stored(self, key: str, judgment) -> None:
+        self._loaded_cache()[key] = judgment
         if self.cache_dir is None:
             return
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -202,14 +222,59 @@ class Judge:
         judge that is down stops the stage in seconds (RemoteDown), naming runtime.judge.url,
         instead of costing request_timeout x retries for every episode.
         """
-        if self._probed:
-            return
+        with self._room:
+            if not self._probed:
+                self._probe_once()
+
+    def _probe_once(self) -> None:
         from stages import remote
 
         remote.probe(f"{self.url.rstrip('/')}/models", setting="runtime.judge.url",
                      value=self.url, fix="start the judge's server or correct runtime.judge.url "
                      "in params.yaml; then rerun (the judgments paid for are kept)")
         self._probed = True
+
+    def _reserve(self, where: str) -> None:
+        """Room for one more request, else wait for some, or JudgeBudget. `max_calls` counts
+        every request sent. A request starts only while the tokens spent, plus those of every
+        request in flight counted as the largest one so far, stay under `max_cost` (one at a
+        time until a request's size is known), and at most `concurrency` are in flight: asked
+        concurrently, the judge spends no more of its budget than asked one at a time.
+        """
+        with self._room:
+            while True:
+                if self.calls >= self.max_calls:
+                    raise JudgeBudget(f"{where}: judge.max_calls={self.max_calls} requests spent "
+                                      f"this stage run ({self.tokens} tokens, {self.hits} cache "
+                                      f"hits); raise it in params.yaml, or judge fewer rollouts; "
+                                      f"the judgments paid for are kept in "
+                                      f"{self.cache_dir or CACHE}/")
+                if self.tokens >= self.max_cost:  # checked before asking: what was paid is kept
+                    raise JudgeBudget(f"{where}: judge.max_cost={self.max_cost} tokens spent this "
+                                      f"stage run ({self.calls} requests); raise it in "
+                                      f"params.yaml, or judge fewer rollouts; the judgments paid "
+                                      f"for are kept in {self.cache_dir or CACHE}/")
+                if not self._in_flight or (
+                        self._in_flight < self.concurrency and self._largest and
+                        self.tokens + (self._in_flight + 1) * self._largest < self.max_cost):
+                    self.calls += 1
+                    self._in_flight += 1
+                    if self._client is None:
+                        import httpx
+
+                        self._client = httpx.Client(timeout=self.request_timeout)
+                    return
+                self._room.wait()
+
+    def _release(self, used: tuple[int, int, int]) -> None:
+        """A request is back: the tokens it cost, (total, prompt, completion)."""
+        with self._room:
+            self._in_flight -= 1
+            self.tokens += used[0]
+            self.prompt_tokens += used[1]
+            self.completion_tokens += used[2]
+            self._largest = max(self._largest, used[0])
+            self._room.notify_all()
 
     def _ask(self, user: str, schema: dict, name: str) -> dict:
         """One judgment: the parsed JSON answer, after retries; JudgeError, JudgeBudget."""
@@ -227,49 +292,42 @@ class Judge:
         where = f"judge {self.model!r} at {self.url}"
         last, kind = "", "http"
         for attempt in range(self.retries + 1):
-            if self.calls >= self.max_calls:
-                raise JudgeBudget(f"{where}: judge.max_calls={self.max_calls} requests spent "
-                                  f"this stage run ({self.tokens} tokens, {self.hits} cache "
-                                  f"hits); raise it in params.yaml, or judge fewer rollouts; "
-                                  f"the judgments paid for are kept in {self.cache_dir or CACHE}/")
-            if self.tokens >= self.max_cost:  # checked before asking: what was paid is kept
-                raise JudgeBudget(f"{where}: judge.max_cost={self.max_cost} tokens spent this "
-                                  f"stage run ({self.calls} requests); raise it in params.yaml, "
-                                  f"or judge fewer rollouts; the judgments paid for are kept "
-                                  f"in {self.cache_dir or CACHE}/")
             if attempt:
                 time.sleep(min(8.0, 0.5 * 2 ** (attempt - 1)))
-            self.calls += 1
-            if self._client is None:
-                self._client = httpx.Client(timeout=self.request_timeout)
+            self._reserve(where)
+            used = (0, 0, 0)
             try:
-                response = self._client.post(f"{self.url.rstrip('/')}/chat/completions",
-                                             json=body, headers=headers)
-            except httpx.TimeoutException:
-                last = f"no answer within runtime.judge.request_timeout={self.request_timeout:g} s"
-                kind = "timeout"
-                continue
-            except httpx.HTTPError as err:
-                last, kind = f"{type(err).__name__}: {err}", "http"
-                continue
-            if response.status_code in (429,) or response.status_code >= 500:
-                last, kind = f"HTTP {response.status_code}: {response.text[:200]}", "http"
-                continue
-            if response.status_code != 200:  # a 4xx other than 429 will not change on a retry
-                raise JudgeError(f"{where}: HTTP {response.status_code}: {response.text[:300]}",
-                                 "http")
-            try:
-                data = response.json()
-                usage = data.get("usage") or {}
-                self.tokens += int(usage.get("total_tokens") or 0)
-                self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
-                self.completion_tokens += int(usage.get("completion_tokens") or 0)
-                choice = data["choices"][0]
-                message = choice["message"]
-            except (ValueError, KeyError, IndexError, TypeError) as err:
-                last = f"not an OpenAI chat completion ({type(err).__name__}: {err})"
-                kind = "unparseable"
-                continue
+                try:
+                    response = self._client.post(f"{self.url.rstrip('/')}/chat/completions",
+                                                 json=body, headers=headers)
+                except httpx.TimeoutException:
+                    last = (f"no answer within runtime.judge.request_timeout="
+                            f"{self.request_timeout:g} s")
+                    kind = "timeout"
+                    continue
+                except httpx.HTTPError as err:
+                    last, kind = f"{type(err).__name__}: {err}", "http"
+                    continue
+                if response.status_code in (429,) or response.status_code >= 500:
+                    last, kind = f"HTTP {response.status_code}: {response.text[:200]}", "http"
+                    continue
+                if response.status_code != 200:  # a 4xx other than 429 will not change on a retry
+                    raise JudgeError(f"{where}: HTTP {response.status_code}: "
+                                     f"{response.text[:300]}", "http")
+                try:
+                    data = response.json()
+                    usage = data.get("usage") or {}
+                    used = (int(usage.get("total_tokens") or 0),
+                            int(usage.get("prompt_tokens") or 0),
+                            int(usage.get("completion_tokens") or 0))
+                    choice = data["choices"][0]
+                    message = choice["message"]
+                except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
+                    last = f"not an OpenAI chat completion ({type(err).__name__}: {err})"
+                    kind = "unparseable"
+                    continue
+            finally:
+                self._release(used)
             if message.get("refusal") or choice.get("finish_reason") == "content_filter":
                 raise JudgeError(f"{where}: refused to judge: "
                                  f"{str(message.get('refusal') or 'content_filter')[:200]}",
@@ -284,7 +342,8 @@ class Judge:
                          f"{self.retries})", kind)
 
     def _fail(self, err: JudgeError) -> None:
-        self.failures[err.kind] = self.failures.get(err.kind, 0) + 1
+        with self._room:
+            self.failures[err.kind] = self.failures.get(err.kind, 0) + 1
 
     def score(self, task: dict, messages: list[dict]) -> Scores:
         """Pointwise: the episode against the rubric, `{"judge": score}` with its reasoning
@@ -329,10 +388,11 @@ class Judge:
         """The cached judgment under `key`, or `ask()`'s, stored as paid for; a JudgeError is
         counted by kind and raised.
         """
-        cached = self._load_cache().get(key)
-        if cached is not None:
-            self.hits += 1
-            return cached
+        with self._room:
+            cached = self._loaded_cache().get(key)
+            if cached is not None:
+                self.hits += 1
+                return cached
         try:
             judgment = ask()
         except JudgeError as err:
@@ -410,6 +470,7 @@ def stop_servers() -> None:
 # --- the project's judge, for environments' reward functions ---------------------------------
 
 _PROJECT: dict[str, Judge] = {}
+_PROJECT_LOCK = threading.Lock()  # the reward stage's threads ask for it at once
 _CACHE_DIR: list[Path | None] = [None]
 _JUDGED_BEFORE: list[tuple[Path, ...]] = [()]
 _HELD_OUT: list[bool] = [False]
@@ -451,12 +512,21 @@ def use_cache(folder: Path | None, judged_before: tuple[Path, ...] = ()) -> None
 
 
 def project(params: str | Path = "params.yaml") -> Judge:
-    """The project's judge (one per process and params file, so its cache and budget are one)."""
+    """The project's judge (one per process and params file, so its cache and budget are one).
+    Refused in the reward stage's worker processes, which would each have a budget of their own.
+    """
+    if os.environ.get(WORKER) == "1":
+        raise ContractError("an environment's reward called the judge in a worker process of the "
+                            "reward stage (runtime.reward.workers, ray_address), where the "
+                            "stage's judge budget and cache are not; import the judge at the top "
+                            "of the environment's module (`from stages.envs import judge`), so "
+                            "that the stage scores it in its own process")
     key = str(Path(params).resolve())
-    if key not in _PROJECT:
-        _PROJECT[key] = Judge.from_params(params, cache_dir=_CACHE_DIR[0],
-                                          judged_before=_JUDGED_BEFORE[0])
-    return _PROJECT[key]
+    with _PROJECT_LOCK:
+        if key not in _PROJECT:
+            _PROJECT[key] = Judge.from_params(params, cache_dir=_CACHE_DIR[0],
+                                              judged_before=_JUDGED_BEFORE[0])
+        return _PROJECT[key]
 
 
 def score(task: dict, messages: list[dict]) -> Scores:

@@ -30,6 +30,7 @@ import json
 import re
 from pathlib import Path
 
+from stages.envs import judge  # held here: the reward stage scores replay in its own process
 from stages.envs.contract import text_of
 from stages.envs.errors import ToolError
 
@@ -129,8 +130,6 @@ def reward(task: dict, messages: list[dict]) -> float | dict | None:
     last = messages[-1] if messages else {}
     answer = text_of(last.get("content")) if last.get("role") == "assistant" else ""
     if _judged(Path("params.yaml").resolve()):
-        from stages.envs import judge
-
         shown = messages + [{"role": "user", "content": "(For the grader only: production "
                                                         "answered this request with: "
                                                         f"{task.get('reference', '')})"}]

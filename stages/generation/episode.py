@@ -1,33 +1,14 @@
-"""What an episode is, whichever backend generates it: the shared types and helpers.
-
-`Episode` is one multi-turn attempt at a task as the rollout stage stores it (token ids, the mask
-of the tokens the model chose, their log-probabilities, the turn of each token and why it ended);
-`turn_index` numbers the turns; `Progress` reports episodes done. Imported by the transformers and
-the OpenAI-compatible backends alike, so it needs neither torch nor a server.
+"""What every backend's episodes share: `turn_index` numbers the turns of an episode's tokens;
+`Progress` reports episodes done. Imported by the chat path and the OpenAI-compatible backend
+alike, so it needs neither torch nor a server.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
 
 PROGRESS_EVERY_S = 10.0
-
-
-@dataclass
-class Episode:
-    """One multi-turn attempt at a task, as the rollout stage stores it."""
-
-    prompt: str
-    completion: str = ""
-    token_ids: list[int] = field(default_factory=list)  # prompt + completion, without <bos>/<eos>
-    model_mask: list[int] = field(default_factory=list)  # 1 where the model chose the token
-    logprobs: list[float] = field(default_factory=list)  # policy log-prob; 0.0 where forced
-    finish: str = "length"  # "eos", "stop", "length" or "turns"
-    tool_calls: int = 0  # tool calls the environment answered
-    # per token: 0 for the prompt, k for the model's k-th turn and the tool result answering it
-    turns: list[int] = field(default_factory=list)
 
 
 def turn_index(prompt_len: int, mask: list[int], closes: list[int]) -> list[int]:

@@ -1,27 +1,14 @@
-"""The openai generation backend: multi-turn episodes from OpenAI-compatible completion servers.
+"""The openai generation backend: chat episodes from OpenAI-compatible completion servers.
 
-Any server with the completions API works (vLLM's `vllm serve`, SGLang, TGI, `stages.generation.serve_tiny`).
-Each model turn is one `POST {url}/completions` with `stop=[env.TOOL_CLOSE, *stop]`; when the
-turn ends with TOOL_CLOSE the environment's `on_tool_close(text)` is appended and the next turn is
-requested, up to `max_turns` answered calls (one more call ends the episode with finish="turns").
-The result is the same `stages.generation.episode.Episode` rows as the transformers backend.
-
-Token ids: with a tokenizer (the rollout stage passes models/champion's) the prompt is sent as
-token ids (`<bos>` + prompt + completion so far, exactly what the transformers backend feeds), the
-prompt and the injected tool results are encoded locally (model_mask 0) and the model's own
-tokens come from the server's log-probs (`logprobs=1` and vLLM's `return_tokens_as_token_ids`,
-"token_id:N"). A server that returns only token strings leaves `token_ids`, `model_mask` and
-`turns` empty; `logprobs` then holds the model's tokens' log-probs only, and later turns are sent
-as text. We also ask for vLLM's `include_stop_str_in_output` and read `stop_reason` (vLLM) or
-`matched_stop` (SGLang) to tell a tool call from the end of the answer; a server with neither
-(plain OpenAI) ends an episode that stopped on a stop string as "eos".
-
-Chat episodes (`chat_rollout`, the `environments:` path): the same token-in, token-out protocol over
-`/completions`, one request per model turn, with the turn's end ids as vLLM's `stop_token_ids`. The
-conversation is rendered and extended by `stages.generation.chat` here (the champion's chat template,
-the tool parser, the environment's `call_tool`); the server returns the ids its model chose, end
-token included as vLLM returns it. So an episode's ids, mask and turns are those the transformers
-backend gives for the same choices, and a server that sends no ids is an error, not a guess.
+Any server with the completions API works (vLLM's `vllm serve`, SGLang, TGI,
+`stages.generation.serve_tiny`). The rollout stage's `chat_rollout` (the `environments:`) plays
+token in, token out over `/completions`, one request per model turn, with the turn's end ids as
+vLLM's `stop_token_ids`. The conversation is rendered and extended by `stages.generation.chat`
+here (the champion's chat template, the tool parser, the environment's `call_tool`); the server
+returns the ids its model chose (`logprobs=1` and vLLM's `return_tokens_as_token_ids`,
+"token_id:N"), end token included as vLLM returns it. So an episode's ids, mask and turns are
+those the transformers backend gives for the same choices, and a server that sends no ids is an
+error, not a guess.
 
 With `api="chat"` (`runtime.rollout.api: chat`) each model turn is instead one
 `POST {url}/chat/completions` with the conversation as `messages`, the task's tools as `tools=`
@@ -76,7 +63,7 @@ from pathlib import Path
 
 import httpx
 
-from stages.generation.episode import Episode, Progress, turn_index
+from stages.generation.episode import Progress
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
 RETRY_ERRORS = (httpx.TimeoutException, httpx.ConnectError, httpx.RemoteProtocolError,
@@ -214,97 +201,6 @@ def _token_ids(tokens: list[str]) -> list[int] | None:
     return ids
 
 
-@dataclass
-class _State:
-    completion: str = ""
-    ids: list[int] | None = None  # completion token ids; None once the server gave no ids
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # aligned with ids (0.0 where forced)
-    model_logprobs: list[float] = field(default_factory=list)  # the model's tokens only
-    closes: list[int] = field(default_factory=list)
-    calls: int = 0
-    finish: str = "length"
-
-    def force(self, ids: list[int]) -> None:
-        self.ids += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-
-
-async def _episode(client: Client, model: str, env, prompt: str, index: int, *, tokenizer,
-                   sampling: dict, max_new_tokens: int, max_turns: int, stop: tuple[str, ...],
-                   seed: int) -> Episode:
-    close = env.TOOL_CLOSE
-    encode = (lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer else None
-    prompt_ids = encode(prompt) if tokenizer else []
-    bos = [tokenizer.bos_token_id] if tokenizer and tokenizer.bos_token_id is not None else []
-    state = _State(ids=[] if tokenizer else None)
-    for turn in range(max_turns + 1):
-        used = len(state.ids) if state.ids is not None else len(state.model_logprobs)
-        if used >= max_new_tokens:
-            state.finish = "length"
-            break
-        request = bos + prompt_ids + state.ids if state.ids is not None else prompt + state.completion
-        payload = {"model": model, "prompt": request, "max_tokens": max_new_tokens - used,
-                   "stop": [close, *stop], "logprobs": 1, "include_stop_str_in_output": True,
-                   "return_tokens_as_token_ids": True, "n": 1,
-                   "seed": (seed * 1_000_003 + index * 101 + turn) % 2 ** 31, **sampling}
-        choice = (await client.request("POST", "/completions", payload))["choices"][0]
-        text = choice.get("text") or ""
-        logprobs = choice.get("logprobs") or {}
-        token_lps = [float(lp) for lp in logprobs.get("token_logprobs") or []]
-        ids = _token_ids(logprobs.get("tokens") or [])
-        reason = choice.get("stop_reason", choice.get("matched_stop"))
-        if (ids and tokenizer is not None and choice.get("finish_reason") == "stop"
-                and (reason is None or isinstance(reason, int))
-                and ids[-1] in (tokenizer.eos_token_id, reason) and len(ids) == len(token_lps)):
-            # the end token the server stopped on (vLLM keeps it among the ids): this protocol's
-            # episodes end before it, as the transformers backend's do
-            ids, token_lps = ids[:-1], token_lps[:-1]
-        closed = text.endswith(close) or reason == close
-        state.completion += text
-        state.model_logprobs += token_lps
-        if state.ids is not None and ids is not None and len(ids) == len(token_lps):
-            state.ids += ids
-            state.mask += [1] * len(ids)
-            state.logprobs += token_lps
-        else:  # the server gave no ids: from here on only text and the model's log-probs
-            state.ids = None
-        if closed and not text.endswith(close):  # the server cut the stop string off
-            state.completion += close
-            if state.ids is not None:
-                state.force(encode(close))
-        if closed:
-            if state.calls >= max_turns:
-                state.finish = "turns"
-                break
-            if state.ids is not None:
-                state.closes.append(len(state.ids) - 1)
-            injected = env.on_tool_close(state.completion)
-            state.completion += injected
-            state.calls += 1
-            if state.ids is not None:
-                state.force(encode(injected))
-            continue
-        if choice.get("finish_reason") == "length":
-            state.finish = "length"
-        elif reason in stop or any(s and text.endswith(s) for s in stop):
-            state.finish = "stop"
-        else:
-            state.finish = "eos"
-        break
-    episode = Episode(prompt=prompt, completion=state.completion, finish=state.finish,
-                      tool_calls=state.calls)
-    if state.ids is not None:
-        episode.token_ids = prompt_ids + state.ids
-        episode.model_mask = [0] * len(prompt_ids) + state.mask
-        episode.logprobs = [0.0] * len(prompt_ids) + state.logprobs
-        episode.turns = turn_index(len(prompt_ids), state.mask, state.closes)
-    else:
-        episode.logprobs = state.model_logprobs
-    return episode
-
-
 async def _all_or_none(coroutines: list) -> list:
     """Every episode's result, in order; when one fails the others are cancelled (no request is
     left running behind the error) and the error is raised.
@@ -317,58 +213,6 @@ async def _all_or_none(coroutines: list) -> list:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-
-
-async def _generate(prompts: list[str], env, *, urls: list[str], model: str, tokenizer,
-                    sampling: dict, max_new_tokens: int, max_turns: int, stop: tuple[str, ...],
-                    seed: int, concurrency: int, timeout: float, retries: int, backoff: float,
-                    api_key: str | None, progress: bool) -> tuple[list[Episode], Stats]:
-    client = Client(urls, concurrency=concurrency, timeout=timeout, retries=retries,
-                    backoff=backoff, api_key=api_key, seed=seed)
-    bar = Progress(len(prompts), "generate (openai)", progress)
-    try:
-        if not model:  # the name the server serves its model under
-            models = await client.request("GET", "/models", url=client.pool.urls[0])
-            model = models["data"][0]["id"]
-        done = 0
-
-        async def one(index: int, prompt: str) -> Episode:
-            nonlocal done
-            episode = await _episode(client, model, env, prompt, index, tokenizer=tokenizer,
-                                     sampling=sampling, max_new_tokens=max_new_tokens,
-                                     max_turns=max_turns, stop=stop, seed=seed)
-            done += 1
-            bar.update(done)
-            return episode
-
-        episodes = await _all_or_none([one(i, p) for i, p in enumerate(prompts)])
-    finally:
-        bar.close()
-        await client.close()
-    return list(episodes), client.stats
-
-
-def generate(prompts: list[str], env, *, urls: list[str], tokenizer=None, model: str = "",
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-             max_new_tokens: int = 48, max_turns: int = 4, stop: tuple[str, ...] = (),
-             seed: int = 0, concurrency: int = 64, timeout: float = 60.0, retries: int = 5,
-             backoff: float = 0.5, api_key: str | None = None,
-             progress: bool = True) -> tuple[list[Episode], Stats]:
-    """One episode per prompt, from the servers at `urls` (each ending in /v1); and the stats.
-
-    `model`: the name to request ("" = the first model `GET /models` lists); `tokenizer`: the
-    served model's, to send and record token ids (see the module docstring).
-    """
-    if not urls:
-        raise ValueError("no server URL given (runtime.rollout.urls, or runtime.rollout.server_command)")
-    sampling = {"temperature": temperature, "top_p": top_p}
-    if top_k:
-        sampling["top_k"] = top_k  # not in OpenAI's API; vLLM, SGLang and TGI take it
-    return asyncio.run(_generate(
-        prompts, env, urls=urls, model=model, tokenizer=tokenizer, sampling=sampling,
-        max_new_tokens=max_new_tokens, max_turns=max_turns, stop=tuple(stop), seed=seed,
-        concurrency=concurrency, timeout=timeout, retries=retries, backoff=backoff,
-        api_key=api_key, progress=progress))
 
 
 async def _chat_turn(client: Client, play, index: int, so_far: list[int],

@@ -1,26 +1,22 @@
-"""The transformers generation backend: batched, seeded, multi-turn episodes with a tool.
+"""The transformers generation backend: batched, seeded, multi-turn generation on token ids.
 
 Every row of a batch advances exactly one token per step, so one KV cache serves the whole batch
-with no padding: the first pass feeds the length of the shortest prompt at once, then the rest of
-the prompts and the environment's injected tool results are fed as *forced* tokens, one per step,
-while the other rows sample. Rows that ended are dropped from the batch (and its KV cache) once
-they are half of it, instead of being fed padding until the longest episode ends. For each episode we keep the token ids, a mask of
-which tokens the model chose itself (training loss and GRPO use only those), the log-probability
-of each chosen token under the policy (temperature 1, before top-k/top-p: what GRPO needs) and the
-turn each token belongs to.
+with no padding: the first pass feeds the length of the shortest prefix at once, then the rest of
+the prefixes and the tool results a turn's end is answered with are fed as *forced* tokens, one per
+step, while the other rows sample. Rows that ended are dropped from the batch (and its KV cache)
+once they are half of it, instead of being fed padding until the longest episode ends. For each
+row we keep the token ids, a mask of which tokens the model chose itself (training loss and GRPO
+use only those), the log-probability of each chosen token under the distribution sampled from and
+the end of each answered turn.
 
 The per-step work stays in tensors (a token buffer, a mask, a log-prob buffer, one row each);
-Python runs per row only when a row may have closed a tool call or hit a stop string. A tool call
-ends when the completion's text ends with `env.TOOL_CLOSE`: when that is one token of the
-vocabulary (the demo tokenizer) the check is a token comparison, otherwise (a BPE model) only rows
-whose new token ends in TOOL_CLOSE's last character are decoded and checked.
+Python runs per row only when a row ended a chat turn or may have hit a stop string (only rows
+whose new token ends in a stop string's last character are decoded and checked).
 
-An episode ends with `finish`: "eos" (the model ended it), "stop" (its text ended with one of the
-stop strings), "length" (`max_new_tokens` or the model's context), or "turns" (it closed one tool
-call more than `max_turns` allows; that call is not answered).
-
-`generate_ids` is the core, on token ids, also used by `stages.generation.serve_tiny` (the CPU
-OpenAI-compatible server of the demo model); `generate` is the environment-aware entry point.
+`generate_ids` is used by the chat path (`stages.generation.chat.rollout`: a turn ends at the
+model's end tokens and is answered with the environment's tool results) and by
+`stages.generation.serve_tiny` (the CPU OpenAI-compatible server of the demo model: completions
+end at <eos>, `max_tokens` or a stop string).
 """
 
 from __future__ import annotations
@@ -30,8 +26,6 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-
-from stages.generation.episode import Episode, Progress, turn_index
 
 
 @dataclass
@@ -43,7 +37,7 @@ class Row:
     logprobs: list[float]
     finish: str
     tool_calls: int
-    closes: list[int]  # index in token_ids of each answered tool call's closing token
+    closes: list[int]  # index in token_ids of each answered turn's last token
     stop: str | None = None  # the stop string the text ended with, when finish == "stop"
 
 
@@ -72,24 +66,17 @@ def _ending_mask(tokenizer, texts: tuple[str, ...], vocab: int) -> torch.Tensor:
     return mask
 
 
-def single_token(tokenizer, text: str) -> int | None:
-    """The id of `text` when the tokenizer encodes it as exactly one token."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return ids[0] if len(ids) == 1 else None
-
-
 @torch.inference_mode()
 def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: float,
                  max_new_tokens: int | list[int], generator: torch.Generator | list[torch.Generator],
-                 top_p: float = 1.0, top_k: int = 0, stop: tuple[str, ...] = (), env=None,
-                 max_turns: int = 0, on_step=None, on_turn_end=None,
-                 end_ids: tuple[int, ...] = ()) -> list[Row]:
+                 top_p: float = 1.0, top_k: int = 0, stop: tuple[str, ...] = (), on_step=None,
+                 on_turn_end=None, end_ids: tuple[int, ...] = ()) -> list[Row]:
     """Continue each prefix (token ids, starting with <bos> or whatever the model expects).
 
-    `env` (optional) answers tool calls: after a completion ending with env.TOOL_CLOSE its
-    `on_tool_close(text)` is fed as forced tokens, up to `max_turns` calls. `generator` is one for
-    the batch or one per row (so a row's samples do not depend on its neighbours: the server's
-    per-request seeds). `on_step(finished_rows)` is called after every step.
+    A row ends at <eos>, after `max_new_tokens`, or when its text ends with one of `stop`.
+    `generator` is one for the batch or one per row (so a row's samples do not depend on its
+    neighbours: the server's per-request seeds). `on_step(finished_rows)` is called after every
+    step.
 
     Chat turns (`stages.generation.chat`): with `on_turn_end`, a row's turn ends when the model
     chooses one of `end_ids` (default: the tokenizer's eos), which is kept as a chosen token, and
@@ -141,9 +128,7 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
                 finish=finish[o], tool_calls=calls[o], closes=closes[o], stop=stopped[o],
             )
 
-    tool_close = env.TOOL_CLOSE if env is not None else None
-    close_id = single_token(tokenizer, tool_close) if tool_close else None
-    watch = [s for s in stop if s] + ([tool_close] if tool_close and close_id is None else [])
+    watch = [s for s in stop if s]
     may_end = _ending_mask(tokenizer, tuple(watch), vocab).to(device) if watch else None
 
     cache = DynamicCache()
@@ -206,39 +191,15 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
                 forced_end[i] = turn_start[i] = nxt + 1 + len(answer)
                 calls[o] += 1
                 closes[o].append(nxt - int(prefix_len[i]))
-        if close_id is not None:
-            closing = model_turn & (token == close_id)
-        else:
-            closing = torch.zeros_like(model_turn)
-        check = closing | (model_turn & may_end[token]) if may_end is not None else closing
-        if check.any():
-            for i in check.nonzero().flatten().tolist():
-                o, text = orig[i], None
-                if watch:
-                    text = tokenizer.decode(buf[i, prefix_len[i]:nxt + 1].tolist(),
-                                            skip_special_tokens=True)
-                    hit = next((s for s in stop if s and text.endswith(s)), None)
-                    if hit is not None:
-                        finish[o], stopped[o], end[o] = "stop", hit, nxt + 1
-                        active[i] = False
-                        continue
-                if not (closing[i] or (tool_close and text is not None
-                                       and text.endswith(tool_close))):
-                    continue
-                if calls[o] >= max_turns:
-                    finish[o], end[o] = "turns", nxt + 1
+        if may_end is not None:  # a row whose new token may end a stop string: decoded
+            for i in (model_turn & may_end[token]).nonzero().flatten().tolist():
+                text = tokenizer.decode(buf[i, prefix_len[i]:nxt + 1].tolist(),
+                                        skip_special_tokens=True)
+                hit = next((s for s in watch if text.endswith(s)), None)
+                if hit is not None:
+                    o = orig[i]
+                    finish[o], stopped[o], end[o] = "stop", hit, nxt + 1
                     active[i] = False
-                    continue
-                if text is None:
-                    text = tokenizer.decode(buf[i, prefix_len[i]:nxt + 1].tolist(),
-                                            skip_special_tokens=True)
-                injected = tokenizer.encode(env.on_tool_close(text), add_special_tokens=False)
-                injected = injected[:limit - nxt - 1]
-                buf[i, nxt + 1:nxt + 1 + len(injected)] = torch.tensor(injected, dtype=torch.long,
-                                                                        device=device)
-                forced_end[i] = nxt + 1 + len(injected)
-                calls[o] += 1
-                closes[o].append(nxt - int(prefix_len[i]))
         alive = int(active.sum())
         if on_step is not None:
             on_step(rows - alive)
@@ -258,39 +219,3 @@ def generate_ids(model, tokenizer, prefixes: list[list[int]], *, temperature: fl
         current = buf[:, nxt:nxt + 1]
     collect(list(range(len(orig))))
     return results
-
-
-def generate(model, tokenizer, env, prompts: list[str], *, temperature: float, max_new_tokens: int,
-             seed: int, batch_size: int, progress: bool = True, top_p: float = 1.0,
-             top_k: int = 0, max_turns: int | None = None,
-             stop: tuple[str, ...] = (), between=None) -> list[Episode]:
-    """One episode per prompt; deterministic for the same prompts, seed and batch size.
-
-    `max_turns`: tool calls answered per episode (None: the environment's MAX_TURNS).
-    `between(done)`: called after each batch with the episodes done (a budget check may raise).
-    """
-    generator = torch.Generator(device=model.device).manual_seed(seed)
-    max_turns = env.MAX_TURNS if max_turns is None else max_turns
-    bos = tokenizer.bos_token_id
-    episodes = []
-    bar = Progress(len(prompts), "generate", progress)
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        encoded = [tokenizer.encode(p, add_special_tokens=False) for p in chunk]
-        prefixes = [([bos] if bos is not None else []) + ids for ids in encoded]
-        rows = generate_ids(model, tokenizer, prefixes, temperature=temperature,
-                            max_new_tokens=max_new_tokens, generator=generator, top_p=top_p,
-                            top_k=top_k, stop=stop, env=env, max_turns=max_turns,
-                            on_step=lambda done, base=start: bar.update(base + done))
-        for text, ids, row in zip(chunk, encoded, rows):
-            episodes.append(Episode(
-                prompt=text, completion=tokenizer.decode(row.token_ids, skip_special_tokens=True),
-                token_ids=ids + row.token_ids, model_mask=[0] * len(ids) + row.model_mask,
-                logprobs=[0.0] * len(ids) + row.logprobs, finish=row.finish,
-                tool_calls=row.tool_calls, turns=turn_index(len(ids), row.model_mask, row.closes),
-            ))
-        bar.update(start + len(chunk))
-        if between is not None and start + batch_size < len(prompts):
-            between(len(episodes))
-    bar.close()
-    return episodes

@@ -2,27 +2,24 @@
 
 Helper of `stages/train.py` (`train.algorithm: dpo`, settings in `train.dpo`). Pairs come from a
 task's higher- and lower-reward rollouts (`examples`) and from the traces' thumbs
-(`feedback_pairs`, never overruling the verifier). The pairs come from rollouts, so they are token ids already: the
-trainer's own preparation (extract the prompt from text, append EOS, tokenize) is replaced by ours,
-which keeps the rollout's exact tokens, and the collator marks as completion only the tokens the
-model chose (`model_mask`), so TRL's loss (which sums log-probabilities over `completion_mask`)
-never treats a tool result the environment injected as the model's choice. Our tokenizer has no
-chat template, which is why the text formats are not used. Checked against trl 1.16: DPOConfig
-defaults to bf16 and gradient checkpointing; both are set here (precision from the hardware).
+(`feedback_pairs`, never overruling the verifier). The pairs come from rollouts, so they are
+token ids already: the trainer's own preparation (extract the prompt from text, apply the chat
+template, tokenize) is replaced by ours, which keeps the rollout's exact tokens, and the collator
+marks as completion only the tokens the model chose (`model_mask`), so TRL's loss (which sums
+log-probabilities over `completion_mask`) never treats a tool result the environment injected as
+the model's choice. Checked against trl 1.16: DPOConfig defaults to bf16 and gradient
+checkpointing; both are set here (precision from the hardware).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 from trl import DPOConfig, DPOTrainer
 
 from stages import tinylm
 from stages.training import trainers
-from stages.training.batches import encode_completion
 
 UNIT = "preference pairs"  # what one example is, for the stage's messages
 
@@ -61,22 +58,8 @@ def examples(rows: list[dict]) -> tuple[list[dict], dict]:
                 "prompt_ids": chosen["token_ids"][:cut],
                 "chosen_ids": chosen["token_ids"][cut:], "chosen_mask": chosen["model_mask"][cut:],
                 "rejected_ids": rejected["token_ids"][rcut:],
-                "rejected_mask": rejected["model_mask"][rcut:], "chat": bool(chosen.get("chat"))})
+                "rejected_mask": rejected["model_mask"][rcut:]})
     return pairs, {"tasks_without_pair": no_pair}
-
-
-def _injected_as_env(env, completion: str) -> bool:
-    """Whether every tool result in `completion` is what the environment itself would inject
-    (`encode_completion` masks exactly that many tokens after each call, as a rollout does).
-    """
-    pos = 0
-    while (close := completion.find(env.TOOL_CLOSE, pos)) >= 0:
-        end = close + len(env.TOOL_CLOSE)
-        injected = env.on_tool_close(completion[:end])
-        if not completion.startswith(injected, end):
-            return False
-        pos = end + len(injected)
-    return True
 
 
 def _partner(group: list[dict], thumbs_up: bool) -> dict | None:
@@ -91,12 +74,11 @@ def _partner(group: list[dict], thumbs_up: bool) -> dict | None:
 
 
 def _feedback_pair(task_id: str, own: dict, thumbs_up: bool, full: bool | None,
-                   group: list[dict], counts: dict, taken: set | None, chat: bool = False
-                   ) -> dict | None:
+                   group: list[dict], counts: dict, taken: set | None) -> dict | None:
     """The pair of a trace's own answer (`own`: token_ids, model_mask, completion) and its
     partner rollout, or None with the reason counted: feedback the verifier overrules (`full`:
     whether it gives the answer full marks; None: it cannot judge, the thumbs decide), no partner,
-    or (chat) another prompt than its rollouts'. A pair already `taken` is skipped uncounted.
+    or another prompt than its rollouts'. A pair already `taken` is skipped uncounted.
     """
     if thumbs_up and full is False:
         counts["thumbs_up_verifier_wrong"] += 1
@@ -110,66 +92,25 @@ def _feedback_pair(task_id: str, own: dict, thumbs_up: bool, full: bool | None,
         return None
     chosen, rejected = (own, partner) if thumbs_up else (partner, own)
     cut, rcut = prompt_length(chosen["model_mask"]), prompt_length(rejected["model_mask"])
-    if chat and chosen["token_ids"][:cut] != rejected["token_ids"][:rcut]:
+    if chosen["token_ids"][:cut] != rejected["token_ids"][:rcut]:
         counts["feedback_unusable"] += 1  # not the prompt its rollouts answered
         return None
     key = (task_id, f"{chosen['completion']}\x00{rejected['completion']}")
     if key in (taken or set()):
         return None
-    pair = {"task_id": key[0], "completion": key[1], "prompt_ids": chosen["token_ids"][:cut],
+    return {"task_id": key[0], "completion": key[1], "prompt_ids": chosen["token_ids"][:cut],
             "chosen_ids": chosen["token_ids"][cut:], "chosen_mask": chosen["model_mask"][cut:],
             "rejected_ids": rejected["token_ids"][rcut:],
             "rejected_mask": rejected["model_mask"][rcut:]}
-    return {**pair, "chat": True} if chat else pair
 
 
-def feedback_pairs(rows: list[dict], traces: list[dict], env, tokenizer,
-                   taken: set | None = None) -> tuple[list[dict], dict]:
-    """Pairs from the traces' thumbs: the trace's own answer against one of its task's rollouts.
-
-    A thumbs-down answer the verifier scores wrong is `rejected` against the task's best verified-
-    correct rollout; a thumbs-up answer the verifier scores correct is `chosen` against its worst
-    failing rollout. Feedback never overrules the verifier: a thumbs-up answer it scores wrong (or a
-    thumbs-down one it scores correct) is not used, only counted. The trace's answer is written in
-    the model's text by `env.completion_from_messages` and tokenized with the champion's tokenizer,
-    mask 1 on its own tokens and 0 on the tool results, like a rollout. `taken`: the (task_id,
-    completion) keys of the rollout pairs, so the same pair is not added twice.
-    """
-    tasks = trainers.by_task(rows)
-    counts = dict.fromkeys(("feedback_traces", "thumbs_up_verifier_wrong",
-                            "thumbs_down_verifier_correct", "feedback_unusable",
-                            "feedback_without_partner"), 0)
-    pairs = []
-    for trace in sorted(traces, key=lambda t: t["trace_id"]):
-        group = tasks.get(trace["trace_id"])
-        if trace["thumbs_up"] is None or not group:
-            continue
-        counts["feedback_traces"] += 1
-        completion = env.completion_from_messages(json.loads(trace["messages"]))
-        verdict = None if completion is None else \
-            env.verify(trace["question"], trace["answer"], completion)
-        if verdict is None or not _injected_as_env(env, completion):
-            counts["feedback_unusable"] += 1
-            continue
-        ids, mask = encode_completion(tokenizer, env, env.prompt(trace["question"]), completion)
-        if tokenizer.unk_token_id in ids:
-            counts["feedback_unusable"] += 1
-            continue
-        pair = _feedback_pair(trace["trace_id"], {"token_ids": ids, "model_mask": mask,
-                                                   "completion": completion},
-                              trace["thumbs_up"], verdict == 1.0, group, counts, taken)
-        if pair is not None:
-            pairs.append(pair)
-    return pairs, counts
-
-
-def chat_feedback_pairs(rows: list[dict], traces: list[dict], taken: set | None = None
+def feedback_pairs(rows: list[dict], traces: list[dict], taken: set | None = None
                         ) -> tuple[list[dict], dict]:
-    """Pairs from the thumbs of production traces on the `environments:` path, by the rules of
-    `feedback_pairs`: a thumbs-up conversation is `chosen` against its task's worst failing
-    rollout, a thumbs-down one `rejected` against its best full-marks rollout, and feedback never
-    overrules the reward (a thumbs up the reward scores lower, or a thumbs down it gives full marks,
-    is counted, not used; a reward that cannot judge leaves the thumbs to decide). `traces`:
+    """Pairs from the thumbs of production traces: a thumbs-up conversation is `chosen` against
+    its task's worst failing rollout, a thumbs-down one `rejected` against its best full-marks
+    rollout, and feedback never overrules the reward (a thumbs up the reward scores lower, or a
+    thumbs down it gives full marks, is counted, not used; a reward that cannot judge leaves the
+    thumbs to decide). `traces`:
     `train.encoded_traces` items (the conversation encoded with the chat template as its rollouts
     were); their task is `<environment>:trace:<id>`. A trace whose prompt ids differ from its
     rollouts' is unusable (counted).
@@ -192,34 +133,23 @@ def chat_feedback_pairs(rows: list[dict], traces: list[dict], taken: set | None 
         full = None if trace["scores"] is None else contract.full_marks(trace["scores"])
         own = {k: trace[k] for k in ("token_ids", "model_mask", "completion")}
         pair = _feedback_pair(trace["task_id"], own, trace["thumbs_up"], full, group, counts,
-                              taken, chat=True)
+                              taken)
         if pair is not None:
             pairs.append(pair)
     return pairs, counts
 
 
-def read_traces(validated: Path) -> list[dict]:
-    """The validated traces that carry a thumbs signal, with their task."""
-    table = pq.read_table(validated, columns=["trace_id", "messages", "thumbs_up", "question",
-                                              "answer"], filters=[("thumbs_up", "in", [True, False])])
-    return table.to_pylist()
-
-
-def collate(bos: int, eos: int, pad: int):
-    """Chosen rows then rejected rows: `<bos> prompt completion <eos>`, right-padded, with
-    `completion_mask` 1 on the model's own completion tokens and the end of sequence; a chat
-    pair's ids are whole conversations already (their end tokens the model's own): as they are.
+def collate(pad: int):
+    """Chosen rows then rejected rows: the prompt's ids and the side's, right-padded, with
+    `completion_mask` 1 on the model's own tokens (its end tokens included: the ids are whole
+    conversations as the model saw them).
     """
     def build(rows: list[dict]) -> dict:
         seqs, masks = [], []
         for side in ("chosen", "rejected"):
             for row in rows:
-                if row.get("chat"):
-                    seqs.append([*row["prompt_ids"], *row[f"{side}_ids"]])
-                    masks.append([0] * len(row["prompt_ids"]) + list(row[f"{side}_mask"]))
-                    continue
-                seqs.append([bos, *row["prompt_ids"], *row[f"{side}_ids"], eos])
-                masks.append([0] * (1 + len(row["prompt_ids"])) + list(row[f"{side}_mask"]) + [1])
+                seqs.append([*row["prompt_ids"], *row[f"{side}_ids"]])
+                masks.append([0] * len(row["prompt_ids"]) + list(row[f"{side}_mask"]))
         width = max(len(s) for s in seqs)
         out = {"input_ids": torch.full((len(seqs), width), pad, dtype=torch.long),
                "attention_mask": torch.zeros((len(seqs), width), dtype=torch.long),
@@ -240,7 +170,7 @@ class PairsDPOTrainer(trainers.StepLog, DPOTrainer):
 
     def _set_signature_columns_if_needed(self):
         self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", "chosen_mask",
-                                   "rejected_mask", "chat"]
+                                   "rejected_mask"]
 
 
 def trainer(model, tokenizer, champion: Path, pairs: list[dict], args_for, config):
@@ -249,14 +179,13 @@ def trainer(model, tokenizer, champion: Path, pairs: list[dict], args_for, confi
     """
     from datasets import Dataset
 
-    data = Dataset.from_list([{**{k: p[k] for k in ("prompt_ids", "chosen_ids", "chosen_mask",
-                                                    "rejected_ids", "rejected_mask")},
-                               "chat": bool(p.get("chat"))} for p in pairs])
+    data = Dataset.from_list([{k: p[k] for k in ("prompt_ids", "chosen_ids", "chosen_mask",
+                                                 "rejected_ids", "rejected_mask")}
+                              for p in pairs])
     reference, _ = tinylm.load(champion)
     args = args_for(len(data), cls=DPOConfig, beta=config.beta, gradient_checkpointing=False,
                     max_length=None, precompute_ref_log_probs=False, disable_dropout=True)
     return PairsDPOTrainer(
         model=model, ref_model=reference, args=args, train_dataset=data,
         processing_class=tokenizer,
-        data_collator=collate(tokenizer.bos_token_id, tokenizer.eos_token_id,
-                              trainers.pad_id(tokenizer)))
+        data_collator=collate(trainers.pad_id(tokenizer)))

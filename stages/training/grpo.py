@@ -51,22 +51,22 @@ def examples(rows: list[dict], scale: str = "group") -> tuple[list[dict], dict]:
         std = {"group": _std(rewards) + 1e-4, "batch": batch_std + 1e-4, "none": 1.0}[scale]
         groups.append({"task_id": task, "completion": "\x00".join(r["completion"] for r in group),
                        "episodes": [{"token_ids": r["token_ids"], "model_mask": r["model_mask"],
-                                     "logprobs": r["logprobs"], "chat": bool(r.get("chat")),
+                                     "logprobs": r["logprobs"],
                                      "advantage": (r["reward"] - mean) / std} for r in group]})
     return groups, {"groups_without_spread": flat}
 
 
-def collate(bos: int, pad: int):
-    """`<bos> ids`, right-padded, with the per-token mask, rollout log-probs and advantage.
+def collate(pad: int):
+    """The ids, right-padded, with the per-token mask, rollout log-probs and advantage.
 
     Position t of `mask`, `old_logprobs` and `ref_logprobs` belongs to the token at t + 1 of the
-    inputs (the one the logits at t predict). The end-of-sequence choice has no recorded log-prob,
-    so it is not part of the GRPO loss.
+    inputs (the one the logits at t predict); a row's first token (its chat template's, never the
+    model's choice) has no prediction.
     """
     def collate(rows: list[dict]) -> dict:
-        # exactly the longest row: a padding column past the model's positions (a chat
-        # episode at the context limit has no <bos> added) would index past its embeddings
-        width = max(len(r["token_ids"]) + (0 if r.get("chat") else 1) for r in rows)
+        # exactly the longest row: a padding column past the model's positions (an episode at
+        # the context limit) would index past its embeddings
+        width = max(len(r["token_ids"]) for r in rows)
         n = len(rows)
         out = {"input_ids": torch.full((n, width), pad, dtype=torch.long),
                "attention_mask": torch.zeros((n, width), dtype=torch.long),
@@ -74,18 +74,14 @@ def collate(bos: int, pad: int):
                "ref_logprobs": torch.zeros((n, width - 1)),
                "advantage": torch.tensor([r["advantage"] for r in rows], dtype=torch.float)}
         for i, row in enumerate(rows):
-            # a chat episode is the whole conversation already (its first token is the
-            # template's, never the model's choice); the demo's ids get a <bos> in front
-            head = [] if row.get("chat") else [bos]
-            ids = head + list(row["token_ids"])
-            skip = 1 - len(head)  # entries of the row's per-token lists with no prediction
+            ids = list(row["token_ids"])
             length = len(ids) - 1
             out["input_ids"][i, :len(ids)] = torch.tensor(ids)
             out["attention_mask"][i, :len(ids)] = 1
-            out["mask"][i, :length] = torch.tensor(row["model_mask"][skip:], dtype=torch.float)
-            out["old_logprobs"][i, :length] = torch.tensor(row["logprobs"][skip:])
+            out["mask"][i, :length] = torch.tensor(row["model_mask"][1:], dtype=torch.float)
+            out["old_logprobs"][i, :length] = torch.tensor(row["logprobs"][1:])
             if row.get("ref_logprobs") is not None:
-                out["ref_logprobs"][i, :length] = torch.tensor(row["ref_logprobs"][skip:])
+                out["ref_logprobs"][i, :length] = torch.tensor(row["ref_logprobs"][1:])
         return out
     return collate
 
@@ -107,21 +103,20 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0) -
 
 
 @torch.no_grad()
-def reference_logprobs(model, rows: list[dict], bos: int, pad: int, batch_size: int,
+def reference_logprobs(model, rows: list[dict], pad: int, batch_size: int,
                        temperature: float = 1.0) -> None:
     """Fill `ref_logprobs` (the champion's, per token, at `temperature`) into each row, in place."""
-    batch_of = collate(bos, pad)
+    batch_of = collate(pad)
     model.eval()
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
         batch = batch_of([{"token_ids": r["token_ids"], "model_mask": r["model_mask"],
-                          "logprobs": [0.0] * len(r["token_ids"]), "advantage": 0.0,
-                          "chat": r.get("chat")} for r in chunk])
+                          "logprobs": [0.0] * len(r["token_ids"]), "advantage": 0.0}
+                          for r in chunk])
         logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature)
         for i, row in enumerate(chunk):
-            # per token of the row; a chat row's first token has no prediction: 0.0
-            head = [0.0] if row.get("chat") else []
-            row["ref_logprobs"] = head + logp[i, :len(row["token_ids"]) - len(head)].tolist()
+            # per token of the row; its first token has no prediction: 0.0
+            row["ref_logprobs"] = [0.0] + logp[i, :len(row["token_ids"]) - 1].tolist()
 
 
 def reduce_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str = "bnpo",
@@ -211,8 +206,8 @@ def trainer(model, tokenizer, champion: Path, groups: list[dict], args_for, conf
     rows = [dict(e) for g in groups for e in g["episodes"]]
     if config.kl_coef or any(g.get("replayed") for g in groups):
         reference, _ = tinylm.load(champion)
-        reference_logprobs(reference, rows, tokenizer.bos_token_id, trainers.pad_id(tokenizer),
-                           args_for.batch_size, temperature)
+        reference_logprobs(reference, rows, trainers.pad_id(tokenizer), args_for.batch_size,
+                           temperature)
         for row, replayed in zip(rows, [g.get("replayed", False) for g in groups
                                         for _ in g["episodes"]]):
             if replayed:  # recorded by an older policy: the ratio is taken against the champion
@@ -222,7 +217,7 @@ def trainer(model, tokenizer, champion: Path, groups: list[dict], args_for, conf
     data = Dataset.from_list(rows)
     return GRPOTrainer(
         model=model, args=args_for(len(data)), train_dataset=data,
-        data_collator=collate(tokenizer.bos_token_id, trainers.pad_id(tokenizer)),
+        data_collator=collate(trainers.pad_id(tokenizer)),
         clip=config.clip, kl_coef=config.kl_coef, temperature=temperature,
         loss_type=config.loss_type, clip_high=config.clip_high,
         max_completion_length=config.max_completion_length,

@@ -25,8 +25,8 @@ def examples(rows: list[dict]) -> tuple[list[dict], dict]:
     for row in rows:
         if row["correct"] == 1.0:
             unique.setdefault((row["task_id"], row["completion"]),
-                              {k: row.get(k) for k in ("task_id", "completion", "token_ids",
-                                                       "model_mask", "chat")})
+                              {k: row[k] for k in ("task_id", "completion", "token_ids",
+                                                   "model_mask")})
     return [unique[key] for key in sorted(unique)], {}
 
 
@@ -40,9 +40,8 @@ def trainer(model, tokenizer, champion: Path, rows: list[dict], args_for, config
     """
     from datasets import Dataset
 
-    data = Dataset.from_list([{"token_ids": e["token_ids"], "model_mask": e["model_mask"],
-                               "chat": bool(e.get("chat"))} for e in rows])
+    data = Dataset.from_list([{"token_ids": e["token_ids"], "model_mask": e["model_mask"]}
+                              for e in rows])
     return SFTTrainer(
         model=model, args=args_for(len(data)), train_dataset=data,
-        data_collator=functools.partial(collate, bos=tokenizer.bos_token_id,
-                                        eos=tokenizer.eos_token_id, pad=trainers.pad_id(tokenizer)))
+        data_collator=functools.partial(collate, pad=trainers.pad_id(tokenizer)))

@@ -2,10 +2,10 @@
 
 Used by `offseason init` (`stages/init.py`) for the demo's tiny model, and by the tests and
 benchmarks as the baseline the train stage's Trainer is measured against. The examples are the
-same rows the train stage uses (`token_ids`, `model_mask`), collated by `stages.training.batches`, so
-the loss is on the model's own tokens only: prompts and injected tool results are context, not
-targets (teaching the model to predict a calculator's output would teach it to guess instead of
-calling the tool).
+same rows the train stage uses (`token_ids`, `model_mask`: chat conversations encoded by the model's
+chat template), collated by `stages.training.batches`, so the loss is on the model's own tokens
+only: prompts and tool results are context, not targets (teaching the model to predict a
+calculator's output would teach it to guess instead of calling the tool).
 """
 
 from __future__ import annotations
@@ -18,23 +18,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from stages.training.batches import collate, encode_completion
+from stages.training.batches import collate
 
 
-def demonstrations(tokenizer, env, rng: random.Random, tool_fraction: float, batch_size: int):
-    """Endless batches of the environment's demonstrations, `tool_fraction` of them with the tool."""
-    while True:
-        batch = []
-        for _ in range(batch_size):
-            question = env.sample_question(rng)
-            completion = env.demonstration(question, use_tool=rng.random() < tool_fraction)
-            ids, mask = encode_completion(tokenizer, env, env.prompt(question), completion)
-            batch.append({"token_ids": ids, "model_mask": mask})
-        yield batch
-
-
-def chat_demonstrations(template, env, rng: random.Random, tool_fraction: float,
-                        batch_size: int):
+def demonstrations(template, env, rng: random.Random, tool_fraction: float, batch_size: int):
     """Endless batches of a built-in environment's demonstrations as chat conversations, encoded
     by the model's chat template as a rollout is (`stages.generation.chat.encode`).
     """
@@ -47,7 +34,7 @@ def chat_demonstrations(template, env, rng: random.Random, tool_fraction: float,
             task = env.chat_task(question)
             answer = env.chat_demonstration(question, use_tool=rng.random() < tool_fraction)
             ids, mask = chat.encode(template.for_task(task), task["messages"] + answer)
-            batch.append({"token_ids": ids, "model_mask": mask, "chat": True})
+            batch.append({"token_ids": ids, "model_mask": mask})
         yield batch
 
 
@@ -71,8 +58,7 @@ def train(model, batches: Iterator[list[dict]], *, steps: int, lr: float,
     report_every = max(1, steps // 10)
     for step in range(steps):
         examples = next(batches)
-        batch = collate(examples, tokenizer.bos_token_id, tokenizer.eos_token_id,
-                        tokenizer.pad_token_id)
+        batch = collate(examples, tokenizer.pad_token_id)
         inputs, attention, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
