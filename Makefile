@@ -30,7 +30,7 @@ sandbox-tools:
 	  echo "installed bubblewrap for the code sandbox"; } || \
 	  echo "note: bubblewrap is not installed (needs root and apt-get): the code sandbox uses unshare where namespaces are allowed, see stages/envs/sandbox.py"
 
-# Graphviz's dot lays out the report's lineage graph (flows/report.py; without it, a plainer layout
+# Graphviz's dot lays out the report's lineage graph (flows/audit/report.py; without it, a plainer layout
 # by hand, and the report says so); Debian's chromium runs the report's headless-browser test
 # (tests/test_lineage.py skips it, saying why, without one). Installed as bubblewrap is.
 report-tools:

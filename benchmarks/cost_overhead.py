@@ -6,8 +6,8 @@ each piece the cost work adds to one cycle, as often as a cycle does it, against
 last cycle (the sum of its stages' wall seconds in metrics/cost.json: a lower bound of the cycle's
 time, so the share is an upper bound):
 
-- the estimate before the cycle (`flows.cost.estimate`: git reads of the last three ledgers, the
-  inbox's lines) and the ledger after it (`flows.cost.ledger`);
+- the estimate before the cycle (`flows.orchestration.cost.estimate`: git reads of the last three ledgers, the
+  inbox's lines) and the ledger after it (`flows.orchestration.cost.ledger`);
 - each budgeted stage's meter (`stages.budget.Meter.of`, with a budget set: the cycle's earlier
   stages' metrics against HEAD's through git) and its checks (`Meter.check`: rusage), once per
   optimizer step, rollout batch and episode of the last cycle;
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from flows import cost
-    from flows import params as settings
+    from flows.orchestration import cost
+    from flows.project import params as settings
     from stages import budget as budgets
     from stages import io
     from stages.training import trainers

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import yaml
 
-from flows import params as settings
-from flows.workspace import (
+from flows.project import params as settings
+from flows.project.workspace import (
     COLLECT_SPOOL,
     ENVIRONMENT_SOURCES,
     WorkspaceError,
@@ -50,6 +50,7 @@ from flows.workspace import (
     note_children,
     note_environments,
     read_at,
+    stage_args,
     uncommitted,
 )
 from stages import config as cfg
@@ -67,9 +68,8 @@ def workspace(*, env: bool = True) -> tuple[Path, dict]:
 
 
 def inbox_path(root: Path) -> Path:
-    """The inbox, as the ingest stage in dvc.yaml names it (its first path)."""
-    cmd = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["ingest"]["cmd"].split()
-    return root / cmd[cmd.index("stages.ingest") + 1]
+    """The inbox, as the ingest stage in dvc.yaml names it."""
+    return root / stage_args(root, "ingest").inbox
 
 
 def days(text: str) -> int:
@@ -170,7 +170,8 @@ def cmd_init(args) -> int:
         with io.heavy_imports():  # only now: a model folder that does not load fails before it
             import mlflow
 
-            from flows import promotion, tracking
+            from flows.orchestration import promotion
+            from flows.project import tracking
 
         experiment_id = tracking.experiment(root)
         client = mlflow.MlflowClient()
@@ -251,8 +252,9 @@ def cmd_run(args) -> int:
     """`offseason run`: one cycle under the workspace's lock, the stages started before Prefect."""
     root = find_root()
     configure_env(root)
-    from flows import notify, pipeline
-    from flows.ui import temporary_prefect
+    from flows.audit.ui import temporary_prefect
+    from flows.orchestration import pipeline
+    from flows.project import notify
 
     if args.estimate:
         return cmd_estimate(args)
@@ -264,7 +266,7 @@ def cmd_run(args) -> int:
         with cycle_lock(root, "offseason run"):
             note_children(root, session.proc.pid, session.marker)
             # the estimate before anything runs: refused over budget, else kept for the ledger
-            from flows import cost
+            from flows.orchestration import cost
 
             guess = cost.estimate(root, configs)
             if (refusal := cost.budget_refusal(root, guess, configs["budget"])):
@@ -297,7 +299,7 @@ def cmd_run(args) -> int:
 def cmd_estimate(args) -> int:
     """`offseason estimate` (and `run --estimate`): the next cycle's units and dollars."""
     root = find_root()
-    from flows import cost
+    from flows.orchestration import cost
 
     configs = settings.load_all(root / "params.yaml")
     guess = cost.estimate(root, configs)
@@ -323,9 +325,10 @@ def run_flow(root: Path, start, prefect_ready) -> dict:
     with io.heavy_imports():  # Prefect and MLflow (stages/io.py)
         from mlflow.exceptions import MlflowException
 
-        from flows import notify, pipeline
-        from flows.cycle import PROJECT_ENV, cycle
-        from flows.ui import on_temporary_prefect
+        from flows.audit.ui import on_temporary_prefect
+        from flows.orchestration import pipeline
+        from flows.orchestration.cycle import PROJECT_ENV, cycle
+        from flows.project import notify
 
     pipeline.hand_over(root, start)
     try:
@@ -357,7 +360,7 @@ def run_flow(root: Path, start, prefect_ready) -> dict:
 
 def history_rows(root: Path) -> list[dict]:
     """One row per generation (git tag gen-N) from its committed metrics and the promotion log."""
-    from flows.lineage import approver_of
+    from flows.audit.lineage import approver_of
 
     rows = []
     for generation in generations(root):
@@ -389,13 +392,13 @@ def history_rows(root: Path) -> list[dict]:
                      "approver": approver_of(promotion)})
     current = max((i for i, r in enumerate(rows) if r["promoted"]), default=None)
     if (root / "promotions.jsonl").exists():  # the promotion log knows about rollbacks
-        from flows.promotion import champion_generation
+        from flows.orchestration.promotion import champion_generation
 
         tag = f"gen-{champion_generation(root)}"
         current = next((i for i, r in enumerate(rows) if r["tag"] == tag), current)
     for i, row in enumerate(rows):
         row["champion"] = i == current
-    from flows.cost import per_dollar
+    from flows.orchestration.cost import per_dollar
 
     per_dollar(rows)
     return rows
@@ -426,7 +429,7 @@ def cmd_history(args) -> int:
     root = find_root()
     rows = history_rows(root)
     if args.plot and rows:
-        from flows.report import plot_history
+        from flows.audit.report import plot_history
 
         try:
             plot_history(rows, args.plot)
@@ -450,7 +453,7 @@ def cmd_demo(args) -> int:
     started = time.time()
     if not (root / "models" / "champion.dvc").exists():
         cmd_init(argparse.Namespace(base_model=None, force=False))
-    from flows.ui import temporary_prefect
+    from flows.audit.ui import temporary_prefect
 
     with temporary_prefect(root):  # one for the demo's cycles (Prefect reads its url once)
         for i in range(args.cycles):
@@ -462,7 +465,7 @@ def cmd_demo(args) -> int:
     print(f"\n=== demo finished in {time.time() - started:.0f} s ===\n")
     print_history(rows)
     plot = root / "reports" / "history.png"
-    from flows.report import plot_history
+    from flows.audit.report import plot_history
 
     plot_history(rows, plot)
     first = rows[0]["score"]
@@ -506,7 +509,7 @@ def gate_summary_of(run_id) -> str:
         ArtifactFilterKey,
     )
 
-    from flows.promotion import GATE_ARTIFACT
+    from flows.orchestration.promotion import GATE_ARTIFACT
 
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(
@@ -537,7 +540,7 @@ def cmd_decide(args) -> int:
     configure_env(root)
     from prefect.flow_runs import resume_flow_run
 
-    from flows.promotion import who
+    from flows.orchestration.promotion import who
 
     waiting = {str(run.id): run for run in paused_runs()}
     if args.run_id not in waiting:
@@ -564,7 +567,7 @@ def cmd_decide(args) -> int:
 def cmd_rollback(args) -> int:
     """`offseason rollback`: an earlier generation becomes the champion again."""
     root, configs = workspace()
-    from flows import promotion
+    from flows.orchestration import promotion
 
     to = None
     if args.to is not None:
@@ -658,7 +661,7 @@ def stored_rewards(root: Path, generation: int) -> Path:
     import dvc.api
     from dvc.exceptions import PathMissingError
 
-    from flows.lineage import read_parquet
+    from flows.audit.lineage import read_parquet
     from stages import io
 
     tag = f"gen-{generation}"
@@ -708,12 +711,12 @@ def cmd_rescore(args) -> int:
 
 def holdout_path(root: Path) -> Path:
     """The pool of held-out tasks, as the validate stage in dvc.yaml names it (`--holdout`)."""
-    cmd = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["validate"]["cmd"].split()
-    if "--holdout" not in cmd:
+    holdout = stage_args(root, "validate").holdout
+    if holdout is None:
         raise WorkspaceError("dvc.yaml: the validate stage has no `--holdout data/holdout`; add it "
                              "(and `data/holdout: {persist: true}` to its outs) to hold traces "
                              "out for the benchmarks")
-    return root / cmd[cmd.index("--holdout") + 1]
+    return root / holdout
 
 
 def cmd_benchmark(args) -> int:
@@ -774,7 +777,7 @@ def cmd_ui(args) -> int:
     """`offseason ui`: Prefect's and MLflow's UIs on 127.0.0.1 until Ctrl-C."""
     root = find_root()
     configure_env(root)
-    from flows.ui import serve_ui
+    from flows.audit.ui import serve_ui
 
     return serve_ui(root, args.prefect_port, args.mlflow_port)
 
@@ -783,7 +786,7 @@ def cmd_collect(args) -> int:
     """`offseason collect`: the OTLP/HTTP receiver until Ctrl-C, or --status of a running one."""
     import os
 
-    from flows import collect  # not the report: the receiver needs no MLflow
+    from flows.intake import collect  # not the report: the receiver needs no MLflow
 
     root, _ = workspace(env=False)
     settings = cfg.collect(root / "params.yaml")
@@ -801,7 +804,7 @@ def cmd_collect(args) -> int:
 def cmd_pull(args) -> int:
     """`offseason pull langfuse|langsmith`: new traces from a tracing service into the inbox."""
     root, configs = workspace(env=False)
-    from flows import pull
+    from flows.intake import pull
 
     config = configs["pull"]
     limit = config.limit if args.limit is None else args.limit
@@ -818,7 +821,7 @@ def cmd_serve(args) -> int:
     root, _ = workspace()
     import os
 
-    from flows.ui import answers
+    from flows.audit.ui import answers
 
     if not os.environ.get("PREFECT_API_URL"):
         # deployments need a Prefect server that outlives this process: `offseason ui`'s
@@ -836,7 +839,7 @@ def cmd_serve(args) -> int:
 
 
 def _serve(root: Path, args) -> int:
-    from flows import serve
+    from flows.orchestration import serve
 
     if args.work_pool:
         if args.collect:
@@ -848,7 +851,7 @@ def _serve(root: Path, args) -> int:
         return 0
     receiver = None
     if args.collect:
-        from flows import collect
+        from flows.intake import collect
 
         receiver = collect.beside(root)
     try:
@@ -862,7 +865,7 @@ def _serve(root: Path, args) -> int:
 def cmd_lineage(args) -> int:
     """`offseason lineage`: a generation's chain back to its traces; --verify, --trace."""
     root = find_root()
-    from flows import lineage
+    from flows.audit import lineage
 
     if args.trace:
         champions = {r["tag"] for r in history_rows(root) if r["champion"]}
@@ -883,7 +886,7 @@ def cmd_lineage(args) -> int:
 def cmd_report(args) -> int:
     """`offseason report`: the static HTML report of every generation."""
     root = find_root()
-    from flows import report
+    from flows.audit import report
 
     out = report.html_report(root, history_rows(root), args.generation, args.out or
                              root / "reports" / "index.html")

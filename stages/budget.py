@@ -13,7 +13,7 @@ first; the judge's paid judgments are in its cache). Neither section is a DVC pa
 stage: raising a budget reruns nothing, so `offseason run` again resumes where the stage
 stopped. The calendar month's budget (`budget.monthly_usd`) counts the committed cycles of
 the month by their ledgers (`month_spent`, read through git) plus this cycle's spend so far,
-before a cycle starts (flows/cost.py) and in the stages alike.
+before a cycle starts (flows/orchestration/cost.py) and in the stages alike.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 from stages import config as cfg
 from stages import io
 
-ORDER = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
+ORDER = cfg.CYCLE
 
 
 class BudgetSpent(RuntimeError):

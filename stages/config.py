@@ -1,7 +1,7 @@
 """Typed, checked configuration: one frozen dataclass per `params.yaml` section.
 
 Every stage reads exactly its own section (plus `base:`) through `load(section)`. The whole file
-is checked before a cycle starts (`flows/params.py` adds the flow's own sections, `promotion:` and
+is checked before a cycle starts (`flows/project/params.py` adds the flow's own sections, `promotion:` and
 `deployments:`), so a typo fails in a second, not after an hour of rollouts. Every error names the
 file, the key's full name, the value it got and what to write instead.
 
@@ -21,6 +21,9 @@ from pathlib import Path
 
 import yaml
 
+# the DVC stages of a cycle in the order they run (dvc.yaml; tests/test_layout.py checks it):
+# the one place the cycle, the report, the ledger and the budget read it
+CYCLE = ("ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate")
 FEEDBACK = "feedback"  # the reward component of users' ratings (stages/reward.py)
 
 
@@ -535,7 +538,7 @@ class EnvironmentSpec:
 @dataclass(frozen=True)
 class Collect:
     """`runtime.collect`: `offseason collect`, the OTLP/HTTP receiver that writes finished traces
-    into the inbox (flows/collect.py). No stage reads it and nothing in it changes what a cycle
+    into the inbox (flows/intake/collect.py). No stage reads it and nothing in it changes what a cycle
     computes, so all of it lives in `runtime:`.
     """
 
@@ -598,7 +601,7 @@ def collect(path: str | Path = "params.yaml") -> Collect:
                   str(path))
 
 
-# sections a params.yaml may leave out (`pull:` is the flow's: flows/pull.py); `environments:`
+# sections a params.yaml may leave out (`pull:` is the flow's: flows/intake/pull.py); `environments:`
 # may not, but `environments()` says so with what to write
 OPTIONAL = {"environments", "runtime", "judge", "cost", "budget", "pull"}
 
@@ -701,7 +704,7 @@ def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]
 
 @dataclass(frozen=True)
 class Cost:
-    """`cost:`: prices, so the cost ledger (`metrics/cost.json`, flows/cost.py) reads in dollars
+    """`cost:`: prices, so the cost ledger (`metrics/cost.json`, flows/orchestration/cost.py) reads in dollars
     too, and `budget.max_usd` can be checked. Example rates; set your own. No stage lists it as
     a DVC param: a price changes what a cycle costs, not what it computes.
     """
@@ -749,7 +752,7 @@ class Budget:
     A cycle whose estimate exceeds it is refused before it starts (`offseason run`); the
     rollout, reward and train stages check what the cycle spent as they go and stop at the
     limit, keeping what they did. No stage lists it as a DVC param: raising a budget reruns
-    nothing, so a stopped cycle resumes where it stopped (flows/cost.py, stages/budget.py).
+    nothing, so a stopped cycle resumes where it stopped (flows/orchestration/cost.py, stages/budget.py).
     """
 
     max_usd: float = 0.0  # dollars per cycle, by the `cost:` prices
@@ -967,7 +970,7 @@ def load(section: str, path: str | Path = "params.yaml", sections: dict | None =
 
 def load_all(path: str | Path = "params.yaml", sections: dict | None = None) -> dict:
     """Every section of `sections` (default: the stages' SECTIONS), checked; unknown and missing
-    sections are errors. `flows/params.py` calls it with the flow's sections added.
+    sections are errors. `flows/project/params.py` calls it with the flow's sections added.
     """
     sections = sections or SECTIONS
     raw = read_params(path)

@@ -687,13 +687,18 @@ def duplicates_of(traces: Path, manifest: dict, repeats: dict[str, list[dict]]) 
                          pa.Table.from_pylist(rows, DUPLICATES))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Ingest the inbox (the DVC stage's command line)."""
+def parser() -> argparse.ArgumentParser:
+    """The stage's command line, as dvc.yaml writes it (the CLI reads the inbox's path with it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("inbox", "traces", "ingested", "quarantine", "metrics"):
         parser.add_argument(name, type=Path)
     parser.add_argument("--params", default="params.yaml")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Ingest the inbox (the DVC stage's command line)."""
+    args = parser().parse_args(argv)
     metrics = run(cfg.load("ingest", args.params), args.inbox, args.traces, args.ingested,
                   args.quarantine)
     io.write_metrics(args.metrics, metrics)

@@ -5,7 +5,7 @@ stage killed midway never leaves a half-written file that a later stage could ta
 the objects of torch, transformers, Prefect or DVC; `heavy_imports()`: where a process loads them,
 without the garbage collector walking them again and again meanwhile.
 
-Also what a stage used, for the cost ledger (flows/cost.py): `resources()` (wall and CPU seconds,
+Also what a stage used, for the cost ledger (flows/orchestration/cost.py): `resources()` (wall and CPU seconds,
 peak memory, from rusage) and, where a stage called `watch_gpus()` and NVML is there
 (`nvidia-ml-py`, optional; nothing without it or without a GPU), each GPU's busy seconds, peak
 memory and mean utilisation, sampled by a thread while the stage runs.
@@ -124,7 +124,7 @@ def _forked() -> None:
     STARTED = time.monotonic()
 
 
-# a stage forked from a warm process (flows/forkserver.py) began at its fork
+# a stage forked from a warm process (flows/orchestration/forkserver.py) began at its fork
 os.register_at_fork(after_in_child=_forked)
 
 
@@ -222,7 +222,7 @@ def watch_gpus(interval: float = 0.5) -> GpuWatch | None:
 def resources() -> dict:
     """What this process and its children used so far: wall and CPU seconds, peak memory, and
     (after `watch_gpus()` found GPUs) `gpus`, each GPU's. The cycle's cost ledger
-    (flows/cost.py) reads them from each stage's metrics.
+    (flows/orchestration/cost.py) reads them from each stage's metrics.
     """
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
         resource.RUSAGE_CHILDREN)

@@ -256,7 +256,7 @@ def run(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path, rollou
 
 
 def token_counts(rows: list[dict]) -> dict:
-    """Exact counts of episodes' own token ids (the cost ledger's, flows/cost.py):
+    """Exact counts of episodes' own token ids (the cost ledger's, flows/orchestration/cost.py):
     `generated_tokens` the model chose (`model_mask` 1), `prompt_tokens` it read without choosing
     them (the prompt, the chat template's tokens, tool results), and the tool calls answered.
     """

@@ -403,9 +403,8 @@ def save_profile(profiles: Path, ingested: Path, summary: dict) -> dict | None:
     return before
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Validate the ingested traces (the DVC stage's command line)."""
-    os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
+def parser() -> argparse.ArgumentParser:
+    """The stage's command line, as dvc.yaml writes it (the CLI reads the holdout's path with it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("ingested", "validated", "quarantine", "profiles", "docs", "metrics"):
         parser.add_argument(name, type=Path)
@@ -413,7 +412,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--holdout", type=Path,
                         help="data/holdout: the pool of held-out tasks, one JSONL per environment "
                              "(validate.holdout_fraction)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Validate the ingested traces (the DVC stage's command line)."""
+    os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
+    args = parser().parse_args(argv)
     try:
         metrics = run(cfg.load("base", args.params), cfg.load("validate", args.params),
                       args.ingested, args.validated, args.quarantine, args.profiles, args.docs,

@@ -252,7 +252,7 @@ def netns_available() -> bool:
 def hold_cycle_lock(root: Path) -> subprocess.Popen:
     """Another process holding the workspace's cycle lock as `offseason run` does, until killed."""
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from flows.workspace import cycle_lock\n"
+        "import sys, time; from pathlib import Path; from flows.project.workspace import cycle_lock\n"
         "with cycle_lock(Path(sys.argv[1]), 'offseason run'):\n"
         "    print('held', flush=True); time.sleep(600)"), str(root)],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])

@@ -1,4 +1,4 @@
-"""`offseason collect` (flows/collect.py) with real clients: the OpenTelemetry SDK's OTLP/HTTP
+"""`offseason collect` (flows/intake/collect.py) with real clients: the OpenTelemetry SDK's OTLP/HTTP
 span and log exporters, the openai client instrumented by opentelemetry-instrumentation-openai-v2,
 and OTLP JSON and gzip bodies posted with httpx, to the receiver running as the CLI on a free
 loopback port; then the ingest stage reads what it wrote. Also a kill -9 mid-stream, the token,
@@ -39,7 +39,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from flows import collect
+from flows.intake import collect
 from stages import config as cfg
 from stages import ingest
 
@@ -199,7 +199,7 @@ def test_sdk_export_over_protobuf_is_ingested_as_exactly_those_conversations(rec
     assert shown.returncode == 0, shown.stderr
     assert "8 spans and 0 log records accepted" in shown.stdout and "3 traces written" in shown.stdout
     # the HTML report's line: the receiver at runtime.collect's address, or none there
-    from flows import report
+    from flows.audit import report
 
     params = (rx.root / "params.yaml").read_text()
     (rx.root / "params.yaml").write_text(params.replace("port: 4318", f"port: {free_port()}"))
@@ -401,7 +401,7 @@ def test_stopped_at_once_it_writes_every_trace_whose_root_ended_and_says_what_it
     its journal until its next start, silently; a cycle in between did not see it. Now it goes
     out on the way; an unfinished one (its root never came) stays, said on stderr and in
     held.json, which `offseason run` reports until collect starts again."""
-    from flows.workspace import held_by_collect
+    from flows.project.workspace import held_by_collect
 
     rx = receiver(file_seconds=600)
     spans = recorded_spans(2)

@@ -1,7 +1,7 @@
 import pytest
 import yaml
 
-from flows import params as settings
+from flows.project import params as settings
 from stages import config as cfg
 
 
@@ -190,7 +190,7 @@ def test_a_section_that_is_not_a_mapping_names_itself(tmp_path):
 
 
 def test_the_cost_ledger_prices_the_stages_that_ran_and_history_divides_gain_by_it():
-    from flows import cost
+    from flows.orchestration import cost
 
     metrics = {"ingest": {"resources": {"wall_seconds": 2.0, "cpu_seconds": 1.8}},
                "rollout": {"generated_tokens": 1200,

@@ -10,7 +10,7 @@ import pytest
 from conftest import train_config
 from tiny_arith import BAD, GOOD, SPECS, build_champion, scored
 
-from flows import cost
+from flows.orchestration import cost
 from stages import budget as budgets
 from stages import config as cfg
 from stages import gate, io, rollout, train

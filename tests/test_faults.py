@@ -62,7 +62,7 @@ def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_pat
         shutil.rmtree(killed / name, ignore_errors=True) if (killed / name).is_dir() else \
             (killed / name).unlink(missing_ok=True)
     done = offseason(reference, "run")
-    # the model stages were forked from the session's warm server (flows/forkserver.py), and
+    # the model stages were forked from the session's warm server (flows/orchestration/forkserver.py), and
     # what they wrote is what the killed runs below must reproduce
     assert "starts cold" not in done.stdout + done.stderr, done.stderr[-3000:]
 
@@ -203,7 +203,7 @@ third = ingest.run(*args)
 def whole(name, data):
     import pyarrow as pa, pyarrow.parquet as pq
     try:
-        if name.endswith(".parquet"):  # in this thread: see flows.lineage.read_parquet
+        if name.endswith(".parquet"):  # in this thread: see flows.audit.lineage.read_parquet
             pq.read_table(pa.BufferReader(data), use_threads=False, pre_buffer=False)
         elif name.endswith(".jsonl"):
             [json.loads(x) for x in data.decode().split("\n") if x.strip()]

@@ -1,4 +1,4 @@
-"""The fork server (flows/forkserver.py): a served stage command behaves as `python -m` would,
+"""The fork server (flows/orchestration/forkserver.py): a served stage command behaves as `python -m` would,
 and anything it would not serve runs cold, as before.
 
 A probe package stands in for a stage module (the real ones take seconds to import; the whole
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import forkserver
+from flows.orchestration import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ def served(tmp_path, monkeypatch):
     (root / "probe" / "__init__.py").write_text("")
     (root / "probe" / "stage.py").write_text(PROBE)
     (root / "probe" / "other.py").write_text(PROBE)
-    monkeypatch.setenv("PYTHONPATH", str(REPO))  # flows.forkserver, for the server process
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # flows.orchestration.forkserver, for the server process
     monkeypatch.setenv("PROBE", "from the server's environment")
     server = forkserver.Server(root, ("probe.stage",))
     env = dict(os.environ)  # what DVC's commands inherit: the address, the shim first on PATH

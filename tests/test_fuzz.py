@@ -30,7 +30,7 @@ import yaml
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from flows import params as flow_params
+from flows.project import params as flow_params
 from stages import config as cfg
 from stages import ingest, validate
 from stages.envs import arith

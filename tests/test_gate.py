@@ -10,7 +10,7 @@ import pytest
 import yaml
 from scipy import stats
 
-from flows import params as settings
+from flows.project import params as settings
 from stages import champion_scores, gate, tinylm
 from stages import config as cfg
 from stages.envs import arith
@@ -528,7 +528,7 @@ def test_a_rise_in_suspected_reward_hacks_fails_the_hacking_guard():
 
 
 def test_the_cycle_report_shows_the_guards_and_the_suspected_hacks(tmp_path):
-    from flows import report
+    from flows.audit import report
 
     better, worse = rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5))
     hacky = [{**r, "suspect": float(i < 6)} for i, r in enumerate(better)]
@@ -562,13 +562,13 @@ def test_the_cycle_report_shows_the_guards_and_the_suspected_hacks(tmp_path):
 
 
 def test_the_metrics_artifact_is_one_small_table_per_stage():
-    from flows import report
+    from flows.audit import report
 
     metrics = {"ingest": {"rows_read": 48, "accepted": 47, "pii_redactions": {"email": 2},
                           "resources": {"wall_seconds": 3.5, "cpu_seconds": 2.0}},
                "gate": {"passed": True, "candidate_score": 0.6, "reason": "better"}}
     summary = report.metrics_table(metrics, {"ingest": True, "gate": False})
-    assert [r["stage"] for r in summary] == report.STAGES
+    assert [r["stage"] for r in summary] == list(report.STAGES)
     assert summary[0] == {"stage": "ingest", "reran": True, "wall_seconds": 3.5,
                           "cpu_seconds": 2.0, "max_rss_mb": None}
     assert all(len(r) == 5 for r in summary)  # not a column per metric of every stage
@@ -655,7 +655,9 @@ def test_a_candidate_fine_in_every_environment_passes_each_guard_reported_per_en
 
 
 def test_the_report_the_summary_and_mlflow_show_each_guard_per_environment(tmp_path):
-    from flows import promotion, report, tracking
+    from flows.audit import report
+    from flows.orchestration import promotion
+    from flows.project import tracking
 
     key, *values = ONE_BETTER_ONE_WORSE["format"]
     verdict = gate.decide(CONFIG, 0, two_environments(key, values), set(), [], False,

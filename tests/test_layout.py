@@ -88,6 +88,34 @@ def test_stages_import_neither_prefect_nor_flows():
     assert offenders == []
 
 
+# flows/__init__.py: what each folder of flows/ may import of flows/, every import read
+FLOWS_MAY_IMPORT = {"project": set(), "intake": {"project"},
+                    "audit": {"project", "intake"},
+                    "orchestration": {"project", "intake", "audit"},
+                    "cli": {"project", "intake", "audit", "orchestration"}}
+
+
+def flows_folder(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "flows" and len(parts) > 1 else None
+
+
+def test_flows_folders_import_what_their_rule_allows(graph):
+    assert {flows_folder(m) for m in graph if m.startswith("flows.")} == set(FLOWS_MAY_IMPORT)
+    broken = sorted(
+        f"{module} imports {target}" for module, targets in graph.items()
+        if (kind := flows_folder(module)) for target in targets
+        if (other := flows_folder(target)) and other != kind
+        and other not in FLOWS_MAY_IMPORT[kind])
+    assert broken == [], "imports against flows/__init__.py's rules"
+
+
+def test_the_flows_rule_sees_a_function_level_import(graph):
+    # the check above is not vacuous: pipeline imports promotion and lineage inside a function
+    assert {"flows.orchestration.promotion", "flows.audit.lineage"} <= \
+        graph["flows.orchestration.pipeline"]
+
+
 def test_every_module_a_stage_imports_is_a_dep(graph):
     known = modules()
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
@@ -122,3 +150,51 @@ def test_xdist_groups_are_applied(request):
     assert request.node.nodeid.endswith("@canary"), (
         f"{request.node.nodeid}: xdist's group is lost; install the pytest and pytest-xdist "
         f"versions in constraints.txt")
+
+
+def test_the_cycle_order_is_dvc_yamls():
+    """The stage order is written once (stages/config.py's CYCLE), as dvc.yaml runs them."""
+    from stages import config as cfg
+
+    stages = list(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"])
+    assert list(cfg.CYCLE) == stages
+    typed_out = [str(path.relative_to(REPO)) for root in ROOTS for path in (REPO / root).rglob("*.py")
+                 if '"validate", "rollout", "reward"' in path.read_text()
+                 and path.name != "config.py"]
+    assert typed_out == [], "the stage order typed out again: import stages.config.CYCLE"
+
+
+def top_level_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def test_every_project_import_names_something_that_exists():
+    """`from flows import collect` after collect moved to flows/intake/ failed only when the
+    command ran (an import inside a function); every import of the project's own modules, in
+    the code, the tests and the benchmarks, is checked here from the source."""
+    known = modules()
+    missing = []
+    for path in [*(REPO / "flows").rglob("*.py"), *(REPO / "stages").rglob("*.py"),
+                 *(REPO / "tests").glob("*.py"), *(REPO / "benchmarks").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module and \
+                    node.module.split(".")[0] in ROOTS:
+                if node.module not in known:
+                    missing.append(f"{path.relative_to(REPO)}: {node.module}")
+                    continue
+                defined = top_level_names(known[node.module])
+                missing += [f"{path.relative_to(REPO)}: {node.module}.{a.name}" for a in node.names
+                            if f"{node.module}.{a.name}" not in known and a.name not in defined]
+            elif isinstance(node, ast.Import):
+                missing += [f"{path.relative_to(REPO)}: {a.name}" for a in node.names
+                            if a.name.split(".")[0] in ROOTS and a.name not in known]
+    assert missing == []

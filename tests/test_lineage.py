@@ -256,7 +256,7 @@ def test_estimate_from_two_cycles_is_within_30_percent_of_the_third(learned, tmp
     # the ledger keeps the estimate made before the cycle, for estimate against actual
     assert spent["estimate"]["total"]["cpu_seconds"][1] == pytest.approx(middle, rel=0.05)
     # and the cycle report shows them side by side
-    from flows import report
+    from flows.audit import report
 
     assert "estimated before it $" in report.markdown(root, 3, {}, {})
     # nothing waiting and nothing changed: every stage reused, and nothing to train either
@@ -431,7 +431,7 @@ def test_html_report_renders_in_headless_chromium(learned, chromium, tmp_path):
 def test_an_id_that_holds_personal_data_is_looked_up_by_its_file_and_line():
     """Ingest keeps no trace id that holds personal data (it stores `<file>:<line>` instead): asked
     for such an id, lineage said it never reached the inbox, though a generation learned from it."""
-    from flows.lineage import trace_text
+    from flows.audit.lineage import trace_text
 
     text = trace_text({"trace_id": "session/jane.doe@acmecorp.com", "read": None, "generations": []})
     assert "holds personal data" in text and "<file>:<line>" in text, text

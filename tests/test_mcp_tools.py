@@ -84,8 +84,14 @@ def test_a_hanging_tool_and_a_dead_server_are_infrastructure_failures(project):
     servers = mcp_tools.servers_of("hang", spec(project, timeout=1).mcp, project.resolve())
     import psutil
 
-    mine = [p for p in psutil.Process().children(recursive=True)
-            if "shop_server.py" in " ".join(p.cmdline()) and p.cwd() == str(project.resolve())]
+    def runs_the_server(process) -> bool:
+        try:
+            return "shop_server.py" in " ".join(process.cmdline()) and \
+                process.cwd() == str(project.resolve())
+        except psutil.Error:  # another child of this worker, ended (a zombie) or gone meanwhile
+            return False
+
+    mine = [p for p in psutil.Process().children(recursive=True) if runs_the_server(p)]
     assert len(mine) == 1, "the environment's stdio server runs, once"
     os.kill(mine[0].pid, signal.SIGKILL)
     mine[0].wait(10)

@@ -7,7 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from flows import notify
+from flows.project import notify
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ import pytest
 import yaml
 from conftest import REPO
 
-from flows import overrides
-from flows import params as settings
+from flows.project import overrides
+from flows.project import params as settings
 from stages import config as cfg
 
 
@@ -95,7 +95,7 @@ def test_the_run_form_offers_the_algorithms_by_name():
     algorithms (cfg.ALGORITHMS), not a free-text field."""
     from prefect.utilities.callables import parameter_schema
 
-    from flows.cycle import cycle
+    from flows.orchestration.cycle import cycle
     from stages.config import ALGORITHMS
 
     field = parameter_schema(cycle.fn).model_dump()["properties"]["algorithm"]
@@ -104,10 +104,10 @@ def test_the_run_form_offers_the_algorithms_by_name():
 
 def test_the_run_form_has_whole_epochs_and_no_project_folder():
     """Epochs is an integer field; the project folder is not a field (a deployment belongs to
-    one checkout: flows/serve.py sets OFFSEASON_PROJECT for its runs)."""
+    one checkout: flows/orchestration/serve.py sets OFFSEASON_PROJECT for its runs)."""
     from prefect.utilities.callables import parameter_schema
 
-    from flows.cycle import cycle
+    from flows.orchestration.cycle import cycle
 
     form = parameter_schema(cycle.fn).model_dump()["properties"]
     assert set(form) == {"algorithm", "samples_per_task", "epochs", "require_approval"}

@@ -254,7 +254,7 @@ def test_the_benchmark_stages_count_and_keep_the_held_out_judges_judgments(works
     """
     from judge_server import Scripted
 
-    from flows import cost
+    from flows.orchestration import cost
     from stages import champion_scores, gate
     from stages import config as cfg
     from stages.envs import judge
@@ -529,7 +529,7 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
                                      capture_output=True, text=True, check=True).stdout)
     assert note["greeter"]["source"] == "my_envs/greeter.py" and note["greeter"]["files"] == 1
     (root / "my_envs" / "greeter.py").write_text(GREETER.replace("greeter@1", "greeter@2"))
-    subprocess.run([sys.executable, "-c", "from pathlib import Path; from flows.workspace import "
+    subprocess.run([sys.executable, "-c", "from pathlib import Path; from flows.project.workspace import "
                     "note_environments; note_environments(Path('.'))"], cwd=root, check=True)
     status = json.loads(subprocess.run([str(BIN / "dvc"), "status", "--json"], cwd=root,
                                        capture_output=True, text=True, check=True).stdout)
@@ -538,7 +538,7 @@ def test_a_whole_cycle_with_a_chat_model_in_own_environments(tmp_path, champion)
                and "data/environments.json" in entry.get("changed deps", {})}
     assert changed == {"validate", "rollout", "reward", "train", "champion_scores", "gate"}
     # and the next cycle's commit would hold the edited module (it reads it)
-    from flows.workspace import cycle_inputs, uncommitted
+    from flows.project.workspace import cycle_inputs, uncommitted
     assert uncommitted(root, cycle_inputs(root)) == ["data/environments.json", "my_envs/greeter.py"]
     # its estimate, with no trace waiting, prices those stages at the last cycle's units (it
     # said every stage was reused, $0, and then the cycle ran six)

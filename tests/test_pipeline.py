@@ -10,8 +10,9 @@ import pytest
 import yaml
 from conftest import BIN
 
-from flows import pipeline, workspace
-from flows.workspace import WorkspaceError
+from flows.orchestration import pipeline
+from flows.project import workspace
+from flows.project.workspace import WorkspaceError
 
 PY = sys.executable
 

@@ -17,8 +17,8 @@ FLOW = '''
 import json, sys
 from pathlib import Path
 from prefect import flow
-from flows.promotion import await_approval
-from flows import params as settings
+from flows.orchestration.promotion import await_approval
+from flows.project import params as settings
 from stages import config as cfg
 
 VERDICT = {"passed": True, "candidate_score": 0.6, "champion_score": 0.4, "difference": 0.2,
@@ -101,7 +101,7 @@ def test_a_run_waiting_for_approval_holds_the_workspace_until_its_timeout(tmp_pa
     import datetime as dt
     from types import SimpleNamespace
 
-    from flows.promotion import WAITING, clear_waiting, note_waiting, waiting_refusal
+    from flows.orchestration.promotion import WAITING, clear_waiting, note_waiting, waiting_refusal
 
     assert waiting_refusal(tmp_path, "any") is None  # nothing waits
     run = SimpleNamespace(id="1f0e-run", name="brave-otter")
@@ -144,7 +144,8 @@ def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(initi
     import mlflow
     import torch
 
-    from flows import promotion, tracking
+    from flows.orchestration import promotion
+    from flows.project import tracking
     from stages import tinylm
 
     root = initialised
@@ -267,7 +268,7 @@ def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(initi
     assert git(root, "status", "--porcelain", "--", *committed) == ""
     assert client.get_model_version(name, "1").tags["approver"] == "bob"
     # the generation rolled back from says so (it said only "promoted to champion")
-    from flows import lineage
+    from flows.audit import lineage
 
     text = lineage.text(lineage.lineage(root, "gen-1", with_mlflow=False, with_traces=False))
     assert "rolled back    from it to gen-0 at " in text and \

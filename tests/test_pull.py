@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from trace_services import LAST_CYCLE, LF_NEW, LF_OLD, LS_NEW, LS_OLD, OLD, Service, iso
 
-from flows import pull
+from flows.intake import pull
 from stages import config as cfg
 from stages import ingest
 
@@ -230,7 +230,7 @@ def test_pull_section_is_optional_and_checked(workspace, service, monkeypatch):
     set_langfuse(monkeypatch, service)
     message = pull.before_cycle(workspace, workspace / "data" / "inbox", params)
     assert message.startswith("pull: 1 new trace(s) from langfuse")
-    from flows import params as settings
+    from flows.project import params as settings
 
     params.write_text("pull: {service: datadog}\n")
     with pytest.raises(cfg.ParamsError, match="pull.service: 'datadog'.*langfuse, langsmith"):

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import BIN, cli_env
 
-from flows import notify
+from flows.project import notify
 from stages import config as cfg
 from stages import remote, reward
 from stages.generation import openai_backend
@@ -153,7 +153,7 @@ def test_an_http_dvc_remote(fault, black_hole, simulated):
     assert "Running stage" not in result.stdout + result.stderr and took < BOUND_S + SLACK_S, took
     # the local folder again: nothing to probe
     (simulated / ".dvc" / "config.local").unlink()
-    from flows import pipeline
+    from flows.orchestration import pipeline
 
     pipeline.check_dvc_remote(simulated)
 
@@ -161,7 +161,7 @@ def test_an_http_dvc_remote(fault, black_hole, simulated):
 @pytest.mark.parametrize("fault", FAULTS)
 def test_an_ssh_dvc_remote(fault, black_hole, tmp_path):
     """An SSH remote is there when its server greets within the deadline."""
-    from flows import pipeline
+    from flows.orchestration import pipeline
 
     (tmp_path / ".dvc").mkdir()
     (tmp_path / ".dvc" / "config").write_text(
@@ -208,7 +208,8 @@ def test_the_temporary_prefect_server_still_starting_is_not_probed(monkeypatch):
     """`offseason demo` holds one temporary Prefect server for its cycles; the cycle's probe runs
     while it may still be starting: ours is not probed, a configured one is.
     """
-    from flows import pipeline, ui
+    from flows.audit import ui
+    from flows.orchestration import pipeline
 
     where = f"http://{refused()}/api"
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -108,7 +108,7 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, lear
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.workspace import limit_name
+    from flows.project.workspace import limit_name
 
     # the schedules are set twelve hours away: a real one firing mid-test (CI once ran across
     # Saturday 04:00, the default weekly) would start a cycle of its own and make a gen-2

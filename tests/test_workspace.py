@@ -3,7 +3,7 @@ import subprocess
 
 import pytest
 
-from flows.workspace import WorkspaceError, cycle_lock, find_root, inputs_fingerprint
+from flows.project.workspace import WorkspaceError, cycle_lock, find_root, inputs_fingerprint
 
 
 def test_second_cycle_is_refused_naming_the_first(tmp_path):
@@ -53,7 +53,7 @@ def test_the_environments_note_follows_each_modules_code_and_data(tmp_path):
 
     import yaml
 
-    from flows.workspace import ENVIRONMENT_SOURCES, note_environments
+    from flows.project.workspace import ENVIRONMENT_SOURCES, note_environments
 
     (tmp_path / "note_envs").mkdir()
     module = tmp_path / "note_envs" / "greeter.py"
@@ -135,7 +135,7 @@ def test_simulate_refuses_days_that_write_nothing(days, capsys):
 def test_the_plotted_champion_follows_a_rollback():
     """gen-1 promoted (0.58), then a rollback to gen-0 (0.05): gen-2 was gated against 0.05 and
     rejected. The history and report plots kept the champion at 0.58 through gen-2."""
-    from flows.report import champion_after
+    from flows.audit.report import champion_after
 
     rows = [{"score": 0.05, "promoted": True, "champion_score": None},
             {"score": 0.58, "promoted": True, "champion_score": 0.05},
@@ -147,7 +147,7 @@ def test_the_plotted_champion_follows_a_rollback():
 def test_a_cycle_paused_for_approval_tells_the_next_one_to_decide_not_to_wait(tmp_path):
     """A second `offseason run` (or a rollback) while the first is paused for a person's
     decision was told "wait for it, or stop that process"; it now names the decision to make."""
-    from flows.workspace import note_cycle
+    from flows.project.workspace import note_cycle
 
     with cycle_lock(tmp_path, "offseason run"):
         note_cycle(tmp_path, awaiting="gen-2", awaiting_run="1f0e-run")
@@ -165,7 +165,7 @@ def test_a_cycle_paused_for_approval_tells_the_next_one_to_decide_not_to_wait(tm
 
 def test_a_rollback_to_a_generation_that_does_not_exist_says_which_do(tmp_path):
     """`rollback --to gen-9` said "gen-9 was never a champion"; there is no gen-9 at all."""
-    from flows import promotion
+    from flows.orchestration import promotion
 
     subprocess.run(["git", "init", "-q", "-b", "main"], cwd=tmp_path, check=True)
     (tmp_path / promotion.LOG).write_text(json.dumps(
@@ -187,7 +187,7 @@ def test_the_inbox_is_never_among_what_a_cycle_commits_to_git(tmp_path):
     """
     from pathlib import Path
 
-    from flows.workspace import cycle_inputs, quiet_hint
+    from flows.project.workspace import cycle_inputs, quiet_hint
 
     repo = Path(__file__).resolve().parents[1]
     for name in ("dvc.yaml", "params.yaml"):

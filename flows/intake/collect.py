@@ -88,7 +88,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord, LogsData, ResourceLogs, ScopeLogs
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, TracesData
 
-from flows.workspace import COLLECT_HELD, WorkspaceError
+from flows.project.workspace import COLLECT_HELD, WorkspaceError
 from stages import config as cfg
 from stages import io
 

@@ -25,9 +25,10 @@ import json
 import os
 from pathlib import Path
 
-from flows import tracking
+from flows.project import tracking
+from stages.config import CYCLE
 
-STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
+STAGES = CYCLE  # in the order they run
 MLFLOW_UI = "http://127.0.0.1:5000"
 PREFECT_UI = "http://127.0.0.1:4200"
 DATA_DOCS = "data/docs"  # the validate stage's Great Expectations Data Docs (dvc.yaml)
@@ -98,7 +99,7 @@ def _words(value) -> str:
 
 def gate_lines(gate: dict) -> list[str]:
     """The gate's verdict and its evidence as Markdown list lines."""
-    from flows.lineage import how
+    from flows.audit.lineage import how
 
     lines = [f"- **Gate** ({how(gate)}): candidate "
              f"{_num(gate.get('candidate_score'))} vs champion {_num(gate.get('champion_score'))}, "
@@ -144,7 +145,7 @@ def decision(record: dict) -> str:
         words = "passed the gate, waiting for approval"
     else:
         words = "not promoted: the champion stays"
-    # the person's decision, as flows/promotion.py records it (absent when none was asked for)
+    # the person's decision, as flows/orchestration/promotion.py records it (absent when none was asked for)
     chosen = record.get("decision") or {}
     if chosen.get("decision") in ("approved", "rejected"):
         words += (f" ({chosen['decision']} by {chosen.get('approver')}"
@@ -307,8 +308,8 @@ def score_plot(rows: list[dict]) -> str:
 
 def per_cycle(root: Path, rows: list[dict]) -> list[dict]:
     """Per generation >= 1: ingest and validate counts and each task's mean reward (from DVC)."""
-    from flows import lineage
-    from flows.workspace import read_at
+    from flows.audit import lineage
+    from flows.project.workspace import read_at
 
     out = []
     for row in rows:
@@ -616,12 +617,10 @@ def stage_cost_plot(ledger: dict, tag: str) -> str:
     """What each stage of a cycle cost (a PNG data URI): dollars, or CPU seconds at prices of 0;
     stages DVC skipped are marked as reused (paid for in an earlier cycle).
     """
-    from flows.cost import STAGES as ORDER
-
     plt = _plt()
     stages = ledger.get("stages") or {}  # in the pipeline's order (the file's keys are sorted)
     stages = dict(sorted(stages.items(), key=lambda kv: (
-        ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER), kv[0])))
+        STAGES.index(kv[0]) if kv[0] in STAGES else len(STAGES), kv[0])))
     dollars = (ledger.get("total") or {}).get("usd", 0) > 0
     names = list(stages)
     values = [0.0 if row.get("reused") else row.get("usd" if dollars else "cpu_seconds", 0.0)
@@ -647,7 +646,7 @@ def training_curves(root: Path, rows: list[dict]) -> dict[str, list[tuple[float,
     """Each generation's loss per step, from `metrics/train_steps.csv` as committed at its tag."""
     import csv
 
-    from flows.workspace import run
+    from flows.project.workspace import run
 
     curves = {}
     for row in rows[1:]:
@@ -686,7 +685,7 @@ def run_links(root: Path, rows: list[dict]) -> dict[str, dict[str, str]]:
     """
     if not os.environ.get("MLFLOW_TRACKING_URI") and not (root / "mlflow.db").exists():
         return {}
-    from flows.workspace import configure_env
+    from flows.project.workspace import configure_env
 
     configure_env(root)
     import mlflow
@@ -793,8 +792,8 @@ def collect_note(root: Path) -> str:
     """
     import os
 
-    from flows import collect
-    from flows.workspace import WorkspaceError
+    from flows.intake import collect
+    from flows.project.workspace import WorkspaceError
     from stages import config as cfg
 
     settings = cfg.collect(root / "params.yaml")
@@ -817,8 +816,8 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
     """
     import datetime as dt
 
-    from flows import lineage
-    from flows.workspace import read_at
+    from flows.audit import lineage
+    from flows.project.workspace import read_at
     from stages import io
 
     if not rows:

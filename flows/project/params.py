@@ -2,7 +2,7 @@
 
 The stages' sections (`base:`, `init:` ... `gate:`) are `stages/config.py`'s; the flow adds
 `promotion:` (a person's approval after the gate), `deployments:` (`offseason serve`'s
-schedules) and `pull:` (the tracing service a cycle pulls from first, flows/pull.py), which
+schedules) and `pull:` (the tracing service a cycle pulls from first, flows/intake/pull.py), which
 no stage reads, and
 the run parameters of a cycle (the Prefect UI's Run form)
 with the params.yaml key each overrides. `load_all` checks every section before a cycle starts.
@@ -16,8 +16,26 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from flows.pull import Pull
 from stages import config as cfg
+
+SERVICES = ("langfuse", "langsmith")  # what `offseason pull` reads (flows/intake/pull.py)
+
+
+@dataclass(frozen=True)
+class Pull:
+    """`pull:`: the tracing service a cycle pulls from first (`offseason pull`). Optional."""
+
+    service: str = ""  # langfuse | langsmith; "" = no pull before a cycle
+    project: str = ""  # LangSmith's project name ("" = LANGSMITH_PROJECT, else "default")
+    limit: int = 0  # at most this many new traces a pull; 0 = every one in the window
+
+    def __post_init__(self):
+        """Refuse an unknown service and a negative limit."""
+        if self.service not in ("", *SERVICES):
+            raise cfg.ParamsError(f"pull.service: {self.service!r} is not a service offseason "
+                                  f"pulls from; one of {', '.join(SERVICES)} (or '' for none)")
+        if self.limit < 0:
+            raise cfg.ParamsError(f"pull.limit: must be >= 0 (0: no limit), got {self.limit}")
 
 
 @dataclass(frozen=True)

@@ -38,12 +38,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from flows import lineage
-from flows import params as settings
+from flows.audit import lineage
+from flows.project import params as settings
 
-# Prefect and MLflow (flows.tracking) are imported where they are used: `offseason run` repairs
+# Prefect and MLflow (flows.project.tracking) are imported where they are used: `offseason run` repairs
 # files with recover_files() before either is loaded, and `approve` and `pending` skip MLflow
-from flows.workspace import (
+from flows.project.workspace import (
     ENVIRONMENT_SOURCES,
     WorkspaceError,
     cycle_inputs,
@@ -184,7 +184,7 @@ def ask(generation: int, summary: str, flow_run, config: settings.Promotion, key
     from prefect import get_run_logger
     from prefect.artifacts import create_markdown_artifact
 
-    from flows import notify
+    from flows.project import notify
 
     create_markdown_artifact(f"gen-{generation}: {summary}", key=GATE_ARTIFACT,
                              description=f"gen-{generation} waiting for approval")
@@ -409,7 +409,7 @@ def move_alias(model_name: str, version: str, entry: dict, tx: Transaction) -> N
     """Move the champion alias in the MLflow registry, undoable in `tx`."""
     from mlflow import MlflowClient
 
-    from flows import tracking
+    from flows.project import tracking
 
     client = MlflowClient()
     previous = tracking.champion_version(model_name)
@@ -477,7 +477,7 @@ def register(root: Path, generation: int, verdict: dict, run_id: str, model_name
     """The candidate as a new MLflow model version (deleted again if the promotion fails)."""
     from mlflow import MlflowClient
 
-    from flows import tracking
+    from flows.project import tracking
 
     version = tracking.register(root / "models" / "candidate", run_id, model_name, {
         "generation": generation, "passed": verdict["passed"],
@@ -489,7 +489,7 @@ def register(root: Path, generation: int, verdict: dict, run_id: str, model_name
 
 def _records(root: Path, generation: int, verdict: dict, decision: dict, version: str,
              promoted: bool, reason: str, model_name: str) -> tuple[dict, dict, str]:
-    from flows import tracking
+    from flows.project import tracking
 
     record = {"generation": generation, "model_version": version, "promoted": promoted,
               "reason": reason, "candidate_score": verdict["candidate_score"],
@@ -543,7 +543,7 @@ def recover_files(root: Path) -> list[str]:
 
 def recover_alias(root: Path, model_name: str) -> list[str]:
     """The MLflow part of recover(): the alias back on the version the log names."""
-    from flows import tracking
+    from flows.project import tracking
 
     did = []
     entries = log_entries(root)
@@ -611,7 +611,7 @@ def rollback(root: Path, model_name: str, reason: str, approver: str,
     if record is None or pointer is None or not record.get("promoted"):
         raise WorkspaceError(f"{tag} was never a champion (no promoted record at git tag {tag}); "
                              f"`offseason history` shows which generations were")
-    from flows.lineage import check_champion
+    from flows.audit.lineage import check_champion
 
     check_champion(root, tag)  # `dvc pull` would check out an altered cache object as it is
     version = str(record["champion_version"])  # MLflow's calls take it as a string

@@ -7,20 +7,19 @@ stages really used (so `git checkout gen-N && dvc status` is clean), and the pro
 the overrides. When the cycle ends (done, failed or stopped early) the file goes back to exactly
 the text it had, comments included: overrides never become the standing config.
 
-Only the value of each overridden key is rewritten, in place, so comments survive in the commit too.
+Only the value of each overridden key is rewritten, in place (a round trip through ruamel.yaml),
+so comments survive in the commit too.
 A consequence worth knowing: the next cycle without overrides sees params that differ from the last
 cycle's, and runs even with no new traces (its stages then run with the standing values).
 """
 
 from __future__ import annotations
 
-import re
+import io as textio
 from contextlib import contextmanager
 from pathlib import Path
 
-import yaml
-
-from flows import params as settings
+from flows.project import params as settings
 from stages import config as cfg
 from stages import io
 
@@ -41,38 +40,51 @@ def from_parameters(params: Path, **values) -> dict[str, object]:
     return {settings.RUN_OVERRIDES[k].format(algorithm=algorithm): v for k, v in chosen.items()}
 
 
+def _round_trip():
+    """ruamel.yaml set to write params.yaml back as it was read: its comments, quotes, blank
+    lines and two-space indent (an unchanged file comes back byte for byte).
+    """
+    from ruamel.yaml import YAML
+
+    editor = YAML()
+    editor.preserve_quotes = True
+    editor.width = 4096  # never fold a long line
+    editor.indent(mapping=2, sequence=4, offset=2)
+    return editor
+
+
 def rewrite(text: str, overrides: dict[str, object]) -> str:
     """params.yaml text with each dotted key (`section.key`, `section.sub.key`) set to its value,
-    everything else untouched; a missing key (or sub-section) is added at the top of its parent.
+    everything else untouched (a round trip through ruamel.yaml, as DVC edits its own files); a
+    missing key (or sub-section) is added at the top of its parent.
     """
-    lines = text.splitlines(keepends=True)
+    from ruamel.yaml.comments import CommentedMap
+
+    editor = _round_trip()
+    document = editor.load(text)
     for dotted, value in overrides.items():
-        rendered = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...")
-        rendered = rendered.strip()
-        start, end, depth = -1, len(lines), 0  # the block the next key is looked up in
         parts = dotted.split(".")
-        for depth, key in enumerate(parts):
-            indent = "  " * depth
-            found = next((i for i in range(start + 1, end)
-                          if re.match(rf"{indent}{re.escape(key)}:(\s|$)", lines[i])), None)
-            if found is None:
-                if depth == 0:
-                    raise cfg.ParamsError(f"params.yaml: no section '{key}:' to override "
-                                          f"{dotted} in; add the section")
-                new = [f"{'  ' * d}{k}:\n" for d, k in enumerate(parts[depth:-1], depth)]
-                new.append(f"{'  ' * (len(parts) - 1)}{parts[-1]}: {rendered}\n")
-                lines[start + 1:start + 1] = new
-                break
-            if depth == len(parts) - 1:
-                match = re.match(rf"(\s*{re.escape(key)}:\s*)([^#\n]*?)(\s*#.*)?(\n?)$",
-                                 lines[found])
-                lines[found] = f"{match.group(1)}{rendered}{match.group(3) or ''}{match.group(4)}"
-                break
-            start = found
-            end = next((i for i in range(found + 1, end) if lines[i].strip()
-                        and len(lines[i]) - len(lines[i].lstrip()) <= len(indent)
-                        and not lines[i].lstrip().startswith("#")), end)
-    return "".join(lines)
+        if not isinstance(document, CommentedMap) or parts[0] not in document:
+            raise cfg.ParamsError(f"params.yaml: no section '{parts[0]}:' to override "
+                                  f"{dotted} in; add the section")
+        node = document[parts[0]]
+        for depth, key in enumerate(parts[1:-1], 1):
+            if not isinstance(node, CommentedMap):
+                raise cfg.ParamsError(f"params.yaml: {'.'.join(parts[:depth])} is not a "
+                                      f"section, so {dotted} cannot be set")
+            if key not in node:
+                node.insert(0, key, CommentedMap())
+            node = node[key]
+        if not isinstance(node, CommentedMap):
+            raise cfg.ParamsError(f"params.yaml: {'.'.join(parts[:-1])} is not a section, so "
+                                  f"{dotted} cannot be set")
+        if parts[-1] in node:
+            node[parts[-1]] = value
+        else:
+            node.insert(0, parts[-1], value)
+    out = textio.StringIO()
+    editor.dump(document, out)
+    return out.getvalue()
 
 
 @contextmanager

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from flows.workspace import DVC_ADDED, WorkspaceError, generations, git, read_at, run
+from flows.project.workspace import DVC_ADDED, WorkspaceError, generations, git, read_at, run
 
 
 def how(gate: dict) -> str:
@@ -65,7 +65,7 @@ def yaml_at(root: Path, ref: str, path: str) -> dict:
 
 def stores(root: Path) -> dict[str, Path]:
     """Where DVC keeps objects: the cache and every remote that is a local folder."""
-    from flows.workspace import dvc_remotes
+    from flows.project.workspace import dvc_remotes
 
     found = {"cache": root / ".dvc" / "cache"}
     for name, settings in dvc_remotes(root)[1].items():
@@ -233,7 +233,7 @@ def champion_generation(root: Path, champion_md5: str | None, before: int) -> in
 
 
 def approver_of(record: dict) -> str | None:
-    """Who approved a promotion: the decision flows/promotion.py writes into the record."""
+    """Who approved a promotion: the decision flows/orchestration/promotion.py writes into the record."""
     return (record.get("decision") or {}).get("approver")
 
 
@@ -243,7 +243,7 @@ def mlflow_info(root: Path, generation: int, version) -> dict:
 
     if not os.environ.get("MLFLOW_TRACKING_URI") and not (root / "mlflow.db").exists():
         return {}
-    from flows.workspace import configure_env
+    from flows.project.workspace import configure_env
 
     configure_env(root)
     from stages import io
@@ -251,7 +251,7 @@ def mlflow_info(root: Path, generation: int, version) -> dict:
     with io.heavy_imports():
         import mlflow
 
-        from flows import tracking
+        from flows.project import tracking
 
     client = mlflow.MlflowClient()
     found = tracking.find_experiment()

@@ -1,10 +1,10 @@
 """A cycle's DVC work in one long-lived DVC process, read back by the flow one stage at a time.
 
-- **Session**: one `python -m flows.pipeline` process per cycle that runs DVC's own command-line
+- **Session**: one `python -m flows.orchestration.pipeline` process per cycle that runs DVC's own command-line
   entry point (`dvc.cli.main`) for each command it is sent, one at a time, in the repo root: the
   output, exit codes and `dvc.lock` are what the `dvc` command gives, but DVC's start-up (imports,
   the repo's index) is paid once per cycle instead of once per command. While a session is open,
-  `flows.workspace.dvc()` sends its commands there (promotion's `dvc add` and `dvc push`).
+  `flows.project.workspace.dvc()` sends its commands there (promotion's `dvc add` and `dvc push`).
 - **Pipeline**: the cycle's stages as two commands in that session, sent from a thread of their
   own: `dvc repro validate` (ingest, validate; DVC first snapshots a changed `data/inbox` into its
   cache and `data/inbox.dvc`), then, when validate accepted traces, `dvc repro --single-item` of
@@ -14,17 +14,17 @@
   runs the next one.
 - **begin()**, before any stage: undo what an unfinished promotion left in the files, check the
   champion's bytes, pull new traces when params.yaml's `pull:` names a tracing service
-  (flows/pull.py), and decide whether anything changed since the last cycle; only then start the
+  (flows/intake/pull.py), and decide whether anything changed since the last cycle; only then start the
   pipeline. `offseason run` calls it before Prefect's temporary server is up, so the first stages
   run while that server starts, and the flow adopts the running pipeline (`adopt()`); a flow run
   of a deployment calls it itself.
 
 DVC still runs each stage command as a child process of its own, so `dvc repro` alone runs the same
 cycle. BENCHMARKS.md ("Orchestration overhead") measures what this saves. With the first `dvc
-repro`, the session also starts a fork server (flows/forkserver.py), from which the model stages'
+repro`, the session also starts a fork server (flows/orchestration/forkserver.py), from which the model stages'
 processes are forked with torch and transformers already imported.
 
-    python -m flows.pipeline MARKER   # the session process (internal): one JSON argv per stdin line
+    python -m flows.orchestration.pipeline MARKER   # the session process (internal): one JSON argv per stdin line
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ from pathlib import Path
 
 import yaml
 
-from flows import forkserver, workspace
-from flows.workspace import WorkspaceError, generations, inputs_fingerprint, read_at
+from flows.orchestration import forkserver
+from flows.project import workspace
+from flows.project.workspace import WorkspaceError, generations, inputs_fingerprint, read_at
 from stages import io
 
 # DVC's lines that open a stage's part of the output (dvc/stage/run.py, dvc/stage/__init__.py)
@@ -70,7 +71,7 @@ class Session:
         self.marker = f"offseason-dvc-session-{uuid.uuid4().hex[:12]}"
         self.lock = threading.Lock()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.pipeline", self.marker], cwd=root, text=True,
+            [sys.executable, "-m", "flows.orchestration.pipeline", self.marker], cwd=root, text=True,
             bufsize=1, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         workspace.SESSIONS[root] = self
         # a kill of this process leaves the session running: the lock says which it is (where
@@ -309,7 +310,8 @@ def begin(root: Path, session: Session | None = None) -> Start:
     """Before any stage: repair, check, and decide; starts the stages when there is work. Takes
     over `session` (a caller may open it early: DVC loads in it meanwhile).
     """
-    from flows import lineage, promotion
+    from flows.audit import lineage
+    from flows.orchestration import promotion
 
     session = session or Session(root)
     try:
@@ -320,7 +322,7 @@ def begin(root: Path, session: Session | None = None) -> Start:
         # before any stage reads it: `dvc checkout` restores altered cache bytes without a word
         lineage.check_champion(root)
         # params.yaml's `pull:` names a tracing service: its new traces join the inbox first
-        from flows import pull
+        from flows.intake import pull
 
         pulled = pull.before_cycle(root, root / "data" / "inbox", root / "params.yaml") or ""
         if pulled:
@@ -373,7 +375,7 @@ def check_servers(root: Path | None = None) -> None:
         remote.probe(f"{mlflow.rstrip('/')}/health", setting="MLFLOW_TRACKING_URI", value=mlflow,
                      fix="start that server, or unset MLFLOW_TRACKING_URI for the embedded "
                          "default (mlflow.db in the project); then run `offseason run` again")
-    from flows.ui import on_temporary_prefect
+    from flows.audit.ui import on_temporary_prefect
 
     prefect = os.environ.get("PREFECT_API_URL", "")
     if prefect and not on_temporary_prefect():  # our own temporary server may still be starting

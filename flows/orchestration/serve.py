@@ -6,8 +6,8 @@
 Three deployments of the flow `offseason-cycle`: `nightly` and `weekly` on cron schedules (in
 `deployments.timezone`) and `manual` without one. Each carries its default run parameters
 (`deployments.<name>.parameters`), which the Prefect UI's Run form shows and lets a person edit for
-one run: the parameters of `flows.cycle.cycle()` (`algorithm`, `samples_per_task`, `epochs`,
-`require_approval`), each overriding its params.yaml key for that run (see flows/overrides.py).
+one run: the parameters of `flows.orchestration.cycle.cycle()` (`algorithm`, `samples_per_task`, `epochs`,
+`require_approval`), each overriding its params.yaml key for that run (see flows/project/overrides.py).
 
 One cycle per workspace, by three locks that agree: each deployment has a Prefect concurrency limit
 of 1 (further runs wait, as AwaitingConcurrencySlot, instead of piling up), every served run takes
@@ -29,11 +29,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from flows import params as settings
-from flows.cycle import PROJECT_ENV
-from flows.workspace import limit_name
+from flows.orchestration.cycle import PROJECT_ENV
+from flows.project import params as settings
+from flows.project.workspace import limit_name
 
-ENTRYPOINT = "flows/cycle.py:cycle"
+ENTRYPOINT = "flows/orchestration/cycle.py:cycle"
 
 
 def specs(root: Path) -> dict[str, dict]:
@@ -56,7 +56,7 @@ def deployments(root: Path, flow=None, work_pool: str | None = None) -> list:
     from prefect.schedules import Cron
 
     if flow is None:
-        from flows.cycle import cycle as flow
+        from flows.orchestration.cycle import cycle as flow
     out = []
     for name, spec in specs(root).items():
         out.append(flow.to_deployment(
@@ -68,7 +68,7 @@ def deployments(root: Path, flow=None, work_pool: str | None = None) -> list:
             concurrency_limit=ConcurrencyLimitConfig(
                 limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
             work_pool_name=work_pool,
-            # the checkout is the deployment's, not a Run form field (flows/cycle.py)
+            # the checkout is the deployment's, not a Run form field (flows/orchestration/cycle.py)
             job_variables={"env": {PROJECT_ENV: str(root)}} if work_pool else None,
         ))
     return out

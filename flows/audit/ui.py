@@ -24,7 +24,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from flows.workspace import TELEMETRY_OFF, WorkspaceError
+from flows.project.workspace import TELEMETRY_OFF, WorkspaceError
 
 
 def free_port() -> int:

@@ -38,7 +38,7 @@ start, so the next one takes the next N.
 A missing SDK names the extra to install; missing credentials name the variables; a service that
 is down, refuses the key or does not know the project fails with `PullError` (exit 2), saying so.
 With a `pull:` section in params.yaml (`service`, `project`, `limit`) every cycle pulls first
-(`flows/pipeline.py`'s `begin`), and a failed pull fails the cycle before any stage runs.
+(`flows/orchestration/pipeline.py`'s `begin`), and a failed pull fails the cycle before any stage runs.
 
     offseason pull langfuse                          # new traces since the last cycle
     offseason pull langsmith --project support-bot --since 2026-03-01T00:00:00Z --limit 500
@@ -49,16 +49,15 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from flows.workspace import WorkspaceError, generations, git
+from flows.project.params import SERVICES, Pull
+from flows.project.workspace import WorkspaceError, generations, git
 from stages import config as cfg
 from stages import io
 
-SERVICES = ("langfuse", "langsmith")
 OVERLAP = timedelta(minutes=15)  # Langfuse's v1 read endpoints may lag ingestion by ~10 minutes
 TIMEOUT = 30  # seconds a request may take before the service counts as down
 PAGE = 100  # items a page: the v3 scores endpoint's maximum
@@ -66,23 +65,6 @@ PAGE = 100  # items a page: the v3 scores endpoint's maximum
 
 class PullError(WorkspaceError):
     """A pull that cannot go on (SDK, credentials, the service): the message says what to do."""
-
-
-@dataclass(frozen=True)
-class Pull:
-    """`pull:`: the tracing service a cycle pulls from first (`offseason pull`). Optional."""
-
-    service: str = ""  # langfuse | langsmith; "" = no pull before a cycle
-    project: str = ""  # LangSmith's project name ("" = LANGSMITH_PROJECT, else "default")
-    limit: int = 0  # at most this many new traces a pull; 0 = every one in the window
-
-    def __post_init__(self):
-        """Refuse an unknown service and a negative limit."""
-        if self.service not in ("", *SERVICES):
-            raise cfg.ParamsError(f"pull.service: {self.service!r} is not a service offseason "
-                                  f"pulls from; one of {', '.join(SERVICES)} (or '' for none)")
-        if self.limit < 0:
-            raise cfg.ParamsError(f"pull.limit: must be >= 0 (0: no limit), got {self.limit}")
 
 
 # --- the window ---------------------------------------------------------------------------------

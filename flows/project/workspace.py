@@ -104,11 +104,11 @@ def git(root: Path, *args: str, check: bool = True) -> str:
     return run(["git", *identity, *args], root, check=check).stdout.strip()
 
 
-SESSIONS: dict[Path, object] = {}  # repo root -> its open flows.pipeline.Session (a cycle's)
+SESSIONS: dict[Path, object] = {}  # repo root -> its open flows.orchestration.pipeline.Session (a cycle's)
 
 
 def dvc(root: Path, *args: str, on_line=None) -> str:
-    """`dvc ARGS` in the repo root: in the cycle's DVC session while one is open (flows/pipeline.py),
+    """`dvc ARGS` in the repo root: in the cycle's DVC session while one is open (flows/orchestration/pipeline.py),
     else as a process of its own.
     """
     session = SESSIONS.get(root)
@@ -528,3 +528,27 @@ def workspace_slot(root: Path):
             cycle_lock(root, f"deployment {deployment.name}, flow run {flow_run.name} "
                              f"({flow_run.id})"):
         yield
+
+
+def stage_args(root: Path, stage: str):
+    """dvc.yaml's command of `stage`, read by the stage's own command line (`parser()` of
+    `stages.<stage>`): its paths by name, never by position in the string.
+    """
+    import importlib
+    import shlex
+
+    import yaml
+
+    try:
+        cmd = shlex.split(yaml.safe_load((root / "dvc.yaml").read_text())["stages"][stage]["cmd"])
+    except (OSError, KeyError, TypeError) as err:
+        raise WorkspaceError(f"dvc.yaml: no command for the {stage} stage ({err}); restore it "
+                             f"from git (`git checkout dvc.yaml`)") from None
+    module = cmd[cmd.index("-m") + 1] if "-m" in cmd else f"stages.{stage}"
+    args = cmd[cmd.index("-m") + 2:] if "-m" in cmd else cmd[1:]
+    try:
+        return importlib.import_module(module).parser().parse_args(args)
+    except SystemExit:  # argparse has printed what is wrong
+        raise WorkspaceError(f"dvc.yaml: the {stage} stage's command {' '.join(cmd)!r} is not "
+                             f"what `python -m {module}` takes (`python -m {module} --help`)") \
+            from None

@@ -30,9 +30,9 @@ from pathlib import Path
 
 from stages import budget as budgets
 from stages.budget import price
-from stages.config import Budget, Cost
+from stages.config import CYCLE, Budget, Cost
 
-STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
+STAGES = CYCLE  # in the order they run
 EXACT = ["prompt_tokens", "generated_tokens", "served_tokens", "tool_calls", "trained_tokens",
          "loss_tokens", "judge_requests", "judge_tokens", "judge_prompt_tokens", "judge_completion_tokens"]
 MEASURED = ["wall_seconds", "cpu_seconds", "gpu_busy_seconds"]
@@ -111,7 +111,7 @@ def gain_per_dollar(root: Path, spent: dict, verdict: dict) -> dict:
     committed cycle with a ledger plus this one (`cumulative_usd`: rejected cycles cost too).
     Not in gate.json: the gate stage writes that (a DVC output) before the cycle is priced.
     """
-    from flows.workspace import generations, read_at
+    from flows.project.workspace import generations, read_at
 
     usd = spent["total"]["usd"]
     candidate, champion = verdict.get("candidate_score"), verdict.get("champion_score")
@@ -153,7 +153,7 @@ ESTIMATED = ["cpu_seconds", "gpu_seconds", "judge_tokens"]
 def _yaml_at(root: Path, ref: str, path: str) -> dict:
     import yaml
 
-    from flows.workspace import run
+    from flows.project.workspace import run
 
     out = run(["git", "show", f"{ref}:{path}"], root, check=False)
     return (yaml.safe_load(out.stdout) or {}) if out.returncode == 0 else {}
@@ -170,7 +170,7 @@ def committed_cycles(root: Path, last: int = 3) -> list[dict]:
     """The last `last` committed cycles with a ledger (tags gen-N, N >= 1): per cycle its tag,
     date, ledger, the drivers of its stages' work, and the ratios the estimate carries over.
     """
-    from flows.workspace import generations, git, read_at
+    from flows.project.workspace import generations, git, read_at
 
     found = []
     for generation in reversed(generations(root)):
@@ -244,8 +244,8 @@ def rerun_stages(root: Path) -> tuple[set[str], list[str]]:
     """
     import yaml
 
-    from flows.pipeline import CHANGES, changed_inputs
-    from flows.workspace import note_environments
+    from flows.orchestration.pipeline import CHANGES, changed_inputs
+    from flows.project.workspace import note_environments
 
     note_environments(root)  # as the cycle does first: the same note, written when it changed
     keys = [key for key in changed_inputs(root) if key != "inbox"]

@@ -1,20 +1,20 @@
 """The cycle flow: DVC stages in order, then promotion, recorded in MLflow and git.
 
-One Prefect flow run is one cycle. The stages run in one long-lived DVC process (flows/pipeline.py:
+One Prefect flow run is one cycle. The stages run in one long-lived DVC process (flows/orchestration/pipeline.py:
 `dvc repro validate`, then `dvc repro gate`), and each is a Prefect task that streams that stage's
 output into the run log as DVC prints it; DVC skips what is up to date, so a cycle killed midway and
 run again redoes only the stages that had not finished. The flow opens one MLflow run per cycle
 (`gen-N`) with a child run per stage (params, metrics, DVC hashes), logged while DVC runs the next
 stage; it logs and registers the candidate as a new model version, and on a gate pass (approved by
 a person when `promotion.require_approval` asks for it) promotes it: the MLflow alias `champion`,
-`models/champion` with `dvc add`, the promotion log, as one transaction (flows/promotion.py). Every
+`models/champion` with `dvc add`, the promotion log, as one transaction (flows/orchestration/promotion.py). Every
 cycle that reaches the gate is committed (`dvc.lock`, pointer files, metrics, params) and tagged
 `gen-N`, passed or not, so a rejected candidate can be audited like a promoted one.
 
 `offseason run` starts the stages before this flow (and Prefect's temporary server) is up and the
 flow adopts them; a flow run of a deployment starts them itself.
 
-    offseason run          # the CLI entry; `python -m flows.cycle` does the same
+    offseason run          # the CLI entry; `python -m flows.orchestration.cycle` does the same
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from typing import Literal
 from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
 
-from flows import cost, notify, overrides, pipeline, promotion, tracking
-from flows import params as settings
-from flows import report as cycle_report
-from flows.workspace import (
+from flows.audit import report as cycle_report
+from flows.orchestration import cost, pipeline, promotion
+from flows.project import notify, overrides, tracking
+from flows.project import params as settings
+from flows.project.workspace import (
     WorkspaceError,
     configure_env,
     find_root,
@@ -43,10 +44,10 @@ from flows.workspace import (
     workspace_slot,
 )
 from stages import budget as budgets
-from stages.config import ALGORITHMS
+from stages.config import ALGORITHMS, CYCLE
 from stages.io import write_json
 
-STAGES = ["ingest", "validate", "rollout", "reward", "train", "champion_scores", "gate"]
+STAGES = CYCLE  # in the order they run
 SECTION = {"champion_scores": "gate"}  # the params section of a stage named otherwise
 PROJECT_ENV = "OFFSEASON_PROJECT"  # the checkout a flow run works in (not a Run form field)
 
@@ -148,7 +149,7 @@ def end_killed_runs(root: Path, client) -> None:
     from prefect.client.orchestration import get_client
     from prefect.states import Crashed
 
-    from flows.workspace import KILLED, killed_runs_ended
+    from flows.project.workspace import KILLED, killed_runs_ended
 
     logger = get_run_logger()
     for killed in KILLED.get(root.resolve(), []):

@@ -2,7 +2,7 @@
 
 Each of a cycle's model stages (rollout, reward, train, champion_scores, gate) spends about 3.6 of
 its 4.5 seconds on 2 cores importing torch and transformers (`python -X importtime`), which is
-most of a small cycle's time and all of it repeated. A cycle's DVC session (flows/pipeline.py)
+most of a small cycle's time and all of it repeated. A cycle's DVC session (flows/orchestration/pipeline.py)
 starts one fork server as its first `dvc repro` begins: a process that imports those stage modules
 once, while ingest and validate run (from the moment the first stage command starts: a `dvc repro`
 that runs no stage, all up to date or failing before the first, imports nothing), then forks a
@@ -21,7 +21,7 @@ server is there, or when the command's environment differs from the one the serv
 starts cold. No server on a machine with an NVIDIA device: CUDA must not be initialised before a
 fork, and there the import is small beside the GPU work.
 
-    python -m flows.forkserver FD MODULE...   # the server (internal): started by `Server`
+    python -m flows.orchestration.forkserver FD MODULE...   # the server (internal): started by `Server`
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def shim(folder: Path, modules: list[str]) -> Path:
     """
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "python"
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); "
-            f"from flows.forkserver import client; client({sys.executable!r}, {modules!r})")
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); "
+            f"from flows.orchestration.forkserver import client; client({sys.executable!r}, {modules!r})")
     path.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S -c {shlex.quote(code)} "$@"\n')
     path.chmod(0o755)
     return folder
@@ -110,7 +110,7 @@ class Server:
             listener.bind(self.address)
             listener.listen(16)
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "flows.forkserver", str(listener.fileno()), *modules],
+                [sys.executable, "-m", "flows.orchestration.forkserver", str(listener.fileno()), *modules],
                 cwd=root, stdin=subprocess.PIPE, pass_fds=[listener.fileno()],
                 env=dict(os.environ))  # as DVC passes it to the commands: os.environ's view
 

@@ -1,0 +1,1 @@
+"""The Prefect cycle, its DVC stages, promotion and deployments; imports any other folder of flows/ but cli (flows/__init__.py)."""
