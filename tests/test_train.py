@@ -256,7 +256,10 @@ def test_killed_stage_resumes_to_the_same_weights(tmp_path, champion):
     proc = subprocess.Popen(stage_command(killed, champion, rewards, tmp_path / "params.yaml"),
                             cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while not list((killed / "candidate.ckpt").glob("*/checkpoint-*/trainer_state.json")):
+    # killed once a checkpoint is whole (its trainer_state.json, written last, parses): a kill
+    # inside that write leaves a checkpoint the rerun rightly discards, and starts from step 0
+    while not any(train._whole_json(state) for state in
+                  (killed / "candidate.ckpt").glob("*/checkpoint-*/trainer_state.json")):
         assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
