@@ -472,17 +472,31 @@ def cmd_demo(args) -> int:
     champion = next(r for r in rows if r["champion"])
     print(f"\nThe champion ({champion['tag']}) scores {champion['score']:.1%} pass@1 on the held-out "
           f"benchmark, {100 * (champion['score'] - first):+.1f} points over generation 0.")
+    offseason, dvc = as_typed("offseason"), as_typed("dvc")
     print(f"""
-Where to look next:
+Where to look next (each command as you can type it here):
   {plot.relative_to(root)}                    pass@1 per generation, with the gate's intervals
-  offseason history                     this table again (--json for scripts, --plot PNG)
-  dvc metrics diff gen-1 gen-{rows[-1]['tag'][4:]}          how two generations' metrics differ
-  git log --oneline --decorate          one commit and tag per cycle
-  .venv/bin/mlflow ui --backend-store-uri sqlite:///{root}/mlflow.db --host 127.0.0.1
-                                        the MLflow UI: runs per cycle and stage, registered models
-  PREFECT_HOME={root}/.prefect .venv/bin/prefect server start --host 127.0.0.1
-                                        the Prefect UI: flow runs, logs, the cycle report artifacts""")
+  {offseason} history{' ' * max(1, 28 - len(offseason))}this table again (--json for scripts, --plot PNG)
+  {offseason} report{' ' * max(1, 29 - len(offseason))}the cycle report: decisions, costs, lineage, plots
+  {offseason} ui{' ' * max(1, 33 - len(offseason))}the Prefect and MLflow UIs of this project, until Ctrl-C
+  {dvc} params diff gen-1 gen-{rows[-1]['tag'][4:]}{' ' * max(1, 15 - len(dvc))}how two generations' settings differ
+  git log --oneline --decorate          one commit and tag per cycle""")
     return 0
+
+
+def as_typed(tool: str) -> str:
+    """`tool` as a person can type it in this shell: its bare name where PATH finds this
+    environment's copy, else the path of this environment's copy (relative when shorter).
+    """
+    import os
+    import shutil
+
+    here = Path(sys.executable).parent / tool
+    found = shutil.which(tool)
+    if found and Path(found).resolve() == here.resolve():
+        return tool
+    relative = os.path.relpath(here, Path.cwd())
+    return relative if len(relative) < len(str(here)) else str(here)
 
 
 def paused_runs() -> list:

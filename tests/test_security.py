@@ -334,6 +334,19 @@ def test_a_fresh_clones_first_cycle_is_committed_tracked_and_counted(cycle):
     # the settings a stage's metrics echo are params of its run, not single-bar metric charts
     assert "lora_r" not in train_run.data.metrics and "deepspeed" not in train_run.data.metrics
     assert train_run.data.params["train.lora_r"] == "0"
+    # the runtime settings rollout ran with and the gate's level and thresholds too (issue 53.6)
+    runs = {c.data.tags["offseason.stage"]: c for c in children}
+    rollout_run, gate_run = runs["rollout"], runs["gate"]
+    assert not [k for k in rollout_run.data.metrics if k.startswith("runtime.")]
+    assert "episodes" in rollout_run.data.metrics
+    timeout = json.loads((project / "metrics/rollout.json").read_text())["runtime"][
+        "request_timeout"]
+    assert float(rollout_run.data.params["runtime.request_timeout"]) == timeout
+    assert "alpha" not in gate_run.data.metrics and not [
+        k for k in gate_run.data.metrics if k.endswith(".threshold")]
+    assert "passed" in gate_run.data.metrics
+    # the UI opens it as model training, not GenAI (issue 53.4)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     if train_metrics["trained"]:  # the per-step curve, with its step numbers
         losses = client.get_metric_history(train_run.info.run_id, "step.loss")
         assert sorted(m.step for m in losses) == list(range(1, train_metrics["steps"] + 1))

@@ -1,5 +1,8 @@
 import json
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -202,3 +205,20 @@ def test_the_inbox_is_never_among_what_a_cycle_commits_to_git(tmp_path):
         "(nothing said: --quiet hides the reason; run `/x/.venv/bin/dvc add data/inbox` in the " \
         "project to see it)"
     assert quiet_hint(["dvc", "add", "--quiet", "x"], ["ERROR: output 'x' is already tracked"]) == ""
+
+
+def test_the_demos_closing_commands_work_as_typed(monkeypatch, tmp_path):
+    """The demo's last words suggested `offseason history` and `dvc metrics diff`, neither on
+    PATH after `make demo` (issue 53.8): each command is now printed as it can be typed."""
+    from flows import cli
+
+    here = Path(sys.executable).parent
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # this environment not on PATH: its path
+    for tool in ("offseason", "dvc"):
+        typed = cli.as_typed(tool)
+        assert Path(tmp_path, typed).resolve() == (here / tool).resolve(), typed
+        assert subprocess.run([typed, "--help"], capture_output=True, cwd=tmp_path,
+                              env={**os.environ, "PATH": "/usr/bin:/bin"}).returncode == 0
+    monkeypatch.setenv("PATH", f"{here}:/usr/bin:/bin")  # activated: the bare name
+    assert cli.as_typed("offseason") == "offseason"

@@ -33,12 +33,21 @@ def find_experiment():
         return mlflow.get_experiment_by_name(EXPERIMENT)
 
 
+# the MLflow UI (3.x) opens an experiment by its kind: without this tag it guessed GenAI (empty
+# Traces, Latency and Errors panels, the report's links landing under Evaluations); ours are
+# training runs, shown first as such
+KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def experiment(root: Path) -> str:
-    """The id of the project's MLflow experiment, created when missing."""
+    """The id of the project's MLflow experiment, created when missing, marked as training."""
     found = find_experiment()
     if found is None:
-        return mlflow.create_experiment(EXPERIMENT,
+        return mlflow.create_experiment(EXPERIMENT, tags=KIND,
                                         artifact_location=(root / "mlartifacts").as_uri())
+    if any(found.tags.get(key) != value for key, value in KIND.items()):  # made before the tag
+        for key, value in KIND.items():
+            MlflowClient().set_experiment_tag(found.experiment_id, key, value)
     return found.experiment_id
 
 
@@ -61,6 +70,23 @@ def numeric(metrics: dict) -> dict[str, float]:
 def log_params(run_id: str, params: dict) -> None:
     """Nested params as flat `section.key` MLflow params, in one request."""
     MlflowClient().log_batch(run_id, params=[Param(k, str(v)) for k, v in flat("", params, {}).items()])
+
+
+def split_settings(values: dict[str, float], params: dict) -> tuple[dict, dict]:
+    """A stage's numeric metrics -> (what it measured, the settings it echoed). The echoes are
+    MLflow params, not single-bar metric charts: a key whose last part names one of the stage's
+    params (train: lora_r; gate: alpha), the `runtime:` settings it ran with (rollout:
+    runtime.concurrency, request_timeout ...), and each guard's threshold (the gate's margins).
+    """
+    settings = {key.rsplit(".", 1)[-1] for key in flat("", params, {})}
+    measured, echoed = {}, {}
+    for key, value in values.items():
+        last = key.rsplit(".", 1)[-1]
+        setting = last in settings or key.startswith("runtime.") or last == "threshold"
+        (echoed if setting else measured)[key] = value
+    given = flat("", params, {})  # logged as they are; an echo of one is the same value
+    return measured, {k: int(v) if float(v).is_integer() else v for k, v in echoed.items()
+                      if k not in given}
 
 
 def dvc_hashes(root: Path, stage: str, lock_text: str | None = None) -> dict[str, str]:
@@ -92,13 +118,11 @@ def log_stage(root: Path, parent_id: str, experiment_id: str, stage: str, params
         "offseason.reran": str(ran).lower()})
     run_id = run.info.run_id
     now = int(time.time() * 1000)
-    # a stage's metrics echo some of its settings (train: lora_r, deepspeed): those are params,
-    # not single-bar metric charts
-    settings = {key.rsplit(".", 1)[-1] for key in flat("", params, {})}
+    measured, echoed = split_settings(numeric(metrics), params)
     client.log_batch(
         run_id,
-        metrics=[Metric(k, v, now, 0) for k, v in numeric(metrics).items() if k not in settings],
-        params=[Param(k, str(v)) for k, v in flat("", params, {}).items()],
+        metrics=[Metric(k, v, now, 0) for k, v in measured.items()],
+        params=[Param(k, str(v)) for k, v in {**flat("", params, {}), **echoed}.items()],
         tags=[RunTag(k, v) for k, v in dvc_hashes(root, stage, lock_text).items()],
     )
     client.log_dict(run_id, metrics, f"{stage}.json")
