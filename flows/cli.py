@@ -565,7 +565,7 @@ def cmd_decide(args) -> int:
     from prefect.exceptions import FlowPauseTimeout
 
     try:
-        resume_flow_run(uuid.UUID(args.run_id), run_input={"approve": approve,
+        resume_flow_run(uuid.UUID(args.run_id), run_input={"decision": args.command,
                                                             "reason": args.reason,
                                                             "approver": args.approver or who()})
     except FlowPauseTimeout:

@@ -284,3 +284,22 @@ def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(initi
     # the log's versions are numbers, a rollback's as a promotion's (a rollback wrote strings)
     assert {type(json.loads(line)["model_version"]) for line in
             (root / "promotions.jsonl").read_text().splitlines()} == {int}
+
+
+def test_the_approval_form_has_no_default_decision_and_requires_a_reason():
+    """An untouched form rejected without a word ("approve" started off, the reason could be
+    empty) while the CLI requires --reason (issue 53.3)."""
+    import pydantic
+
+    from flows.orchestration.promotion import form
+
+    schema = form(1, "arith +5 points").model_json_schema()
+    assert {"decision", "reason"} <= set(schema["required"])
+    assert "default" not in schema["properties"]["decision"]
+    assert schema["properties"]["decision"]["enum"] == ["approve", "reject"]
+    assert schema["properties"]["reason"]["minLength"] == 1
+    for bad in ({"reason": "fine"}, {"decision": "approve"}, {"decision": "approve", "reason": " "}):
+        with pytest.raises(pydantic.ValidationError):
+            form(1, "x")(**bad)
+    answer = form(1, "x")(decision="reject", reason="worse on code")
+    assert answer.decision == "reject" and answer.approver == ""

@@ -64,14 +64,21 @@ GATE_ARTIFACT = "gate-summary"
 @functools.cache
 def approval_form() -> type:
     """The decision on a candidate that passed the gate (a Prefect RunInput)."""
-    from prefect.input import RunInput
+    from typing import Literal
 
+    from prefect.input import RunInput
+    from pydantic import Field
+
+    # no default decision and a reason required, as on the CLI: an untouched form that said
+    # "approve: off" rejected the candidate without a word (issue 53.3)
     class ApprovalForm(RunInput):
         """The decision on a candidate that passed the gate."""
 
-        approve: bool = False
-        reason: str = ""
-        approver: str = ""
+        decision: Literal["approve", "reject"] = Field(
+            description="approve: promote the candidate; reject: the champion stays")
+        reason: str = Field(min_length=1, pattern=r"\S",
+                            description="why, for the record (required, as on the CLI)")
+        approver: str = Field("", description="who decides (empty: the user the flow runs as)")
 
     return ApprovalForm
 
@@ -176,7 +183,7 @@ def form(generation: int, summary: str) -> type:
     """The form the Prefect UI shows, with the gate summary as its description."""
     return approval_form().with_initial_data(
         description=f"**gen-{generation} passed the gate.** {summary}\n\nPromote it?",
-        approve=False, reason="", approver="")
+        approver="")
 
 
 def ask(generation: int, summary: str, flow_run, config: settings.Promotion, key: str) -> None:
@@ -246,9 +253,9 @@ def await_approval(root: Path, generation: int, verdict: dict, config: settings.
         return {"decision": "timeout", "approver": None,
                 "reason": f"no decision within promotion.approval_timeout="
                           f"{config.approval_timeout}s: the champion stays"}
-    decision = {"decision": "approved" if answer.approve else "rejected",
-                "approver": answer.approver or "unknown",
-                "reason": answer.reason.strip() or "(no reason given in the form)", "at": now()}
+    decision = {"decision": "approved" if answer.decision == "approve" else "rejected",
+                "approver": answer.approver or "unknown", "reason": answer.reason.strip(),
+                "at": now()}
     logger.info("gen-%d %s by %s: %s", generation, decision["decision"], decision["approver"],
                 decision["reason"])
     return decision
