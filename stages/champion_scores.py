@@ -85,8 +85,11 @@ def main(argv: list[str] | None = None) -> None:
                   args.scores, args.forgetting, cfg.environments(args.params),
                   cfg.load("rollout", args.params), Path(args.params).resolve().parent)
     io.write_metrics(args.metrics, {**metrics, **judge.spent()})
-    print(f"champion_scores: {metrics['suites']}; forgetting set {metrics['forgetting_items']} "
-          f"items (+{metrics['forgetting_added']})", file=sys.stderr)
+    suites = ", ".join(
+        f"{name} {'-' if suite['pass_at_1'] is None else format(suite['pass_at_1'], '.1%')} "
+        f"pass@1 over {suite['items']} items" for name, suite in metrics["suites"].items())
+    print(f"champion_scores: {suites or 'no suite'}; forgetting set "
+          f"{metrics['forgetting_items']} items (+{metrics['forgetting_added']})", file=sys.stderr)
 
 
 if __name__ == "__main__":

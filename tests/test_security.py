@@ -354,6 +354,11 @@ def test_a_fresh_clones_first_cycle_is_committed_tracked_and_counted(cycle):
     assert sorted(int(v.version) for v in versions) == [1, 2]
     new = next(v for v in versions if str(v.version) == "2")
     assert new.run_id == parent.info.run_id and new.tags["generation"] == "1"
+    # no Python spellings in what the MLflow UI shows (issue 53.5)
+    assert new.tags["passed"] in ("true", "false")
+    shown = [*parent.data.tags.values(), *(v for m in versions for v in m.tags.values())]
+    assert not [v for v in shown if v in ("True", "False", "None") or ": null" in v
+                or "'" in v and v.startswith("{")], shown
     champion = client.get_model_version_by_alias("offseason-agent", "champion")
     assert str(champion.version) == ("2" if verdict["passed"] else "1")
     promotion = json.loads((project / "metrics/promotion.json").read_text())

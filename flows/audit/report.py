@@ -840,7 +840,7 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
                      f'<td>{fmt(r["score"])}</td><td>{fmt(r["champion_score"])}</td>'
                      f'<td>{interval}</td><td>{r["verdict"]}</td><td>{r["model_version"]}</td>'
                      f'<td>{"-" if r.get("cost_usd") is None else format(r["cost_usd"], ".4f")}'
-                     f'</td><td>{"-" if r.get("points_per_usd") is None else r["points_per_usd"]}'
+                     f'</td><td>{"-" if r.get("points_per_usd") is None else format(r["points_per_usd"], ".0f")}'
                      f'</td><td>{_esc(r.get("approver") or "")}</td><td>{runs}</td></tr>')
     champion = next((r for r in rows if r["champion"]), rows[0])
     summary = (f"{len(rows)} generations; the champion is {champion['tag']} (model version "

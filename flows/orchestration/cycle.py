@@ -27,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Literal
 
+import yaml
 from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
 
@@ -212,7 +213,9 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
     generation = start.generation
     logger.info("cycle gen-%d: %s", generation, "; ".join(start.reasons))
     if changes:
-        logger.info("run overrides (written into params.yaml for this run): %s", changes)
+        logger.info("run overrides (written into params.yaml for this run): %s",
+                    ", ".join(f"{key}: {yaml.safe_dump(value).splitlines()[0]}"
+                              for key, value in changes.items()))
 
     import mlflow
 

@@ -300,9 +300,9 @@ def tag_alias_change(model_name: str, version: str, entry: dict) -> list[str]:
 
     client = MlflowClient()
     stamp = entry["at"].replace(":", "").replace("+0000", "Z")
-    tags = {f"alias.{stamp}": json.dumps({k: entry.get(k) for k in
+    tags = {f"alias.{stamp}": json.dumps({k: entry[k] for k in
                                           ("action", "generation", "approver", "reason",
-                                           "approval_reason") if k in entry}),
+                                           "approval_reason") if entry.get(k) is not None}),
             # no one approved (none was asked): "none", as a word, not Python's "None"
             "champion_since": entry["at"], "approver": str(entry.get("approver") or "none"),
             # the approver's words on a promotion; a rollback's or init's reason otherwise

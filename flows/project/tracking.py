@@ -132,12 +132,25 @@ def log_stage(root: Path, parent_id: str, experiment_id: str, stage: str, params
     return run_id
 
 
+def tag_text(value) -> str:
+    """A tag's value as a person reads it in the MLflow UI: `true`, `none` and `3`, never
+    Python's `True`, `None` or `3.0`.
+    """
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "none"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
 def log_outcome(run_id: str, tags: dict[str, str], metrics: dict) -> None:
     """The cycle's outcome on its run: tags and the numeric leaves of `metrics`, in one request."""
     now = int(time.time() * 1000)
     MlflowClient().log_batch(run_id, metrics=[Metric(k, v, now, 0)
                                               for k, v in numeric(metrics).items()],
-                             tags=[RunTag(k, str(v)) for k, v in tags.items()])
+                             tags=[RunTag(k, tag_text(v)) for k, v in tags.items()])
 
 
 def log_steps(run_id: str, path: Path) -> int:
@@ -165,7 +178,7 @@ def register(model_dir: Path, run_id: str, name: str, tags: dict) -> str:
         client.create_registered_model(name, description="offseason agent generations")
     source = f"{client.get_run(run_id).info.artifact_uri}/model"
     version = client.create_model_version(name, source=source, run_id=run_id,
-                                          tags={k: str(v) for k, v in tags.items()})
+                                          tags={k: tag_text(v) for k, v in tags.items()})
     return version.version
 
 
