@@ -189,12 +189,15 @@ class Checker:
         self.results: list = []  # the identifiers of the stored validation results
         self.batches = 0
 
-    def check(self, frames: dict[str, pd.DataFrame]) -> dict[int, list[str]]:
-        """Run the suites; returns {trace row: [failed expectation, ...]}."""
+    def check(self, frames: dict[str, pd.DataFrame],
+              run_time: dt.datetime = EPOCH) -> dict[int, list[str]]:
+        """Run the suites; returns {trace row: [failed expectation, ...]}. `run_time`: the time
+        the Data Docs show for this batch (the newest trace's: the same input, the same pages).
+        """
         from great_expectations.core.run_identifier import RunIdentifier
 
         self.batches += 1
-        run_id = RunIdentifier(run_name=f"batch-{self.batches}", run_time=EPOCH)
+        run_id = RunIdentifier(run_name=f"batch-{self.batches}", run_time=run_time)
         failures: dict[int, list[str]] = {}
         for name, checkpoint in self.checkpoints.items():
             frame = frames[name]
@@ -225,6 +228,17 @@ class Checker:
         suites = [ExpectationSuiteIdentifier(name=name) for name in self.checkpoints]
         self.context.build_data_docs(site_names=["offseason"],
                                      resource_identifiers=[*self.results, *suites])
+
+
+def newest(traces: pd.DataFrame) -> dt.datetime:
+    """The newest `created_at` of a batch of traces (UTC), or EPOCH where none has one: the
+    batch's time in the Data Docs, which showed every validation at 2000-01-01 (a fixed time
+    kept the pages reproducible; a time read from the input keeps them so, and says when).
+    """
+    if "created_at" not in traces:
+        return EPOCH
+    times = pd.to_datetime(traces["created_at"], utc=True, errors="coerce", format="ISO8601")
+    return times.max().to_pydatetime() if times.notna().any() else EPOCH
 
 
 def _empty_counts() -> dict:
@@ -290,7 +304,7 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
         traces = table.to_pandas()
         per_trace, per_message, per_call = flatten(traces, router)
         failures = checker.check({"traces": per_trace, "messages": per_message,
-                                  "tool_calls": per_call})
+                                  "tool_calls": per_call}, newest(traces))
         for labels in failures.values():
             for label in labels:
                 failed[label] = failed.get(label, 0) + 1

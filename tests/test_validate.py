@@ -139,7 +139,10 @@ def test_the_same_input_renders_the_same_data_docs(tmp_path):
     # DVC hashes data/docs: a rerun on the same traces (after a kill, say) must give equal bytes
     bad = good("r", "2+2")
     bad["messages"][1]["role"] = "robot"
-    path = ingested(tmp_path, [good(f"g{i}", f"{i}+1") for i in range(4)] + [bad])
+    rows = [good(f"g{i}", f"{i}+1") for i in range(4)] + [bad]
+    for i, row in enumerate(rows):  # the newest trace's time is the validation's in the pages
+        row["created_at"] = f"2026-11-{10 + i}T08:30:00Z"
+    path = ingested(tmp_path, rows)
     pages = []
     for n in (1, 2):
         validate.run(cfg.Base(), cfg.Validate(min_valid_fraction=0.5), path,
@@ -151,6 +154,8 @@ def test_the_same_input_renders_the_same_data_docs(tmp_path):
     assert len(pages[0]) > 5 and pages[0] == pages[1]
     # the collapsible blocks still open: each link's target id is on the same page
     page = next(v.decode() for k, v in pages[0].items() if k.startswith("validations/"))
+    index = pages[0]["index.html"].decode()
+    assert "2026-11-14" in index and "2000-01-01" not in index  # not a fixed date (issue 53.7)
     import re
     targets = re.findall(r'href="#([^"]*collapse-body-[0-9a-f-]+)"', page)
     assert targets
