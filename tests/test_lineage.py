@@ -153,6 +153,8 @@ def test_trace_finds_every_generation_that_learned_from_it(learned):
     assert found["champion_affected"] == (champion in ("gen-1", "gen-2"))
     text = offseason(learned, "lineage", "--trace", trace_id).stdout
     assert "its training data held it: gen-1" in text and "an upper bound" in text
+    inherited = ", ".join(found["inherited"]) or "none"  # a sentence, never "whose did: -"
+    assert f"it started from a champion whose training data held it: {inherited}" in text
     none = offseason(learned, "lineage", "--trace", "no-such-trace").stdout
     assert "no cycle accepted, quarantined or counted as a duplicate a trace with this id" in none
     # one refused is found in the quarantine of the cycle that refused it, with the reason (the

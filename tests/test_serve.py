@@ -160,6 +160,9 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, lear
                                                  log.read_text()[-4000:])
             wait_until(lambda: (project / "params.yaml").read_text() == standing, 30,
                        "params.yaml back to the standing values while the run waits")
+            # named for the generation it builds, not a random pair of words (issue 53.9)
+            run = client.read_flow_run(run.id)
+            assert run.name == "gen-1", run.name
             pending = api_cli(project, prefect_server, "pending").stdout
             assert f"{run.id}  {run.name}  Suspended" in pending, pending
             assert "gen-1: arith: candidate" in pending and "passed" in pending, pending

@@ -742,8 +742,9 @@ def trace_text(found: dict) -> str:
     else:
         head += f" (inbox file: {', '.join(found['inbox_files']) or '?'})"
     lines = [head,
-             f"  its training data held it: {', '.join(found['direct']) or '-'}",
-             f"  started from a champion whose did: {', '.join(found['inherited']) or '-'}",
+             f"  its training data held it: {', '.join(found['direct']) or 'none'}",
+             f"  it started from a champion whose training data held it: "
+             f"{', '.join(found['inherited']) or 'none'}",
              "  (an upper bound: the trace's rollouts or rating were in what the train stage read, "
              "whether or not an example came of them)"]
     if found["champion_affected"]:

@@ -39,6 +39,7 @@ from flows.project.workspace import (
     WorkspaceError,
     configure_env,
     find_root,
+    generations,
     git,
     note_children,
     note_cycle,
@@ -102,7 +103,18 @@ def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: 
     return promotion.promote(root, generation, verdict, decision, run_id, model_name, changes)
 
 
-@flow(name="offseason-cycle", log_prints=True)
+def run_name() -> str:
+    """The flow run's name in the Prefect UI: the generation it builds (`gen-3`), where Prefect
+    gave a random pair of words (`solemn-badger`); `cycle` where the project cannot be read.
+    """
+    try:
+        root = find_root(os.environ.get(PROJECT_ENV, "."))
+        return f"gen-{max(generations(root), default=0) + 1}"
+    except Exception:  # the name must never stop a run: the cycle says what is wrong itself
+        return "cycle"
+
+
+@flow(name="offseason-cycle", log_prints=True, flow_run_name=run_name)
 def cycle(algorithm: Algorithm | None = None, samples_per_task: int | None = None,
           epochs: int | None = None, require_approval: bool | None = None) -> dict:
     """One continuous-learning cycle over the stages of dvc.yaml, then promotion.
