@@ -174,6 +174,7 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, lear
             assert refused.is_failed(), refused
             assert f"gen-1 (flow run {run.name}, {run.id}) waits for approval" in refused.message \
                 and f"offseason approve {run.id}" in refused.message, refused.message
+            approved_at = datetime.now(timezone.utc)
             out = api_cli(project, prefect_server, "approve", str(run.id), "--reason",
                           "better on arithmetic", "--approver", "alice").stdout
             assert "approved by alice" in out
@@ -181,6 +182,10 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, lear
             final = wait_until(lambda: (lambda r: r if r.state.is_final() else None)(
                 client.read_flow_run(run.id)), 600, "the resumed flow run", serve, log)
             assert final.state.is_completed(), log.read_text()[-4000:]
+            # the estimate is the one made before the stages ran, not remade on the rerun after
+            # approval with every stage reused ($0; issue 53.2)
+            estimate = json.loads((project / "metrics" / "cost.json").read_text())["estimate"]
+            assert datetime.fromisoformat(estimate["made_at"]) < approved_at, estimate
             assert "no cycle is waiting" in api_cli(project, prefect_server, "pending").stdout
 
             artifacts = {a.key: a for a in client.read_artifacts()

@@ -309,6 +309,7 @@ def estimate(root: Path, configs: dict, last: int = 3) -> dict:
     lines = waiting_lines(root)
     if not cycles:
         return {"status": "no-history", "inbox_lines": lines,
+                "made_at": datetime.now(UTC).isoformat(timespec="seconds"),
                 "message": "no committed cycle with a ledger yet (metrics/cost.json at a gen-N "
                            "tag), so no per-unit costs to go by; run one cycle (`offseason run`): "
                            "from then on the estimate uses the last cycles' rates "

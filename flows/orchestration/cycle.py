@@ -200,15 +200,28 @@ def run_cycle(root: Path, changes: dict) -> dict:
     configs = settings.load_all(root / "params.yaml")
     start = pipeline.adopt(root)
     guess = cost.ESTIMATES.pop(str(root.resolve()), None)
-    if start is None:  # a deployment's run: the estimate and the budget, before any stage
+    # a served run suspended for approval is rerun from the top once resumed: the estimate made
+    # before its stages ran is kept for it (made again, every stage reused, it said $0)
+    made = root / ".offseason" / "estimates" / f"{runtime.flow_run.id}.json"
+    if start is None and made.exists():
+        guess = json.loads(made.read_text())
+        start = pipeline.begin(root)
+    elif start is None:  # a deployment's run: the estimate and the budget, before any stage
         guess = cost.estimate(root, configs)
         if (refusal := cost.budget_refusal(root, guess, configs["budget"])):
             raise WorkspaceError(refusal)
+        made.parent.mkdir(parents=True, exist_ok=True)
+        write_json(made, guess)
         start = pipeline.begin(root)
     try:
-        return follow(root, start, configs, changes, guess)
+        result = follow(root, start, configs, changes, guess)
+    except Exception:  # done with it; not on a pause or suspension (BaseException)
+        made.unlink(missing_ok=True)
+        raise
     finally:
         start.close()  # stages still running when the flow failed are stopped
+    made.unlink(missing_ok=True)
+    return result
 
 
 def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
