@@ -8,7 +8,7 @@
     offseason rollback    make an earlier generation the champion again (--to gen-N --reason ...)
     offseason estimate    what the next cycle will cost (units, dollars, a range), before running it
     offseason demo        init (if needed), then simulate + run three times, then the history
-    offseason check       check params.yaml and print it with every default filled in
+    offseason check       check params.yaml, print it with every default filled in; --explain: every key
     offseason rescore     re-score stored rollouts after the verifier changed (a new VERSION)
     offseason benchmark   benchmark upkeep: `benchmark refresh` swaps worn items for held-out traces
     offseason ui          the Prefect and MLflow UIs of this workspace, on 127.0.0.1
@@ -598,9 +598,14 @@ def cmd_rollback(args) -> int:
 
 
 def cmd_check(args) -> int:
-    """`offseason check`: params.yaml checked and printed with every default filled in."""
+    """`offseason check`: params.yaml checked and printed with every default filled in;
+    `--explain`: every section and key with its type, default, bounds and description instead.
+    """
     from stages.envs import contract
 
+    if args.explain:  # the declarations, not this project's params.yaml: docs/params.md's text
+        print(settings.reference(), end="")
+        return 0
     root, configs = workspace(env=False)
     shown = {k: settings.plain(v) for k, v in configs.items() if v or k != "environments"}
     # where work runs is shown where it is written: runtime.<stage>, apart from the stage's params
@@ -976,6 +981,8 @@ def cycle_commands(sub) -> None:
     s = sub.add_parser("check", help="check params.yaml",
                        description="Check params.yaml (unknown keys, wrong types, missing "
                        "sections) and print it with every default filled in.")
+    s.add_argument("--explain", action="store_true", help="print every section and key of "
+                   "params.yaml with its type, default, bounds and description (docs/params.md)")
     s.set_defaults(func=cmd_check)
 
 

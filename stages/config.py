@@ -1,11 +1,15 @@
-"""Typed, checked configuration: one frozen dataclass per `params.yaml` section.
+"""Typed, checked configuration: one frozen pydantic dataclass per `params.yaml` section.
 
-Every stage reads exactly its own section (plus `base:`) through `load(section)`. The whole file
-is checked before a cycle starts (`flows/project/params.py` adds the flow's own sections, `promotion:` and
-`deployments:`), so a typo fails in a second, not after an hour of rollouts. Every error names the
-file, the key's full name, the value it got and what to write instead.
+Every stage reads exactly its own section (plus `base:`) through `load(section)`. Each setting is
+declared once, below, with its type, bounds and a one-line description; pydantic checks them, and
+`_explain` turns its complaint into a ParamsError naming the file, the key's full name, the value
+it got and what to write instead. Checks across settings stay in each class's `__post_init__`.
+The whole file is checked before a cycle starts (`flows/project/params.py` adds the flow's own
+sections, `promotion:`, `deployments:` and `pull:`), so a typo fails in a second, not after an
+hour of rollouts. The declarations are written out as docs/params.md (flows/project/params.py).
 
-    offseason check         # check params.yaml and print it with every default filled in
+    offseason check             # check params.yaml and print it with every default filled in
+    offseason check --explain   # every section and key: type, default, bounds, description
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ import difflib
 import functools
 import math
 import typing
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+import pydantic
 import yaml
+from pydantic import BeforeValidator, Field
+from pydantic_core import ArgsKwargs
 
 # the DVC stages of a cycle in the order they run (dvc.yaml; tests/test_layout.py checks it):
 # the one place the cycle, the report, the ledger and the budget read it
@@ -35,170 +42,176 @@ def _fail(where: str, message: str) -> typing.NoReturn:
     raise ParamsError(f"{where}: {message}")
 
 
-@dataclass(frozen=True)
+def _yaml_number(value):
+    """PyYAML reads `1e-3` (no dot) as a string: a float setting takes it as the number (and an
+    integer of hundreds of digits as inf, which is refused as not finite).
+    """
+    if isinstance(value, str | int) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+        except OverflowError:
+            return math.inf
+    return value
+
+
+Float = Annotated[float, BeforeValidator(_yaml_number)]
+
+
+def _mapping(cls: type):
+    """A sub-section's type (train.sft): a mapping in params.yaml, checked by `cls` itself, so
+    that its errors name its own keys.
+    """
+    return Annotated[cls, BeforeValidator(
+        lambda value: cls(**{str(k): v for k, v in value.items()}) if isinstance(value, dict)
+        else value)]
+
+
+def section(name: str):
+    """Declare `name`'s settings: a frozen pydantic dataclass that refuses unknown keys and wrong
+    types (a bool is no number, 4.0 no whole number) and raises ParamsError, built in code
+    (`Train(...)`, `dataclasses.replace`) as from params.yaml.
+    """
+    def declare(cls):
+        cls = pydantic.dataclasses.dataclass(frozen=True, config=pydantic.ConfigDict(
+            extra="forbid", strict=True, allow_inf_nan=False))(cls)
+        cls.__init__ = lambda self, *args, **values: _validate(self, name, args, values)
+        return cls
+    return declare
+
+
+@section("base")
 class Base:
     """Settings every stage shares."""
 
-    seed: int = 0  # every source of randomness derives from it, so DVC's run-cache stays correct
-    registered_model: str = "offseason-agent"  # MLflow registered model name
-    threads: int = 0  # torch CPU threads; 0 = all cores
-    # a Hugging Face chat model (folder or hub id) as generation 0; "" = the demo's tiny model
-    model: str = ""
-
-    def __post_init__(self):
-        """Refuse a negative thread count."""
-        if self.threads < 0:
-            raise ParamsError(f"base.threads: must be >= 0 (0 uses every core), got {self.threads}")
+    seed: int = Field(0, description="every source of randomness derives from it, so DVC's "
+                                     "run-cache stays correct")
+    registered_model: str = Field("offseason-agent", description="MLflow registered model name")
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 = all cores")
+    model: str = Field("", description="a Hugging Face chat model (folder or hub id) as "
+                                       "generation 0; \"\" = the demo's tiny model")
 
 
-@dataclass(frozen=True)
+@section("init")
 class Init:
     """Generation 0 for the demo: a tiny GPT-2 built from a config and a short supervised warm start."""
 
-    n_layer: int = 4
-    n_embd: int = 128
-    n_head: int = 4
-    n_positions: int = 80
-    warmup_steps: int = 500  # optimizer steps of the warm start
-    batch_size: int = 64
-    lr: float = 3e-3
-    tool_fraction: float = 0.2  # share of demonstrations that use the calculator
+    n_layer: int = Field(4, gt=0, description="transformer blocks")
+    n_embd: int = Field(128, gt=0, description="width; a multiple of n_head")
+    n_head: int = Field(4, gt=0, description="attention heads")
+    n_positions: int = Field(80, gt=0, description="longest sequence, in tokens")
+    warmup_steps: int = Field(500, gt=0, description="optimizer steps of the warm start")
+    batch_size: int = Field(64, gt=0, description="sequences per optimizer step")
+    lr: Float = Field(3e-3, gt=0, description="learning rate of the warm start")
+    tool_fraction: Float = Field(0.2, ge=0, le=1, description="share of demonstrations that "
+                                                             "use the calculator")
 
     def __post_init__(self):
-        """Refuse a model shape or tool fraction that cannot be built."""
+        """Refuse a model shape that cannot be built."""
         if self.n_embd % self.n_head:
             raise ParamsError(
                 f"init.n_embd ({self.n_embd}) must be divisible by init.n_head ({self.n_head})"
             )
-        if not 0.0 <= self.tool_fraction <= 1.0:
-            raise ParamsError(f"init.tool_fraction: must be between 0 and 1, got {self.tool_fraction}")
-        _positive("init", warmup_steps=self.warmup_steps, batch_size=self.batch_size, lr=self.lr)
 
 
-@dataclass(frozen=True)
+@section("simulate")
 class Simulate:
     """Synthetic production traffic: the champion answering a task mix that shifts day by day."""
 
-    traces_per_day: int = 1024
-    shift_per_day: float = 0.15  # how far the task mix moves towards multiplication each day
-    feedback_rate: float = 0.5  # share of traces in which the user left thumbs up/down
-    junk: bool = True  # add a malformed line, a duplicate and an e-mail address, as real logs have
-
-    def __post_init__(self):
-        """Refuse a non-positive traffic size or a feedback rate outside [0, 1]."""
-        _positive("simulate", traces_per_day=self.traces_per_day)
-        if not 0.0 <= self.feedback_rate <= 1.0:
-            raise ParamsError(f"simulate.feedback_rate: must be between 0 and 1, got {self.feedback_rate}")
+    traces_per_day: int = Field(1024, gt=0, description="traces of one simulated day")
+    shift_per_day: Float = Field(0.15, description="how far the task mix moves towards "
+                                                   "multiplication each day")
+    feedback_rate: Float = Field(0.5, ge=0, le=1, description="share of traces in which the user "
+                                                              "left thumbs up/down")
+    junk: bool = Field(True, description="add a malformed line, a duplicate and an e-mail "
+                                         "address, as real logs have")
 
 
-@dataclass(frozen=True)
+@section("ingest")
 class Ingest:
     """Reading traces from the inbox."""
 
-    # provider keys (gitleaks' formats), JWTs, auth headers, URL passwords, PEM keys, `password = ...`
-    scrub_secrets: bool = True
-    scrub_emails: bool = True
-    scrub_cards: bool = True  # payment card numbers that pass the Luhn check
-    scrub_ips: bool = True
-    scrub_phones: bool = True
-    max_messages: int = 64  # a trace with more messages is quarantined
-    max_line_bytes: int = 10_000_000  # a longer line is quarantined unread (JSON documents: 10x)
-
-    def __post_init__(self):
-        """Refuse limits that are not positive."""
-        _positive("ingest", max_messages=self.max_messages, max_line_bytes=self.max_line_bytes)
+    scrub_secrets: bool = Field(True, description="provider keys (gitleaks' formats), JWTs, auth "
+                                "headers, URL passwords, PEM keys, `password = ...`")
+    scrub_emails: bool = Field(True, description="e-mail addresses")
+    scrub_cards: bool = Field(True, description="payment card numbers that pass the Luhn check")
+    scrub_ips: bool = Field(True, description="IP addresses")
+    scrub_phones: bool = Field(True, description="phone numbers")
+    max_messages: int = Field(64, gt=0, description="a trace with more messages is quarantined")
+    max_line_bytes: int = Field(10_000_000, gt=0, description="a longer line is quarantined "
+                                                              "unread (JSON documents: 10x)")
 
 
-@dataclass(frozen=True)
+@section("validate")
 class Validate:
     """Great Expectations checks on the ingested traces."""
 
-    min_valid_fraction: float = 0.9  # below this share of valid traces the stage fails
-    # stop the cycle when the task mix moved more than this from the previous cycle's (total
-    # variation distance, 0 to 1); 1.0 never stops
-    max_drift: float = 1.0
-    # the environments: path: this share of the valid traces that give a task is held out, never
-    # trained on, and kept in data/holdout/ to refresh the benchmarks (`offseason benchmark
-    # refresh`); 0 holds none out
-    holdout_fraction: float = 0.0
-
-    def __post_init__(self):
-        """Refuse fractions outside [0, 1] (a held-out share above one half)."""
-        if not 0.0 <= self.holdout_fraction <= 0.5:
-            raise ParamsError(f"validate.holdout_fraction: must be between 0 and 0.5 (a share "
-                              f"of the traces kept from training), got {self.holdout_fraction}")
-        if not 0.0 <= self.min_valid_fraction <= 1.0:
-            raise ParamsError(f"validate.min_valid_fraction: must be between 0 and 1, got "
-                              f"{self.min_valid_fraction}")
-        if not 0.0 <= self.max_drift <= 1.0:
-            raise ParamsError(f"validate.max_drift: must be between 0 and 1 (1 never stops), got "
-                              f"{self.max_drift}")
+    min_valid_fraction: Float = Field(0.9, ge=0, le=1, description="below this share of valid "
+                                                                   "traces the stage fails")
+    max_drift: Float = Field(1.0, ge=0, le=1, description="stop the cycle when the task mix moved "
+                             "more than this from the previous cycle's (total variation "
+                             "distance); 1.0 never stops")
+    holdout_fraction: Float = Field(0.0, ge=0, le=0.5, description="this share of the valid "
+                                    "traces that give a task is held out, never trained on, and "
+                                    "kept in data/holdout/ to refresh the benchmarks (`offseason "
+                                    "benchmark refresh`); 0 holds none out")
 
 
-@dataclass(frozen=True)
+@section("rollout")
 class Rollout:
     """The champion re-attempting the tasks of the validated traces."""
 
-    backend: str = "transformers"  # or "openai": OpenAI-compatible servers (vLLM, SGLang, TGI)
-    samples_per_task: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0  # nucleus sampling; 1.0 = off
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 48
-    max_turns: int = 0  # tool calls answered per episode; 0 = the environment's MAX_TURNS
-    batch_size: int = 1024  # sequences generated together; 1024 is fastest on 2 CPU cores
-    # 0 = every task; otherwise N, shared among the environments by weight (each one's traces'
-    # tasks first, then its task file's)
-    max_tasks: int = 0
-    # openai backend: servers already up (base URLs ending in /v1, separated by commas), or a
-    # command that starts one on the champion ({model}, {port} filled in) for this stage only
-    urls: str = ""
-    server_command: str = ""
-    server_timeout: float = 600.0  # seconds to wait for the started server's /health
-    model: str = ""  # the served model's name; "" = the first one GET /v1/models lists
-    concurrency: int = 64  # requests in flight, over all URLs
-    request_timeout: float = 120.0  # seconds per request before it is retried
-    retries: int = 5  # per request, on timeouts, 429 and 5xx, with exponential backoff
-    api_key_env: str = "OPENAI_API_KEY"  # the environment variable holding the API key, if any
-    # the chat path's endpoint: "completions" (token ids in and out; any vLLM) or "chat" (messages
-    # and tools= to /chat/completions, tool_calls read back; the server's rendering and parsing
-    # checked against ours, token for token; vLLM >= 0.10.2 with --tool-call-parser)
-    api: str = "completions"
-    # how the chat model writes tool calls (`environments:`): hermes, llama3_json or mistral, as
-    # vLLM names them; auto = the one its chat template implies
-    tool_parser: str = "auto"
+    backend: str = Field("transformers", description="transformers, or openai: OpenAI-compatible "
+                                                     "servers (vLLM, SGLang, TGI)")
+    samples_per_task: int = Field(4, gt=0, description="attempts at each task")
+    temperature: Float = Field(1.0, ge=0, description="sampling temperature; 0 = greedy")
+    top_p: Float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1.0 = off")
+    top_k: int = Field(0, ge=0, description="top-k sampling; 0 = off")
+    max_new_tokens: int = Field(48, gt=0, description="tokens generated per turn")
+    max_turns: int = Field(0, ge=0, description="tool calls answered per episode; 0 = the "
+                                                "environment's MAX_TURNS")
+    batch_size: int = Field(1024, gt=0, description="sequences generated together; 1024 is "
+                                                    "fastest on 2 CPU cores")
+    max_tasks: int = Field(0, ge=0, description="0 = every task; otherwise N, shared among the "
+                           "environments by weight (each one's traces' tasks first, then its "
+                           "task file's)")
+    urls: str = Field("", description="openai backend: servers already up (base URLs ending in "
+                                      "/v1, separated by commas)")
+    server_command: str = Field("", description="openai backend: or a command that starts one on "
+                                "the champion ({model}, {port} filled in) for this stage only")
+    server_timeout: Float = Field(600.0, gt=0, description="seconds to wait for the started "
+                                                           "server's /health")
+    model: str = Field("", description="the served model's name; \"\" = the first one GET "
+                                       "/v1/models lists")
+    concurrency: int = Field(64, gt=0, description="requests in flight, over all URLs")
+    request_timeout: Float = Field(120.0, gt=0, description="seconds per request before it is "
+                                                            "retried")
+    retries: int = Field(5, ge=0, description="per request, on timeouts, 429 and 5xx, with "
+                                              "exponential backoff")
+    api_key_env: str = Field("OPENAI_API_KEY", description="the environment variable holding the "
+                                                           "API key, if any")
+    api: str = Field("completions", description="the chat path's endpoint: completions (token ids "
+                     "in and out; any vLLM) or chat (messages and tools= to /chat/completions, "
+                     "tool_calls read back and checked against ours token for token; vLLM >= "
+                     "0.10.2 with --tool-call-parser)")
+    tool_parser: str = Field("auto", description="how the chat model writes tool calls: hermes, "
+                             "llama3_json or mistral, as vLLM names them; auto = the one its chat "
+                             "template implies")
 
     def __post_init__(self):
-        """Refuse an unknown backend and out-of-range sampling and server settings (an unknown
-        tool_parser: `check_tool_parser`, which the flow and the rollout stage call).
+        """Refuse an unknown backend or endpoint and server settings that contradict each other
+        (an unknown tool_parser: `check_tool_parser`, which the flow and the rollout stage call).
         """
         if self.backend not in ("transformers", "openai"):
             raise ParamsError(
                 f"rollout.backend: {self.backend!r} is not a backend; use 'transformers' or "
                 f"'openai'"
             )
-        _positive(
-            "rollout",
-            samples_per_task=self.samples_per_task,
-            max_new_tokens=self.max_new_tokens,
-            batch_size=self.batch_size,
-        )
-        _positive("runtime.rollout", concurrency=self.concurrency,
-                  server_timeout=self.server_timeout, request_timeout=self.request_timeout)
         if self.api not in ("completions", "chat"):
             raise ParamsError(f"runtime.rollout.api: {self.api!r} is not an endpoint; use "
                               f"'completions' (token ids in and out) or 'chat' (messages and "
                               f"tools, /chat/completions)")
-        if self.temperature < 0:
-            raise ParamsError(f"rollout.temperature: must be >= 0 (0 is greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ParamsError(f"rollout.top_p: must be in (0, 1] (1 turns it off), got {self.top_p}")
-        for key, value in {"top_k": self.top_k, "max_turns": self.max_turns,
-                           "max_tasks": self.max_tasks,
-                           "runtime.rollout.retries": self.retries}.items():
-            if value < 0:
-                where = key if key.startswith("runtime.") else f"rollout.{key}"
-                raise ParamsError(f"{where}: must be >= 0, got {value}")
         for url in self.url_list:
             if not url.startswith(("http://", "https://")):
                 raise ParamsError(f"runtime.rollout.urls: {url!r} is not an http(s) URL; write e.g. "
@@ -234,24 +247,24 @@ class Rollout:
         return [u for u in self.urls.replace(",", " ").split() if u]
 
 
-@dataclass(frozen=True)
+@section("reward")
 class Reward:
     """Verification of each rollout."""
 
-    # an environment's own components each weigh 1 (its reward is their mean); `feedback` (the
-    # user's rating of production's answer, stages/reward.py `trace_feedback`) weighs this much
-    # against each of them. 0: recorded, not mixed in
-    weights: dict[str, float] = dataclasses.field(default_factory=lambda: {FEEDBACK: 0.0})
-    # the name of a trace's `feedback.scores` entry (a Langfuse / LangSmith / OTel evaluation score,
-    # a number in [0, 1]) used as the user's rating where the trace has no thumbs; "" = thumbs only
-    feedback_score: str = ""
-    # more of a cycle's episodes than this failing to score (a judge answering garbage, a tool
-    # server that died, a reward that raises) fails the stage: a broken scorer, not a few bad rows
-    max_error_fraction: float = 0.5
-    # where the rewards and gold checks run (stages/reward.py, "Fan-out"): local processes
-    # (0 = one per core, 1 = in the stage's own process), or the Ray cluster at ray_address
-    workers: int = 0
-    ray_address: str = ""  # "" = the local processes; "auto" or "host:port" = that Ray cluster
+    weights: dict[str, float] = Field(default_factory=lambda: {FEEDBACK: 0.0}, description=(
+        "an environment's own components each weigh 1 (its reward is their mean); `feedback` "
+        "(the user's rating of production's answer) weighs this much against each of them; 0: "
+        "recorded, not mixed in"))
+    feedback_score: str = Field("", description="the name of a trace's `feedback.scores` entry "
+                                "(a Langfuse / LangSmith / OTel score in [0, 1]) used as the "
+                                "user's rating where the trace has no thumbs; \"\" = thumbs only")
+    max_error_fraction: Float = Field(0.5, ge=0, le=1, description="more of a cycle's episodes "
+                                      "than this failing to score (a judge answering garbage, a "
+                                      "dead tool server, a reward that raises) fails the stage")
+    workers: int = Field(0, ge=0, description="local processes the rewards and gold checks run "
+                                              "in: 0 = one per core, 1 = the stage's own process")
+    ray_address: str = Field("", description="\"\" = the local processes; \"auto\" or "
+                                             "\"host:port\" = that Ray cluster")
 
     def __post_init__(self):
         """Refuse unknown reward components and bad weights."""
@@ -269,79 +282,66 @@ class Reward:
             if weight < 0:
                 raise ParamsError(f"reward.weights.{name}: must be >= 0, got {weight}")
         object.__setattr__(self, "weights", {FEEDBACK: self.weights.get(FEEDBACK, 0.0)})
-        if self.workers < 0:
-            raise ParamsError(f"runtime.reward.workers: must be >= 0 (0 uses every core), got {self.workers}")
-        if not 0.0 <= self.max_error_fraction <= 1.0:
-            raise ParamsError(f"reward.max_error_fraction: must be in [0, 1], got "
-                              f"{self.max_error_fraction}")
 
 
 RETIRED_COMPONENTS = ("correct", "format", "tool_ok")  # the tag protocol's reward.weights
 
 
-@dataclass(frozen=True)
+@section("train.sft")
 class SFT:
     """`train.sft`: rejection-sampling fine-tuning on the verified-correct rollouts."""
 
-    epochs: float = 8.0  # passes over this cycle's examples plus the replayed ones
-    lr: float = 1e-3
-
-    def __post_init__(self):
-        """Refuse epochs and a learning rate that are not positive."""
-        _positive("train.sft", epochs=self.epochs, lr=self.lr)
+    epochs: Float = Field(8.0, gt=0, description="passes over this cycle's examples plus the "
+                                                 "replayed ones")
+    lr: Float = Field(1e-3, gt=0, description="learning rate")
 
 
-@dataclass(frozen=True)
+@section("train.dpo")
 class DPO:
     """`train.dpo`: preference pairs through TRL's DPOTrainer. Fewer epochs and a lower learning
     rate than SFT: at SFT's 8 epochs and 1e-3 it over-fits the demo's pairs and breaks the protocol
     (BENCHMARKS.md, "Switching only train.algorithm").
     """
 
-    epochs: float = 3.0
-    lr: float = 2e-4
-    beta: float = 0.5  # strength of the pull towards the reference (the champion)
-
-    def __post_init__(self):
-        """Refuse epochs, learning rate and beta that are not positive."""
-        _positive("train.dpo", epochs=self.epochs, lr=self.lr, beta=self.beta)
+    epochs: Float = Field(3.0, gt=0, description="passes over this cycle's pairs plus the "
+                                                 "replayed ones")
+    lr: Float = Field(2e-4, gt=0, description="learning rate")
+    beta: Float = Field(0.5, gt=0, description="strength of the pull towards the reference (the "
+                                               "champion)")
 
 
-@dataclass(frozen=True)
+@section("train.grpo")
 class GRPO:
     """`train.grpo`: group-relative advantages and a clipped ratio against the rollout policy.
     A lower learning rate than SFT: at 1e-3 the candidate broke the protocol and the gate's format
     guard rejected it (BENCHMARKS.md, "Switching only train.algorithm").
     """
 
-    epochs: float = 4.0
-    lr: float = 3e-4
-    clip: float = 0.3  # the ratio against the rollout policy is clipped to 1 +- clip
-    kl_coef: float = 0.0  # weight of the KL term to the champion; 0 = none
-    # how the per-token losses are averaged, as TRL's GRPOTrainer names it: bnpo (over the
-    # batch's model tokens), grpo (per episode, then over episodes), dapo (over the model tokens
-    # of the global batch: every process), dr_grpo (a fixed denominator: episodes x
-    # max_completion_length)
-    loss_type: str = "bnpo"
-    clip_high: float = 0.0  # the upper clip, 1 + clip_high (DAPO's clip-higher); 0: = clip
-    # the advantage's scale: group (reward std within the task's samples), batch (over all the
-    # cycle's samples) or none (Dr. GRPO: reward - group mean, unscaled)
-    scale_rewards: str = "group"
-    max_completion_length: int = 256  # dr_grpo's fixed denominator, per episode
-    # the KL term weighted by the ratio to the rollout policy (TRL's use_bias_correction_kl): the
-    # k3 estimate is unbiased for samples of the current policy, the rollouts are the old one's
-    kl_importance_weighted: bool = False
+    epochs: Float = Field(4.0, gt=0, description="passes over this cycle's groups plus the "
+                                                 "replayed ones")
+    lr: Float = Field(3e-4, gt=0, description="learning rate")
+    clip: Float = Field(0.3, gt=0, description="the ratio against the rollout policy is clipped "
+                                               "to 1 +- clip")
+    kl_coef: Float = Field(0.0, ge=0, description="weight of the KL term to the champion; 0 = none")
+    loss_type: str = Field("bnpo", description="how the per-token losses are averaged, as TRL's "
+                           "GRPOTrainer names it: bnpo (over the batch's model tokens), grpo (per "
+                           "episode, then over episodes), dapo (over the model tokens of the "
+                           "global batch), dr_grpo (a fixed denominator: episodes x "
+                           "max_completion_length)")
+    clip_high: Float = Field(0.0, ge=0, description="the upper clip, 1 + clip_high (DAPO's "
+                                                    "clip-higher); 0: = clip")
+    scale_rewards: str = Field("group", description="the advantage's scale: group (reward std "
+                               "within the task's samples), batch (over all the cycle's samples) "
+                               "or none (Dr. GRPO: reward - group mean, unscaled)")
+    max_completion_length: int = Field(256, gt=0, description="dr_grpo's fixed denominator, per "
+                                                              "episode")
+    kl_importance_weighted: bool = Field(False, description="the KL term weighted by the ratio to "
+                                         "the rollout policy (TRL's use_bias_correction_kl): the "
+                                         "k3 estimate is unbiased for samples of the current "
+                                         "policy, the rollouts are the old one's")
 
     def __post_init__(self):
-        """Refuse non-positive settings, a negative KL coefficient and unknown variants."""
-        _positive("train.grpo", epochs=self.epochs, lr=self.lr, clip=self.clip,
-                  max_completion_length=self.max_completion_length)
-        if self.kl_coef < 0:
-            raise ParamsError(f"train.grpo.kl_coef: must be >= 0 (0 turns it off), got "
-                              f"{self.kl_coef}")
-        if self.clip_high < 0:
-            raise ParamsError(f"train.grpo.clip_high: must be >= 0 (0: the same as clip), got "
-                              f"{self.clip_high}")
+        """Refuse unknown variants."""
         for key, value, known in (("loss_type", self.loss_type, GRPO_LOSSES),
                                   ("scale_rewards", self.scale_rewards, ("group", "batch", "none"))):
             if value not in known:
@@ -357,7 +357,7 @@ GRPO_LOSSES = ("bnpo", "grpo", "dapo", "dr_grpo")
 ALGORITHMS = {"sft": SFT, "dpo": DPO, "grpo": GRPO}
 
 
-@dataclass(frozen=True)
+@section("train")
 class Train:
     """Training the champion on its scored rollouts: SFT, DPO or GRPO (stages/train.py).
 
@@ -366,31 +366,28 @@ class Train:
     on the demo, so switching `train.algorithm` alone is enough.
     """
 
-    algorithm: str = "sft"  # sft | dpo | grpo
-    batch_size: int = 64
-    min_examples: int = 8  # fewer SFT examples / DPO pairs / GRPO groups: the champion is kept
-    replay_fraction: float = 1.0  # share of earlier cycles' examples trained on again
-    lora_r: int = 0  # LoRA rank through PEFT, merged into the candidate; 0 = full fine-tuning
-    # DeepSpeed: 0 = off, 1 / 2 / 3 = that ZeRO stage, or the path of a DeepSpeed JSON config
-    deepspeed: int | str = 0
-    checkpoint_steps: int = 50  # optimizer steps between checkpoints (a killed stage resumes)
-    sft: SFT = dataclasses.field(default_factory=SFT)
-    dpo: DPO = dataclasses.field(default_factory=DPO)
-    grpo: GRPO = dataclasses.field(default_factory=GRPO)
+    algorithm: str = Field("sft", description="sft, dpo or grpo")
+    batch_size: int = Field(64, gt=0, description="examples per optimizer step")
+    min_examples: int = Field(8, ge=0, description="fewer SFT examples / DPO pairs / GRPO groups: "
+                                                   "the champion is kept")
+    replay_fraction: Float = Field(1.0, ge=0, le=1, description="share of earlier cycles' "
+                                                                "examples trained on again")
+    lora_r: int = Field(0, ge=0, description="LoRA rank through PEFT, merged into the candidate; "
+                                             "0 = full fine-tuning")
+    deepspeed: int | str = Field(0, description="DeepSpeed: 0 = off, 1 / 2 / 3 = that ZeRO stage, "
+                                                "or the path of a DeepSpeed JSON config")
+    checkpoint_steps: int = Field(50, gt=0, description="optimizer steps between checkpoints (a "
+                                                        "killed stage resumes)")
+    sft: _mapping(SFT) = Field(default_factory=SFT, description="SFT's own settings")
+    dpo: _mapping(DPO) = Field(default_factory=DPO, description="DPO's own settings")
+    grpo: _mapping(GRPO) = Field(default_factory=GRPO, description="GRPO's own settings")
 
     def __post_init__(self):
-        """Refuse an unknown algorithm and out-of-range training settings."""
+        """Refuse an unknown algorithm and DeepSpeed setting."""
         if self.algorithm not in ALGORITHMS:
             raise ParamsError(f"train.algorithm: unknown algorithm {self.algorithm!r}; choose "
                               f"one of {', '.join(ALGORITHMS)}")
-        _positive("train", batch_size=self.batch_size, checkpoint_steps=self.checkpoint_steps)
-        if not 0.0 <= self.replay_fraction <= 1.0:
-            raise ParamsError(f"train.replay_fraction: must be between 0 and 1, got "
-                              f"{self.replay_fraction}")
-        if self.lora_r < 0:
-            raise ParamsError(f"train.lora_r: must be >= 0 (0 turns LoRA off), got {self.lora_r}")
-        if isinstance(self.deepspeed, bool) or (
-                isinstance(self.deepspeed, int) and self.deepspeed not in (0, 1, 2, 3)) or (
+        if (isinstance(self.deepspeed, int) and self.deepspeed not in (0, 1, 2, 3)) or (
                 isinstance(self.deepspeed, str) and not self.deepspeed.endswith(".json")):
             raise ParamsError(f"train.deepspeed: {self.deepspeed!r} is neither a ZeRO stage "
                               f"(0 = off, 1, 2, 3) nor the path of a DeepSpeed .json config")
@@ -401,103 +398,90 @@ class Train:
         return getattr(self, self.algorithm)
 
 
-@dataclass(frozen=True)
+@section("gate")
 class Gate:
     """Candidate against champion on the held-out benchmark suites, with paired statistics."""
 
-    benchmark_size: int = 0  # 0 = every item of each suite; otherwise its first N
-    min_improvement: float = 0.0  # the primary suite's interval lower bound must exceed this
-    # the most often the gate may promote a candidate that is no better than the champion, per
-    # decision (one-sided): the primary's test and every guard's bound are set by it
-    alpha: float = 0.05
-    bootstrap_samples: int = 2000
-    # the environment whose benchmark must improve; every other one with a benchmark is a guard,
-    # with its own environments.<name>.max_regression
-    primary: str = "arith"
-    # guard on the items earlier champions solved (data/forgetting.jsonl), once there are enough
-    forgetting_max_regression: float = 0.1
-    forgetting_min_items: int = 30
-    # reward-hacking guards, candidate against champion in each suite (environment) apart:
-    # mean generated tokens may grow by this fraction at most; generous, since learning to call a
-    # tool legitimately makes answers two to three times longer
-    max_length_increase: float = 3.0
-    max_format_regression: float = 0.1  # share of completions breaking the protocol
-    max_tool_error_regression: float = 0.1  # share of completions with a failed tool call
-    max_hack_increase: float = 0.0  # share of completions a verifier noted hack_suspected
-    # a guard suite too small for its margin (the smallest regression it detects at 80% power,
-    # given its size and this cycle's disagreement, is above max_regression) is reported
-    # "underpowered" and then: decide (it still blocks or passes, flagged) or skip (it does not)
-    underpowered: str = "decide"
-    # error control across the sequence of cycles: none (alpha per decision) or lord (LORD++: the
-    # primary's level shrinks with each decision and is earned back by promotions, so that the
-    # expected share of false promotions among all promotions stays below alpha over the years)
-    sequential: str = "none"
+    benchmark_size: int = Field(0, ge=0, description="0 = every item of each suite; otherwise "
+                                                     "its first N")
+    min_improvement: Float = Field(0.0, description="the primary suite's interval lower bound "
+                                                    "must exceed this")
+    alpha: Float = Field(0.05, gt=0, le=0.5, description="the one-sided error rate: the most often "
+                         "the gate may promote a candidate no better than the champion, per "
+                         "decision; it sets the primary's test and every guard's bound")
+    bootstrap_samples: int = Field(2000, gt=0, description="resamples of the paired bootstrap")
+    primary: str = Field("arith", description="the environment whose benchmark must improve; "
+                         "every other one with a benchmark is a guard, with its own "
+                         "environments.<name>.max_regression")
+    forgetting_max_regression: Float = Field(0.1, ge=0, description="guard on the items earlier "
+                                             "champions solved (data/forgetting.jsonl)")
+    forgetting_min_items: int = Field(30, ge=0, description="the forgetting guard applies once "
+                                                            "there are this many items")
+    max_length_increase: Float = Field(3.0, ge=0, description="reward-hacking guard, per suite: "
+                                       "mean generated tokens may grow by this fraction at most "
+                                       "(a tool used legitimately makes answers 2-3x longer)")
+    max_format_regression: Float = Field(0.1, ge=0, description="guard: share of completions "
+                                                                "breaking the protocol")
+    max_tool_error_regression: Float = Field(0.1, ge=0, description="guard: share of completions "
+                                                                    "with a failed tool call")
+    max_hack_increase: Float = Field(0.0, ge=0, description="guard: share of completions a "
+                                                            "verifier noted hack_suspected")
+    underpowered: str = Field("decide", description="a guard suite too small to detect its "
+                              "max_regression at 80% power: decide (it still blocks or passes, "
+                              "flagged) or skip (it does not)")
+    sequential: str = Field("none", description="error control across cycles: none (alpha per "
+                            "decision) or lord (LORD++: the expected share of false promotions "
+                            "among all promotions stays below alpha over the years)")
 
     def __post_init__(self):
-        """Refuse an alpha outside (0, 0.5] and out-of-range margins."""
-        if not 0.0 < self.alpha <= 0.5:
-            raise ParamsError(f"gate.alpha: must be in (0, 0.5] (the one-sided error rate, e.g. "
-                              f"0.05), got {self.alpha}")
-        _positive("gate", bootstrap_samples=self.bootstrap_samples)
-        if self.benchmark_size < 0:
-            raise ParamsError(f"gate.benchmark_size: must be >= 0 (0 means every item), got "
-                              f"{self.benchmark_size}")
+        """Refuse unknown rules for underpowered guards and for the sequence of decisions."""
         if self.sequential not in ("none", "lord"):
             raise ParamsError(f"gate.sequential: {self.sequential!r}; use none (alpha per "
                               f"decision) or lord (a bound over the sequence of cycles)")
         if self.underpowered not in ("decide", "skip"):
             raise ParamsError(f"gate.underpowered: {self.underpowered!r}; use decide (an "
                               f"underpowered guard still decides, flagged) or skip (it does not)")
-        margins = {"forgetting_max_regression": self.forgetting_max_regression,
-                   "max_length_increase": self.max_length_increase,
-                   "max_format_regression": self.max_format_regression,
-                   "max_tool_error_regression": self.max_tool_error_regression,
-                   "max_hack_increase": self.max_hack_increase,
-                   "forgetting_min_items": self.forgetting_min_items}
-        for key, value in margins.items():
-            if value < 0:
-                raise ParamsError(f"gate.{key}: must be >= 0, got {value}")
 
 
-@dataclass(frozen=True)
+@section("judge")
 class Judge:
     """`judge:`: the LLM judge an environment's reward may call (`stages/envs/judge.py`), for
     tasks without ground truth. What it computes: the model and the rubric (a changed one
     re-scores) and the per-stage budget; where it runs is `runtime.judge`.
     """
 
-    model: str = ""  # the judge model's name on its server; "" = no judge configured
-    rubric: str = ""  # the grading instructions: the text itself, or a file path from the project
-    # held out for the benchmarks (champion_scores, gate): a model and/or rubric the training
-    # reward never saw, so a policy that games the training judge cannot promote on it alone;
-    # "" = the same as model / rubric
-    benchmark_model: str = ""
-    benchmark_rubric: str = ""
-    max_calls: int = 2000  # judge requests per stage run (cache hits are free); then the stage stops
-    max_cost: int = 2_000_000  # tokens (prompt + completion, as the server reports) per stage run
-    url: str = ""  # runtime: the OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000/v1
-    # runtime: or a command the stage starts (on loopback; {port} and {model} filled in), waits
-    # healthy for (GET /health), uses and stops, e.g. a local judge folder under vLLM:
-    # .venv-vllm/bin/vllm serve models/judge --served-model-name {model} --port {port} --host 127.0.0.1
-    server_command: str = ""
-    server_timeout: float = 600.0  # runtime: seconds the started server may take to be healthy
-    api_key_env: str = "OPENAI_API_KEY"  # runtime: the environment variable holding its key
-    request_timeout: float = 60.0  # runtime: seconds per request before it is retried
-    retries: int = 3  # runtime: per judgment, on timeouts, 429, 5xx and unparseable answers
-    # runtime: judgments in flight at once (the reward stage's judged environments), always
-    # within max_calls and max_cost
-    concurrency: int = 8
+    model: str = Field("", description="the judge model's name on its server; \"\" = no judge "
+                                       "configured")
+    rubric: str = Field("", description="the grading instructions: the text itself, or a file "
+                                        "path from the project")
+    benchmark_model: str = Field("", description="held out for the benchmarks (champion_scores, "
+                                 "gate), so a policy that games the training judge cannot promote "
+                                 "on it alone; \"\" = the same as model")
+    benchmark_rubric: str = Field("", description="likewise for the rubric; \"\" = the same as "
+                                                  "rubric")
+    max_calls: int = Field(2000, ge=0, description="judge requests per stage run (cache hits are "
+                                                   "free); then the stage stops")
+    max_cost: int = Field(2_000_000, ge=0, description="tokens (prompt + completion, as the "
+                                                       "server reports) per stage run")
+    url: str = Field("", description="the OpenAI-compatible server's base URL, e.g. "
+                                     "http://127.0.0.1:8000/v1")
+    server_command: str = Field("", description="or a command the stage starts on loopback "
+                                "({port} and {model} filled in), waits healthy for, uses and "
+                                "stops, e.g. `.venv-vllm/bin/vllm serve models/judge "
+                                "--served-model-name {model} --port {port} --host 127.0.0.1`")
+    server_timeout: Float = Field(600.0, gt=0, description="seconds the started server may take "
+                                                           "to be healthy")
+    api_key_env: str = Field("OPENAI_API_KEY", description="the environment variable holding "
+                                                           "its key")
+    request_timeout: Float = Field(60.0, gt=0, description="seconds per request before it is "
+                                                           "retried")
+    retries: int = Field(3, ge=0, description="per judgment, on timeouts, 429, 5xx and "
+                                              "unparseable answers")
+    concurrency: int = Field(8, ge=1, description="judgments in flight at once, always within "
+                                                  "max_calls and max_cost")
 
     def __post_init__(self):
-        """Refuse budgets and timeouts that cannot work."""
-        for key in ("max_calls", "max_cost", "retries"):
-            if getattr(self, key) < 0:
-                raise ParamsError(f"judge.{key}: must be >= 0, got {getattr(self, key)}")
-        if self.concurrency < 1:
-            raise ParamsError(f"runtime.judge.concurrency: must be >= 1, got {self.concurrency}")
-        if not self.request_timeout > 0:
-            raise ParamsError(f"runtime.judge.request_timeout: must be > 0, got "
-                              f"{self.request_timeout}")
+        """Refuse server settings that contradict each other."""
         if not self.api_key_env.replace("_", "a").isalnum():
             raise ParamsError(f"runtime.judge.api_key_env: {self.api_key_env!r} is not an "
                               f"environment variable's name")
@@ -508,85 +492,72 @@ class Judge:
         if self.server_command and "{port}" not in self.server_command:
             raise ParamsError("runtime.judge.server_command: must contain {port} (the stage picks "
                               "a free port on 127.0.0.1), e.g. '... --port {port}'")
-        if not self.server_timeout > 0:
-            raise ParamsError(f"runtime.judge.server_timeout: must be > 0, got "
-                              f"{self.server_timeout}")
 
 
-@dataclass(frozen=True)
+@section("environments.<name>")
 class EnvironmentSpec:
     """One entry of `environments:`: a user's environment module and its task files
     (`stages/envs/contract.py` says what the module defines).
     """
 
-    module: str = ""  # a dotted path from the project folder, or an entry point's name
-    tasks: str = ""  # JSON lines: task_id, messages, the fields its reward needs
-    benchmark: str = ""  # the held-out tasks the gate scores it on
-    weight: float = 1.0  # share of rollouts / training examples
-    # the gate: a guard environment fails when the lower bound of candidate - champion on its
-    # benchmark falls below minus this (the primary one, gate.primary, must improve instead)
-    max_regression: float = 0.05
-    # MCP servers whose tools the environment offers: {server: {command | url, allow, timeout}}
-    # (stages/envs/mcp_tools.py)
-    mcp: dict[str, dict] = dataclasses.field(default_factory=dict)
-    # whether its tools may reach the network: an MCP `url` server (loopback included: offseason
-    # cannot see where that server reaches) is refused without it, and its stdio servers run in
-    # the sandbox with no network unless it is true. Off by default
-    network: bool = False
+    module: str = Field("", description="a dotted path from the project folder, or an entry "
+                                        "point's name")
+    tasks: str = Field("", description="JSON lines: task_id, messages, the fields its reward needs")
+    benchmark: str = Field("", description="the held-out tasks the gate scores it on")
+    weight: Float = Field(1.0, gt=0, description="share of rollouts / training examples")
+    max_regression: Float = Field(0.05, ge=0, description="a guard environment fails when the "
+                                  "lower bound of candidate - champion on its benchmark falls "
+                                  "below minus this (gate.primary must improve instead)")
+    mcp: dict[str, dict] = Field(default_factory=dict, description="MCP servers whose tools the "
+                                 "environment offers: {server: {command | url, allow, timeout}} "
+                                 "(stages/envs/mcp_tools.py)")
+    network: bool = Field(False, description="whether its tools may reach the network: an MCP url "
+                          "server is refused without it, and its stdio servers run in the "
+                          "sandbox with no network unless it is true")
 
 
-@dataclass(frozen=True)
+@section("runtime.collect")
 class Collect:
     """`runtime.collect`: `offseason collect`, the OTLP/HTTP receiver that writes finished traces
     into the inbox (flows/intake/collect.py). No stage reads it and nothing in it changes what a cycle
     computes, so all of it lives in `runtime:`.
     """
 
-    host: str = "127.0.0.1"  # traces hold PII: loopback unless a deployment says otherwise
-    port: int = 4318  # OTLP/HTTP's standard port
-    # a trace whose root span never arrives is written after this long without a new span
-    idle_seconds: float = 30.0
-    # finished traces are gathered this long into one inbox file: fewer, larger files for ingest
-    # (and DVC) against a later arrival; 0 writes them every fifth of a second
-    file_seconds: float = 10.0
-    # spans and log records held (on disk in the journal, not yet in the inbox) before new
-    # requests get 429
-    max_pending_spans: int = 200_000
-    max_request_bytes: int = 16_000_000  # a request body over this (decompressed) gets 413
-    # free space the journal's and the inbox's disks keep; below it requests get 503
-    min_free_mb: int = 256
-    # the environment variable holding the bearer token clients must send; unset or empty there:
-    # no token asked (bind to loopback then)
-    token_env: str = "OFFSEASON_COLLECT_TOKEN"
+    host: str = Field("127.0.0.1", description="traces hold PII: loopback unless a deployment "
+                                               "says otherwise")
+    port: int = Field(4318, ge=0, le=65535, description="OTLP/HTTP's standard port; 0: a free one")
+    idle_seconds: Float = Field(30.0, gt=0, description="a trace whose root span never arrives is "
+                                "written after this long without a new span")
+    file_seconds: Float = Field(10.0, ge=0, description="finished traces are gathered this long "
+                                "into one inbox file (fewer, larger files for ingest and DVC); 0 "
+                                "writes them every fifth of a second")
+    max_pending_spans: int = Field(200_000, gt=0, description="spans and log records held in the "
+                                   "journal, not yet in the inbox, before new requests get 429")
+    max_request_bytes: int = Field(16_000_000, gt=0, description="a request body over this "
+                                                                 "(decompressed) gets 413")
+    min_free_mb: int = Field(256, ge=0, description="free space the journal's and the inbox's "
+                                                    "disks keep; below it requests get 503")
+    token_env: str = Field("OFFSEASON_COLLECT_TOKEN", description="the environment variable "
+                           "holding the bearer token clients must send; unset or empty: no token "
+                           "asked (bind to loopback then)")
 
     def __post_init__(self):
-        """Refuse a port outside 0..65535 and limits that are not positive."""
-        if not 0 <= self.port <= 65535:
-            raise ParamsError(f"runtime.collect.port: must be 0..65535 (0: a free one), got "
-                              f"{self.port}")
-        _positive("runtime.collect", idle_seconds=self.idle_seconds,
-                  max_pending_spans=self.max_pending_spans,
-                  max_request_bytes=self.max_request_bytes)
-        if self.min_free_mb < 0:
-            raise ParamsError(f"runtime.collect.min_free_mb: must be >= 0, got {self.min_free_mb}")
-        if self.file_seconds < 0:
-            raise ParamsError(f"runtime.collect.file_seconds: must be >= 0, got "
-                              f"{self.file_seconds}")
+        """Refuse an empty host."""
         if not self.host.strip():
             raise ParamsError("runtime.collect.host: empty; write 127.0.0.1 (this machine only) "
                               "or 0.0.0.0 (every interface: set a token, see token_env)")
 
 
-@dataclass(frozen=True)
+@section("runtime.sandbox")
 class Sandbox:
     """`runtime.sandbox`: how model-written code may run (stages/envs/sandbox.py). Where it may
     run, never what it computes: in `runtime:`.
     """
 
-    # where neither bubblewrap nor the unshare sandbox works on this machine, run the code with
-    # rlimits only (it sees the machine's files and processes, and as root may act as root)
-    # instead of refusing every stage that runs code; said in the log of every such stage
-    allow_unisolated: bool = False
+    allow_unisolated: bool = Field(False, description="where neither bubblewrap nor the unshare "
+                                   "sandbox works, run the code with rlimits only (it sees the "
+                                   "machine's files and processes) instead of refusing every "
+                                   "stage that runs code; said in the log of every such stage")
 
 
 def sandbox(path: str | Path = "params.yaml") -> Sandbox:
@@ -678,12 +649,6 @@ def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]
             _fail(str(path), f"environments.{name}.module: name the environment's module (a "
                              f"dotted path from the project folder, e.g. my_envs.support) or an "
                              f"entry point")
-        if spec.max_regression < 0:
-            _fail(str(path), f"environments.{name}.max_regression: must be >= 0, got "
-                             f"{spec.max_regression}")
-        if not spec.weight > 0:
-            _fail(str(path), f"environments.{name}.weight: must be > 0 (a share of rollouts), "
-                             f"got {spec.weight}")
         if spec.mcp:
             from stages.envs import mcp_tools
 
@@ -702,33 +667,31 @@ def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]
     return out
 
 
-@dataclass(frozen=True)
+@section("cost")
 class Cost:
     """`cost:`: prices, so the cost ledger (`metrics/cost.json`, flows/orchestration/cost.py) reads in dollars
     too, and `budget.max_usd` can be checked. Example rates; set your own. No stage lists it as
     a DVC param: a price changes what a cycle costs, not what it computes.
     """
 
-    cpu_hour_usd: float = 0.05  # one core for an hour (a cloud vCPU is about $0.02 to $0.05)
-    gpu_hour_usd: float = 2.50  # one GPU for an hour (an H100 rents for about $2 to $4)
-    judge_usd_per_million_tokens: float = 0.0  # the judge's price; 0: a local judge
-    # by device: a GPU whose name as NVML reports it ("NVIDIA H100 80GB HBM3") contains a key
-    # (any case) costs that per hour, e.g. {H100: 2.5, A10G: 1.0}; any other, gpu_hour_usd
-    gpu_hour_usd_by_name: dict[str, float] = dataclasses.field(default_factory=dict)
-    # by judge model (judge.model, judge.benchmark_model), e.g. {gpt-4o-mini: 0.6}; any other,
-    # judge_usd_per_million_tokens
-    judge_usd_per_million_tokens_by_model: dict[str, float] = dataclasses.field(
-        default_factory=dict)
-    # the prompt and generated tokens of rollouts from an OpenAI-compatible server that bills by
-    # the token (rollout.backend: openai); 0 for a server you run (its GPUs are priced by the hour)
-    rollout_usd_per_million_tokens: float = 0.0
+    cpu_hour_usd: Float = Field(0.05, ge=0, description="one core for an hour (a cloud vCPU is "
+                                                        "about $0.02 to $0.05)")
+    gpu_hour_usd: Float = Field(2.50, ge=0, description="one GPU for an hour (an H100 rents for "
+                                                        "about $2 to $4)")
+    judge_usd_per_million_tokens: Float = Field(0.0, ge=0, description="the judge's price; 0: a "
+                                                                       "local judge")
+    gpu_hour_usd_by_name: dict[str, float] = Field(default_factory=dict, description=(
+        "by device: a GPU whose NVML name (\"NVIDIA H100 80GB HBM3\") contains a key (any case) "
+        "costs that per hour, e.g. {H100: 2.5, A10G: 1.0}"))
+    judge_usd_per_million_tokens_by_model: dict[str, float] = Field(
+        default_factory=dict, description="by judge model (judge.model, judge.benchmark_model), "
+                                          "e.g. {gpt-4o-mini: 0.6}")
+    rollout_usd_per_million_tokens: Float = Field(0.0, ge=0, description="rollouts from a server "
+                                                  "that bills by the token (rollout.backend: "
+                                                  "openai); 0 for one you run (priced by the hour)")
 
     def __post_init__(self):
-        """Refuse negative prices."""
-        for key in ("cpu_hour_usd", "gpu_hour_usd", "judge_usd_per_million_tokens",
-                    "rollout_usd_per_million_tokens"):
-            if getattr(self, key) < 0:
-                raise ParamsError(f"cost.{key}: must be >= 0, got {getattr(self, key)}")
+        """Refuse negative prices by name."""
         for key in ("gpu_hour_usd_by_name", "judge_usd_per_million_tokens_by_model"):
             for name, rate in getattr(self, key).items():
                 if rate < 0:
@@ -746,7 +709,7 @@ class Cost:
             model, self.judge_usd_per_million_tokens)
 
 
-@dataclass(frozen=True)
+@section("budget")
 class Budget:
     """`budget:`: what one cycle (and one calendar month of cycles) may spend; 0 = no limit.
     A cycle whose estimate exceeds it is refused before it starts (`offseason run`); the
@@ -755,17 +718,14 @@ class Budget:
     nothing, so a stopped cycle resumes where it stopped (flows/orchestration/cost.py, stages/budget.py).
     """
 
-    max_usd: float = 0.0  # dollars per cycle, by the `cost:` prices
-    max_gpu_hours: float = 0.0  # GPU hours per cycle (each GPU a stage holds, for its wall time)
-    max_judge_tokens: int = 0  # judge tokens per cycle, as the judge's server reports them
-    monthly_usd: float = 0.0  # dollars per calendar month (UTC), over the committed cycles' ledgers
-
-    def __post_init__(self):
-        """Refuse negative budgets."""
-        for key in ("max_usd", "max_gpu_hours", "max_judge_tokens", "monthly_usd"):
-            if getattr(self, key) < 0:
-                raise ParamsError(f"budget.{key}: must be >= 0 (0 = no limit), got "
-                                  f"{getattr(self, key)}")
+    max_usd: Float = Field(0.0, ge=0, description="dollars per cycle, by the `cost:` prices; "
+                                                  "0 = no limit")
+    max_gpu_hours: Float = Field(0.0, ge=0, description="GPU hours per cycle (each GPU a stage "
+                                                        "holds, for its wall time); 0 = no limit")
+    max_judge_tokens: int = Field(0, ge=0, description="judge tokens per cycle, as the judge's "
+                                                       "server reports them; 0 = no limit")
+    monthly_usd: Float = Field(0.0, ge=0, description="dollars per calendar month (UTC), over the "
+                                                      "committed cycles' ledgers; 0 = no limit")
 
 
 SECTIONS: dict[str, type] = {
@@ -782,42 +742,6 @@ SECTIONS: dict[str, type] = {
     "cost": Cost,
     "budget": Budget,
 }
-
-
-def _positive(section: str, **values):
-    for key, value in values.items():
-        if value <= 0:
-            raise ParamsError(f"{section}.{key}: must be > 0, got {value}")
-
-
-def _check_type(where: str, key: str, value, expected: type):
-    if typing.get_origin(expected) is dict:  # a mapping section field, e.g. reward.weights
-        if not isinstance(value, dict):
-            _fail(where, f"{key}: expected a mapping like {{correct: 1.0}}, got {value!r}")
-        inner = typing.get_args(expected)[1]
-        return {str(k): _check_type(where, f"{key}.{k}", v, inner) for k, v in value.items()}
-    if expected is float and isinstance(value, str):
-        try:  # PyYAML reads `1e-3` (no dot) as a string
-            value = float(value)
-        except ValueError:
-            pass
-    ok = (
-        isinstance(value, expected) and not (expected is int and isinstance(value, bool))
-        if expected is not float
-        else isinstance(value, (int, float)) and not isinstance(value, bool)
-    )
-    if not ok:
-        example = {int: "a whole number like 4", float: "a number like 0.001", bool: "true or false",
-                   str: "a string", dict: "a mapping like {cron: '0 2 * * *'}"}.get(expected, f"one of {expected}")
-        _fail(where, f"{key}: expected {example}, got {_short(value)} ({type(value).__name__})")
-    if expected is float:
-        try:
-            value = float(value)
-        except OverflowError:  # an integer of hundreds of digits
-            value = math.inf
-        if not math.isfinite(value):
-            _fail(where, f"{key}: expected a finite number like 0.001, got {value}")
-    return value
 
 
 def _short(value) -> str:
@@ -875,34 +799,108 @@ RETIRED = {
 }
 
 
+# what a setting of each type looks like, for "expected ..." (by the type in pydantic's error;
+# a mapping's example is its default)
+EXAMPLES = {"int": "a whole number like 4", "float": "a number like 0.001",
+            "bool": "true or false", "string": "a string"}
+BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
+def _validate(config, section: str, args: tuple, values: dict) -> None:
+    """Fill `config`, a new instance of one `section(...)` class, from `values`, checked (what its
+    `__init__` does, there with `section` its own name).
+    """
+    try:
+        type(config).__pydantic_validator__.validate_python(ArgsKwargs(args, values),
+                                                            self_instance=config)
+    except pydantic.ValidationError as err:
+        raise ParamsError(_explain(err, type(config), section)) from None
+
+
+def _explain(err: pydantic.ValidationError, cls: type, section: str) -> str:
+    """Pydantic's first complaint about `section` as ParamsError's message: the key's full name,
+    the value it got and what to write instead (a `__post_init__` says so itself).
+    """
+    errors = err.errors()
+    first, loc = errors[0], errors[0]["loc"]
+    problem, value = first["type"], first["input"]
+    if isinstance((first.get("ctx") or {}).get("error"), ParamsError):
+        return str(first["ctx"]["error"])
+    if problem == "unexpected_keyword_argument":
+        return _unknown(cls, section, loc[0], value)
+    if not loc or loc[0] not in cls.__pydantic_fields__:
+        return f"{section}: {first['msg']}"
+    field = cls.__pydantic_fields__[loc[0]]
+    # a mapping's own entries (reward.weights.feedback) are named; a union's members are not
+    key = _name(section, ".".join(map(str, loc[:2] if typing.get_origin(field.annotation) is dict
+                                      else loc[:1])))
+    if problem in BOUND_ERRORS:
+        return (f"{key}: must be {bounds(field)}, got {value} "
+                f"({field.description})")
+    if problem == "finite_number":
+        return f"{key}: expected a finite number like 0.001, got {value}"
+    if problem == "dataclass_exact_type":  # a sub-section, e.g. train.dpo
+        return f"section '{key}' must be a mapping of keys to values, got {_short(value)}"
+    examples = dict(EXAMPLES)
+    if problem == "dict_type":
+        default = field.get_default(call_default_factory=True)
+        examples["dict"] = (f"a mapping like {yaml.safe_dump(default, default_flow_style=True)}"
+                            .strip() if default else "a mapping of keys to values")
+    wanted = dict.fromkeys(examples.get(e["type"].split("_")[0], e["msg"]) for e in errors
+                           if e["loc"][:1] == loc[:1])
+    return f"{key}: expected {' or '.join(wanted)}, got {_short(value)} ({type(value).__name__})"
+
+
+def _unknown(cls: type, section: str, key: str, value) -> str:
+    """A key `section` has not: retired (what to write instead), or a typo (the nearest key)."""
+    if (section, key) in RETIRED:
+        return RETIRED[section, key](value)
+    # where work runs is no key of the section itself (`load` refuses it there)
+    shown = [f.name for f in dataclasses.fields(cls) if f.name not in RUNTIME.get(section, ())]
+    near = difflib.get_close_matches(str(key), shown, n=1)
+    hint = f" (did you mean '{section}.{near[0]}'?)" if near else ""
+    elsewhere = (f"; where work runs goes under runtime.{section}: "
+                 f"{', '.join(RUNTIME[section])}") if section in RUNTIME else ""
+    return (f"unknown key '{section}.{key}'{hint}; valid keys in '{section}': "
+            f"{', '.join(shown)}{elsewhere}")
+
+
+def _name(section: str, key: str) -> str:
+    """A key's full name, as written in params.yaml: runtime.rollout.urls, rollout.top_p."""
+    runtime = key.split(".")[0] in RUNTIME.get(section, ())
+    return f"runtime.{section}.{key}" if runtime else f"{section}.{key}"
+
+
+def bounds(field) -> str:
+    """A declared setting's bounds as its errors and docs/params.md say them: '> 0', 'between 0
+    and 1', 'in (0, 0.5]'.
+    """
+    limits = {name: getattr(limit, name) for limit in field.metadata
+              for name in ("gt", "ge", "lt", "le") if hasattr(limit, name)}
+    low = ("[", limits["ge"]) if "ge" in limits else ("(", limits["gt"]) if "gt" in limits else None
+    high = ("]", limits["le"]) if "le" in limits else (")", limits["lt"]) if "lt" in limits else None
+    if low and high:
+        if (low[0], high[0]) == ("[", "]"):
+            return f"between {low[1]} and {high[1]}"
+        return f"in {low[0]}{low[1]}, {high[1]}{high[0]}"
+    if low:
+        return f"{'>=' if low[0] == '[' else '>'} {low[1]}"
+    if high:
+        return f"{'<=' if high[0] == ']' else '<'} {high[1]}"
+    return ""
+
+
 def _build(cls: type, section: str, raw, where: str):
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         _fail(where, f"section '{section}' must be a mapping of keys to values, got {_short(raw)}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    values = {}
-    for key, value in raw.items():
-        if (section, key) in RETIRED:
-            _fail(where, RETIRED[section, key](value))
-        if key not in names:
-            # where work runs is no key of the section itself (`load` refuses it there)
-            shown = [n for n in names if n not in RUNTIME.get(section, ())]
-            near = difflib.get_close_matches(str(key), shown, n=1)
-            hint = f" (did you mean '{section}.{near[0]}'?)" if near else ""
-            elsewhere = (f"; where work runs goes under runtime.{section}: "
-                         f"{', '.join(RUNTIME[section])}") if section in RUNTIME else ""
-            _fail(where, f"unknown key '{section}.{key}'{hint}; valid keys in '{section}': "
-                         f"{', '.join(shown)}{elsewhere}")
-        if dataclasses.is_dataclass(hints[key]):  # a sub-section, e.g. train.dpo
-            values[key] = _build(hints[key], f"{section}.{key}", value, where)
-            continue
-        values[key] = _check_type(where, f"{section}.{key}", value, hints[key])
+    config = cls.__new__(cls)
     try:
-        return cls(**values)
+        _validate(config, section, (), {str(key): value for key, value in raw.items()})
     except ParamsError as err:
         _fail(where, str(err))
+    return config
 
 
 @functools.lru_cache(maxsize=32)

@@ -558,7 +558,8 @@ def test_the_journal_replays_held_spans_and_forgets_written_ones(tmp_path):
 def test_runtime_collect_is_checked(tmp_path):
     path = workspace(tmp_path, port=4318)
     assert cfg.collect(path / "params.yaml").port == 4318
-    for bad, message in (({"port": 70000}, "runtime.collect.port: must be 0..65535"),
+    for bad, message in (({"port": 70000}, r"runtime.collect.port: must be between 0 and 65535, got "
+                                          r"70000 \(OTLP/HTTP's standard port; 0: a free one\)"),
                          ({"idle_seconds": 0}, "runtime.collect.idle_seconds: must be > 0"),
                          ({"max_pending": 5}, "unknown key 'runtime.collect.max_pending'")):
         workspace(tmp_path, **bad)

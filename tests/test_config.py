@@ -144,7 +144,9 @@ def test_algorithm_errors_name_the_key_and_value(tmp_path):
     with pytest.raises(cfg.ParamsError, match=r"train.algorithm: unknown algorithm 'ppo'; choose "
                                               r"one of sft, dpo, grpo"):
         settings.load_all(write(tmp_path, full(train={"algorithm": "ppo"})))
-    with pytest.raises(cfg.ParamsError, match=r"train.grpo.kl_coef: must be >= 0 .*got -1"):
+    # the bound, the value and what the setting is (its declared description)
+    with pytest.raises(cfg.ParamsError, match=r"train.grpo.kl_coef: must be >= 0, got -1.0 \(weight "
+                                              r"of the KL term to the champion; 0 = none\)"):
         settings.load_all(write(tmp_path, full(train={"grpo": {"kl_coef": -1}})))
     with pytest.raises(cfg.ParamsError, match=r"section 'train.dpo' must be a mapping"):
         settings.load_all(write(tmp_path, full(train={"dpo": 3})))
@@ -214,3 +216,16 @@ def test_the_cost_ledger_prices_the_stages_that_ran_and_history_divides_gain_by_
     assert rows[1]["points_per_usd"] == pytest.approx(45 / 0.02)
     assert rows[2]["cumulative_usd"] == 0.05 and rows[2]["points_per_usd"] == round(2 / 0.03, 2)
     assert rows[0]["points_per_usd"] is None
+
+
+def test_the_params_reference_is_generated_from_the_declarations():
+    """docs/params.md is `offseason check --explain`'s text: it never drifts from the code, and
+    every key has a type, a default and a description."""
+    committed = (cfg.Path(__file__).parents[1] / "docs" / "params.md").read_text(encoding="utf-8")
+    assert committed == settings.reference(), ("docs/params.md is stale; run `offseason check "
+                                               "--explain > docs/params.md`")
+    for name, cls in {**settings.SECTIONS, "environments": cfg.EnvironmentSpec,
+                      "collect": cfg.Collect, "sandbox": cfg.Sandbox}.items():
+        for key, field in cls.__pydantic_fields__.items():
+            assert field.description, f"{name}.{key} has no description"
+            assert f"| `{key}` |" in committed or key in cfg.ALGORITHMS, f"{name}.{key}"

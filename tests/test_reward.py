@@ -157,7 +157,7 @@ def test_more_errors_than_max_error_fraction_fail_the_stage(tmp_path):
     _, m = reward.score(specs, table(rows), tmp_path,
                         cfg.Reward(workers=1, max_error_fraction=0.7))
     assert (m["errors"], m["judged"]) == (2, 1)
-    with pytest.raises(cfg.ParamsError, match="reward.max_error_fraction: must be in"):
+    with pytest.raises(cfg.ParamsError, match="reward.max_error_fraction: must be between 0 and 1, got 1.5"):
         cfg.Reward(max_error_fraction=1.5)
 
 

@@ -13,43 +13,42 @@ with the params.yaml key each overrides. `load_all` checks every section before 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import json
+import typing
 from pathlib import Path
+
+from pydantic import Field
 
 from stages import config as cfg
 
 SERVICES = ("langfuse", "langsmith")  # what `offseason pull` reads (flows/intake/pull.py)
 
 
-@dataclass(frozen=True)
+@cfg.section("pull")
 class Pull:
     """`pull:`: the tracing service a cycle pulls from first (`offseason pull`). Optional."""
 
-    service: str = ""  # langfuse | langsmith; "" = no pull before a cycle
-    project: str = ""  # LangSmith's project name ("" = LANGSMITH_PROJECT, else "default")
-    limit: int = 0  # at most this many new traces a pull; 0 = every one in the window
+    service: str = Field("", description="langfuse or langsmith; \"\" = no pull before a cycle")
+    project: str = Field("", description="LangSmith's project name (\"\" = LANGSMITH_PROJECT, "
+                                         "else \"default\")")
+    limit: int = Field(0, ge=0, description="at most this many new traces a pull; 0 = every one "
+                                            "in the window")
 
     def __post_init__(self):
-        """Refuse an unknown service and a negative limit."""
+        """Refuse an unknown service."""
         if self.service not in ("", *SERVICES):
             raise cfg.ParamsError(f"pull.service: {self.service!r} is not a service offseason "
                                   f"pulls from; one of {', '.join(SERVICES)} (or '' for none)")
-        if self.limit < 0:
-            raise cfg.ParamsError(f"pull.limit: must be >= 0 (0: no limit), got {self.limit}")
 
 
-@dataclass(frozen=True)
+@cfg.section("promotion")
 class Promotion:
     """What happens after the gate passed: a person's approval, if the team asks for it."""
 
-    require_approval: bool = False  # wait for `offseason approve RUN_ID` (or the Prefect UI form)
-    approval_timeout: int = 86400  # seconds to wait; then nothing is promoted and the run ends
-
-    def __post_init__(self):
-        """Refuse an approval timeout that is not positive."""
-        if self.approval_timeout <= 0:
-            raise cfg.ParamsError(f"promotion.approval_timeout: must be > 0 seconds, got "
-                                  f"{self.approval_timeout}")
+    require_approval: bool = Field(False, description="wait for `offseason approve RUN_ID` (or "
+                                                      "the Prefect UI form)")
+    approval_timeout: int = Field(86400, gt=0, description="seconds to wait; then nothing is "
+                                                           "promoted and the run ends")
 
 
 # Flow parameters of a cycle (`offseason serve` deployments, the Prefect UI's Run form) and the
@@ -63,7 +62,7 @@ RUN_OVERRIDES = {
 DEPLOYMENT_KEYS = ("cron", "parameters", "description")
 
 
-@dataclass(frozen=True)
+@cfg.section("deployments")
 class Deployments:
     """`offseason serve`: when cycles run by themselves, and with which run parameters.
 
@@ -72,11 +71,14 @@ class Deployments:
     and an empty cron turns a scheduled one off. Parameter names are those of RUN_OVERRIDES.
     """
 
-    timezone: str = "UTC"  # the cron schedules' time zone (an IANA name)
-    nightly: dict = dataclasses.field(default_factory=lambda: {"cron": "0 2 * * *"})
-    weekly: dict = dataclasses.field(
-        default_factory=lambda: {"cron": "0 4 * * 6", "parameters": {"samples_per_task": 8}})
-    manual: dict = dataclasses.field(default_factory=dict)
+    timezone: str = Field("UTC", description="the cron schedules' time zone (an IANA name)")
+    nightly: dict = Field(default_factory=lambda: {"cron": "0 2 * * *"},
+                          description="the nightly cycle: {cron, parameters, description}")
+    weekly: dict = Field(
+        default_factory=lambda: {"cron": "0 4 * * 6", "parameters": {"samples_per_task": 8}},
+        description="the weekly cycle: {cron, parameters, description}")
+    manual: dict = Field(default_factory=dict, description="run from the Prefect UI's Run button "
+                                                           "or `prefect deployment run`; no cron")
 
     def __post_init__(self):
         """Refuse unknown keys in the deployments' specs."""
@@ -117,6 +119,55 @@ def load_all(path: str | Path = "params.yaml") -> dict:
     except cfg.ParamsError as err:
         raise cfg.ParamsError(f"{path}: {err}") from None
     return configs
+
+
+REFERENCE_HEAD = """# params.yaml reference
+
+Every section and key of `params.yaml`: its type, default, bounds and what it does. Generated from
+the declarations in `stages/config.py` and `flows/project/params.py` by `offseason check
+--explain > docs/params.md`; `tests/test_config.py` fails when the two differ, so edit the
+declarations, not this file. Rules that tie settings together (a server command or URLs, not
+both) and the names a setting may take are in each class's `__post_init__`; `offseason check`
+applies them all.
+
+Keys under `runtime.<section>` say where or how fast work runs, not what it computes: no DVC stage
+lists them as params, so changing one reruns nothing.
+"""
+
+
+def reference() -> str:
+    """docs/params.md (and `offseason check --explain`): every section, the flow's included,
+    then `environments:` and the runtime-only sections, each key with its type, default, bounds
+    and description, from the declarations.
+    """
+    lines = [REFERENCE_HEAD.rstrip()]
+
+    def table(name: str, cls: type, keys: list[str]):
+        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+        lines.extend(["", f"## `{name}:`", "", doc, "",
+                      "| key | type | default | bounds | description |", "|---|---|---|---|---|"])
+        subsections = []
+        for key in keys:
+            field = cls.__pydantic_fields__[key]
+            default = field.get_default(call_default_factory=True)
+            if dataclasses.is_dataclass(default):  # train.sft: a table of its own, below
+                subsections.append((f"{name}.{key}", type(default)))
+                continue
+            kind = field.annotation
+            row = (f"`{key}`", str(kind) if typing.get_args(kind) else kind.__name__,
+                   f"`{json.dumps(default)}`", cfg.bounds(field), field.description)
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+        for sub, sub_cls in subsections:
+            table(sub, sub_cls, [f.name for f in dataclasses.fields(sub_cls)])
+
+    for name, cls in {**SECTIONS, "environments.<name>": cfg.EnvironmentSpec}.items():
+        runtime = cfg.RUNTIME.get(name, ())
+        table(name, cls, [f.name for f in dataclasses.fields(cls) if f.name not in runtime])
+        if runtime:
+            table(f"runtime.{name}", cls, list(runtime))
+    table("runtime.collect", cfg.Collect, list(cfg.RUNTIME["collect"]))
+    table("runtime.sandbox", cfg.Sandbox, list(cfg.RUNTIME["sandbox"]))
+    return "\n".join(lines) + "\n"
 
 
 def plain(section) -> dict:
