@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from stages import config as cfg
-from stages import rollout, tinylm
+from stages import rollout, servers, tinylm
 from stages.envs import arith, contract
 from stages.generation import chat, openai_backend, serve_tiny, transformers_backend
 from stages.training import warmstart
@@ -343,7 +343,7 @@ def test_rollout_stage_starts_and_stops_the_server(trained, tmp_path):
 def test_a_server_command_that_dies_is_reported_with_its_output(tmp_path):
     command = f"{sys.executable} -c \"print('no GPU found'); raise SystemExit(3)\" {{port}}"
     with pytest.raises(openai_backend.ServerError, match="exited with code 3") as err:
-        with openai_backend.serve(command, tmp_path, timeout=60):
+        with servers.serve(command, tmp_path, timeout=60):
             pass
     assert "no GPU found" in str(err.value)
     log = Path(re.search(r"its last output \((\S+)\)", str(err.value))[1])
@@ -359,13 +359,13 @@ HEALTHY = (f"{sys.executable} -c \"import http.server as h\n"
 
 
 def test_a_server_s_log_is_removed_when_all_went_well_and_kept_when_not(tmp_path, capsys):
-    with openai_backend.serve(HEALTHY, tmp_path, timeout=60) as url:
+    with servers.serve(HEALTHY, tmp_path, timeout=60) as url:
         assert url.endswith("/v1")
     said = capsys.readouterr().err
     log = Path(re.search(r"\(log: (\S+)\)", said)[1])
     assert not log.exists() and "server stopped\n" in said
     with pytest.raises(RuntimeError, match="the rollout failed"):
-        with openai_backend.serve(HEALTHY, tmp_path, timeout=60):
+        with servers.serve(HEALTHY, tmp_path, timeout=60):
             raise RuntimeError("the rollout failed")
     said = capsys.readouterr().err
     log = Path(re.search(r"\(log: (\S+)\)", said)[1])

@@ -198,3 +198,51 @@ def test_every_project_import_names_something_that_exists():
                 missing += [f"{path.relative_to(REPO)}: {a.name}" for a in node.names
                             if a.name.split(".")[0] in ROOTS and a.name not in known]
     assert missing == []
+
+
+# stages/__init__.py: what each room of stages/ may import of stages/ outside itself, every
+# import read; a package's __init__ (a docstring, no imports) is not counted
+STAGES_MAY_IMPORT = {
+    "envs": {"envs.judge": {"config", "remote", "http", "servers"}, "envs.replay": {"config"}},
+    "generation": {"*": {"tinylm", "envs.contract", "remote", "http", "servers"}},
+    "training": {"*": {"tinylm", "io", "envs.contract", "generation.chat"}},
+    "traces": {"*": set()},
+    "config": {"*": {"envs.sandbox", "envs.mcp_tools"}},
+    "io": {"*": {"config", "envs.contract", "envs.errors", "modelfiles"}},
+    "tinylm": {"*": {"modelfiles"}},
+    "modelfiles": {"*": set()},
+    "remote": {"*": set()},
+    "http": {"*": set()},
+    "servers": {"*": set()},
+}
+FOLDERS = ("envs", "generation", "training", "traces")
+
+
+def room(module: str) -> str:
+    """`stages.envs.judge` -> `envs`, `stages.io` -> `io`."""
+    return module.split(".")[1]
+
+
+def test_stages_rooms_import_what_their_rule_allows(graph):
+    packages = {m for m, path in modules().items() if path.name == "__init__.py"}
+    broken = []
+    for module, targets in graph.items():
+        if not module.startswith("stages.") or module in packages or \
+                room(module) not in STAGES_MAY_IMPORT:
+            continue
+        rules = STAGES_MAY_IMPORT[room(module)]
+        allowed = rules.get(module.removeprefix("stages."), rules.get("*", set()))
+        for target in targets - packages:
+            if not target.startswith("stages.") or room(target) == room(module):
+                continue
+            if target.removeprefix("stages.") not in allowed:
+                broken.append(f"{module} imports {target}")
+    assert sorted(broken) == [], "imports against stages/__init__.py's rules"
+
+
+def test_every_room_of_stages_has_a_rule():
+    rooms = {path.stem if path.is_file() else path.name for path in (REPO / "stages").iterdir()
+             if (path.suffix == ".py" and path.stem != "__init__") or path.name in FOLDERS}
+    stage_modules = set(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]) | {
+        "init", "simulate", "datadocs", "budget"}
+    assert rooms - stage_modules - set(STAGES_MAY_IMPORT) == set()

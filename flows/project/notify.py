@@ -8,8 +8,9 @@ params.yaml). The body is one JSON object:
 
 plus whatever the caller adds (model version, scores, run ids). Slack-style incoming webhooks read
 the `text` field, which repeats the message. A notification never fails a cycle: each attempt has
-a timeout (`OFFSEASON_WEBHOOK_TIMEOUT`, default 5 s), three attempts with a short back-off, then a
-warning in the log.
+a timeout (`OFFSEASON_WEBHOOK_TIMEOUT`, default 5 s), three attempts with `stages.http`'s retry
+policy (a 429, a 5xx or no answer retried after a short back-off, Retry-After honoured; another
+4xx not), then a warning in the log.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import datetime as dt
 import json
 import logging
 import os
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
+
+import httpx
+
+from stages import http
 
 EVENTS = ("promoted", "rejected", "waiting-approval", "failed")
 log = logging.getLogger("offseason.notify")
@@ -36,25 +38,18 @@ def send(event: str, message: str, *, attempts: int = 3, **fields) -> bool:
         raise ValueError(f"unknown notification event {event!r}; one of {EVENTS}")
     body = {"event": event, "message": message, "text": f"offseason: {message}",
             "at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **fields}
-    data = json.dumps(body, default=str).encode()
     timeout = float(os.environ.get("OFFSEASON_WEBHOOK_TIMEOUT", "5"))
-    error = None
-    for attempt in range(attempts):
-        request = urllib.request.Request(url, data=data, method="POST", headers={
-            "Content-Type": "application/json", "User-Agent": "offseason"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                if 200 <= response.status < 300:
+    try:
+        with http.client([url], timeout=timeout, concurrency=1) as client:
+            for attempt in http.retrying(attempts - 1):
+                with attempt:
+                    http.checked(client.post(url, content=json.dumps(body, default=str), headers={
+                        "Content-Type": "application/json", "User-Agent": "offseason"}))
                     return True
-                error = f"HTTP {response.status}"
-        except urllib.error.HTTPError as err:
-            error = f"HTTP {err.code}"
-            if 400 <= err.code < 500 and err.code != 429:
-                break  # the request itself is wrong: retrying will not help
-        except (OSError, ValueError) as err:  # refused, timed out, bad URL
-            error = f"{type(err).__name__}: {err}"
-        if attempt + 1 < attempts:
-            time.sleep(0.5 * 2 ** attempt)
+    except http.Failed as err:  # the status only: a body may echo what the URL holds
+        error = f"HTTP {err.status}"
+    except (httpx.HTTPError, httpx.InvalidURL) as err:  # refused, timed out, bad URL
+        error = http.describe(err)
     # the URL may hold a token: name the host only
     host = urllib.parse.urlparse(url).netloc or "?"
     log.warning("notification %r to the webhook at %s not delivered (%s); the cycle goes on",

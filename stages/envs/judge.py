@@ -23,18 +23,19 @@ the training reward never saw, so a policy that games the training judge cannot 
 
 Each judgment is cached by the hash of (judge model, rubric, mode, conversation(s)) in
 `data/judgments/` (the reward stage's persistent DVC output; `use_cache`), appended as it is paid
-for, so a rerun or a resumed cycle asks again for nothing; the benchmark stages keep theirs
-likewise (`data/champion_judgments/`, `data/gate_judgments/`), each reading the other's too. The
-model and the rubric's hash are recorded with each score, so a changed rubric re-scores. A judge
-that times out, refuses, answers with an HTTP error or with unparseable JSON is retried
-(`retries`), then raises `JudgeError`: a verifier's infrastructure failure, recorded with its
-cause, never a zero. The budget (`judge.max_calls` requests, `judge.max_cost` tokens, per stage
-run; cache hits are free) raises `JudgeBudget`, which stops the stage with what was spent instead
-of a surprise bill. The reward stage asks from several threads (`runtime.judge.concurrency`
-requests in flight): the counters, cache and budget are one per process, and a request starts
-only while the budget has room for it and every request in flight (`Judge._reserve`), so asked
-concurrently the judge spends no more than asked one at a time. It is refused in the reward
-stage's worker processes (`contract.WORKER`), which would each hold a budget of their own.
+for, so a rerun or a resumed cycle asks again for nothing; the benchmark stages keep theirs likewise
+(`data/champion_judgments/`, `data/gate_judgments/`), each reading the other's too. The model and
+the rubric's hash are recorded with each score, so a changed rubric re-scores. A judge that times
+out, answers 429 or 5xx or with unparseable JSON is retried (`retries`, with `stages.http`'s policy:
+backoff, Retry-After), then raises `JudgeError`, as a refusal or another 4xx does at once: a
+verifier's infrastructure failure, recorded with its cause, never a zero. The budget
+(`judge.max_calls` requests, `judge.max_cost` tokens, per stage run; cache hits are free) raises
+`JudgeBudget`, which stops the stage with what was spent instead of a surprise bill. The reward
+stage asks from several threads (`runtime.judge.concurrency` requests in flight): the counters,
+cache and budget are one per process, and a request starts only while the budget has room for it and
+every request in flight (`Judge._reserve`), so asked concurrently the judge spends no more than
+asked one at a time. It is refused in the reward stage's worker processes (`contract.WORKER`), which
+would each hold a budget of their own.
 
     python -m stages.envs.judge --url http://127.0.0.1:8000/v1 --model m "What is 2+2?" "4"
 """
@@ -49,7 +50,6 @@ import hashlib
 import json
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -260,9 +260,11 @@ class Judge:
                     self.calls += 1
                     self._in_flight += 1
                     if self._client is None:
-                        import httpx
+                        from stages import http
 
-                        self._client = httpx.Client(timeout=self.request_timeout)
+                        self._client = http.client([self.url], timeout=self.request_timeout,
+                                                   api_key=self.api_key,
+                                                   concurrency=self.concurrency)
                     return
                 self._room.wait()
 
@@ -277,12 +279,14 @@ class Judge:
             self._room.notify_all()
 
     def _ask(self, user: str, schema: dict, name: str) -> dict:
-        """One judgment: the parsed JSON answer, after retries; JudgeError, JudgeBudget."""
+        """One judgment: the parsed JSON answer, after `stages.http`'s retries (each attempt
+        within the budget); JudgeError, JudgeBudget.
+        """
         import httpx
 
-        self._probe()
+        from stages import http
 
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._probe()
         body = {"model": self.model, "temperature": 0.0,
                 "messages": [{"role": "system", "content": INSTRUCTIONS + self.rubric},
                              {"role": "user", "content": user}],
@@ -290,56 +294,54 @@ class Judge:
                                     "json_schema": {"name": name, "schema": schema,
                                                     "strict": True}}}
         where = f"judge {self.model!r} at {self.url}"
-        last, kind = "", "http"
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(8.0, 0.5 * 2 ** (attempt - 1)))
-            self._reserve(where)
-            used = (0, 0, 0)
-            try:
-                try:
-                    response = self._client.post(f"{self.url.rstrip('/')}/chat/completions",
-                                                 json=body, headers=headers)
-                except httpx.TimeoutException:
-                    last = (f"no answer within runtime.judge.request_timeout="
-                            f"{self.request_timeout:g} s")
-                    kind = "timeout"
-                    continue
-                except httpx.HTTPError as err:
-                    last, kind = f"{type(err).__name__}: {err}", "http"
-                    continue
-                if response.status_code in (429,) or response.status_code >= 500:
-                    last, kind = f"HTTP {response.status_code}: {response.text[:200]}", "http"
-                    continue
-                if response.status_code != 200:  # a 4xx other than 429 will not change on a retry
-                    raise JudgeError(f"{where}: HTTP {response.status_code}: "
-                                     f"{response.text[:300]}", "http")
-                try:
-                    data = response.json()
-                    usage = data.get("usage") or {}
-                    used = (int(usage.get("total_tokens") or 0),
-                            int(usage.get("prompt_tokens") or 0),
-                            int(usage.get("completion_tokens") or 0))
-                    choice = data["choices"][0]
-                    message = choice["message"]
-                except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
-                    last = f"not an OpenAI chat completion ({type(err).__name__}: {err})"
-                    kind = "unparseable"
-                    continue
-            finally:
-                self._release(used)
-            if message.get("refusal") or choice.get("finish_reason") == "content_filter":
-                raise JudgeError(f"{where}: refused to judge: "
-                                 f"{str(message.get('refusal') or 'content_filter')[:200]}",
-                                 "refused")
-            try:
-                return json.loads(message.get("content") or "")
-            except json.JSONDecodeError:
-                last = f"unparseable output: {str(message.get('content'))[:200]!r}"
-                kind = "unparseable"
-                continue
+        try:
+            for attempt in http.retrying(self.retries):
+                with attempt:
+                    return self._attempt(body, where)
+        except http.Rejected as err:  # a 4xx other than 429 will not change on a retry
+            raise JudgeError(f"{where}: {err}", "http") from None
+        except httpx.TimeoutException:
+            last = f"no answer within runtime.judge.request_timeout={self.request_timeout:g} s"
+            kind = "timeout"
+        except http.Transient as err:  # one with no status is an answer `_attempt` could not read
+            last, kind = err.message, "http" if err.status else "unparseable"
+        except http.NETWORK_ERRORS as err:
+            last, kind = http.describe(err), "http"
         raise JudgeError(f"{where}: {last} ({self.retries + 1} tries; runtime.judge.retries="
                          f"{self.retries})", kind)
+
+    def _attempt(self, body: dict, where: str) -> dict:
+        """One request, counted against the budget: the judgment's JSON, or http.Transient
+        (retried: a 429 or 5xx, or an answer that is not the JSON asked for), http.Rejected,
+        JudgeError (a refusal), JudgeBudget.
+        """
+        from stages import http
+
+        self._reserve(where)
+        used = (0, 0, 0)
+        try:
+            response = http.checked(self._client.post(f"{self.url.rstrip('/')}/chat/completions",
+                                                       json=body))
+            try:
+                data = response.json()
+                usage = data.get("usage") or {}
+                used = (int(usage.get("total_tokens") or 0), int(usage.get("prompt_tokens") or 0),
+                        int(usage.get("completion_tokens") or 0))
+                choice = data["choices"][0]
+                message = choice["message"]
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
+                raise http.Transient(f"not an OpenAI chat completion ({type(err).__name__}: "
+                                     f"{err})") from None
+        finally:
+            self._release(used)
+        if message.get("refusal") or choice.get("finish_reason") == "content_filter":
+            raise JudgeError(f"{where}: refused to judge: "
+                             f"{str(message.get('refusal') or 'content_filter')[:200]}", "refused")
+        try:
+            return json.loads(message.get("content") or "")
+        except json.JSONDecodeError:
+            raise http.Transient(f"unparseable output: {str(message.get('content'))[:200]!r}"
+                                 ) from None
 
     def _fail(self, err: JudgeError) -> None:
         with self._room:
@@ -440,21 +442,21 @@ _STOP = contextlib.ExitStack()
 
 def started(config) -> str:
     """The base URL of the judge's server started with `runtime.judge.server_command` (once per
-    process and command: `openai_backend.serve` on a free loopback port, healthy at GET /health),
+    process and command: `stages.servers.serve` on a free loopback port, healthy at GET /health),
     stopped by `stop_servers()` (the stage's end; at the latest when the process exits).
     """
     key = (config.server_command, config.model)
     if key not in _SERVERS:
-        from stages.generation import openai_backend
+        from stages import servers
         from stages.remote import RemoteDown
 
         if not _SERVERS:
             atexit.register(stop_servers)
         try:
-            _SERVERS[key] = _STOP.enter_context(openai_backend.serve(
+            _SERVERS[key] = _STOP.enter_context(servers.serve(
                 config.server_command, config.model, timeout=config.server_timeout,
                 setting="runtime.judge.server_command", who="judge"))
-        except openai_backend.ServerError as err:  # it stops the stage, as a judge that is down
+        except servers.ServerError as err:  # it stops the stage, as a judge that is down
             raise RemoteDown(f"the judge's server did not come up: {err}") from None
     return _SERVERS[key]
 

@@ -30,11 +30,21 @@ failed to parse), so the server renders the model's own tokens.
 A task the chat template refuses, or whose prompt fills the model's context, is not sent: its
 episode ends at once with its cause (`stages.generation.chat.ENDINGS`), and the others go on.
 
-Requests: async (httpx), at most `concurrency` in flight, each to the least-loaded URL (ties in
-turn: round-robin), so several servers share the work. Timeouts, connection failures, 429 and 5xx
-are retried with exponential backoff (honouring Retry-After), each retry on the least-loaded URL;
-any other status fails at once with the server's message. Seeds are per request (`seed` + episode
-+ turn), so episodes do not depend on the order requests complete in.
+Requests: async, on `stages.http`'s client and retry policy (the judge's and the webhook's too), at
+most `concurrency` in flight, each to the least-loaded URL (ties in turn: round-robin), so several
+servers share the work. Timeouts, connection failures, 429 and 5xx are retried with exponential
+backoff and jitter (honouring Retry-After, capped), each retry on the least-loaded URL other than
+the one that failed; any other status fails at once with the server's message. Seeds are per
+request (`seed` + episode + turn), so episodes do not depend on the order requests complete in.
+
+Why httpx and not the official `openai` SDK (which has retries, timeouts and `extra_body` for
+vLLM's fields): measured, the SDK is not within 5 % of a bare httpx client (BENCHMARKS.md, "One
+HTTP client layer against a bare client and the openai SDK", `benchmarks/http_client.py`, 32
+requests in flight: 0.66 to 0.80 of its requests/s against a server answering at once or in
+50 ms, 0.93 at 200 ms, and 1.3 to 2.4 times its client CPU per request), where this client keeps
+pace (0.94 to 1.13, 1.03 to 1.16 times the CPU). Its typed answers would leave vLLM's ids and
+log-probs as untyped extras anyway, and its retries would stay on the URL that failed, not move
+to the least-loaded one.
 
 `serve(command, ...)` starts a server (`runtime.rollout.server_command`, e.g. `.venv-vllm/bin/vllm serve
 {model} --port {port} --host 127.0.0.1`) in its own process group, waits for `GET /health`, and
@@ -49,30 +59,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
-import shlex
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
+from stages import http
 from stages.generation.episode import Progress
-
-RETRY_STATUS = {429, 500, 502, 503, 504}
-RETRY_ERRORS = (httpx.TimeoutException, httpx.ConnectError, httpx.RemoteProtocolError,
-                httpx.ReadError, httpx.WriteError)
-MAX_BACKOFF_S = 30.0
-
-
-class ServerError(RuntimeError):
-    """A server failed a request for good; the message names the URL and what to do."""
+from stages.servers import ServerError, serve
 
 
 @dataclass
@@ -114,81 +106,60 @@ def split_urls(text: str) -> list[str]:
 
 
 class Client:
-    """An async client of OpenAI-compatible completion servers, with retries."""
+    """An async client of OpenAI-compatible completion servers, with `stages.http`'s retries."""
 
     def __init__(self, urls: list[str], *, concurrency: int, timeout: float, retries: int,
-                 backoff: float, api_key: str | None, seed: int):
+                 backoff: float, api_key: str | None):
         """A client of `urls` with at most `concurrency` requests in flight."""
         self.pool = Pool(urls)
         self.limit = asyncio.Semaphore(concurrency)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(
-            timeout=timeout, headers=headers,
-            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency))
+        self.http = http.async_client(self.pool.urls, timeout=timeout, api_key=api_key,
+                                      concurrency=concurrency)
         self.retries, self.backoff = retries, backoff
-        self.jitter = random.Random(seed)
         self.stats = Stats(by_url=dict.fromkeys(self.pool.urls, 0))
 
     async def request(self, method: str, path: str, payload: dict | None = None,
                       url: str | None = None) -> dict:
         """JSON of a successful answer; retries what may pass, raises ServerError otherwise."""
-        last, tried = "", []
-        for attempt in range(self.retries + 1):
-            async with self.limit:
-                base = url or self.pool.acquire(avoid=tried[-1] if tried else None)
-                tried.append(base)
-                wait = 0.0
-                try:
-                    response = await self.http.request(method, base + path, json=payload)
-                except RETRY_ERRORS as err:
-                    last = f"{type(err).__name__}: {err}"
-                else:
-                    if response.status_code == 200:
-                        if method == "POST":  # completions; not the GET /models lookup
-                            self.stats.requests += 1
-                            self.stats.by_url[base] = self.stats.by_url.get(base, 0) + 1
-                        return response.json()
-                    message = _message(response)
-                    if response.status_code not in RETRY_STATUS:
-                        raise ServerError(
-                            f"{method} {base}{path} answered HTTP {response.status_code} (a request "
-                            f"error; not retried): {message}")
-                    last = f"HTTP {response.status_code}: {message}"
-                    wait = _retry_after(response)
-                finally:
-                    if url is None:
-                        self.pool.release(base)
-            if attempt == self.retries:
-                break
-            self.stats.retries += 1
-            delay = min(MAX_BACKOFF_S, self.backoff * 2 ** attempt) * (0.5 + self.jitter.random())
-            await asyncio.sleep(max(delay, min(wait, MAX_BACKOFF_S)))
-        servers = ", ".join(dict.fromkeys(tried))
-        raise ServerError(
-            f"{method} {tried[-1]}{path} failed after {len(tried)} attempts (servers tried: "
-            f"{servers}); last error: {last}. Check that the server is up and healthy "
-            f"(runtime.rollout.urls or runtime.rollout.server_command in params.yaml)")
+        tried: list[str] = []
+        try:
+            async for attempt in http.retrying_async(self.retries, self.backoff, self._retried):
+                with attempt:
+                    return await self._once(method, path, payload, url, tried)
+        except http.Rejected as err:
+            raise ServerError(f"{method} {tried[-1]}{path} answered HTTP {err.status} (a request "
+                              f"error; not retried): {err.message}") from None
+        except (http.Transient, *http.NETWORK_ERRORS) as err:
+            servers = ", ".join(dict.fromkeys(tried))
+            raise ServerError(
+                f"{method} {tried[-1]}{path} failed after {len(tried)} attempts (servers tried: "
+                f"{servers}); last error: {http.describe(err)}. Check that the server is up and "
+                f"healthy (runtime.rollout.urls or runtime.rollout.server_command in "
+                f"params.yaml)") from None
+
+    async def _once(self, method: str, path: str, payload: dict | None, url: str | None,
+                    tried: list[str]) -> dict:
+        """One attempt, on `url` or the least-loaded URL (not the one that just failed)."""
+        async with self.limit:
+            base = url or self.pool.acquire(avoid=tried[-1] if tried else None)
+            tried.append(base)
+            try:
+                response = http.checked(await self.http.request(method, base + path,
+                                                                json=payload))
+            finally:
+                if url is None:
+                    self.pool.release(base)
+        if method == "POST":  # completions; not the GET /models lookup
+            self.stats.requests += 1
+            self.stats.by_url[base] = self.stats.by_url.get(base, 0) + 1
+        return response.json()
+
+    def _retried(self, state) -> None:
+        self.stats.retries += 1
 
     async def close(self) -> None:
         """Close the HTTP connections."""
         await self.http.aclose()
-
-
-def _message(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-        error = body.get("error", body) if isinstance(body, dict) else body
-        text = error.get("message", error) if isinstance(error, dict) else error
-        return str(text)[:500]
-    except ValueError:
-        return response.text[:500]
-
-
-def _retry_after(response: httpx.Response) -> float:
-    try:
-        return float(response.headers.get("retry-after", 0))
-    except ValueError:
-        return 0.0
 
 
 def _token_ids(tokens: list[str]) -> list[int] | None:
@@ -341,7 +312,7 @@ async def _chat(play, prompts: list[list[int] | None], seeds: list[int], *, urls
                 eos: int, concurrency: int, timeout: float, retries: int, backoff: float,
                 api_key: str | None, progress: bool, api: str = "completions"):
     client = Client(urls, concurrency=concurrency, timeout=timeout, retries=retries,
-                    backoff=backoff, api_key=api_key, seed=seeds[0] if seeds else 0)
+                    backoff=backoff, api_key=api_key)
     bar = Progress(len(prompts), "rollout (openai)", progress)
     try:
         if not model:
@@ -425,100 +396,3 @@ def servers(config, champion: Path, stack: contextlib.ExitStack) -> list[str]:
 def api_key_from(variable: str) -> str | None:
     """The API key from the environment variable `variable` (never from params, never logged)."""
     return os.environ.get(variable) or None
-
-
-def free_port() -> int:
-    """A TCP port free on localhost now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def stop_process_group(process: subprocess.Popen, grace: float = 20.0) -> None:
-    """SIGTERM to the server's whole process group, SIGKILL after `grace` seconds."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
-        try:
-            process.wait(timeout=wait)
-            # the leader is gone; children that ignored SIGTERM may not be: kill the group
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-@contextlib.contextmanager
-def serve(command: str, model: Path | str, *, timeout: float = 600.0, host: str = "127.0.0.1",
-          setting: str = "runtime.rollout.server_command", who: str = "rollout"):
-    """Start `command` ({model} and {port} filled in), yield its base URL once healthy, stop it.
-    `setting` (the params key of the command) and `who` (the stage) name it in messages. The
-    server's output goes to a log in the temporary folder, kept (and named) when the server or
-    the work beside it failed, removed when all went well: one per stage run would pile up.
-    """
-    port = free_port()
-    argv = shlex.split(command.format(model=model, port=port))
-    log_file = tempfile.NamedTemporaryFile(prefix="offseason-server-", suffix=".log", delete=False)
-    log = Path(log_file.name)
-    print(f"{who}: starting the server: {' '.join(argv)} (log: {log})", file=sys.stderr,
-          flush=True)
-    try:
-        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
-    except OSError as err:
-        raise ServerError(f"{setting}: cannot start {argv[0]!r}: {err}") from None
-    finally:
-        log_file.close()
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def terminated(signum, frame):  # DVC or Prefect stopping the stage: still stop the server
-        raise SystemExit(128 + signum)
-
-    in_main = _main_thread()
-    if in_main:
-        signal.signal(signal.SIGTERM, terminated)
-    failed = True
-    try:
-        base = f"http://{host}:{port}"
-        _wait_healthy(base, process, timeout, log, setting)
-        print(f"{who}: server up at {base}", file=sys.stderr, flush=True)
-        yield f"{base}/v1"
-        failed = False
-    finally:
-        stop_process_group(process)
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
-        if failed:
-            print(f"{who}: server stopped; its log: {log}", file=sys.stderr, flush=True)
-        else:
-            log.unlink(missing_ok=True)
-            print(f"{who}: server stopped", file=sys.stderr, flush=True)
-
-
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
-def _wait_healthy(base: str, process: subprocess.Popen, timeout: float, log: Path,
-                  setting: str = "runtime.rollout.server_command") -> None:
-    deadline, last = time.time() + timeout, ""
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise ServerError(
-                f"{setting} exited with code {process.returncode} before it was "
-                f"healthy; its last output ({log}):\n{_tail(log)}")
-        try:
-            if httpx.get(f"{base}/health", timeout=5.0).status_code == 200:
-                return
-        except httpx.HTTPError as err:
-            last = f"{type(err).__name__}: {err}"
-        time.sleep(0.5)
-    raise ServerError(
-        f"{setting}: {base}/health did not answer 200 within {timeout:.0f} s "
-        f"({setting.rpartition('.')[0]}.server_timeout; last: {last or 'a non-200 answer'}); its last output "
-        f"({log}):\n{_tail(log)}")
