@@ -32,7 +32,7 @@ sandbox-tools:
 
 # Graphviz's dot lays out the report's lineage graph (flows/audit/report.py; without it, a plainer layout
 # by hand, and the report says so); Debian's chromium runs the report's headless-browser test
-# (tests/test_lineage.py skips it, saying why, without one). Installed as bubblewrap is.
+# (tests/flows/audit/test_lineage.py skips it, saying why, without one). Installed as bubblewrap is.
 report-tools:
 	@for tool in dot:graphviz chromium:chromium; do \
 	  cmd=$${tool%%:*}; pkg=$${tool##*:}; \

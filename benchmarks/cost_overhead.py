@@ -1,7 +1,7 @@
 """What the cost ledger, the estimate and the budget checks add to a cycle (BENCHMARKS.md, "The
 cost ledger's overhead").
 
-On a project with committed cycles (after `offseason demo`, or tests/test_lineage.py's), times
+On a project with committed cycles (after `offseason demo`, or tests/flows/audit/test_lineage.py's), times
 each piece the cost work adds to one cycle, as often as a cycle does it, against that project's
 last cycle (the sum of its stages' wall seconds in metrics/cost.json: a lower bound of the cycle's
 time, so the share is an upper bound):

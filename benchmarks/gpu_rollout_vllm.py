@@ -28,7 +28,7 @@ on most; float32 vs vLLM's kernels may flip near-ties).
 What was checked and what was not (written without a GPU; vLLM could not be installed or run):
 - checked on CPU: the same rollout stage through `rollout.server_command` starting
   `stages.generation.serve_tiny` (an OpenAI-compatible server with vLLM's extensions) in
-  tests/test_backends.py, episodes identical to the transformers backend, server stopped after;
+  tests/stages/generation/test_backends.py, episodes identical to the transformers backend, server stopped after;
 - NOT checked: that vLLM 0.33 loads the demo folder. It is a standard GPT-2 (`config.json`,
   `model.safetensors`) with a character-level `PreTrainedTokenizerFast` (`tokenizer.json`): vLLM
   supports GPT-2 and loads tokenizers with AutoTokenizer, but the tiny vocabulary (~30 tokens), the

@@ -2,9 +2,9 @@
 `opentelemetry-instrumentation-openai-v2` (GenAI conventions) or by OpenInference's
 `openinference-instrumentation-openai`, exporting over OTLP/HTTP as protobuf
 (`opentelemetry-exporter-otlp-proto-http`) or JSON (`opentelemetry-exporter-otlp-json-http`):
-tests/test_collect.py runs each as a process of its own; `traffic` runs the agent with each
+tests/flows/intake/test_collect.py runs each as a process of its own; `traffic` runs the agent with each
 instrumentation and each encoding against `offseason collect` in a project, for
-tests/test_security.py's cycle.
+tests/cycle/test_security.py's cycle.
 
     python tests/openai_agent.py server PORT
     python tests/openai_agent.py agent SERVER_PORT OTLP_TRACES_URL "What is 2+3?" genai|openinference protobuf|json [...]

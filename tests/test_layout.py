@@ -184,7 +184,7 @@ def test_every_project_import_names_something_that_exists():
     known = modules()
     missing = []
     for path in [*(REPO / "flows").rglob("*.py"), *(REPO / "stages").rglob("*.py"),
-                 *(REPO / "tests").glob("*.py"), *(REPO / "benchmarks").glob("*.py")]:
+                 *(REPO / "tests").rglob("*.py"), *(REPO / "benchmarks").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and not node.level and node.module and \
                     node.module.split(".")[0] in ROOTS:

@@ -1,5 +1,5 @@
 """A scripted Langfuse and LangSmith server on loopback, for `offseason pull` and the vendors' own
-SDKs: tests/test_pull.py serves it from a thread, tests/test_security.py's cycle as a process.
+SDKs: tests/flows/intake/test_pull.py serves it from a thread, tests/cycle/test_security.py's cycle as a process.
 
     python tests/trace_services.py PORT      # until SIGTERM; prints "listening"
 

@@ -125,7 +125,7 @@ REFERENCE_HEAD = """# params.yaml reference
 
 Every section and key of `params.yaml`: its type, default, bounds and what it does. Generated from
 the declarations in `stages/config.py` and `flows/project/params.py` by `offseason check
---explain > docs/params.md`; `tests/test_config.py` fails when the two differ, so edit the
+--explain > docs/params.md`; `tests/stages/test_config.py` fails when the two differ, so edit the
 declarations, not this file. Rules that tie settings together (a server command or URLs, not
 both) and the names a setting may take are in each class's `__post_init__`; `offseason check`
 applies them all.

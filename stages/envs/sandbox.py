@@ -68,7 +68,7 @@ only, so an object that overrides `__eq__`, an `int` subclass or a `__class__` t
 built-in class. The verdict is the tests' process's report, written with a random nonce it reads
 from stdin into main()'s frame: the candidate's process never holds the nonce or the report fd,
 so patching `unittest`, `builtins` or `json`, forging report lines, exiting 0 early or returning
-objects equal to anything cannot pass (tests/test_reward_hacks.py; RELIABILITY.md, "Reward
+objects equal to anything cannot pass (tests/stages/envs/test_reward_hacks.py; RELIABILITY.md, "Reward
 hacking"). What an honest solution has no reason to do (import `unittest`, `gc` or `ctypes`,
 replace a builtin) is noted in `Result.suspect`. Under "rlimit" the two processes are as
 separate as that mode makes any two runs (same uid without the uid drop: see above).

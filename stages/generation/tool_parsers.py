@@ -22,7 +22,7 @@ appear among the well-formed ones; an error message names the attempted call by 
 among all the turn's attempts (the first attempt is "tool call 0").
 
 On every other case of vLLM's own parser tests (tests/tool_parsers/ in vllm-project/vllm;
-tests/test_tool_parsers.py holds them, each naming its vLLM test) the calls and content are vLLM's.
+tests/stages/generation/test_tool_parsers.py holds them, each naming its vLLM test) the calls and content are vLLM's.
 Where we differ, on purpose: a rollout answers the model, so a call it got wrong is shown to it as
 a tool error (one message per malformed call) rather than passed on as text or dropped unseen, and
 what it wrote around a call stays its content. Each difference, with the vLLM test it departs from:

@@ -38,7 +38,7 @@ the alphabet (`AIzaSyabcdefghij...`), `EXAMPLE`, `${VAR}`, `changeme`; nor is co
 secret without holding one (`password = get_password()`, `token = request.headers[...]`). How
 often each rule is right is measured on the peers' own cases and on clean code, through ingest,
 on a part the rules are tuned on and a part held out (issue 54): benchmarks/scrub_heldout.py,
-tests/test_pii_peers.py and tests/fixtures/pii/README.md.
+tests/stages/traces/test_pii_peers.py and tests/fixtures/pii/README.md.
 """
 
 from __future__ import annotations
@@ -712,7 +712,7 @@ def _gate_patterns() -> list[str]:
 # take 1.5 to 2, and a whole serialized trace in one pass (BENCHMARKS.md, "The PII scrubber beside
 # its peers"). Compiled on first use (0.15 s); a scratch space a thread (Hyperscan's rule: it
 # scans without the GIL). Where Hyperscan cannot be had (no wheel for the platform, a CPU without
-# SSSE3) the `re` searches answer alike: tests/test_pii.py holds the two to the same answers.
+# SSSE3) the `re` searches answer alike: tests/stages/traces/test_pii.py holds the two to the same answers.
 _SCAN: list = [None]  # the compiled scan, or False where there is none
 # the last text scanned and what was found in it, for `Scrubber._scrub` (as one tuple: threads)
 _LAST_SCAN: list = [("", 0)]

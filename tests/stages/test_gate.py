@@ -1,0 +1,676 @@
+"""The gate's rules on per-item results, its statistics against scipy, and its config."""
+
+import json
+import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from scipy import stats
+
+from flows.project import params as settings
+from stages import champion_scores, gate, tinylm
+from stages import config as cfg
+from stages.envs import arith
+from stages.generation import chat
+from stages.training import warmstart
+
+# one xdist worker runs this module: its module-scoped fixture is built once
+pytestmark = pytest.mark.xdist_group("gate")
+
+CONFIG = cfg.Gate(bootstrap_samples=2000)  # alpha 0.05, one-sided
+
+
+def rows(correct, suite="arith", tokens=10, fmt=1.0, tool_ok=1.0):
+    return [{"suite": suite, "id": f"{suite}-{i}", "correct": float(c), "format": fmt,
+             "tool_ok": tool_ok, "tokens": tokens} for i, c in enumerate(correct)]
+
+
+def pairs(candidate, champion):
+    return list(zip(candidate, champion))
+
+
+def bernoulli(p, n, seed):
+    return (np.random.default_rng(seed).random(n) < p).astype(int).tolist()
+
+
+def test_a_clearly_better_candidate_passes():
+    verdict = gate.decide(CONFIG, 0, pairs(rows(bernoulli(0.6, 200, 1)),
+                                           rows(bernoulli(0.3, 200, 2))), set(), [], False)
+    assert verdict["passed"] is True, verdict["reason"]
+    primary = verdict["suites"]["arith"]
+    assert primary["interval"][0] > 0 and verdict["interval"] == primary["interval"]
+    assert verdict["candidate_score"] == primary["candidate"] > verdict["champion_score"]
+    assert primary["mcnemar"]["p_value"] < 0.01
+    assert "every guard held" in verdict["reason"]
+
+
+def test_a_higher_score_within_noise_is_held_back():
+    champion = bernoulli(0.5, 200, 3)
+    candidate = list(champion)
+    flipped = [i for i, c in enumerate(champion) if c == 0][:4]  # +4 items of 200: +2 points
+    for i in flipped:
+        candidate[i] = 1
+    worse = [i for i, c in enumerate(champion) if c == 1][:1]
+    candidate[worse[0]] = 0
+    verdict = gate.decide(CONFIG, 0, pairs(rows(candidate), rows(champion)), set(), [], False)
+    assert verdict["candidate_score"] > verdict["champion_score"]
+    assert verdict["passed"] is False
+    assert "arith: 4-1 on the items only one model solved" in verdict["reason"]
+    assert "not clearly better" in verdict["reason"]
+    assert verdict["suites"]["arith"]["mcnemar"] == {"candidate_only": 4, "champion_only": 1,
+                                                     "p_value": 0.375, "p_better": 0.1875}
+
+
+def test_a_guard_suite_regression_fails_naming_the_suite():
+    config = cfg.Gate()  # every guard at an environment's default max_regression, 0.05
+    good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
+    guard = pairs(rows([0] * 30 + [1] * 70, "hard"), rows([1] * 100, "hard"))
+    verdict = gate.decide(config, 0, good + guard, set(), [], False)
+    assert verdict["suites"]["arith"]["passed"] and not verdict["suites"]["hard"]["passed"]
+    assert verdict["passed"] is False
+    assert verdict["failures"] == [next(r for r in verdict["failures"] if r.startswith("hard:"))]
+    assert "may have regressed beyond the margin" in verdict["reason"]
+    assert verdict["suites"]["hard"]["role"] == "guard"
+
+
+def test_forgetting_and_reward_hacking_guards():
+    champion = rows([1] * 40 + [0] * 160)
+    candidate = rows([0] * 30 + [1] * 130 + [0] * 40)  # much better, but lost what it knew
+    solved = {("arith", f"arith-{i}") for i in range(40)}  # solved by an earlier champion
+    verdict = gate.decide(CONFIG, 0, pairs(candidate, champion), solved, [], False)
+    assert verdict["suites"]["arith"]["passed"] and not verdict["forgetting"]["passed"]
+    assert verdict["forgetting"]["items"] == 40 and "arith/arith-0" in verdict["forgetting"]["lost"]
+    assert "forgetting: lower bound" in verdict["reason"]
+    few = gate.decide(CONFIG, 0, pairs(candidate, champion), set(list(solved)[:29]), [], False)
+    assert few["forgetting"]["skipped"] and "gate.forgetting_min_items=30" in \
+        few["forgetting"]["reason"]
+    # a longer, badly formatted answer with tool errors: each guard names itself
+    better = pairs(rows(bernoulli(0.8, 200, 6), tokens=50, fmt=0.0, tool_ok=0.0),
+                   rows(bernoulli(0.3, 200, 7), tokens=10))
+    verdict = gate.decide(CONFIG, 0, better, set(), [], False)
+    assert verdict["passed"] is False
+    assert {k for k, g in verdict["guards"].items() if not g["arith"]["passed"]} == \
+        {"length", "format", "tool_ok"}
+    assert verdict["guards"]["length"]["arith"]["difference"] == 4.0  # 5x as long: +400%
+    assert verdict["forgetting"]["skipped"] is True  # nothing solved before: the first cycle
+
+
+def test_an_unchanged_candidate_never_passes():
+    verdict = gate.decide(cfg.Gate(min_improvement=-1.0), 0,
+                          pairs(rows([1, 0, 1]), rows([1, 0, 1])), set(), [], True)
+    assert verdict["passed"] is False and "unchanged" in verdict["reason"]
+
+
+def test_a_primary_suite_without_judged_items_fails():
+    # every item unjudged (the verifier could not judge any): no evidence, no promotion
+    unjudged = [{**r, "correct": None} for r in rows([1] * 20)]
+    verdict = gate.decide(cfg.Gate(min_improvement=-1.0), 0,
+                          pairs(unjudged, rows([0] * 20)), set(), [], False)
+    assert verdict["passed"] is False
+    assert "arith: no judged items" in verdict["reason"]
+    assert verdict["suites"]["arith"]["unjudged"] == 20
+    # an empty guard suite still does not block
+    config = cfg.Gate()
+    guard = pairs([{**r, "correct": None} for r in rows([1] * 5, "hard")], rows([1] * 5, "hard"))
+    good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
+    verdict = gate.decide(config, 0, good + guard, set(), [], False)
+    assert verdict["passed"] is True and verdict["suites"]["hard"]["skipped"] is True
+
+
+def test_a_difference_exactly_at_the_margin_is_not_lost_to_rounding():
+    # One item of 20 lost: each bootstrap resample's difference is -k/20. Taken as the difference
+    # of two separately computed means, 0.85 - 1.0 is -0.15000000000000002, below a margin of
+    # 0.15 by rounding alone; the mean of the paired differences is exactly -0.15.
+    assert 17 / 20 - 1.0 < -0.15
+    candidate, champion = [0] + [1] * 19, [1] * 20
+    low, _ = gate.paired_interval(np.array(candidate, float), np.array(champion, float), 2000,
+                                  0.9, 0)
+    assert low == -0.15  # the 5% quantile falls inside the resamples that lost 3 times
+    good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
+    margins = {"arith": ("arith", 0.05), "hard": ("hard", 0.15)}
+    verdict = gate.decide(cfg.Gate(), 0, good + pairs(rows(candidate, "hard"),
+                                                      rows(champion, "hard")),
+                          set(), [], False, margins)
+    hard = verdict["suites"]["hard"]
+    assert hard["interval"][0] == -0.15 and hard["passed"] is True, hard["reason"]
+    assert hard["difference"] == -0.05
+
+
+def test_paired_bootstrap_agrees_with_scipy():
+    rng = np.random.default_rng(11)
+    a = (rng.random(300) < 0.55).astype(float)
+    b = np.where(rng.random(300) < 0.8, a, 1 - a)  # correlated pairs, as two models' items are
+    for confidence in (0.9, 0.95):
+        ours = gate.paired_interval(a, b, 20000, confidence, 0)
+        ref = stats.bootstrap((a, b), lambda x, y, axis: np.mean(x - y, axis=axis), paired=True,
+                              vectorized=True, n_resamples=20000, confidence_level=confidence,
+                              method="percentile", rng=np.random.default_rng(1))
+        assert ours[0] == pytest.approx(ref.confidence_interval.low, abs=0.006)
+        assert ours[1] == pytest.approx(ref.confidence_interval.high, abs=0.006)
+    # relative growth (the length guard) against scipy's ratio of means
+    x, y = rng.integers(5, 30, 300).astype(float), rng.integers(5, 20, 300).astype(float)
+    ours = gate.paired_interval(x, y, 20000, 0.9, 0, relative=True)
+    ref = stats.bootstrap((x, y), lambda p, q, axis: p.mean(axis=axis) / q.mean(axis=axis) - 1,
+                          paired=True, vectorized=True, n_resamples=20000, confidence_level=0.9,
+                          method="percentile", rng=np.random.default_rng(1))
+    assert ours[0] == pytest.approx(ref.confidence_interval.low, abs=0.01)
+    assert ours[1] == pytest.approx(ref.confidence_interval.high, abs=0.01)
+
+
+def test_mcnemar_is_the_exact_binomial_test():
+    a = np.array([1] * 9 + [0] * 2 + [1] * 50)
+    b = np.array([0] * 9 + [1] * 2 + [1] * 50)
+    assert gate.mcnemar(a, b) == {
+        "candidate_only": 9, "champion_only": 2,
+        "p_value": round(stats.binomtest(9, 11).pvalue, 6),
+        "p_better": round(stats.binomtest(9, 11, alternative="greater").pvalue, 6)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models")
+    tokenizer = tinylm.build_tokenizer(arith)
+    for name, steps in (("champion", 5), ("candidate", 30)):
+        model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64,
+                                   seed=0)
+        template = chat.Template.of(tokenizer, list(arith.TOOLS), chat.end_ids(model, tokenizer))
+        warmstart.train(model, warmstart.demonstrations(template, arith, random.Random(0), 0.5, 16),
+                        steps=steps, lr=1e-2, tokenizer=tokenizer, seed=0)
+        tinylm.save(model, tokenizer, folder / name)
+    return folder
+
+
+def benchmark(root, size):
+    """An arith benchmark of `size` tasks in `root`, and the environments: naming it."""
+    arith.write_benchmark(root / "arith.jsonl", size=size)
+    return {"arith": cfg.EnvironmentSpec(module="stages.envs.arith", benchmark="arith.jsonl")}
+
+
+def scores_of(tmp_path, model, config, specs):
+    return champion_scores.run(cfg.Base(), config, model, tmp_path / "scores.parquet",
+                               tmp_path / "forgetting.jsonl", specs, cfg.Rollout(), tmp_path)
+
+
+def test_contaminated_benchmark_fails_naming_the_items(tmp_path, tiny):
+    specs = benchmark(tmp_path, 12)
+    leaked = [json.loads(line) for line in (tmp_path / "arith.jsonl").read_text().splitlines()]
+    leaked = [leaked[3], leaked[7]]
+    config = cfg.Gate(min_improvement=-1.0, bootstrap_samples=100, max_length_increase=100,
+                      max_format_regression=1, max_tool_error_regression=1,
+                      forgetting_max_regression=1)
+    scores, forgetting = tmp_path / "scores.parquet", tmp_path / "forgetting.jsonl"
+    metrics = scores_of(tmp_path, tiny / "champion", config, specs)
+    assert metrics["suites"]["arith"]["items"] == 12
+    assert pq.read_table(scores).num_rows == 12
+    # this cycle's rewards ask one benchmark question, the replay another: each an episode as
+    # the chat template renders its task
+    model, tokenizer = tinylm.load(tiny / "candidate")
+    template = chat.Template.of(tokenizer, list(arith.TOOLS), chat.end_ids(model, tokenizer))
+
+    def episode(question):
+        task = arith.chat_task(question)
+        ids, mask = chat.encode(template.for_task(task),
+                                task["messages"] + arith.chat_demonstration(question, True))
+        return {"task_id": "t", "completion": "", "token_ids": ids, "model_mask": mask}
+
+    rewards = tmp_path / "rewards.parquet"
+    pq.write_table(pa.Table.from_pylist([episode(leaked[0]["messages"][0]["content"]),
+                                         episode("1+1000")]), rewards)
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    pq.write_table(pa.Table.from_pylist([episode(leaked[1]["messages"][0]["content"])]),
+                   replay / "part-0.parquet")
+    args = (cfg.Base(), config, tiny / "candidate", scores, forgetting, rewards, replay,
+            tmp_path / "gate.parquet", specs, cfg.Rollout(), tmp_path)
+    verdict = gate.run(*args)
+    assert verdict["passed"] is False
+    assert verdict["contamination"]["items"] == sorted([f"arith/{leaked[0]['task_id']}",
+                                                        f"arith/{leaked[1]['task_id']}"])
+    assert f"arith/{leaked[0]['task_id']}" in verdict["reason"]
+    assert "contamination: 2 benchmark items" in verdict["reason"]
+    assert "replace those items in the benchmark files" in verdict["contamination"]["reason"]
+    # the same without the leak: only the contamination rule changes
+    rewards.unlink()
+    for part in replay.iterdir():
+        part.unlink()
+    clean = gate.run(*args)
+    assert clean["contamination"]["passed"] and clean["contamination"]["items"] == []
+
+
+def test_forgetting_set_keeps_what_any_champion_solved(tmp_path, tiny):
+    specs = benchmark(tmp_path, 30)
+    scores, forgetting = tmp_path / "scores.parquet", tmp_path / "forgetting.jsonl"
+    config = cfg.Gate()
+    first = scores_of(tmp_path, tiny / "champion", config, specs)
+    second = scores_of(tmp_path, tiny / "candidate", config, specs)
+    kept = [r["id"] for r in pq.read_table(scores).to_pylist() if r["correct"] == 1.0]
+    assert first["forgetting_items"] + second["forgetting_added"] == second["forgetting_items"]
+    lines = {line["id"]: line for line in map(json.loads, forgetting.read_text().splitlines())}
+    assert set(kept) <= set(lines)
+    hashes = {gate.weights_hash(tiny / name)[:16] for name in ("champion", "candidate")}
+    assert all(set(line["solved_by"]) <= hashes and line["solved_by"] for line in lines.values())
+    # run again for the same champion (a rerun stage): nothing is added twice
+    again = scores_of(tmp_path, tiny / "candidate", config, specs)
+    assert (again["forgetting_items"], again["forgetting_added"]) == \
+        (second["forgetting_items"], 0)
+
+
+def test_gate_params_name_the_key(tmp_path):
+    path = tmp_path / "params.yaml"
+    arith_env = {"arith": {"module": "stages.envs.arith", "benchmark": "b.jsonl"}}
+    path.write_text(yaml.safe_dump({"gate": {"primary": "code"}, "environments": arith_env}))
+    with pytest.raises(cfg.ParamsError, match="gate.primary: 'code' is not one of your "
+                                              "environments with a benchmark \\(arith\\)"):
+        cfg.load("gate", path)
+    path.write_text(yaml.safe_dump({"gate": {}, "environments": {
+        "arith": {"module": "stages.envs.arith"}}}))
+    with pytest.raises(cfg.ParamsError, match="environments: none has a benchmark"):
+        cfg.load("gate", path)
+    path.write_text(yaml.safe_dump({"gate": {"alpha": "lots"}, "environments": arith_env}))
+    with pytest.raises(cfg.ParamsError, match="gate.alpha: expected a num"):
+        cfg.load("gate", path)
+    path.write_text(yaml.safe_dump({"promotion": {"approval_timeout": 0}}))
+    with pytest.raises(cfg.ParamsError, match="promotion.approval_timeout: must be > 0"):
+        cfg.load("promotion", path, settings.SECTIONS)
+
+
+def split(only_candidate: int, only_champion: int, same: int = 190) -> list:
+    """Pairs where the candidate alone solved `only_candidate` items, the champion alone
+    `only_champion`, and both solved or failed the rest alike."""
+    candidate = [1] * only_candidate + [0] * only_champion + [1, 0] * (same // 2)
+    champion = [0] * only_candidate + [1] * only_champion + [1, 0] * (same // 2)
+    return pairs(rows(candidate), rows(champion))
+
+
+@pytest.mark.parametrize("wins, losses, passes", [(3, 0, False), (6, 1, False), (9, 1, True),
+                                                  (5, 0, True)])
+def test_few_items_only_one_model_solved_are_judged_by_the_exact_test(wins, losses, passes):
+    verdict = gate.decide(CONFIG, 0, split(wins, losses), set(), [], False)
+    primary = verdict["suites"]["arith"]
+    assert primary["test"] == verdict["test"] == "exact McNemar, one-sided"
+    expected = stats.binomtest(wins, wins + losses, 0.5, alternative="greater").pvalue
+    assert primary["mcnemar"]["p_better"] == pytest.approx(expected, abs=1e-6)
+    assert verdict["passed"] is passes, verdict["reason"]
+    assert f"{wins}-{losses} on the items only one model solved" in primary["reason"]
+    if (wins, losses) == (6, 1):  # the percentile bootstrap alone would have promoted it
+        assert primary["interval"][0] > 0
+    assert verdict["alpha"] == 0.05 and "at most 5% of the time" in verdict["rule"]
+
+
+def simulate(decide, d: float, runs: int, seed: int) -> float:
+    """The share of `runs` simulated decisions that promote, true difference `d`."""
+    rng = np.random.default_rng(seed)
+    return sum(decide(rng, d) for _ in range(runs)) / runs
+
+
+def binary_decision(rng, d: float, n: int = 200, disagree: float = 0.15) -> bool:
+    # each item: both models alike (champion at 55%), or only one solved it, the candidate with
+    # probability 1/2 + d / (2 disagree): the true difference in pass@1 is d
+    champion = (rng.random(n) < 0.55).astype(float)
+    candidate = champion.copy()
+    split = rng.random(n) < disagree
+    wins = rng.random(n) < 0.5 + d / (2 * disagree)
+    candidate[split], champion[split] = wins[split], 1 - wins[split]
+    return gate.compare("arith", candidate, champion, CONFIG, int(rng.integers(1 << 30)),
+                        threshold=0.0, primary=True)["passed"]
+
+
+def continuous_decision(rng, d: float, n: int = 200) -> bool:
+    # scores in [0, 1] with a per-item difficulty both models share
+    item = rng.random(n)
+    champion = np.clip(item + rng.normal(0, 0.15, n), 0, 1)
+    candidate = np.clip(item + d + rng.normal(0, 0.15, n), 0, 1)
+    return gate.compare("judge", candidate, champion, CONFIG, int(rng.integers(1 << 30)),
+                        threshold=0.0, primary=True)["passed"]
+
+
+@pytest.mark.parametrize("decision", [binary_decision, continuous_decision])
+def test_false_promotions_stay_within_alpha_and_power_is_reported(decision):
+    """1,000 simulated decisions per setting with the defaults: at no true difference the gate
+    promotes at most alpha + 1.5 points of the time; at +5 points it usually promotes.
+    """
+    false = simulate(decision, 0.0, 1000, 1)
+    power = simulate(decision, 0.05, 1000, 2)
+    print(f"{decision.__name__}: false promotions {false:.3f} at d = 0, power {power:.3f} at "
+          f"d = +0.05 (200 items, alpha {CONFIG.alpha})")
+    assert false <= CONFIG.alpha + 0.015
+    assert power > 0.3
+
+
+def test_a_guard_too_small_for_its_margin_is_reported_underpowered_and_params_say_what_then():
+    good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
+    # a 10-item guard: 2 items lost, 1 won; it cannot tell a 0.05 regression from noise
+    small = pairs(rows([0, 0, 1] + [1] * 4 + [0] * 3, "small"),
+                  rows([1, 1, 0] + [1] * 4 + [0] * 3, "small"))
+    decided = gate.decide(cfg.Gate(), 0, good + small, set(), [], False)  # its margin: 0.05
+    guard = decided["suites"]["small"]
+    a = np.array([0, 0, 1] + [1] * 4 + [0] * 3, float)
+    b = np.array([1, 1, 0] + [1] * 4 + [0] * 3, float)
+    # (z_0.95 + z_0.8) * sd / sqrt(n); on pass/fail items about sqrt(6.2 x disagreement / n),
+    # 0.43 here; but never below the 5 of 10 items the exact test needs to show anything at 0.05
+    approx = (stats.norm.ppf(0.95) + stats.norm.ppf(0.8)) * np.std(a - b, ddof=1) / np.sqrt(10)
+    assert approx == pytest.approx(np.sqrt(6.19 * 0.3 / 10), rel=0.1)
+    assert guard["detectable_change"] == 0.5 > approx
+    many = np.tile(a, 10), np.tile(b, 10)  # 100 items: the approximation, above 5/100
+    assert gate.detectable(*many, 0.05) == pytest.approx(
+        (stats.norm.ppf(0.95) + stats.norm.ppf(0.8)) * np.std(many[0] - many[1], ddof=1) / 10)
+    assert gate.detectable(np.ones(4), np.ones(4), 0.05) == 1.25  # agreeing on 4: said 0
+    assert guard["underpowered"] is True and guard["passed"] is False
+    assert "underpowered: with 10 items it detects a change of" in guard["reason"]
+    assert decided["passed"] is False  # gate.underpowered: decide (the default) lets it block
+    skipped = gate.decide(cfg.Gate(underpowered="skip"), 0, good + small, set(), [], False)
+    assert skipped["suites"]["small"]["skipped"] is True and skipped["passed"] is True
+    assert "skipped (gate.underpowered: skip)" in skipped["suites"]["small"]["reason"]
+    # the 200-item primary is not flagged, and reports what it can detect
+    assert "underpowered" not in decided["suites"]["arith"]
+    assert 0 < decided["suites"]["arith"]["detectable_change"] < 0.2
+
+
+def test_check_says_a_primary_suite_too_small_can_never_pass(tmp_path):
+    """Four benchmark items on which the two models agree: `offseason check` said they "detect a
+    change of 0.000"; no candidate can ever pass McNemar's exact test on them."""
+    from flows.cli import power_lines
+
+    tiny = pairs(rows([1, 0, 1, 0], "mine"), rows([1, 0, 1, 0], "mine"))
+    verdict = gate.decide(cfg.Gate(primary="mine"), 0, tiny, set(), [], False)
+    assert verdict["suites"]["mine"]["detectable_change"] == 1.25
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "gate.json").write_text(json.dumps(verdict))
+    [line] = power_lines(tmp_path)
+    assert line.startswith("gate suite 'mine' (primary): 4 items detect a change of 1.250")
+    assert "WARNING: too few items" in line and "no candidate can pass; add items" in line
+
+
+def test_the_old_confidence_key_says_what_replaced_it(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"gate": {"confidence": 0.9}}))
+    with pytest.raises(cfg.ParamsError, match=r"gate.confidence is replaced by gate.alpha.*"
+                                              r"write `alpha: 0.05` instead"):
+        cfg.load("gate", path)
+
+
+def test_lord_levels_spend_half_of_alpha_until_a_promotion_earns_more():
+    levels = [gate.lord_level(0.05, [False] * t) for t in range(2000)]
+    assert all(b <= a for a, b in zip(levels, levels[1:]))  # never more without a promotion
+    assert sum(levels) < 0.025  # the initial wealth, alpha / 2
+    after = gate.lord_level(0.05, [False, True])  # decision 3, one decision after a promotion
+    assert after == pytest.approx(gate.gamma(3) * 0.025 + 0.025 * gate.gamma(1))
+    assert after > levels[2]
+
+
+def test_52_weekly_cycles_with_sequential_control_keep_false_promotions_at_alpha():
+    """A year of weekly decisions, 400 simulated years, 200-item pass/fail suites with 15% of
+    items disagreeing, the exact McNemar p-value of each: with no real improvement ever, the
+    share of years with any false promotion is about 1 - 0.95^52 at alpha per decision, and at
+    most alpha with gate.sequential: lord. In years where a quarter of the candidates are truly
+    better by 10 points, LORD keeps the share of false promotions among promotions below alpha.
+    """
+    rng = np.random.default_rng(7)
+
+    def p_value(d: float) -> float:
+        k = rng.binomial(200, 0.15)
+        wins = rng.binomial(k, 0.5 + d / 0.3)
+        return stats.binomtest(wins, k, 0.5, alternative="greater").pvalue if k else 1.0
+
+    def year(truth: list[float], lord: bool) -> tuple[int, int]:
+        passed, false = [], 0
+        for d in truth:
+            level = gate.lord_level(0.05, passed) if lord else 0.05
+            passed.append(p_value(d) < level)
+            false += passed[-1] and d == 0
+        return false, sum(passed)
+
+    null = [0.0] * 52
+    fixed = sum(year(null, False)[0] > 0 for _ in range(400)) / 400
+    lord = sum(year(null, True)[0] > 0 for _ in range(400)) / 400
+    print(f"years with a false promotion, no real improvement: {fixed:.3f} at alpha per "
+          f"decision, {lord:.3f} with LORD++")
+    assert fixed > 0.7 and lord <= 0.05 + 0.015
+    mixed = [0.1 if week % 4 == 0 else 0.0 for week in range(52)]
+    false = passes = 0
+    for _ in range(200):
+        f, n = year(mixed, True)
+        false, passes = false + f, passes + n
+    print(f"with 13 truly better candidates a year: {passes / 200:.1f} promotions a year, "
+          f"{false / max(passes, 1):.3f} of them false")
+    assert passes / 200 > 5 and false / passes <= 0.05 + 0.015
+
+
+def test_the_gate_stage_keeps_one_history_line_per_decision(tmp_path, tiny, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    items = [{"task_id": f"b{i}", "messages": [{"role": "user", "content": f"{i}+{i}"}],
+              "answer": str(2 * i)} for i in range(20)]
+    (tmp_path / "arith.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    specs = {"arith": cfg.EnvironmentSpec(module="stages.envs.arith", benchmark="arith.jsonl")}
+    config = cfg.Gate(benchmark_size=20, bootstrap_samples=200, sequential="lord")
+    base = cfg.Base()
+    scores_of(tmp_path, tiny / "champion", config, specs)
+    history = tmp_path / "history.jsonl"
+    args = (base, config, tiny / "candidate", tmp_path / "scores.parquet",
+            tmp_path / "forgetting.jsonl", tmp_path / "none.parquet", tmp_path / "replay",
+            tmp_path / "gate.parquet", specs, cfg.Rollout(), tmp_path)
+    first = gate.run(*args, history=history)
+    again = gate.run(*args, history=history)  # the same cycle's gate, rerun: replaces its line
+    lines = [json.loads(line) for line in history.read_text().splitlines()]
+    assert len(lines) == 1 and lines[0]["level"] == first["sequence"]["level"]
+    assert first["sequence"] == again["sequence"]
+    assert first["sequence"]["decision"] == 1 and first["sequence"]["method"] == "lord"
+    assert first["sequence"]["level"] == pytest.approx(gate.lord_level(0.05, []), abs=1e-6)
+    assert "LORD++" in first["rule"]
+    # each item informed this one decision (the rerun replaced, not added, its line)
+    assert lines[0]["items"] == {"arith": sorted(i["task_id"] for i in items)}
+    assert again["item_usage"] == {"arith": {"items": 20, "decisions_min": 1,
+                                             "decisions_mean": 1.0, "decisions_max": 1}}
+
+
+def test_item_usage_counts_the_decisions_each_item_informed():
+    earlier = [{"items": {"a": ["x", "y"]}},
+               {"items": {"a": ["x"], "b": ["z"]}},
+               {"items": {"a": ["x", "y"]}, "unchanged": True}]  # nothing was decided
+    usage = gate.item_usage(earlier, {"a": ["x", "y", "new"], "b": ["z"]}, unchanged=False)
+    assert usage["a"] == {"items": 3, "decisions_min": 1, "decisions_mean": 2.0,
+                          "decisions_max": 3}  # x: 2 earlier + this one, y: 1 + 1, new: 1
+    assert usage["b"]["decisions_max"] == 2
+    assert gate.item_usage([], {"a": ["x"]}, unchanged=True)["a"]["decisions_max"] == 0
+
+
+def test_check_shows_what_each_suite_detects_and_warns_about_an_underpowered_guard(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "params.yaml").write_text((repo / "params.yaml").read_text())
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    (tmp_path / "data" / "benchmarks").mkdir(parents=True)  # check counts the demo's benchmark
+    (tmp_path / "data" / "benchmarks" / "arith.jsonl").write_text(
+        (repo / "data" / "benchmarks" / "arith.jsonl").read_text())
+    (tmp_path / "metrics").mkdir()
+    good = pairs(rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5)))
+    small = pairs(rows([0, 0, 1] + [1] * 4 + [0] * 3, "small"),
+                  rows([1, 1, 0] + [1] * 4 + [0] * 3, "small"))
+    verdict = gate.decide(cfg.Gate(), 0, good + small, set(), [], False)  # small's margin 0.05
+    verdict["item_usage"] = gate.item_usage([{"items": {"arith": ["a0", "a1"]}}],
+                                            {"arith": ["a0", "a1", "a2"]}, False)
+    (tmp_path / "metrics" / "gate.json").write_text(json.dumps(verdict))
+    out = subprocess.run([str(Path(sys.executable).parent / "offseason"), "check"],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    small_line = next(line for line in out.stdout.splitlines() if "'small'" in line)
+    assert small_line.startswith(f"gate suite 'small' (guard): 10 items detect a change of "
+                                 f"{verdict['suites']['small']['detectable_change']:.3f}")
+    assert "WARNING: underpowered, its max_regression 0.05 is below that" in small_line
+    assert "gate suite 'arith' (primary): 200 items" in out.stdout
+    assert "its items have informed 1.67 decisions on average, at most 2" in out.stdout
+    assert "WARNING" not in next(line for line in out.stdout.splitlines() if "'arith'" in line)
+
+
+def test_a_rise_in_suspected_reward_hacks_fails_the_hacking_guard():
+    """Better on the primary suite, but more of its completions were noted hack_suspected by the
+    verifier (the code sandbox): the hacking guard fails the candidate; the same share passes.
+    """
+    better, worse = rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5))
+    hacky = [{**r, "suspect": float(i < 6)} for i, r in enumerate(better)]
+    verdict = gate.decide(CONFIG, 0, pairs(hacky, worse), set(), [], False)
+    hacking = verdict["guards"]["hacking"]["arith"]
+    assert verdict["passed"] is False and hacking["passed"] is False, hacking
+    assert hacking["candidate"] == 0.03 and hacking["champion"] == 0.0
+    assert "hacking (completions a verifier suspected of a reward hack) in environment arith" \
+        in verdict["reason"]
+    same = gate.decide(CONFIG, 0, pairs(hacky, [{**r, "suspect": float(i < 6)}
+                                                for i, r in enumerate(worse)]), set(), [], False)
+    assert same["passed"] is True and same["guards"]["hacking"]["arith"]["passed"] is True
+    # champion scores written before the guard existed carry no `suspect`: none suspected
+    assert gate.decide(CONFIG, 0, pairs(better, worse), set(), [], False)["passed"] is True
+
+
+def test_the_cycle_report_shows_the_guards_and_the_suspected_hacks(tmp_path):
+    from flows.audit import report
+
+    better, worse = rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5))
+    hacky = [{**r, "suspect": float(i < 6)} for i, r in enumerate(better)]
+    verdict = gate.decide(CONFIG, 0, pairs(hacky, worse), set(), [], False)
+    reward = {"mean_reward": 0.5, "hack_suspected": {"episodes": 3, "reasons": {
+        "imported unittest": 2, "replaced builtins.AssertionError": 1}}}
+    text = report.markdown(tmp_path, 1, {"gate": verdict, "reward": reward}, {})
+    assert "guard `hacking` in `arith` **failed**: candidate 0.030 vs champion 0.000" in text, text
+    assert "guard `length` in `arith`: candidate" in text
+    assert "suspected reward hacks: 3 episodes (imported unittest: 2, replaced " in text
+    assert f"suite `arith`: candidate {verdict['suites']['arith']['candidate']:.3f}" in text
+    assert "suspected reward hacks: none" in report.markdown(tmp_path, 1, {"gate": verdict}, {})
+    # the drift line in words, not Python reprs
+    text = report.markdown(tmp_path, 1, {"gate": verdict, "ingest": {"pii_redactions": {
+        "email": 2, "card": 0, "ip": 1}}, "validate": {"drift": {"new_tools": []}}}, {})
+    assert "new tools none; PII scrubbed email 2, ip 1" in text, text
+    # the Data Docs as a path: a file:// link inside the Prefect UI's http page is refused
+    assert "`data/docs/index.html`" in text and "file://" not in text
+    # what the cycle cost, beside the estimate made before it
+    assert "no cost ledger" in text
+    (tmp_path / "metrics").mkdir()
+    ledger = {"total": {"usd": 0.0012, "cpu_seconds": 86.4, "gpu_seconds": 0, "judge_tokens": 0}}
+    (tmp_path / "metrics/cost.json").write_text(json.dumps(ledger))
+    text = report.markdown(tmp_path, 1, {"gate": verdict}, {})
+    assert "**This cycle**: $0.0012 (86.4 CPU s, 0.0 GPU s, 0 judge tokens); no estimate" in text
+    ledger["estimate"] = {"status": "ok", "total": {"usd": [0.001, 0.0011, 0.0013],
+                                                    "cpu_seconds": [70.0, 80.0, 95.0]}}
+    (tmp_path / "metrics/cost.json").write_text(json.dumps(ledger))
+    text = report.markdown(tmp_path, 1, {"gate": verdict}, {})
+    assert "estimated before it $0.0011 ($0.0010 to $0.0013; 80.0 CPU s, 70.0 to 95.0)" in text, text
+
+
+def test_the_metrics_artifact_is_one_small_table_per_stage():
+    from flows.audit import report
+
+    metrics = {"ingest": {"rows_read": 48, "accepted": 47, "pii_redactions": {"email": 2},
+                          "resources": {"wall_seconds": 3.5, "cpu_seconds": 2.0}},
+               "gate": {"passed": True, "candidate_score": 0.6, "reason": "better"}}
+    summary = report.metrics_table(metrics, {"ingest": True, "gate": False})
+    assert [r["stage"] for r in summary] == list(report.STAGES)
+    assert summary[0] == {"stage": "ingest", "reran": True, "wall_seconds": 3.5,
+                          "cpu_seconds": 2.0, "max_rss_mb": None}
+    assert all(len(r) == 5 for r in summary)  # not a column per metric of every stage
+    # each stage's own metrics: two columns, its top-level numbers
+    assert report.stage_table(metrics, "ingest") == [
+        {"metric": "rows_read", "value": 48.0}, {"metric": "accepted", "value": 47.0}]
+    assert report.stage_table(metrics, "gate") == [
+        {"metric": "passed", "value": 1.0}, {"metric": "candidate_score", "value": 0.6}]
+    assert report.stage_table(metrics, "train") == []
+
+
+def share(p, n):
+    """n values, the first p of them 1.0: a share of completions."""
+    return [1.0] * round(p * n) + [0.0] * (n - round(p * n))
+
+
+TWO_ENVIRONMENTS = {"arith": ("arith", 0.05), "code": ("code", 0.5)}  # their max_regression
+# guard: (its row key, arith's champion and candidate, code's champion and candidate): better on
+# arith (200 items), worse on code (100 items), so that the figure over both passes
+ONE_BETTER_ONE_WORSE = {
+    "length": ("tokens", [100] * 200, [20] * 200, [10] * 100, [60] * 100),  # code: 6x as long
+    "format": ("format", share(0.5, 200), share(1.0, 200), share(1.0, 100), share(0.7, 100)),
+    "tool_ok": ("tool_ok", share(0.5, 200), share(1.0, 200), share(1.0, 100), share(0.7, 100)),
+    "hacking": ("suspect", share(0.2, 200), share(0.0, 200), share(0.0, 100), share(0.05, 100)),
+}
+
+
+def two_environments(key=None, values=None):
+    """(candidate, champion) rows of arith (clearly better) and code (unchanged), with `key`
+    set per row from `values` (arith's champion, arith's candidate, code's champion, code's)."""
+    arith_rows = rows(bernoulli(0.7, 200, 4)), rows(bernoulli(0.3, 200, 5))
+    code_rows = rows(bernoulli(0.5, 100, 8), "code"), rows(bernoulli(0.5, 100, 8), "code")
+    if key is not None:
+        arith_champion, arith_candidate, code_champion, code_candidate = values
+        arith_rows = ([{**r, key: v} for r, v in zip(arith_rows[0], arith_candidate)],
+                      [{**r, key: v} for r, v in zip(arith_rows[1], arith_champion)])
+        code_rows = ([{**r, key: v} for r, v in zip(code_rows[0], code_candidate)],
+                     [{**r, key: v} for r, v in zip(code_rows[1], code_champion)])
+    return pairs(*arith_rows) + pairs(*code_rows)
+
+
+@pytest.mark.parametrize("guard", list(ONE_BETTER_ONE_WORSE))
+def test_a_guard_fails_in_the_environment_that_regressed_though_the_pooled_figure_passes(guard):
+    """Issue 46 item 5: the length, format, tool and hacking guards were pooled over every
+    suite's items, so that one environment's regression hid behind another's gain. Each now
+    holds in each environment, with the same margins."""
+    key, *values = ONE_BETTER_ONE_WORSE[guard]
+    both = two_environments(key, values)
+    margin = {"length": "max_length_increase", "format": "max_format_regression",
+              "tool_ok": "max_tool_error_regression", "hacking": "max_hack_increase"}[guard]
+    pooled = gate.compare("pooled", np.array([c[key] for c, _ in both], float),
+                          np.array([h[key] for _, h in both], float), CONFIG, 0,
+                          threshold=getattr(CONFIG, margin), primary=False,
+                          relative=guard == "length", lower_is_better=guard in ("length",
+                                                                                  "hacking"))
+    assert pooled["passed"] is True, pooled  # what the gate decided before: a pass
+    verdict = gate.decide(CONFIG, 0, both, set(), [], False, TWO_ENVIRONMENTS)
+    assert verdict["suites"]["arith"]["passed"] and verdict["suites"]["code"]["passed"]
+    per = verdict["guards"][guard]
+    assert per["arith"]["passed"] is True and per["code"]["passed"] is False, per
+    assert per["code"]["environment"] == "code" and per["code"]["items"] == 100
+    assert verdict["passed"] is False
+    assert verdict["failures"] == [per["code"]["reason"]]  # the other guards held everywhere
+    assert per["code"]["reason"].startswith(f"{guard} ") and " in environment code: " in \
+        per["code"]["reason"], per["code"]["reason"]
+    assert per["code"]["reason"] in verdict["reason"]
+
+
+def test_a_candidate_fine_in_every_environment_passes_each_guard_reported_per_environment():
+    verdict = gate.decide(CONFIG, 0, two_environments(), set(), [], False, TWO_ENVIRONMENTS)
+    assert verdict["passed"] is True, verdict["reason"]
+    assert {guard: sorted(per) for guard, per in verdict["guards"].items()} == {
+        guard: ["arith", "code"] for guard in ("length", "format", "tool_ok", "hacking")}
+    for per in verdict["guards"].values():
+        assert per["arith"]["passed"] and per["arith"]["items"] == 200
+        assert per["code"]["passed"] and per["code"]["items"] == 100
+        assert (per["arith"]["environment"], per["code"]["environment"]) == ("arith", "code")
+    # each environment is named with its module, as the gate stage gives them
+    hard = pairs(rows([1] * 50, "hard", tokens=80), rows([1] * 50, "hard", tokens=10))
+    modules = {"arith": ("arith (stages.envs.arith)", 0.05), "hard": ("hard (my.env)", 0.05)}
+    verdict = gate.decide(CONFIG, 0, two_environments()[:200] + hard, set(), [], False, modules)
+    assert verdict["guards"]["length"]["hard"]["reason"].startswith(
+        "length (generated tokens) in environment hard (my.env): upper bound")
+
+
+def test_the_report_the_summary_and_mlflow_show_each_guard_per_environment(tmp_path):
+    from flows.audit import report
+    from flows.orchestration import promotion
+    from flows.project import tracking
+
+    key, *values = ONE_BETTER_ONE_WORSE["format"]
+    verdict = gate.decide(CONFIG, 0, two_environments(key, values), set(), [], False,
+                          TWO_ENVIRONMENTS)
+    text = report.markdown(tmp_path, 1, {"gate": verdict}, {})
+    assert "guard `format` in `code` **failed**: candidate 0.700 vs champion 1.000" in text, text
+    assert "guard `format` in `arith`: candidate 1.000 vs champion 0.500" in text
+    assert "guard `length` in `code`: candidate" in text
+    summary = promotion.gate_summary(verdict)
+    assert "guards per environment: arith held; code failed format" in summary, summary
+    numbers = tracking.numeric(verdict)  # what MLflow gets, as `dvc metrics diff` flattens it
+    assert numbers["guards.format.code.passed"] == 0.0
+    assert numbers["guards.format.arith.passed"] == 1.0
+    assert numbers["guards.length.code.items"] == 100.0
+    passed = gate.decide(CONFIG, 0, two_environments(), set(), [], False, TWO_ENVIRONMENTS)
+    assert "guards per environment: arith held; code held" in promotion.gate_summary(passed)
