@@ -21,7 +21,7 @@ from flows.intake import pull
 from stages import config as cfg
 from stages import ingest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

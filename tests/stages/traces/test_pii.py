@@ -420,8 +420,9 @@ def test_clean_says_true_only_where_walk_changes_nothing():
     secret under its name in an object (which the value alone does not show) included."""
     from pathlib import Path
 
-    cases = [json.loads(line)["text"] for path in sorted(Path(__file__).parent.glob("fixtures/pii/*.jsonl"))
+    cases = [json.loads(line)["text"] for path in sorted(Path(__file__).parents[2].glob("fixtures/pii/*.jsonl"))
              for line in path.open()]
+    assert len(cases) > 400  # the peers' cases are there (a wrong path gave none, and a pass)
     values = [{"messages": [{"role": "user", "content": text}]} for text in cases[:400]]
     values += [{"arguments": {"password": "Vq7#kLp2xR9!mZt4"}}, {"n": 4111111111111111},
                {"jane.roe@acmecorp.com": "cc"}, ["You are a helpful assistant.", {"role": "user"}]]
