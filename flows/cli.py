@@ -38,6 +38,7 @@ from flows.project import params as settings
 from flows.project.workspace import (
     COLLECT_SPOOL,
     ENVIRONMENT_SOURCES,
+    USER_PATH,
     WorkspaceError,
     configure_env,
     cycle_inputs,
@@ -473,14 +474,18 @@ def cmd_demo(args) -> int:
     print(f"\nThe champion ({champion['tag']}) scores {champion['score']:.1%} pass@1 on the held-out "
           f"benchmark, {100 * (champion['score'] - first):+.1f} points over generation 0.")
     offseason, dvc = as_typed("offseason"), as_typed("dvc")
-    print(f"""
-Where to look next (each command as you can type it here):
-  {plot.relative_to(root)}                    pass@1 per generation, with the gate's intervals
-  {offseason} history{' ' * max(1, 28 - len(offseason))}this table again (--json for scripts, --plot PNG)
-  {offseason} report{' ' * max(1, 29 - len(offseason))}the cycle report: decisions, costs, lineage, plots
-  {offseason} ui{' ' * max(1, 33 - len(offseason))}the Prefect and MLflow UIs of this project, until Ctrl-C
-  {dvc} params diff gen-1 gen-{rows[-1]['tag'][4:]}{' ' * max(1, 15 - len(dvc))}how two generations' settings differ
-  git log --oneline --decorate          one commit and tag per cycle""")
+    last = rows[-1]["tag"]
+    looks = [(str(plot.relative_to(root)), "pass@1 per generation, with the gate's intervals"),
+             (f"{offseason} history", "this table again (--json for scripts, --plot PNG)"),
+             (f"{offseason} report", "the cycle report: decisions, costs, lineage, plots"),
+             (f"{offseason} ui", "the Prefect and MLflow UIs of this project, until Ctrl-C"),
+             (f"{dvc} params diff gen-1 {last}",
+              "how two generations' settings differ"),
+             ("git log --oneline --decorate", "one commit and tag per cycle")]
+    width = max(len(command) for command, _ in looks) + 2
+    print("\nWhere to look next (each command as you can type it here):")
+    for command, what in looks:
+        print(f"  {command.ljust(width)}{what}")
     return 0
 
 
@@ -492,7 +497,8 @@ def as_typed(tool: str) -> str:
     import shutil
 
     here = Path(sys.executable).parent / tool
-    found = shutil.which(tool)
+    # the shell's PATH, not this process's: configure_env put this environment first for DVC
+    found = shutil.which(tool, path=os.environ.get(USER_PATH, os.environ.get("PATH")))
     if found and Path(found).resolve() == here.resolve():
         return tool
     relative = os.path.relpath(here, Path.cwd())

@@ -48,6 +48,9 @@ def find_root(start: str | Path = ".") -> Path:
                          f"here or above); cd into the project folder")
 
 
+USER_PATH = "OFFSEASON_USER_PATH"  # PATH as it was before configure_env put the venv first
+
+
 def configure_env(root: Path) -> None:
     """Telemetry off and the embedded defaults, unless the user set them already."""
     for key, value in TELEMETRY_OFF.items():
@@ -59,6 +62,8 @@ def configure_env(root: Path) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     # DVC runs `python -m stages...`: make that the interpreter offseason itself runs in
     bin_dir = str(Path(sys.executable).parent)
+    # the PATH of the user's shell, to tell them commands as they can type them (cli.as_typed)
+    os.environ.setdefault(USER_PATH, os.environ.get("PATH", ""))
     if not os.environ.get("PATH", "").startswith(bin_dir + os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -209,16 +209,27 @@ def test_the_inbox_is_never_among_what_a_cycle_commits_to_git(tmp_path):
 
 def test_the_demos_closing_commands_work_as_typed(monkeypatch, tmp_path):
     """The demo's last words suggested `offseason history` and `dvc metrics diff`, neither on
-    PATH after `make demo` (issue 53.8): each command is now printed as it can be typed."""
+    PATH after `make demo` (issue 53.8): each command is now printed as it can be typed in the
+    shell, whose PATH is not the process's (configure_env puts this environment first, for DVC)."""
     from flows import cli
+    from flows.project.workspace import USER_PATH, configure_env
 
     here = Path(sys.executable).parent
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # this environment not on PATH: its path
-    for tool in ("offseason", "dvc"):
-        typed = cli.as_typed(tool)
-        assert Path(tmp_path, typed).resolve() == (here / tool).resolve(), typed
-        assert subprocess.run([typed, "--help"], capture_output=True, cwd=tmp_path,
-                              env={**os.environ, "PATH": "/usr/bin:/bin"}).returncode == 0
-    monkeypatch.setenv("PATH", f"{here}:/usr/bin:/bin")  # activated: the bare name
-    assert cli.as_typed("offseason") == "offseason"
+    monkeypatch.delenv(USER_PATH, raising=False)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # this environment not on the shell's PATH
+    before = dict(os.environ)
+    try:
+        configure_env(tmp_path)  # as `offseason demo` does
+        assert os.environ["PATH"].startswith(str(here))
+        for tool in ("offseason", "dvc"):
+            typed = cli.as_typed(tool)
+            assert Path(tmp_path, typed).resolve() == (here / tool).resolve(), typed
+            assert subprocess.run([typed, "--help"], capture_output=True, cwd=tmp_path,
+                                  env={**before, "PATH": "/usr/bin:/bin"}).returncode == 0
+        os.environ[USER_PATH] = f"{here}:/usr/bin:/bin"  # an activated venv: the bare name
+        assert cli.as_typed("offseason") == "offseason"
+    finally:  # what configure_env set, undone
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+        os.environ.update(before)
