@@ -391,6 +391,7 @@ def history_rows(root: Path) -> list[dict]:
                      "verdict": verdict, "model_version": promotion.get("model_version"),
                      "promoted": promotion.get("promoted", False),
                      "approver": approver_of(promotion)})
+    attach_rollbacks(root, rows)
     current = max((i for i, r in enumerate(rows) if r["promoted"]), default=None)
     if (root / "promotions.jsonl").exists():  # the promotion log knows about rollbacks
         from flows.orchestration.promotion import champion_generation
@@ -403,6 +404,35 @@ def history_rows(root: Path) -> list[dict]:
 
     per_dollar(rows)
     return rows
+
+
+def attach_rollbacks(root: Path, rows: list[dict]) -> None:
+    """Each generation's row gets `rollbacks`: the champion changes `offseason rollback` made
+    after its cycle and before the next one (from, to, when, who, why), from the promotion log.
+    A lineage audit sees every change of champion; without them a later row's "vs champ" fell
+    with nothing saying why.
+    """
+    from datetime import datetime
+
+    from flows.orchestration.promotion import log_entries
+
+    for row in rows:
+        row["rollbacks"] = []
+    backs = [e for e in log_entries(root) if e.get("action") == "rollback"]
+    if not backs or not rows:
+        return
+    made = [datetime.fromisoformat(git(root, "log", "-1", "--format=%cI", r["tag"]))
+            for r in rows]
+    for entry in backs:
+        at = datetime.fromisoformat(entry["at"])
+        # after the newest generation committed before it (a rollback and its cycle's commit
+        # in the same second: the rollback came after)
+        index = max((i for i, when in enumerate(made) if when <= at), default=0)
+        rows[index]["rollbacks"].append({
+            "at": entry["at"], "date": entry["at"][:10],
+            "from": f"gen-{entry.get('from_generation')}", "to": f"gen-{entry['generation']}",
+            "model_version": entry.get("model_version"), "approver": entry.get("approver"),
+            "reason": entry.get("reason")})
 
 
 def print_history(rows: list[dict]) -> None:
@@ -423,6 +453,10 @@ def print_history(rows: list[dict]) -> None:
               f"{'-' if r.get('points_per_usd') is None else format(r['points_per_usd'], '.0f'):>9}"
               f"  {r.get('approver') or '':<12}"
               f"{'*' if r['champion'] else ''}")
+        for back in r.get("rollbacks") or []:  # a change of champion between two cycles
+            print(f"{'rollback':<11}{back['date']:<12}champion {back['from']} -> {back['to']} "
+                  f"(model version {back['model_version']}) by {back['approver'] or 'unknown'}: "
+                  f"{back['reason']}")
 
 
 def cmd_history(args) -> int:

@@ -423,7 +423,8 @@ def lineage_nodes(chain: dict) -> tuple[dict, list]:
         col, kind, label, md5 = nodes["data:models/champion"]
         nodes["data:models/champion"] = (col, "data", f"models/champion = {start['tag']}", md5)
     gate = chain.get("gate") or {}
-    nodes["result"] = (max(n[0] for n in nodes.values()) + 1, "result",
+    # (a generation no stage made, as a promotion by hand: the result alone)
+    nodes["result"] = (max((n[0] for n in nodes.values()), default=-1) + 1, "result",
                        f"{chain['tag']}: model version {chain['model_version']}",
                        f"gate {'pass' if gate.get('passed') else 'fail'}, "
                        f"{'promoted' if chain['promoted'] else 'not promoted'}")
@@ -572,6 +573,8 @@ def champion_after(rows: list[dict]) -> list[float | None]:
             champion = row["score"]
         elif row.get("champion_score") is not None:
             champion = row["champion_score"]
+        for back in row.get("rollbacks") or []:  # after this cycle: the champion brought back
+            champion = next((r["score"] for r in rows if r.get("tag") == back["to"]), champion)
         out.append(champion)
     return out
 
@@ -742,6 +745,7 @@ td, th {{ border-bottom: 1px solid #ddd; padding: 4px 7px; text-align: right; }}
 td {{ white-space: nowrap; }}
 th:first-child, td:first-child {{ text-align: left; }}
 .champion {{ font-weight: bold; background: #eef7ee; }}
+.rollback {{ color: #a33; background: #fbeeee; font-style: italic; }}
 .box {{ overflow-x: auto; }}
 .box img {{ max-width: 100%; height: auto; }}
 .graph {{ border: 1px solid #eee; padding: 8px; }}
@@ -842,6 +846,12 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
                      f'<td>{"-" if r.get("cost_usd") is None else format(r["cost_usd"], ".4f")}'
                      f'</td><td>{"-" if r.get("points_per_usd") is None else format(r["points_per_usd"], ".0f")}'
                      f'</td><td>{_esc(r.get("approver") or "")}</td><td>{runs}</td></tr>')
+        for back in r.get("rollbacks") or []:  # every change of champion, on the record
+            table.append(f'<tr class="rollback"><td>rollback</td><td>{back["date"]}</td>'
+                         f'<td colspan="10">champion {back["from"]} &rarr; {back["to"]} (model '
+                         f'version {_esc(str(back["model_version"]))}) by '
+                         f'{_esc(back["approver"] or "unknown")}: {_esc(back["reason"] or "")}'
+                         f'</td></tr>')
     champion = next((r for r in rows if r["champion"]), rows[0])
     summary = (f"{len(rows)} generations; the champion is {champion['tag']} (model version "
                f"{champion['model_version']}, pass@1 {fmt(champion['score'])}).")
@@ -906,11 +916,21 @@ def plot_history(rows: list[dict], path: Path) -> None:
             # the interval of the difference, drawn around the champion it was measured against
             ax.vlines(i, row["champion_score"] + low_high[0], row["champion_score"] + low_high[1],
                       color="tab:blue", alpha=0.4, linewidth=6)
-        ax.plot(i, row["score"], "o", color="tab:blue",
-                fillstyle="full" if row["promoted"] else "none", markersize=9)
+        if row["score"] is not None:  # (a generation made without a benchmark run: no point)
+            ax.plot(i, row["score"], "o", color="tab:blue",
+                    fillstyle="full" if row["promoted"] else "none", markersize=9)
     ax.plot([], [], "o", color="tab:blue", label="candidate (hollow: rejected)")
     ax.plot([], [], color="tab:blue", alpha=0.4, linewidth=6,
             label="gate interval, champion + difference")
+    champions = champion_after(rows)
+    for i, row in enumerate(rows):
+        for back in row.get("rollbacks") or []:  # the champion changed between two cycles
+            at = 0.0 if champions[i] is None else champions[i]  # (a champion never scored)
+            ax.plot(i + 0.5, at, "v", color="tab:red", markersize=9)
+            ax.annotate(f"rollback to {back['to']}", (i + 0.5, at),
+                        textcoords="offset points", xytext=(4, 6), fontsize=8, color="tab:red")
+    if any(row.get("rollbacks") for row in rows):
+        ax.plot([], [], "v", color="tab:red", label="rollback (offseason rollback)")
     ax.set_xticks(x, [r["tag"] for r in rows])
     ax.set_ylabel("pass@1 on the held-out benchmark")
     ax.set_ylim(0, 1)

@@ -275,6 +275,20 @@ def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(initi
         "by bob: answers got worse in production" in text, text
     rows = json.loads(offseason(root, "history", "--json").stdout)
     assert [r["champion"] for r in rows] == [True, False]
+    # the rollback is on the record in history, its JSON and the report (issue 53.1)
+    back = rows[1]["rollbacks"][0]
+    assert (back["from"], back["to"], back["approver"], back["reason"]) == \
+        ("gen-1", "gen-0", "bob", "answers got worse in production")
+    assert rows[0]["rollbacks"] == []
+    table = offseason(root, "history").stdout
+    assert "champion gen-1 -> gen-0 (model version 1) by bob: answers got worse in production" \
+        in table, table
+    from flows.audit.report import champion_after
+
+    assert champion_after(rows) == [rows[0]["score"], rows[0]["score"]]  # the line drops back
+    offseason(root, "report")
+    page = (root / "reports" / "index.html").read_text()
+    assert 'class="rollback"' in page and "champion gen-1 &rarr; gen-0" in page
     offseason(root, "rollback", "--to", "gen-1", "--reason", "the fix is out")
     assert weights(root) == candidate
     assert str(client.get_model_version_by_alias(name, "champion").version) == str(version)
