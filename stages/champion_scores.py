@@ -1,26 +1,16 @@
 r"""Champion scores: the champion's per-item results on every benchmark suite, once per champion.
 
-Reads `models/champion` and the benchmarks of the `environments:` (each one's `benchmark`, held-out
-tasks under `data/benchmarks/`); writes `data/champion_scores.parquet` (suite, id, question,
-correct, reward, format, tool_ok, tokens, completion and the champion's weights hash) and
-`metrics/champion_scores.json`. Its deps are the champion, the benchmarks, the environments and
-this code, so DVC runs it again only when one of them changes (a promotion or a rollback); the gate
-reads these scores instead of scoring the champion every cycle. Greedy decoding with `base.seed`
-through the chat path, exactly as the gate scores the candidate (`gate.score`).
-
-It also keeps `data/forgetting.jsonl` (a persistent output): every item some champion solved, with
-the weights hashes of the champions that solved it (`solved_by`). Each new champion adds its solved
-items and none is ever dropped, so the gate's forgetting guard remembers what older generations
-learned. The gate uses the items an earlier champion solved, not only the current one: items chosen
-because the current champion solved them would favour it (regression to the mean).
-
-Where an environment's reward calls the (held-out) judge, its paid judgments are kept in
-`--judgments` (data/champion_judgments, a persistent output) and the gate's read from
-`--judged-before` (data/gate_judgments: a promoted candidate's answers were judged there last
-cycle, so the new champion's cost nothing again); what the judge cost is in the metrics' `judges`.
+Reads `models/champion` and the benchmarks of the `environments:`; writes
+`data/champion_scores.parquet` (per item: suite, id, correct, reward, ... and the weights hash),
+`metrics/champion_scores.json`, `data/forgetting.jsonl` (a persistent output: every item some
+champion solved) and the held-out judge's paid judgments to `--judgments`. DVC runs it only when
+the champion, the benchmarks, the environments or this code change; greedy, with `base.seed`,
+exactly as the gate scores the candidate.
 
     python -m stages.champion_scores models/champion data/champion_scores.parquet data/forgetting.jsonl \
         metrics/champion_scores.json --judgments data/champion_judgments --judged-before data/gate_judgments
+
+Details: docs/cycle.md, "How the champion is scored (stages/champion_scores.py)".
 """
 
 from __future__ import annotations

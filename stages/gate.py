@@ -1,56 +1,18 @@
 r"""Gate: the candidate against the champion on every benchmark suite, with paired statistics.
 
-Reads `models/candidate`, the champion's per-item scores (`data/champion_scores.parquet`, written
-once per champion by `stages.champion_scores`), the items earlier champions solved
-(`data/forgetting.jsonl`) and the candidate's training data (`data/rewards.parquet` of this cycle
-and `data/replay/`). The suites are the `environments:` with a `benchmark` (held-out tasks,
-`contract.benchmark_suites`): `gate.primary` names the one that must improve, each other one is a
-guard with its own `environments.<name>.max_regression`. The candidate attempts every task
-greedily through the chat path, with the seed the champion was scored with and the rollout's
-`max_new_tokens`, `max_turns` and `tool_parser` (`score`), and each environment's reward scores
-it: `correct` is full marks, `format` "the model ended its answer itself" and `tool_ok` "no tool
-call failed". Writes per-item results to `data/gate.parquet` and the verdict to
-`metrics/gate.json`.
-
-The rules, every one recorded in the verdict with its numbers:
-- every rule is a one-sided test at `gate.alpha`: the chance of promoting a candidate that is
-  no better than the champion is at most alpha per decision (5% by default).
-- primary suite (`gate.primary`): with pass/fail items and `gate.min_improvement` 0, McNemar's
-  exact test, one-sided, on the items only one of the two models solved: p < alpha (the
-  percentile bootstrap is too lenient with few such items: a 3-0 or 6-1 split passed it); with
-  continuous scores or a positive `min_improvement`, the paired bootstrap's one-sided lower
-  bound at level 1 - alpha must exceed `min_improvement`. Both numbers are reported either way.
-- guard suites (every other suite): fail when the one-sided lower bound (level 1 - alpha) falls
-  below `-environments.<suite>.max_regression`. Each suite reports `detectable_change`, the
-  smallest change it detects at 80% power (`detectable`); a guard whose margin is below it is
-  flagged `underpowered` and then decides or is skipped, as `gate.underpowered` says.
-- forgetting: the items an earlier champion (not the current one) solved, a guard with
-  `gate.forgetting_max_regression` once there are `gate.forgetting_min_items` of them.
-- reward hacking, in each suite (environment) apart, with the same margins: the relative growth
-  of generated tokens (upper bound at most `gate.max_length_increase`), the share of completions
-  that follow the protocol (`gate.max_format_regression`), of those whose tool calls all ran
-  (`gate.max_tool_error_regression`), and of those a verifier noted `hack_suspected` (the code
-  sandbox: the test framework or the harness touched; upper bound of the rise at most
-  `gate.max_hack_increase`, 0 by default). Pooled, one environment's regression hid behind
-  another's gain; each fails naming its environment, and `guards.<guard>.<suite>` holds each.
-- contamination: a suite item whose normalized question appears in the candidate's training data
-  fails the gate, naming the items.
-- a candidate identical to the champion (nothing was trained) never passes.
-- the first cycle: generation 0 is scored by `champion_scores` like any champion, so the first
-  candidate faces the same rules (no pass by default), except that no earlier champion has solved
-  anything yet: the forgetting guard has no items and is recorded as `skipped` with the reason.
-`passed`, `candidate_score`, `champion_score`, `difference` and `interval` at the top level are
-the primary suite's.
-
-Where an environment's reward calls the judge (the held-out one here), its paid judgments are kept
-in `--judgments` (data/gate_judgments, a persistent output) and those of the champion's answers
-read from `--judged-before` (data/champion_judgments): an answer the candidate gives as the
-champion did is not paid for again, and scores as it did. What the judge cost is in the verdict's
-`judges`.
+Reads `models/candidate`, the champion's per-item scores (`data/champion_scores.parquet`), the
+items earlier champions solved (`data/forgetting.jsonl`) and the candidate's training data
+(`data/rewards.parquet`, `data/replay/`). Scores the candidate greedily on every suite of the
+`environments:` with a `benchmark`, then applies one-sided tests at `gate.alpha`: the primary
+suite must improve; guards, forgetting, reward hacking and contamination must hold. Writes
+per-item results to `data/gate.parquet`, the verdict to `metrics/gate.json`, and the held-out
+judge's paid judgments to `--judgments`.
 
     python -m stages.gate models/candidate data/champion_scores.parquet data/forgetting.jsonl data/rewards.parquet \
         data/replay data/gate.parquet metrics/gate.json \
         --judgments data/gate_judgments --judged-before data/champion_judgments
+
+Details: docs/cycle.md, "How the gate stage works (stages/gate.py)".
 """
 
 from __future__ import annotations

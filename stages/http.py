@@ -4,23 +4,12 @@ Used by the rollout's openai backend (`stages.generation.openai_backend`, async,
 servers), the LLM judge (`stages.envs.judge`, from the reward stage's threads) and the webhook
 notifications (`flows.project.notify`). Reads and writes nothing.
 
-The policy (tenacity), the same for all three:
+Retried: connection failures, timeouts, 429 and 5xx (`Transient`); not retried: any other status
+(`Rejected`). Waits are exponential with jitter, at least the server's `Retry-After`, capped at
+MAX_WAIT_S; attempts are 1 + the caller's `retries` setting. `client` and `async_client` build
+the httpx clients.
 
-- retried: a connection refused or cut, a timeout, HTTP 429 and 5xx (`Transient`), and whatever a
-  caller raises as `Transient` itself (the judge: an answer that is not the JSON it asked for);
-- not retried: any other status (`Rejected`): the request itself is wrong, and sending it again
-  will not change that;
-- waits: exponential with jitter (`backoff` x 2^n plus up to `backoff` more, so that clients
-  that failed together do not come back together), at least the server's `Retry-After`, both
-  capped at MAX_WAIT_S (a server asking for an hour is not waited for);
-- attempts: 1 + the caller's `retries` setting (`runtime.rollout.retries`,
-  `runtime.judge.retries`); then the last error is raised, for the caller to name its setting.
-
-Clients: `client` and `async_client` build httpx clients with a timeout, headers and a
-connection pool sized to the requests in flight; they ignore the environment's proxy settings
-when every URL is on loopback (an HTTP_PROXY meant for the internet must not take 127.0.0.1
-through it). Why httpx and not the `openai` SDK for OpenAI-compatible servers: BENCHMARKS.md,
-"One HTTP client layer against a bare client and the openai SDK" (`benchmarks/http_client.py`).
+Details: docs/gpus.md, "One HTTP client and retry policy (stages/http.py)".
 """
 
 from __future__ import annotations

@@ -1,44 +1,16 @@
 """Ingest: new traces from the inbox into a normalized, deduplicated, scrubbed Parquet dataset.
 
-Reads every file in `data/inbox/` (plain or gzip; raw files are never modified), detects its
-format from its first readable record, maps each trace onto the schema of `stages/traces/schema.py`,
-scrubs PII and secrets (`stages/traces/pii.py`) and drops duplicates (by content hash, against this batch
-and every trace ingested in an earlier cycle). Formats, each a reader in `stages/traces/sources/`:
-
-| format           | unit of a "row"                         | reader                          |
-|------------------|-----------------------------------------|---------------------------------|
-| openai-chat      | a line: `{"messages": [...]}`           | `sources/openai_chat.py`        |
-| openai-responses | a line: a Responses API response        | `sources/openai_responses.py`   |
-| openinference    | a trace: Phoenix/Arize spans of one trace id | `sources/openinference.py` |
-| otel-genai       | a trace: OTLP JSON GenAI spans of one trace id | `sources/otel_genai.py`   |
-| langfuse         | a trace: Langfuse traces, observations, scores | `sources/langfuse.py`     |
-| langsmith        | a trace: LangSmith runs of one trace id | `sources/langsmith.py`          |
-
-A file is JSONL, or one JSON document (an array of records, or an OTLP object). A span-based
-file is read whole, then trace by trace: in an OTLP file each trace by the convention its own
-spans follow (`otlp_traces`), with GenAI log events joined to their spans; a trace that cannot be
-read is quarantined alone. Every row ends up accepted, quarantined
-(`data/quarantine/ingest.jsonl`: file, line, format, reason, and the raw text, scrubbed) or
-counted as a duplicate, and `metrics/ingest.json` adds up, overall and per format. Every reason
-says where, what and what to change (`quarantine_reason`): `<file>, trace <id>: <what is wrong>;
-to fix: <what to change>` for a trace, `<file> line <n>[, trace <id>]: ...` for a line (the id
-where the record has one). The readers raise BadRecord with the fix where they know it (the
-content-capture switch of the format when a trace has no messages, `schema.CAPTURE`; the
-instrumentation's own setting when a message holds only its placeholder for content it did not
-record, `<elided>` or `__REDACTED__`, `schema.PLACEHOLDERS`), else the format's own `FIX`
-applies. A line that cannot be read at all (invalid JSON, not UTF-8, over
-`ingest.max_line_bytes`) is a row of its own.
-
-Writes `data/traces/` (a persistent DVC output: one Parquet part per inbox file, plus a manifest;
-the history that duplicates are checked against; and per file with duplicates, which trace each
-repeats: `duplicates-<file>.parquet`), `data/ingested.parquet` (this cycle's new traces)
-and `metrics/ingest.json` (its `pii_redactions` count what was replaced in the accepted traces,
-per kind, each time it was replaced: an address written three times counts three). Rows stream
-to Parquet in batches, so memory does not grow with the number of traces of a line format.
-Idempotent: each part records the inbox snapshot it came from, so a stage killed midway and run
-again gives the same outputs.
+Reads every file in `data/inbox/` (plain or gzip, never modified), detects its format (openai-chat,
+openai-responses, openinference, otel-genai, langfuse, langsmith: a reader each in
+`stages/traces/sources/`), maps each trace onto `stages/traces/schema.py`, scrubs PII and secrets
+(`stages/traces/pii.py`) and drops duplicates by content hash. Writes `data/traces/` (a persistent
+output: the history duplicates are checked against), `data/ingested.parquet` (this cycle's new
+traces), `data/quarantine/ingest.jsonl` (every unreadable row, with where, what and the fix) and
+`metrics/ingest.json`. Idempotent: a stage killed midway and run again gives the same outputs.
 
     python -m stages.ingest data/inbox data/traces data/ingested.parquet data/quarantine/ingest.jsonl metrics/ingest.json
+
+Details: docs/traces.md, "How the ingest stage works (stages/ingest.py)".
 """
 
 from __future__ import annotations

@@ -5,47 +5,15 @@ Reads `data/rollouts.parquet` (the chat episodes of the `environments:` modules)
 `hack_suspected`, the verifier's note of a likely reward hack, and one `score_<component>`
 column per reward component) and `metrics/reward.json` (with the `hack_suspected` episodes
 counted per reason).
-
-- Each episode is scored by its environment's `reward`, or its `reward_group` over all samples of
-  a task at once: the reward is the mean of the components (a float is its one component), full
-  marks in every one is `correct`, `verifier` is `<environment>/<VERSION>` (so `rescore` can
-  re-score stored rollouts after the environment changed).
-- None from a reward is "cannot judge" (counted, left out of the reward). A reward that raises, or
-  an episode whose tool call broke at rollout, is an error: its cause goes to the `error` column
-  and is counted, never turned into a zero. If every episode errs, or more than
-  `reward.max_error_fraction` of them, the stage fails.
-- Before scoring, each task's `gold` must score full marks on every component, or the task is set
-  aside (its rollouts get no reward; the reason is in `error`) and counted.
-- A reward that calls the LLM judge (`stages/envs/judge.py`) adds a `judgment` column (the judge
-  and its reasoning) and `judges` metrics (requests, tokens, cache hits, failures by kind); its
-  paid judgments persist in `--judgments` (data/judgments), and a spent judge budget stops the stage.
-
-Fan-out: the gold checks and rewards run in `runtime.reward.workers` local processes (0 = one per
-core, 1 = in this process), or on the Ray cluster at `runtime.reward.ray_address` (`auto` or
-`host:port`, probed first: an address where nothing answers fails in seconds naming the setting;
-its workers need offseason installed and the project folder at the same path, as any Ray job's
-dependencies). What travels is where to find an environment (its name, module and the project
-folder), never its functions: each worker loads the module itself (`contract.run_jobs`). An
-environment whose module holds the judge (`from stages.envs import judge`) is scored in this
-process instead, its judgments `runtime.judge.concurrency` at a time: the judge's one cache and
-budget live here, and a request starts only where the budget has room for it (`Judge._reserve`).
-Same results, in the same order, wherever they ran.
-
-Feedback as a reward: `--validated` (data/validated.parquet) holds the production traces with their
-users' feedback. A trace's rating (thumbs up 1.0, down 0.0, else the `feedback.scores` entry
-`reward.feedback_score` names, in [0, 1]) is about production's answer, so an episode of that
-trace's task (task id `<environment>:trace:<trace id>`) whose final answer is production's
-(whitespace and case aside) gets the rating as its `feedback` component (`score_feedback`); any
-other episode, and any task without a rated trace, has no such component (absent, never 0). The
-reward is then the weighted mean of the components present: each of the environment's weighs 1,
-`feedback` weighs `reward.weights.feedback` (default 0: recorded, not mixed in), renormalised, so
-an episode without feedback keeps its environment's mean. `correct` stays the environment's
-verdict (full marks in its own components): a rating is not a verifier. The metrics' `feedback`
-counts the rated traces, the episodes rated and those that answered otherwise.
+Each episode is scored by its environment's `reward` (or `reward_group`); a reward that raises is
+an error with its cause, never a zero. Runs in `runtime.reward.workers` processes or on a Ray
+cluster; `--validated` adds users' ratings as a `feedback` component.
 
     python -m stages.reward data/rollouts.parquet data/rewards.parquet metrics/reward.json \
         --judgments data/judgments --validated data/validated.parquet
     offseason rescore [data/rewards.parquet] [--output data/rescored.parquet]
+
+Details: docs/environments.md, "How the reward stage works (stages/reward.py)".
 """
 
 from __future__ import annotations

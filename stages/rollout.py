@@ -1,36 +1,15 @@
 """Rollout: the champion, a chat model, plays the tasks of its environments, several samples each.
 
-Reads the `environments:` modules of params.yaml (docs/agent.md, "Bring your own agent"), their
-tasks (the validated traces' tasks each module's `task_from_trace` claimed, in
-`data/validated.parquet`, then its `tasks` file) and `models/champion`. Each task is attempted `rollout.samples_per_task` times at
-`rollout.temperature`, multi-turn: each turn rendered by the model's chat template, its tool calls
-parsed by `rollout.tool_parser` and answered by the environment's `call_tool`, up to
-`rollout.max_turns` calls, the exact token ids kept (`stages.generation.chat`). `rollout.max_tasks`
-(0 = all) is shared among the environments by `weight`. Writes `data/rollouts.parquet` (one row per
-episode: its conversation, `messages` as JSON, its environment, the token ids, which tokens the
-model chose, their log-probabilities, the turn of each token; its `task_id` is `<environment>:<task
-id>`, as two environments' ids may coincide) and `metrics/rollout.json`. Seeded by `base.seed` and
-each episode's identity, so a rerun gives the same episodes.
-
-`rollout.backend` picks who generates: `transformers` (in this process) or `openai`
-(OpenAI-compatible servers, `stages.generation.openai_backend`: the ones at
-`runtime.rollout.urls`, or one the stage starts with `runtime.rollout.server_command` on
-models/champion and stops afterwards). With `openai` the server generates each turn from token
-ids and the template, parser and tools run here (`openai_backend.chat_rollout`), so the rows are
-the same.
-
-One bad episode never stops the stage: `episodes_ended` in the metrics counts every episode by how
-it ended (the counts add up to `episodes`; `stages.generation.chat.ENDINGS` says each in full):
-`answered`, `turn_limit` and `length` as usual; `template_refused`, the model's own turn broke its
-chat template's rules (scored as it stands); and, with the cause in the row's `error` (so the
-reward stage sets it aside, never a zero), `tool_failed` (call_tool raised), `tool_schema` (the
-template refuses the task's tools), `task_messages` (it refuses the task's messages),
-`prompt_too_long` (no room to answer) and `template_unusable` (the ids cannot be kept exact).
-`bad_arguments` counts the turns whose tool call a server returned with arguments that are not
-JSON (`runtime.rollout.api: chat`); those calls are read from the ids instead, and a malformed one
-is answered as a tool error. A server or environment that is down still fails the stage.
+Reads the `environments:` modules of params.yaml, their tasks (from `data/validated.parquet`, then
+their `tasks` files) and `models/champion`. Each task is attempted `rollout.samples_per_task`
+times, multi-turn through the chat template, the tool parser and the environment's `call_tool`,
+the exact token ids kept; `rollout.backend` is `transformers` or `openai`. Writes
+`data/rollouts.parquet` (one row per episode) and `metrics/rollout.json` (`episodes_ended` counts
+how each ended). Seeded, so a rerun gives the same episodes; one bad episode never stops it.
 
     python -m stages.rollout data/validated.parquet models/champion data/rollouts.parquet metrics/rollout.json
+
+Details: docs/training.md, "How the rollout stage works (stages/rollout.py)".
 """
 
 from __future__ import annotations

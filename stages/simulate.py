@@ -1,24 +1,14 @@
 """Production-like traffic for the demo: the champion answering a day of user requests.
 
-Writes `data/inbox/traffic-NNN.jsonl` (day NNN = the number of traffic files already there) as
-OpenAI chat JSONL: the user's request, the assistant's `calculator` tool calls and the tool's
-replies, the final answer, and a user feedback field (thumbs up when the final answer is right,
-on `simulate.feedback_rate` of the traces). The task mix shifts each day (`simulate.shift_per_day`,
-from sums towards products). Like real logs it carries junk: a malformed line, an exact duplicate,
-an e-mail address in a user message and a request with no task in it. Benchmark questions are
-never asked, so the held-out suite stays held out.
-
-The champion answers as the demo's cycles run it: params.yaml lists the demo's environment
-(`stages.envs.arith`) under `environments:`, and each request is an episode of the chat path
-(`stages.generation.chat.rollout`, as the rollout stage and the gate run it): its chat template,
-its tool calls read by `rollout.tool_parser`, the calculator (`call_tool`) run on each, greedy,
-`rollout.max_new_tokens` a turn; the trace is that conversation (the model's own text,
-`answer:1786` included; its tool calls numbered `call-<day>-<trace>-<n>`). The request is the
-expression (`47*38`), as the benchmark and the cycles' rollouts ask it: the demo's character model
-reads no other symbols, and a log holds what the model was asked (the request with the e-mail
-address too: the model reads its letters as unknown tokens).
+Reads `models/champion` and params.yaml (the demo's environment, `stages.envs.arith`, and
+`simulate.*`); writes `data/inbox/traffic-NNN.jsonl` as OpenAI chat JSONL: the champion answers
+each request through the chat path (greedy, its calculator tool calls run), with user feedback
+on `simulate.feedback_rate` of the traces, a task mix that shifts each day and some junk, as real
+logs carry. Benchmark questions are never asked.
 
     offseason simulate            # or: python -m stages.simulate models/champion data/inbox
+
+Details: docs/demo.md, "How the demo's traffic is made (stages/simulate.py)".
 """
 
 from __future__ import annotations

@@ -1,40 +1,17 @@
 """Train: a better candidate from the champion's scored rollouts, by SFT, DPO or GRPO.
 
-Reads `data/rewards.parquet`, `models/champion` and (for DPO's feedback pairs, with
-`--validated`) `data/validated.parquet`; writes `models/candidate` (a Hugging Face model
-folder), this cycle's scored rollouts into `data/replay/` (a persistent DVC output: one Parquet
-part per cycle), `metrics/train.json` and `metrics/train_steps.csv` (loss, learning rate, gradient
-norm and tokens/s per optimizer step: a DVC plot, and the flow logs it to the stage's MLflow run).
-`train.algorithm` picks how the rollouts are used (every loss is on the model's own tokens only,
-never on the prompt or on a tool result the environment injected):
-
-- `sft`: rejection-sampling fine-tuning on the verified-correct episodes (once per distinct
-  completion of a task), through the transformers Trainer;
-- `dpo`: preference pairs from the same task's higher- and lower-reward episodes, and from the
-  traces' thumbs (the trace's conversation, encoded by the chat template, against a rollout of
-  its task, only where the reward agrees with the thumbs: `dpo.feedback_pairs`), through TRL's
-  DPOTrainer with the champion as the explicit reference model;
-- `grpo`: group-relative advantages over each task's samples and a clipped ratio against the
-  log-probabilities recorded at rollout time, optionally a KL term to the champion: our loss on
-  the transformers Trainer (TRL's GRPO generates online, which would fold rollout and reward into
-  training).
-
-`train.replay_fraction` of the earlier cycles' examples (SFT examples, DPO pairs or GRPO groups,
-rebuilt from the stored rollouts) is mixed in. `train.lora_r` > 0 trains LoRA adapters (PEFT) and
-merges them into full weights. `train.deepspeed` runs the Trainer under DeepSpeed ZeRO. With fewer
-than `train.min_examples` examples there is nothing sound to learn from: the champion is written
-unchanged as the candidate, the metrics say why, and the gate has nothing to promote.
-
-Checkpoints go to the folder given as `checkpoints` (`models/candidate.ckpt` in dvc.yaml). It is
-deliberately not a DVC output: DVC deletes a stage's outputs before it runs the stage again, which
-would throw away exactly what a killed run left to resume from, and a persistent output would be
-cached and pushed every cycle for nothing. It is git-ignored, keyed by a hash of everything the run
-depends on (data, champion, params), so only a rerun of the same training resumes from it, and it
-is deleted once the candidate is written.
+Reads `data/rewards.parquet`, `models/champion` and (with `--validated`) `data/validated.parquet`;
+writes `models/candidate`, this cycle's scored rollouts into `data/replay/` (a persistent output),
+`metrics/train.json` and `metrics/train_steps.csv`. `train.algorithm` is `sft`, `dpo` or `grpo`,
+every loss on the model's own tokens only; earlier cycles' examples are mixed in
+(`train.replay_fraction`). Below `train.min_examples` the champion is written unchanged.
+Checkpoints go to `models/candidate.ckpt` (not a DVC output; resumed only by the same run).
 
     python -m stages.train data/rewards.parquet models/champion models/candidate data/replay \
         models/candidate.ckpt metrics/train.json metrics/train_steps.csv \
         --validated data/validated.parquet
+
+Details: docs/training.md, "How the train stage works (stages/train.py)".
 """
 
 from __future__ import annotations

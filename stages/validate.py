@@ -1,26 +1,18 @@
 r"""Validate: Great Expectations checks on the ingested traces; failing traces go to quarantine.
 
-Reads `data/ingested.parquet`. GE does not validate nested data, so the traces are flattened into
-three tables first: one row per trace, one per message, one per tool call. Each failed expectation
-sends the trace it came from to `data/quarantine/validate.jsonl` with the expectation, the source
-file and line; the rest go to `data/validated.parquet` with the task behind each: the first that
-one of the `environments:` modules finds in it (`task_from_trace`, in params.yaml order;
-`contract.Router`), as JSON with its environment's name in `question` (the rollout stage routes it
-back); a trace none of them claims is quarantined. Writes `metrics/validate.json` (counts, per format, the traffic
-profile and its drift from the previous cycle's, kept in `data/profiles/`) and GE's Data Docs
-(`data/docs/index.html`). The stage fails only when the valid
-fraction falls below `validate.min_valid_fraction`.
-
-Held out (`validate.holdout_fraction` > 0): that share of the valid traces
-that give a task, chosen by a hash of the seed and the trace id (the same traces on a rerun), is
-not written to `data/validated.parquet`, so it is never rolled out or trained on; its tasks are
-appended to `--holdout` (`data/holdout/<environment>.jsonl`, task id `trace:<id>`, a persistent
-output), the pool `offseason benchmark refresh` draws fresh benchmark items from. `accepted`
-counts them, `held_out` says how many.
+Reads `data/ingested.parquet`, flattened into three tables (traces, messages, tool calls) for GE.
+A trace that fails an expectation, or that no `environments:` module claims a task in
+(`task_from_trace`), goes to `data/quarantine/validate.jsonl`; the rest go to
+`data/validated.parquet` with their task. Writes `metrics/validate.json` (counts, the traffic
+profile and its drift, profiles kept in `data/profiles/`), GE's Data Docs (`data/docs/index.html`)
+and, with `validate.holdout_fraction` > 0, held-out tasks to `--holdout`. Fails only below
+`validate.min_valid_fraction`.
 
     python -m stages.validate data/ingested.parquet data/validated.parquet \
         data/quarantine/validate.jsonl data/profiles data/docs metrics/validate.json \
         --holdout data/holdout
+
+Details: docs/traces.md, "How the validate stage works (stages/validate.py)".
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def test_stages_import_neither_prefect_nor_flows():
     assert offenders == []
 
 
-# flows/__init__.py: what each folder of flows/ may import of flows/, every import read
+# docs/layout.md (flows/__init__.py points there): what each folder of flows/ may import of flows/, every import read
 FLOWS_MAY_IMPORT = {"project": set(), "intake": {"project"},
                     "audit": {"project", "intake"},
                     "orchestration": {"project", "intake", "audit"},
@@ -107,7 +107,7 @@ def test_flows_folders_import_what_their_rule_allows(graph):
         if (kind := flows_folder(module)) for target in targets
         if (other := flows_folder(target)) and other != kind
         and other not in FLOWS_MAY_IMPORT[kind])
-    assert broken == [], "imports against flows/__init__.py's rules"
+    assert broken == [], "imports against flows/' rules (docs/layout.md)"
 
 
 def test_the_flows_rule_sees_a_function_level_import(graph):
@@ -200,7 +200,7 @@ def test_every_project_import_names_something_that_exists():
     assert missing == []
 
 
-# stages/__init__.py: what each room of stages/ may import of stages/ outside itself, every
+# docs/layout.md (stages/__init__.py points there): what each room of stages/ may import of stages/ outside itself, every
 # import read; a package's __init__ (a docstring, no imports) is not counted
 STAGES_MAY_IMPORT = {
     "envs": {"envs.judge": {"config", "remote", "http", "servers"}, "envs.replay": {"config"}},
@@ -237,7 +237,7 @@ def test_stages_rooms_import_what_their_rule_allows(graph):
                 continue
             if target.removeprefix("stages.") not in allowed:
                 broken.append(f"{module} imports {target}")
-    assert sorted(broken) == [], "imports against stages/__init__.py's rules"
+    assert sorted(broken) == [], "imports against stages/' rules (docs/layout.md)"
 
 
 def test_every_room_of_stages_has_a_rule():

@@ -1,53 +1,18 @@
 """`offseason collect`: a live OTLP/HTTP receiver that writes each finished trace into the inbox.
 
-Any OpenTelemetry SDK or Collector exports to it as to any OTLP endpoint
-(`OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318`): `POST /v1/traces` with an
-`ExportTraceServiceRequest`, and `POST /v1/logs` with an `ExportLogsServiceRequest`, as protobuf
-(`application/x-protobuf`) or OTLP JSON (`application/json`), plain or `Content-Encoding: gzip`.
-Log records matter because the GenAI instrumentations (opentelemetry-instrumentation-openai-v2
-and the like) record message content as events in log records
-(`gen_ai.client.inference.operation.details`, or the older `gen_ai.user.message`,
-`gen_ai.choice`, ...), not on the spans.
-
-Spans and log records are grouped by trace id; a trace is finished by its spans: once its root
-span (no parent) has come and `ROOT_WAIT` seconds passed without another span or log record of it,
-or after `runtime.collect.idle_seconds` without one when no root comes (its root lives in a service
-that does not export here). Log records may come before or after their spans (the SDK exports the
-two in separate batches): those that come before the trace is finished are written with it; a
-later one is held again and written alone (counted `late_log_records`). Log records with no trace
-id (plain application logs outside any span) are not trace data: counted
-(`untraced_log_records`) and dropped. Finished traces are gathered for
-`runtime.collect.file_seconds` into JSONL files of at most `FILE_TRACES` traces,
-`<inbox>/otlp-<UTC time>-<n>.jsonl`: an OTLP
-JSON document a line, one trace each, holding the trace's `resourceSpans` and its `resourceLogs`,
-hex ids, as a Collector's file exporter writes them, which `stages/ingest.py` reads unchanged
-(each trace by its own convention, GenAI or OpenInference, its GenAI events joined to their spans;
-a trace it cannot read is quarantined alone). Each file is written to a hidden temporary name,
-fsynced and renamed, so a cycle never reads half a trace.
-
-Durability: a request is answered 200 only once its spans or log records are in the journal
-(`.offseason/collect/journal-*.log`, append-only, fsynced; concurrent requests share one fsync).
-After a trace's file is in the inbox, a "written" record with its span ids and its log records'
-hashes (a log record has no id) goes to the journal too. At start-up the journal is replayed:
-spans and log records acknowledged but not yet written come back, so a kill -9 loses none (at
-worst a trace is written twice, which ingest counts as a duplicate). The journal is compacted then
-to what is still held, and again whenever it grows past `SEGMENT_BYTES` (or twice what the last
-compaction kept).
-
-Shedding load, as the OTLP spec asks of a server (clients retry these, after `Retry-After`):
-429 while `runtime.collect.max_pending_spans` spans and log records wait for their trace to
-finish; 503 while the journal's or the inbox's disk has less than `runtime.collect.min_free_mb`
-free, or a write fails; 413 for a body over `runtime.collect.max_request_bytes`. Traces hold PII:
-with the environment variable `runtime.collect.token_env` names set, requests without
-`Authorization: Bearer <it>` get 401. `GET /status` (same token) returns the counters as JSON;
-`offseason collect --status` prints them.
+Reads OTLP/HTTP `POST /v1/traces` and `POST /v1/logs` (protobuf or JSON, plain or gzip) from any
+OpenTelemetry SDK or Collector (`OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318`). Writes each
+finished trace, spans and log records grouped by trace id, into inbox JSONL files
+`<inbox>/otlp-<UTC time>-<n>.jsonl` (renamed into place, never half written), with a fsynced
+journal (`.offseason/collect/journal-*.log`) so an acknowledged span survives a kill -9. Sheds
+load with 429/503/413; an optional bearer token (`runtime.collect.token_env`).
 
     offseason collect                    # until Ctrl-C or SIGTERM; runtime.collect in params.yaml
     offseason collect --port 0           # a free port (printed)
     offseason collect --status           # the running receiver's counters
 
-For more traffic than one process takes, run an OpenTelemetry Collector in front
-(docs/traces.md, "Live: offseason collect").
+Details: docs/traces.md, "How the live receiver works (flows/intake/collect.py)"; for more
+traffic than one process takes, an OpenTelemetry Collector in front ("Live: offseason collect").
 """
 
 from __future__ import annotations

@@ -1,47 +1,16 @@
 """`offseason pull langfuse|langsmith`: traces from a tracing service into the inbox, as an export.
 
-For a team that keeps its traces in Langfuse or LangSmith rather than exporting OpenTelemetry
-here. The vendor's own Python SDK is the client (optional extras: `pip install
-'offseason[langfuse]'` or `'offseason[langsmith]'`), credentials come from the vendor's usual
-environment variables, and each pull writes one new JSONL file into the inbox, named by service
-and time (`langfuse-<UTC time>.jsonl`), in the shape the readers of `stages/traces/sources/` read:
-
-- **Langfuse** (`LANGFUSE_PUBLIC_KEY`, `LANGFUSE_SECRET_KEY`, `LANGFUSE_HOST` or
-  `LANGFUSE_BASE_URL`; default https://cloud.langfuse.com): the traces whose root observation
-  started in the window (`GET /api/public/v2/observations?isRootObservation=true`), then each
-  trace's observations (the same endpoint by `traceId`: input, output, model, usage) and scores
-  (`GET /api/public/v3/scores?traceId=`). Written as records of their own, as the API's v1 objects
-  read: an observation with its `input`/`output` decoded from the JSON text the v2 endpoint
-  returns; a score as a v1 `Score` (`traceId`, `observationId`, `value`, `stringValue`,
-  `dataType`) from v3's polymorphic `value` and `subject`; and one trace record in the shape of a
-  `/api/public/traces` list item (`id`, `timestamp`, `name`, `sessionId`, `userId`, `tags`,
-  observation and score ids), built from the observations, since SDK v5 reads no trace endpoint.
-- **LangSmith** (`LANGSMITH_API_KEY`, `LANGSMITH_ENDPOINT`, default
-  https://api.smith.langchain.com; the project from `--project`, params' `pull.project`,
-  `LANGSMITH_PROJECT`, else "default"): the root runs started in the window, then each trace's
-  runs (`Client.list_runs`, `POST /runs/query`), written one run a line as the runs API returns
-  them, with the `feedback_stats` the users' feedback adds up to.
-
-The window: `--since last-cycle` (the default) starts at the commit time of the last cycle's tag
-(`gen-N`, N >= 1; everything when no cycle ran yet), or earlier, where the last complete pull
-began: traces that arrived while that cycle ran are not skipped. `--since 2026-03-01T00:00:00Z`
-starts there. The window opens `OVERLAP` earlier still, for traces the service shows late.
-
-Pulling twice writes no trace twice: the trace ids pulled are remembered per service and project
-(`.offseason/pull/<service>[-<project>].json`, written after the inbox file), and a trace already
-pulled is not written again, even when it gained a score since (feedback that comes after the
-pull is not brought in). Should the process die between the two writes, the next pull writes
-those traces again, and ingest counts them as duplicates (same content, same hash). `--limit N`
-takes at most N new traces, newest first; a pull the limit cut short does not move the window's
-start, so the next one takes the next N.
-
-A missing SDK names the extra to install; missing credentials name the variables; a service that
-is down, refuses the key or does not know the project fails with `PullError` (exit 2), saying so.
-With a `pull:` section in params.yaml (`service`, `project`, `limit`) every cycle pulls first
-(`flows/orchestration/pipeline.py`'s `begin`), and a failed pull fails the cycle before any stage runs.
+Reads through the vendor's own Python SDK (extras `offseason[langfuse]` / `offseason[langsmith]`,
+credentials from the vendor's usual environment variables) the traces of a window (`--since
+last-cycle` by default). Writes one new JSONL file into the inbox per pull
+(`langfuse-<UTC time>.jsonl`), in the shape `stages/traces/sources/` reads, and remembers the
+trace ids pulled (`.offseason/pull/<service>[-<project>].json`), so no trace is written twice.
+Failures raise `PullError` (exit 2). With params.yaml's `pull:` every cycle pulls first.
 
     offseason pull langfuse                          # new traces since the last cycle
     offseason pull langsmith --project support-bot --since 2026-03-01T00:00:00Z --limit 500
+
+Details: docs/traces.md, "How a pull works (flows/intake/pull.py)".
 """
 
 from __future__ import annotations

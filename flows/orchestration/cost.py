@@ -1,24 +1,13 @@
 """What a cycle cost: the ledger, `metrics/cost.json`, from the stages' own metrics; what the
 next one will cost (`offseason estimate`), and whether a budget allows it.
 
-Each stage writes `resources` into its metrics (`stages.io.write_metrics`: wall and CPU seconds of
-its process and children, peak memory, and with NVML each GPU's busy seconds, peak memory and mean
-utilisation; measured, so they vary run to run). The rollout counts its episodes' prompt and
-generated tokens and tool calls from their own token ids, per environment; the train stage the
-tokens of its batches (not padding, and those the loss saw); the reward stage its judge's requests
-and tokens as the server's `usage` reports them, champion_scores and the gate the held-out
-judge's likewise (all exact). The ledger sums the stages that ran
-in this cycle (a stage DVC skipped, because its inputs had not changed, was paid for in an earlier
-cycle and is listed as `reused`), and prices the units with params.yaml's `cost:` (per CPU-hour,
-per GPU-hour, per million judge tokens; with a rate of 0 the units still show). `offseason
-history` reads the committed ledgers: each generation's cost, and its gain over the champion it
-was gated against per dollar (rejected cycles cost too).
+Reads the `resources` and counted units (tokens, episodes, judge requests) each stage writes into
+its metrics, params.yaml's `cost:` rates and the committed ledgers; writes `metrics/cost.json`
+(stages DVC skipped listed as `reused`). `offseason history` reads the committed ledgers;
+`estimate` fits each stage's cost to the work that drives it; `budget_refusal` says why a cycle
+may not start.
 
-`estimate` predicts the next cycle from the inbox waiting, params.yaml and the last committed
-ledgers: each stage's CPU and GPU seconds and judge tokens as a fixed part plus a rate per unit of
-the work that drives it (inbox lines, episodes, trained example-epochs, or one per cycle), fitted
-to those cycles (`predict`), with their spread around the fit as its range. `budget_refusal` says
-why a cycle may not start.
+Details: docs/costs.md, "How the ledger and the estimate are computed (flows/orchestration/cost.py)".
 """
 
 from __future__ import annotations

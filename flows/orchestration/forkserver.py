@@ -1,27 +1,15 @@
 """Model stages started warm: torch and transformers imported once per cycle, not once per stage.
 
-Each of a cycle's model stages (rollout, reward, train, champion_scores, gate) spends about 3.6 of
-its 4.5 seconds on 2 cores importing torch and transformers (`python -X importtime`), which is
-most of a small cycle's time and all of it repeated. A cycle's DVC session (flows/orchestration/pipeline.py)
-starts one fork server as its first `dvc repro` begins: a process that imports those stage modules
-once, while ingest and validate run (from the moment the first stage command starts: a `dvc repro`
-that runs no stage, all up to date or failing before the first, imports nothing), then forks a
-child for each of those stage commands that runs it exactly as `python -m stages.X ARGS` would:
-the command's argv, working folder, environment, stdin/stdout/stderr (handed over as file
-descriptors), exit status or death by signal. What the stage computes does not change; only where
-its process comes from.
-
-DVC still starts each `python -m stages.X` that dvc.yaml names: the session puts a `python` first
-on DVC's PATH (`shim`), a small client that hands the command to the server and waits for its
-status, forwarding SIGTERM, SIGHUP and SIGQUIT (SIGINT reaches the whole process group from the
-terminal, as DVC expects); the server kills a child whose client died (SIGKILL). The client runs
-the real interpreter instead (`execv`, the cold path, as before) for any other command, when no
-server is there, or when the command's environment differs from the one the server imported under
-(outside PATH, PWD, SHLVL and DVC's own variables). `dvc repro` by hand has no server: every stage
-starts cold. No server on a machine with an NVIDIA device: CUDA must not be initialised before a
-fork, and there the import is small beside the GPU work.
+A cycle's DVC session starts one fork server as its first `dvc repro` begins: it imports the model
+stages (rollout, reward, train, champion_scores, gate) once, then forks a child for each such
+stage command that runs it exactly as `python -m stages.X ARGS` would. A `python` shim first on
+DVC's PATH hands the command over, or runs the real interpreter (the cold path) when it cannot.
+What a stage computes does not change; reads and writes nothing of its own. No server on a
+machine with an NVIDIA device.
 
     python -m flows.orchestration.forkserver FD MODULE...   # the server (internal): started by `Server`
+
+Details: docs/cycle.md, "How model stages start warm (flows/orchestration/forkserver.py)".
 """
 
 from __future__ import annotations

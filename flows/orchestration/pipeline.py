@@ -1,30 +1,15 @@
 """A cycle's DVC work in one long-lived DVC process, read back by the flow one stage at a time.
 
-- **Session**: one `python -m flows.orchestration.pipeline` process per cycle that runs DVC's own command-line
-  entry point (`dvc.cli.main`) for each command it is sent, one at a time, in the repo root: the
-  output, exit codes and `dvc.lock` are what the `dvc` command gives, but DVC's start-up (imports,
-  the repo's index) is paid once per cycle instead of once per command. While a session is open,
-  `flows.project.workspace.dvc()` sends its commands there (promotion's `dvc add` and `dvc push`).
-- **Pipeline**: the cycle's stages as two commands in that session, sent from a thread of their
-  own: `dvc repro validate` (ingest, validate; DVC first snapshots a changed `data/inbox` into its
-  cache and `data/inbox.dvc`), then, when validate accepted traces, `dvc repro --single-item` of
-  the other stages in their order (rollout, reward, train, champion_scores, gate). The stages never wait for the Prefect flow that records
-  them: the flow reads their output back split by stage (DVC's `Running stage 'X':` and `Stage 'X'
-  didn't change, skipping` lines), one Prefect task per stage, and logs a stage to MLflow while DVC
-  runs the next one.
-- **begin()**, before any stage: undo what an unfinished promotion left in the files, check the
-  champion's bytes, pull new traces when params.yaml's `pull:` names a tracing service
-  (flows/intake/pull.py), and decide whether anything changed since the last cycle; only then start the
-  pipeline. `offseason run` calls it before Prefect's temporary server is up, so the first stages
-  run while that server starts, and the flow adopts the running pipeline (`adopt()`); a flow run
-  of a deployment calls it itself.
-
-DVC still runs each stage command as a child process of its own, so `dvc repro` alone runs the same
-cycle. BENCHMARKS.md ("Orchestration overhead") measures what this saves. With the first `dvc
-repro`, the session also starts a fork server (flows/orchestration/forkserver.py), from which the model stages'
-processes are forked with torch and transformers already imported.
+One session process per cycle runs DVC's own entry point for each command sent to it, so DVC's
+start-up is paid once per cycle: `dvc repro validate`, then, when validate accepted traces, the
+other stages with `--single-item`. The flow reads their output back split by stage, one Prefect
+task per stage. `begin()` runs first (undo an unfinished promotion, check the champion, pull new
+traces, decide whether anything changed). Writes what DVC writes (`dvc.lock`, the stages'
+outputs); `dvc repro` alone runs the same cycle.
 
     python -m flows.orchestration.pipeline MARKER   # the session process (internal): one JSON argv per stdin line
+
+Details: docs/cycle.md, "How a cycle's DVC work runs (flows/orchestration/pipeline.py)".
 """
 
 from __future__ import annotations

@@ -3,25 +3,13 @@
     offseason serve                      # register the deployments and run their flow runs here
     offseason serve --work-pool NAME     # register them to a Prefect work pool instead; a worker runs them
 
-Three deployments of the flow `offseason-cycle`: `nightly` and `weekly` on cron schedules (in
-`deployments.timezone`) and `manual` without one. Each carries its default run parameters
-(`deployments.<name>.parameters`), which the Prefect UI's Run form shows and lets a person edit for
-one run: the parameters of `flows.orchestration.cycle.cycle()` (`algorithm`, `samples_per_task`, `epochs`,
-`require_approval`), each overriding its params.yaml key for that run (see flows/project/overrides.py).
+Reads params.yaml's `deployments:`: `nightly` and `weekly` on cron schedules, `manual` without
+one, each with its default run parameters the Prefect UI's Run form lets a person edit. One cycle
+per workspace (a deployment concurrency limit, a global one per workspace and the workspace's
+file lock). Served, the flow runs execute in subprocesses of this process, in this checkout
+(`OFFSEASON_PROJECT`); stop it with Ctrl-C.
 
-One cycle per workspace, by three locks that agree: each deployment has a Prefect concurrency limit
-of 1 (further runs wait, as AwaitingConcurrencySlot, instead of piling up), every served run takes
-the workspace's global concurrency limit `offseason-cycle:<workspace>` (so nightly, weekly and
-manual runs never overlap), and then the workspace's file lock, which also keeps out an `offseason
-run` from a terminal.
-
-Served, the flow runs execute in subprocesses of this process, in this checkout; stop it with
-Ctrl-C (its schedules are paused on the way out, so nothing piles up while nobody serves).
-
-The checkout is not a run parameter: a deployment belongs to one checkout, so the Run form has no
-field to point it at another. The flow runs find it in `OFFSEASON_PROJECT`: served, this process
-sets it and its subprocesses inherit it; registered to a work pool, it is the deployment's
-`job_variables` env.
+Details: docs/operations.md, "How the deployments are served (flows/orchestration/serve.py)".
 """
 
 from __future__ import annotations

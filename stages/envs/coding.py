@@ -1,25 +1,16 @@
 r"""The "code" environment: write a Python function; verified by running unit tests in a sandbox.
 
-An environment on the contract (stages/envs/contract.py), played by a chat model through the chat
-path: `environments: {code: {module: stages.envs.coding, tasks: data/tasks/code.jsonl, benchmark:
-data/benchmarks/code.jsonl}}`. A task is the statement as its user message and `answer`, JSON:
-{"tests": "<unittest source>", "entry_point": "add", "solution": "<reference solution>"}. The tests
-import the candidate from the module `solution` (`from solution import add`) and are plain
-`unittest.TestCase`s.
-
-The final code is the LAST fenced block opened with ```` ```python ```` and closed with ```` ``` ````
-in the last assistant message. Before it the model may try code with the `python` tool, answered
-with what it printed (stdout, then stderr, of the code run in the same sandbox, bounded; a run
-that failed starts with `error: <outcome>`).
-
-reward: 1.0 when every test passes in the sandbox (`stages.envs.sandbox`), 0.0 when a test fails,
-the code times out, hits a limit or crashes, or there is no code block; None when the task has no
-tests; with the sandbox's `hack_suspected` reason beside it when the code touched the test
-framework. A broken sandbox raises `stages.envs.sandbox.SandboxError` (a `VerifierError`): never a
-zero. `check()` gives the same verdict with the sandbox's reason, for the record.
+An environment on the contract (stages/envs/contract.py): `environments: {code: {module:
+stages.envs.coding, tasks: data/tasks/code.jsonl, benchmark: data/benchmarks/code.jsonl}}`.
+Reads tasks whose `answer` holds `tests`, `entry_point` and a reference `solution`; writes nothing.
+The final code is the last fenced python block of the last assistant message; before it the
+`python` tool runs code in the same sandbox. reward: 1.0 when every test passes in the sandbox
+(`stages.envs.sandbox`), else 0.0; a broken sandbox raises `SandboxError`, never a zero.
 
     python -m stages.envs.coding --check data/tasks/code.jsonl data/benchmarks/code.jsonl
         # runs every task's reference solution against its tests: each must pass
+
+Details: docs/environments.md, "How the code environment works (stages/envs/coding.py)".
 """
 
 from __future__ import annotations

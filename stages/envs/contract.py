@@ -1,49 +1,16 @@
 """Bring your own agent: a user's own Python module as an environment, and the checks on it.
 
-An environment is a plain Python module of the user's, named in params.yaml:
-
-    environments:
-      support:                        # the user's name for it
-        module: my_envs.support       # a dotted path from the project folder, or an entry point
-        tasks: data/tasks/support.jsonl
-        benchmark: data/benchmarks/support.jsonl
-        weight: 1.0                   # share of rollouts / training examples
-
-`module` is imported by its dotted path with the project folder (where params.yaml is) first on
-sys.path, so `my_envs/support.py` there is `my_envs.support`; when no such module exists it is
-the name of an entry point in the group `offseason.environments` of an installed package (its
-value: the module, e.g. `support = my_pkg.support`). The module defines:
-
-- `TOOLS`: a list of OpenAI function-tool schemas, `{"type": "function", "function": {"name",
-  "description"?, "parameters": <JSON schema of an object>}}`; may be empty.
-- `call_tool(task, name, arguments) -> str`: the result of one tool call (`arguments`: the parsed
-  JSON object, already valid against the tool's schema). Raise `ToolError` for an error the agent
-  should see and recover from; any other exception is an infrastructure failure, recorded with its
-  cause, never a zero reward. May be left out when TOOLS is empty.
-- `reward(task, messages) -> float | dict[str, float] | None`: the score of an episode (`messages`:
-  the task's messages and the agent's assistant/tool turns); a dict holds named components;
-  None = cannot judge (counted, dropped). A dict may also hold `"hack_suspected": "<reason>"`, a
-  note that the episode tried to game the reward (e.g. it patched the test framework): never a
-  component, counted per cycle in the reward metrics and watched by the gate's `hacking` guard.
-- optional: `reward_group(task, episodes) -> list` (the rewards of every sample of one task, each a
-  result as `reward` returns; the reward stage calls it instead of `reward` where defined, e.g.
-  for a relative judge, `stages/envs/judge.py`), `gold(task) -> list[dict]` (assistant/tool messages that must score full marks: 1.0,
-  or 1.0 in every component), `MAX_TURNS` (an int >= 1: tool calls per episode), `VERSION` (a
-  string recorded with every score), `task_from_trace(messages, tools) -> dict | None` (the task
-  behind a production trace, without `task_id`; None when it has none).
-
-A task is one JSON line: `task_id`, `messages` (OpenAI chat messages, usually the system and user
-turns) and any fields its reward needs (`load_tasks`). A task may carry its own `tools` (the same
-schema list as TOOLS): the tools offered in that task instead of TOOLS, rendered into its prompt
-and checked on its calls, for agents whose tools differ from request to request.
-
+An environment is a plain Python module of the user's, named under params.yaml's `environments:`
+(`module`, `tasks`, `benchmark`, `weight`). It defines `TOOLS`, `call_tool(task, name, arguments)`
+and `reward(task, messages)`, optionally `reward_group`, `gold`, `MAX_TURNS`, `VERSION` and
+`task_from_trace`; a task is one JSON line of its tasks file (`load_tasks`). Writes nothing.
 `load(name, module)` imports and checks a module into an `Environment`; `call` runs a tool call as
 a rollout does; `score` runs the reward and normalises it; `check_gold` checks a task's gold.
 Contract problems raise `ContractError`, naming the environment, the module and the fix.
+The stages read it through params.yaml's `environments:` (validate, rollout, reward,
+champion_scores, gate).
 
-The stages read it through params.yaml's `environments:` section: validate routes traces
-(`Router`), rollout plays the episodes (`stages/generation/chat.py`), reward scores them, and
-champion_scores and gate score each environment's benchmark.
+Details: docs/environments.md, "The environment contract (stages/envs/contract.py)".
 """
 
 from __future__ import annotations

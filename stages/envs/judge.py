@@ -1,43 +1,16 @@
 """An LLM judge: a reward for tasks without ground truth, from any OpenAI-compatible server.
 
-An environment's `reward` calls the project's judge (params.yaml `judge:` for what it computes:
-`model`, `rubric`, the budget; `runtime.judge:` for where it runs: `url`, `api_key_env`,
-`request_timeout`, `retries`):
-
-    from stages.envs import judge
-
-    def reward(task, messages):
-        return judge.score(task, messages)        # pointwise: {"judge": 0.8}, its reasoning kept
-
-    def reward_group(task, episodes):             # optional: all samples of one task at once
-        return judge.rank(task, episodes)         # relative, as OpenPipe ART's RULER judges
-
-- pointwise (`score`): the rubric, the conversation, and a JSON answer `{"reasoning", "score"}`
-  with the score in [0, 1], asked for with `response_format` (a JSON schema);
-- relative (`rank`): every sample of one task in one request, each scored against the others
-  (`{"scores": [{"id", "reasoning", "score"}, ...]}`), which suits GRPO's group advantages.
-
-The benchmark stages (champion_scores, gate) call `for_benchmarks()`: there the judge is the
-held-out one, `judge.benchmark_model` and `judge.benchmark_rubric` where params name them, which
-the training reward never saw, so a policy that games the training judge cannot promote on it.
-
-Each judgment is cached by the hash of (judge model, rubric, mode, conversation(s)) in
-`data/judgments/` (the reward stage's persistent DVC output; `use_cache`), appended as it is paid
-for, so a rerun or a resumed cycle asks again for nothing; the benchmark stages keep theirs likewise
-(`data/champion_judgments/`, `data/gate_judgments/`), each reading the other's too. The model and
-the rubric's hash are recorded with each score, so a changed rubric re-scores. A judge that times
-out, answers 429 or 5xx or with unparseable JSON is retried (`retries`, with `stages.http`'s policy:
-backoff, Retry-After), then raises `JudgeError`, as a refusal or another 4xx does at once: a
-verifier's infrastructure failure, recorded with its cause, never a zero. The budget
-(`judge.max_calls` requests, `judge.max_cost` tokens, per stage run; cache hits are free) raises
-`JudgeBudget`, which stops the stage with what was spent instead of a surprise bill. The reward
-stage asks from several threads (`runtime.judge.concurrency` requests in flight): the counters,
-cache and budget are one per process, and a request starts only while the budget has room for it and
-every request in flight (`Judge._reserve`), so asked concurrently the judge spends no more than
-asked one at a time. It is refused in the reward stage's worker processes (`contract.WORKER`), which
-would each hold a budget of their own.
+An environment's `reward` calls `judge.score(task, messages)` (pointwise, a score in [0, 1]) or its
+`reward_group` calls `judge.rank(task, episodes)` (relative: every sample of one task at once);
+the benchmark stages use the held-out judge (`for_benchmarks()`). Reads params.yaml's `judge:`
+(model, rubric, budget) and `runtime.judge:` (url, api key variable, timeout, retries); writes each
+paid judgment to the calling stage's cache (`data/judgments/`, `data/champion_judgments/`,
+`data/gate_judgments/`). A failed judge raises `JudgeError` (never a zero), a spent budget
+`JudgeBudget`.
 
     python -m stages.envs.judge --url http://127.0.0.1:8000/v1 --model m "What is 2+2?" "4"
+
+Details: docs/environments.md, "How the LLM judge works (stages/envs/judge.py)".
 """
 
 from __future__ import annotations

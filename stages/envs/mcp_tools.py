@@ -1,39 +1,15 @@
 """MCP tools: an environment offers the tools of MCP servers, through the official `mcp` SDK.
 
-    environments:
-      support:
-        module: my_envs.support
-        tasks: data/tasks/support.jsonl
-        mcp:                                   # server name -> how to reach it
-          shop:
-            command: python tools/shop_server.py   # a stdio server, started from the project
-            allow: [lookup_order, refund]          # its tools the agent may call ([] = all)
-            timeout: 30                            # seconds per tools/call
-            memory_mb: 2048                        # its address-space limit
-          docs:
-            url: http://127.0.0.1:9000/mcp         # a Streamable HTTP server already running
-        network: true                            # needed by a url server (loopback too)
-
-Tools reach no network unless their environment says `network: true`: a `url` server without it
-is refused when params.yaml loads (config.environments; loopback included, since offseason cannot
-see where that server reaches), and a stdio server is started inside the code sandbox's limits
-(`sandbox.server_prefix`: RLIMIT_AS `memory_mb`, file size, open files, no core dumps, and a
-network namespace with nothing in it unless `network: true`). A stdio server that exceeds its
-memory or needs the network it does not have exits: it fails to start, or dies mid-rollout, as
-below, naming the server.
-
-The tools come from each server's `tools/list` (as OpenAI function schemas, beside the module's own
-TOOLS); a call goes to its server's `tools/call`. One session per server per process (a rollout
-stage, a gate), opened on first use on a background event loop and closed at exit, never one per
-call. A result the server marks `is_error` is a tool error the agent sees and may recover from
-(`ToolError`); a call past its `timeout`, a server that cannot start or that dies mid-rollout is an
-infrastructure failure (`McpError`, naming the server and the tool): those episodes are errors
-with their cause, never zeros, and the stage says which server.
-
-The module stays the environment's: its `reward`, its `call_tool` for its own TOOLS; a tool name
-both the module and a server offer, or two servers offer, is refused at load (`ContractError`).
+An environment's `mcp:` entry in params.yaml names its servers: a stdio `command` (started inside
+the code sandbox's limits, no network unless `network: true`) or a Streamable HTTP `url` (needs
+`network: true`), each with `allow`, `timeout` and `memory_mb`. Their `tools/list` join the
+module's TOOLS and calls go to `tools/call`, one session per server per process. An `is_error`
+result is a `ToolError` the agent sees; a timeout or a dead server is an `McpError`, an
+infrastructure failure, never a zero. Writes nothing.
 
     python -m stages.envs.mcp_tools "python tools/shop_server.py"     # list a server's tools
+
+Details: docs/environments.md, "MCP servers as tools (stages/envs/mcp_tools.py)".
 """
 
 from __future__ import annotations

@@ -5,21 +5,15 @@
         module: stages.envs.replay
         weight: 1.0
 
-`task_from_trace` turns a validated trace into a task: its messages up to the first assistant turn
-(the system prompt and the user's request), the tools it offered (or, when the log kept none,
-a permissive schema per tool it called), the recorded tool calls with their results, and the
-answer production gave. In a rollout, `call_tool` answers a call whose name and arguments equal a
-recorded one (compared as JSON values, key order aside) with the recorded result (the first one,
-when production made the same call several times); any other call gets a `ToolError` naming the
-calls it could have made, which the agent sees and may recover from: no live system is touched.
-
-The reward: with a judge configured (params.yaml `judge:`, `stages/envs/judge.py`), the judge's
-score of the episode, with production's answer shown to it as a reference; without one, 1.0 when
-the final answer equals production's (whitespace and case aside), else 0.0: the trace's own
-outcome as its ground truth, for agents whose production answers are usually right. A trace with
-no user turn or no final answer is no task (None).
+Reads validated traces: `task_from_trace` makes each a task (its request, its tools, its recorded
+tool calls with their results, production's answer); `call_tool` answers a call equal to a
+recorded one with the recorded result, any other with a `ToolError`: no live system is touched.
+The reward: the judge's score where params.yaml has a `judge:`, else whether the final answer
+equals production's. Writes nothing.
 
     python -m stages.envs.replay data/inbox/traffic-000.jsonl     # the tasks the traces give
+
+Details: docs/environments.md, "How replayed tools work (stages/envs/replay.py)".
 """
 
 from __future__ import annotations

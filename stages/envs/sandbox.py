@@ -4,75 +4,15 @@
     run_code(code) -> Result               # just run it (the coding environment's `<run>` tool)
     python -m stages.envs.sandbox               # say which isolation this machine gives, and probe it
 
-Every run is a fresh process tree under the real interpreter (`os.path.realpath(sys.executable)`,
-never a version manager's shim, in isolated mode `-I`: no PYTHON* variables, no user site; and
-`-S`: no `.pth` file runs, the harness puts site-packages on sys.path itself), in a
-new session (its own process group), with a clean environment (only HOME, TMPDIR, PATH, LANG: no
-inherited variable, so no secret, reaches it), a private temporary directory as cwd and HOME, and
-limits set by util-linux's `prlimit`: CPU seconds, address space, file size, open files, processes,
-no core dumps. A run past its wall-clock limit is killed with all its children (`os.killpg`).
+Reads and writes nothing of the project: every run is a fresh process tree under the real
+interpreter, with a clean environment, a private temporary directory and `prlimit` limits, killed
+with all its children past its wall-clock limit. Isolation (`isolation=`, "auto" by default):
+"bwrap", else "unshare", else refused with `SandboxError` unless `runtime.sandbox.allow_unisolated`
+allows "rlimit"; `require_isolation` checks it before a stage starts. A wrong or hostile answer is
+an outcome ("failed", "timeout", "memory", "killed", "crashed"); our own machinery breaking raises
+`SandboxError`, never a score of zero.
 
-Three kinds of isolation, picked by `isolation=` (RELIABILITY.md states what each guarantees):
-- "bwrap" (bubblewrap, Debian's package `bubblewrap`; `make setup` installs it when run as root):
-  new pid, network, ipc and uts namespaces (the network namespace has only a loopback device that
-  nothing listens on: every connect fails at once, nothing leaves the machine), a new root holding
-  read-only binds of /usr and of the interpreter's prefix and nothing else (no /home, /root, /etc,
-  repository or secrets files), a size-limited tmpfs as the work directory and another as /tmp
-  (writes anywhere else fail: read-only or absent), `--die-with-parent`, and pid 1 of the sandbox
-  taking every process in it down when it ends (a child that calls setsid() cannot outlive the run).
-  When we are root, the sandboxed code runs as a fresh unprivileged uid (random per run, dropped with
-  `setpriv`, capabilities cleared, no_new_privs) because the kernel never enforces RLIMIT_NPROC on
-  uid 0: that is what bounds a fork bomb. When we are not root, bwrap uses a user namespace.
-- "unshare" (where bwrap is missing, as in most container images): the same shape built with
-  util-linux alone (`unshare`, `mount`, `setpriv`: no package to install). New pid, mount,
-  network, ipc and uts namespaces; in the mount namespace a new root on a tmpfs with the same
-  read-only binds as bwrap's, a /proc of the new pid namespace (only the sandbox's processes), a
-  few device nodes, size-limited tmpfs work and /tmp directories; `pivot_root` into it and the
-  old root detached, so nothing of the machine's filesystem is reachable. Then, before any code of
-  the run's: as root, `setpriv` drops to a fresh unprivileged uid and gid (no groups, every
-  capability and the bounding set cleared, no_new_privs); as a user, the namespaces are made in a
-  user namespace of its own and the code runs as the user's own uid in a second one, with no
-  capabilities. Pid 1 of the pid namespace is the set-up's shell, which the code can neither
-  signal nor trace: when the code's process ends, it ends, and with it every process the code
-  left (setsid() included).
-- "rlimit" (no isolation: only where neither of those works, and only when allowed): the limits,
-  the session, the clean environment and the temporary directory; as root, a network namespace
-  where root may create one (`net_namespace_works()`) and an unprivileged uid when the
-  interpreter's installation is world-readable (`drops_root()`). What does NOT hold: the
-  filesystem is the machine's (the code reads whatever its uid can), every process on the machine
-  is visible, and run as root with an interpreter under /root it stays root (it may write and
-  signal anything: RLIMIT_NPROC does not bound a fork bomb); a child that calls setsid() escapes
-  the kill; without root there is no network isolation.
-"auto" (the default) takes bwrap when a probe run works, else "unshare" when a probe run works
-(with a warning), else refuses with SandboxError: model-written code never runs unisolated unless
-`runtime.sandbox.allow_unisolated` is true in params.yaml (`allow_unisolated()`; then "rlimit",
-with a warning in every stage that runs code). `require_isolation` is that check before a stage
-starts (stages/envs/contract.py calls it for every environment that uses this module).
-
-Outcomes: "passed" (every test ran and passed), "failed" (a test failed or errored, or the code did
-not import), "timeout" (wall clock or CPU limit), "memory" (MemoryError under the address-space
-limit), "killed" (ended by a signal, e.g. SIGSEGV; Python ignores SIGXFSZ, so writing past the
-file-size limit raises OSError: "failed"), "crashed" (the code exited the
-harness itself: sys.exit or os._exit before the tests reported). All of those are the candidate's
-doing: a wrong answer. When our own machinery breaks (bwrap or prlimit missing, the interpreter
-cannot start, the harness never came up, a killed run that will not die) `SandboxError` is raised:
-an error with its cause, never a score of zero.
-
-`run_tests` runs two sandboxed processes, each with the limits, each in a sandbox of its own: the
-candidate's (CANDIDATE: imports `solution`, answers calls) and the tests' (TESTER: never imports
-the candidate's code, which is not even in its sandbox; its `solution` module is proxies). A call
-crosses two pipes as data only (the answers JSON, parsed by the tests' side, with tags for tuples,
-sets, bytes, big ints; the requests `marshal` data from the tests' side; exact built-in types
-only, so an object that overrides `__eq__`, an `int` subclass or a `__class__` trick is
-"returned an object of type X", a failed test), and an exception comes back as its nearest
-built-in class. The verdict is the tests' process's report, written with a random nonce it reads
-from stdin into main()'s frame: the candidate's process never holds the nonce or the report fd,
-so patching `unittest`, `builtins` or `json`, forging report lines, exiting 0 early or returning
-objects equal to anything cannot pass (tests/stages/envs/test_reward_hacks.py; RELIABILITY.md, "Reward
-hacking"). What an honest solution has no reason to do (import `unittest`, `gc` or `ctypes`,
-replace a builtin) is noted in `Result.suspect`. Under "rlimit" the two processes are as
-separate as that mode makes any two runs (same uid without the uid drop: see above).
-`run_code` (the `<run>` tool) is one process under HARNESS: it has no verdict to forge.
+Details: docs/environments.md, "How the code sandbox works (stages/envs/sandbox.py)".
 """
 
 from __future__ import annotations

@@ -1,33 +1,13 @@
 """Tool-call tasks: the agent must call the right tool with arguments its JSON schema accepts.
 
-An environment on the contract (stages/envs/contract.py), played by a chat model with its native
-tool calls: `environments: {toolcall: {module: stages.envs.toolcall, tasks:
-data/tasks/toolcall.jsonl, benchmark: data/benchmarks/toolcall.jsonl}}`. Each task line carries its
-own `tools` (the offered tools differ from task to task; TOOLS is empty) and `expected`:
+An environment on the contract (stages/envs/contract.py): `environments: {toolcall: {module:
+stages.envs.toolcall, tasks: data/tasks/toolcall.jsonl, benchmark: data/benchmarks/toolcall.jsonl}}`.
+Reads task lines that carry their own `tools` and `expected` (`{"name", "arguments"}`, arguments
+may be null), and tasks from traces whose assistant called an offered tool (`task_from_trace`);
+writes nothing. The last call is judged; `reward`'s components are `format`, `tool_ok`,
+`right_tool`, `arguments_valid` and `correct`. Pure Python (jsonschema, no torch).
 
-    {"task_id": "...", "messages": [{"role": "user", "content": "What's the weather in Paris?"}],
-     "tools": [<OpenAI tool schemas: {"type": "function", "function": {"name", "parameters"}}>],
-     "expected": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-
-`expected.arguments` may be null: then any arguments the tool's schema accepts are right. The
-contract checks every call against the task's schemas and shows a refused one to the model as a
-tool error, so it may try again (up to MAX_TURNS calls); `call_tool` answers an accepted one
-`{"ok": true}`. The last call is the one judged. The components of `reward`:
-- `format`: there is at least one call and every call's arguments are a JSON object (a malformed
-  call is a tool message answering no call the assistant made);
-- `tool_ok`: every call names an offered tool and its arguments satisfy that tool's schema (what
-  the tool's runtime would accept; checked with `jsonschema`);
-- `right_tool`: the last call names the expected tool; `arguments_valid`: its arguments satisfy
-  that tool's schema;
-- `correct`: right tool and arguments equal to `expected.arguments` (JSON equality), or, when
-  those are null, right tool and schema-valid arguments.
-Unjudgeable (None): a task without usable `tools`/`expected`, an expected tool that is not
-offered, or a tool schema that is not a valid JSON schema. A schema whose `$ref` cannot be resolved
-(there is no network) raises VerifierError: the verifier broke, not the agent.
-
-Tasks come from task files and from ingested traces whose assistant called one of the offered
-tools (`task_from_trace`, the trace's `tools` giving the schemas). Pure Python (jsonschema, no
-torch).
+Details: docs/environments.md, "How tool-call tasks are scored (stages/envs/toolcall.py)".
 """
 
 from __future__ import annotations

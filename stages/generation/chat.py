@@ -1,35 +1,14 @@
 """Chat episodes: a Hugging Face chat model plays a user's environment, token in and token out.
 
-The model sees each turn as its own chat template renders it (`tokenizer.apply_chat_template`
-with the environment's `TOOLS`); its tool calls are read from its text by the parser named as
-vLLM names it (`stages.generation.tool_parsers`), answered by the environment's `call_tool`
-(`stages.envs.contract.call`) and appended as `role: tool` messages, until it answers without a
-call or reaches the turn limit.
+Each turn is rendered by the model's own chat template with the environment's `TOOLS`; its tool
+calls are read by the parser named as vLLM names it (`stages.generation.tool_parsers`) and
+answered by the environment's `call_tool`, until it answers without a call or reaches the turn
+limit. An episode keeps the exact ids the model produced and those injected between its turns,
+never a re-tokenization. A conversation the template refuses ends that one episode
+(`ChatEpisode.ended`, one of `ENDINGS`). `encode` turns a written conversation into ids and a mask
+alike; `rollout` runs the episodes on the transformers backend. Reads and writes no file.
 
-Exact tokens: an episode keeps the ids the model produced (its end-of-turn token included) and
-the ids of everything injected between its turns, never a re-tokenization of the text. What is
-injected after a turn is the text the template puts after the model's end token (Qwen's newline
-after `<|im_end|>`), the tool messages and the next generation prompt, found by rendering the
-conversation before and after the new messages and taking the difference. A template that is not
-prefix-preserving (one that rewrites earlier turns, as Qwen3's drops a turn's empty thinking
-block once another message follows, and Hermes 3's closes a tool result differently once it is not
-the last message) is rendered incrementally instead: the same difference over a fixed two-message
-stub, so earlier tokens never change (`Template.prefix_preserving` says which, probed on the shapes
-of turn a rollout makes: thinking, empty thinking and none, with and without a call, then a tool
-result, an answer and a new question; the rollout reports it). Where the stub's own turn is
-re-rendered too (Qwen3 again), what follows a turn is what follows its end token, found by counting
-end tokens, since a template that rewrites a turn still ends it with its end token.
-
-Fail closed: a conversation the template refuses (its own `raise_exception`, or any error it
-raises on a shape it does not take) ends that one episode, never the batch; `ChatEpisode.ended`
-says how each episode ended, one of `ENDINGS`, and the rollout stage counts them. The model's own
-malformed calls are answered as tool errors and the episode goes on, as are calls whose arguments
-a server could not decode (`bad_arguments`, the openai backend's `api: chat`).
-
-`encode` turns a written conversation (a trace, a gold answer) into ids and the mask of the
-assistant's tokens the same way, turn by turn, so a demonstration and a rollout of the same
-conversation are trained on alike. `rollout` runs the episodes on `generate_ids`, the
-transformers backend's batched core, with one KV cache across the turns.
+Details: docs/agent.md, "How chat episodes keep exact tokens (stages/generation/chat.py)".
 """
 
 from __future__ import annotations

@@ -1,57 +1,14 @@
 """The openai generation backend: chat episodes from OpenAI-compatible completion servers.
 
-Any server with the completions API works (vLLM's `vllm serve`, SGLang, TGI,
-`stages.generation.serve_tiny`). The rollout stage's `chat_rollout` (the `environments:`) plays
-token in, token out over `/completions`, one request per model turn, with the turn's end ids as
-vLLM's `stop_token_ids`. The conversation is rendered and extended by `stages.generation.chat`
-here (the champion's chat template, the tool parser, the environment's `call_tool`); the server
-returns the ids its model chose (`logprobs=1` and vLLM's `return_tokens_as_token_ids`,
-"token_id:N"), end token included as vLLM returns it. So an episode's ids, mask and turns are
-those the transformers backend gives for the same choices, and a server that sends no ids is an
-error, not a guess.
+Any server with the completions API works (vLLM, SGLang, TGI, `stages.generation.serve_tiny`):
+`chat_rollout` plays token in, token out over `/completions`, one request per model turn, the
+conversation rendered here by `stages.generation.chat`; with `runtime.rollout.api: chat` each turn
+is a `/chat/completions` request whose rendering and tool calls are checked against ours. Requests
+are async on `stages.http`'s client and retry policy, to the least-loaded URL. `serve(command,
+...)` starts a server (`runtime.rollout.server_command`) and always stops it. Reads an API key
+from the named environment variable (never logged); writes no file.
 
-With `api="chat"` (`runtime.rollout.api: chat`) each model turn is instead one
-`POST {url}/chat/completions` with the conversation as `messages`, the task's tools as `tools=`
-(`tool_choice: auto`) and vLLM's `return_token_ids`: the server renders the conversation with its
-own chat template and reads the tool calls with its own `--tool-call-parser`. Nothing is taken on
-trust: the server's `prompt_token_ids` must equal the ids of the episode so far (our rendering of
-the task, the ids the model chose, our rendering of the tool results) and its `tool_calls` must be
-the calls `rollout.tool_parser` reads from the ids it returned; either mismatch is an error naming
-the first differing token or call (a template that re-renders earlier turns, a model whose output
-does not re-tokenize to itself, another parser), since training on the server's re-rendering
-would train on tokens the model never chose. The episodes are then the completions ones. One
-exception: a turn whose tool call the server returns with arguments that are not JSON (vLLM's
-Mistral parser passes on what the model left unclosed) is not compared but counted on its episode
-(`bad_arguments`); its calls are read from the ids by `rollout.tool_parser` as on the completions
-path, so a malformed one is answered as a tool error and the episode goes on. A turn with a
-malformed call is sent back as the text the model wrote (`messages` hold calls, not a call that
-failed to parse), so the server renders the model's own tokens.
-
-A task the chat template refuses, or whose prompt fills the model's context, is not sent: its
-episode ends at once with its cause (`stages.generation.chat.ENDINGS`), and the others go on.
-
-Requests: async, on `stages.http`'s client and retry policy (the judge's and the webhook's too), at
-most `concurrency` in flight, each to the least-loaded URL (ties in turn: round-robin), so several
-servers share the work. Timeouts, connection failures, 429 and 5xx are retried with exponential
-backoff and jitter (honouring Retry-After, capped), each retry on the least-loaded URL other than
-the one that failed; any other status fails at once with the server's message. Seeds are per
-request (`seed` + episode + turn), so episodes do not depend on the order requests complete in.
-
-Why httpx and not the official `openai` SDK (which has retries, timeouts and `extra_body` for
-vLLM's fields): measured, the SDK is not within 5 % of a bare httpx client (BENCHMARKS.md, "One
-HTTP client layer against a bare client and the openai SDK", `benchmarks/http_client.py`, 32
-requests in flight: 0.66 to 0.80 of its requests/s against a server answering at once or in
-50 ms, 0.93 at 200 ms, and 1.3 to 2.4 times its client CPU per request), where this client keeps
-pace (0.94 to 1.13, 1.03 to 1.16 times the CPU). Its typed answers would leave vLLM's ids and
-log-probs as untyped extras anyway, and its retries would stay on the URL that failed, not move
-to the least-loaded one.
-
-`serve(command, ...)` starts a server (`runtime.rollout.server_command`, e.g. `.venv-vllm/bin/vllm serve
-{model} --port {port} --host 127.0.0.1`) in its own process group, waits for `GET /health`, and
-always stops it (SIGTERM, then SIGKILL), also on an error or a SIGTERM to the stage.
-
-An API key is read from the environment variable the caller names (default `OPENAI_API_KEY`),
-sent as a Bearer token and never logged.
+Details: docs/gpus.md, "How the openai backend works (stages/generation/openai_backend.py)".
 """
 
 from __future__ import annotations

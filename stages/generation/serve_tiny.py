@@ -1,31 +1,15 @@
 """A small OpenAI-compatible completions server for a local model folder, on CPU.
 
 Serves the demo model (or any Hugging Face causal LM folder) through the transformers backend's
-core (`stages.generation.transformers_backend.generate_ids`), so `rollout.backend: openai` can be tried without vLLM:
+core, so `rollout.backend: openai` can be tried without vLLM. Reads the model folder; writes
+nothing. Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions` and
+`POST /v1/chat/completions`, with vLLM's fields (`return_tokens_as_token_ids`, `stop_token_ids`,
+`return_token_ids`, ...) and its `--tool-call-parser`. Binds 127.0.0.1 by default; there is no
+authentication.
 
     python -m stages.generation.serve_tiny models/champion --port 8000     # then runtime.rollout.urls: http://127.0.0.1:8000/v1
 
-Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions` with what the openai backend
-sends: `prompt` (text or token ids; text is tokenized without adding <bos>, as vLLM does with this
-tokenizer), `max_tokens`, `temperature`, `top_p`, `top_k`, `seed` (per request, honoured in a batch),
-`stop`, `logprobs` (the chosen token's), and vLLM's `include_stop_str_in_output` and
-`return_tokens_as_token_ids` and `stop_token_ids`; the answer carries vLLM's `stop_reason`. As vLLM
-does, a completion ends at the model's end tokens (the tokenizer's eos and the generation config's
-eos ids) or a `stop_token_ids` id, and that token is the last of the completion's ids and log-probs
-(its text, a special token, is skipped); `stop_reason` is None for the tokenizer's eos and the id
-for the others. A prompt plus max_tokens
-longer than the model's context is refused with 400, as vLLM does. Requests that arrive together
-are generated as one batch (grouped by sampling parameters). Binds 127.0.0.1 by default; there is
-no authentication.
-
-`POST /v1/chat/completions`, as vLLM serves it: `messages` and `tools` rendered by the model's own
-chat template (`apply_chat_template(..., add_generation_prompt=True)`, then tokenized without
-special tokens added), `max_tokens` (or `max_completion_tokens`), the sampling fields above,
-`logprobs` (true: the chosen tokens'), `stop_token_ids`, and vLLM's `return_token_ids` (the
-completion's `token_ids` on the choice, the rendered `prompt_token_ids` on the response). Tool calls
-are parsed as `vllm serve --enable-auto-tool-choice --tool-call-parser NAME` parses them (`--tool-call-parser`
-here; without it a request with `tools` and `tool_choice: auto` is refused, as vLLM refuses it)
-and come back as `message.tool_calls`, `finish_reason: tool_calls`.
+Details: docs/gpus.md, "The tiny completions server (stages/generation/serve_tiny.py)".
 """
 
 from __future__ import annotations

@@ -1,58 +1,23 @@
 """Turn a chat model's raw assistant text into OpenAI-shaped tool calls.
 
-A Hugging Face chat model (Qwen, Llama, Mistral) does not return tool calls: it writes them into
-its text, each family in its own format. The parsers here are named as vLLM names them
-(`--tool-call-parser`), so a `rollout.tool_parser` setting means the same thing in both places:
-
-- `hermes` (Qwen2.5, Hermes 2 Pro; hermes_tool_parser.py in vLLM): any number of
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the text before the first one
-  is the content. A block the model did not close (it stopped at end-of-sequence) still counts.
-- `llama3_json` (Llama 3.x; llama_tool_parser.py): an optional `<|python_tag|>`, then one JSON
-  object `{"name": ..., "parameters": {...}}` (or `"arguments"`), or several separated by `;`.
-  As in vLLM, the objects may sit inside prose; an object that names no tool call key (`name`,
-  `parameters`, `arguments`) is prose, not a call.
-- `mistral` (mistral_tool_parser.py): `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}`
-  (tokenizers before v11), or `[TOOL_CALLS]name{...}`, repeated for each call (v11 and later).
-
-Each parser returns a `Parsed`: the content (the text outside the calls, stripped; None when
-nothing is left), the well-formed calls, and one message per malformed call (bad JSON, no name,
-arguments that are not an object) saying what was wrong, so the rollout can answer the model with
-a tool error instead of crashing. Calls are numbered `call_0`, `call_1`, ... in the order they
-appear among the well-formed ones; an error message names the attempted call by its position
-among all the turn's attempts (the first attempt is "tool call 0").
-
-On every other case of vLLM's own parser tests (tests/tool_parsers/ in vllm-project/vllm;
-tests/stages/generation/test_tool_parsers.py holds them, each naming its vLLM test) the calls and content are vLLM's.
-Where we differ, on purpose: a rollout answers the model, so a call it got wrong is shown to it as
-a tool error (one message per malformed call) rather than passed on as text or dropped unseen, and
-what it wrote around a call stays its content. Each difference, with the vLLM test it departs from:
-
-1. Invalid JSON in a call is an error, and the turn's other calls still count; vLLM gives up on the
-   turn and returns it all as content (hermes `test_hermes_parser_non_streaming_tool_call_invalid_json`,
+Parsers named as vLLM names them (`--tool-call-parser`): `hermes`, `llama3_json`, `mistral`. Each
+returns a `Parsed`: the content, the well-formed calls and one message per malformed call, so the
+rollout answers the model with a tool error. `detect` picks the parser a chat template implies
+(`rollout.tool_parser: auto`). Reads and writes no file. On vLLM's own parser tests the calls and
+content are vLLM's. Each difference, with the vLLM test it departs from:
+1. Invalid JSON in a call is an error (hermes `test_hermes_parser_non_streaming_tool_call_invalid_json`,
    llama3_json `test_extract_tool_calls_invalid_json`).
-2. A call object without a name is an error; vLLM returns the text as content (llama3_json
-   `test_extract_tool_calls_missing_name_key`).
-3. A call without arguments gets `{}`; vLLM drops it, returning the text as content (llama3_json
-   `test_extract_tool_calls_missing_parameters_and_arguments_key`).
-4. Arguments given as a string must hold a JSON object, else it is an error; vLLM passes any other
-   string on as a JSON string (hermes `test_hermes_parser_non_streaming_bare_string_arguments`).
-5. llama3_json keeps the prose around the JSON calls as the content; vLLM drops it (content None,
-   `test_extract_tool_calls_simple`).
-6. mistral: `[TOOL_CALLS]` followed by no call is an error; vLLM returns the rest as content
-   (`test_extract_tool_calls_pre_v11_regex_fallback_fails`).
-7. mistral (v11): arguments left unclosed are an error; vLLM returns the cut-off arguments, which
-   are not JSON, as the call's (`test_extract_tool_calls`, "complex").
-8. mistral (v11): a tool name with no arguments is an error; vLLM skips the call silently
-   (`test_extract_tool_calls_v11_without_args_skipped`).
-9. mistral (before v11): several `[TOOL_CALLS]` lists are read in turn; vLLM raises
-   (`test_extract_tool_calls_pre_v11_multiple_bot_tokens_raises`).
-10. Calls are numbered `call_0`, `call_1`, ... in the turn; vLLM's ids are random (`chatcmpl-tool-`
-    and 24 characters; nine letters and digits for Mistral).
+2. A call without a name is an error (`test_extract_tool_calls_missing_name_key`).
+3. A call without arguments gets `{}` (`test_extract_tool_calls_missing_parameters_and_arguments_key`).
+4. String arguments must hold a JSON object (`test_hermes_parser_non_streaming_bare_string_arguments`).
+5. llama3_json keeps the prose around the calls as content (`test_extract_tool_calls_simple`).
+6. mistral: `[TOOL_CALLS]` and no call is an error (`test_extract_tool_calls_pre_v11_regex_fallback_fails`).
+7. mistral (v11): unclosed arguments are an error (`test_extract_tool_calls`, "complex").
+8. mistral (v11): a name without arguments is an error (`test_extract_tool_calls_v11_without_args_skipped`).
+9. mistral: several `[TOOL_CALLS]` lists are read in turn (`test_extract_tool_calls_pre_v11_multiple_bot_tokens_raises`).
+10. Calls are numbered `call_0`, `call_1`, ... in the turn; vLLM's ids are random.
 
-A trailing end-of-turn marker (`<|im_end|>`, `<|eot_id|>`, `</s>`, ...) is ignored, so text
-decoded with special tokens kept can be passed as it is.
-
-`detect` picks the parser a chat template implies (`rollout.tool_parser: auto`).
+Details: docs/agent.md, "How the tool parsers read calls (stages/generation/tool_parsers.py)".
 """
 
 from __future__ import annotations

@@ -1,44 +1,14 @@
 """PII and secret scrubbing, applied to every string of a trace before anything is written downstream
 (its messages, tools, feedback and usage, keys and whole numbers too, its ids and model name).
 
-Kinds, each switched on or off by `ingest.scrub_<kind>s` in params.yaml:
+Kinds, each switched on or off by `ingest.scrub_<kind>s` in params.yaml: `secret` (provider keys,
+JWTs, auth headers, URL passwords, PEM keys, secret assignments), `email`, `card` (Luhn-checked),
+`ip` and `phone`, each replaced by a numbered placeholder (`<SECRET_n>`, `<EMAIL_n>`, ...) that
+stays the same for the same value inside a trace. Secrets go first. Plain placeholders
+(`ghp_xxxx...`, `${VAR}`, `changeme`) and code that names a secret without holding one are left
+alone. Reads and writes no file: ingest calls it.
 
-| kind   | what                                                              | placeholder  |
-|--------|-------------------------------------------------------------------|--------------|
-| secret | provider keys, JWTs, auth headers, URL passwords, PEM keys, secret assignments (below) | `<SECRET_n>` |
-| email  | e-mail addresses (not a mailing list's: `python-dev@python.org`)  | `<EMAIL_n>`  |
-| card   | payment card numbers, 13 to 19 digits, only if the Luhn check passes | `<CARD_n>` |
-| ip     | IPv4, IPv6 (by `ipaddress`, never in code: `std::move`; whole: `fe80::1%eth0/64`), `::1`; no netmask | `<IP_n>` |
-| phone  | `+` and a number its country's plan allows (`phonenumbers`), 3 digit groups, after a trunk 0 (below) | `<PHONE_n>` |
-
-Secrets: the keys of the providers gitleaks covers, by their prefix (OpenAI, Anthropic, AWS,
-GitHub, GitLab, Slack tokens and webhooks, Google, Stripe, Hugging Face, npm, PyPI, SendGrid,
-Twilio, Vault, Docker and some 70 more: `_TOKENS`); JWTs, signed or not; `Bearer`, `Basic` and
-`Token` headers; passwords in URLs (`redis://:pw@host`, `@` in them too), Go DSNs, after
-`curl -u` and given to commands (`--password pw`, `--token tok`, `sshpass -p`, `mysql -ppw`);
-Telegram bots' URLs; PEM private keys, body and all, and PuTTY's; and a random-looking value assigned to a
-name that says secret (`password = "..."`, `API_TOKEN: ...`, `"client_secret": "..."`; a chosen
-password such as `DB_PASSWORD=Welcome1!` too; only the value goes, the name stays; not a key's
-name, id or path: `key_name`, `kms_key_id`, `password_file`). Found by their context, whatever
-their shape (issue 54, as detect-secrets' keyword plugin does): a quoted value given to or
-compared with a name that says password, secret or key (`api_key: 'value with spaces'`,
-`if ("..." == passwd)`, `secret("...")`).
-
-Phone numbers: `+` and 8 to 15 digits that `phonenumbers` finds possible in that country's plan;
-three digit groups (`(415)555-0132`, `91-415-555-0132`); a national number after the trunk prefix 0
-(`05321234567`, `020 7946 0958`, `09-7625400`); a mobile (`13812345678`). IPv6 with its IPv4 tail,
-zone and prefix length (`::ffff:10.0.0.1`, `fe80::1%eth0/64`), all of it.
-
-Placeholders are consistent inside a trace: the same address becomes the same placeholder, so a
-conversation still reads sensibly ("mail <EMAIL_1>... sent to <EMAIL_1>"). Secrets go first: a key
-can contain digit runs that look like phone or card numbers.
-
-A secret is not scrubbed when it is plainly a placeholder: low entropy (`ghp_xxxx...`), a run of
-the alphabet (`AIzaSyabcdefghij...`), `EXAMPLE`, `${VAR}`, `changeme`; nor is code that names a
-secret without holding one (`password = get_password()`, `token = request.headers[...]`). How
-often each rule is right is measured on the peers' own cases and on clean code, through ingest,
-on a part the rules are tuned on and a part held out (issue 54): benchmarks/scrub_heldout.py,
-tests/stages/traces/test_pii_peers.py and tests/fixtures/pii/README.md.
+Details: docs/traces.md, "How PII and secrets are scrubbed (stages/traces/pii.py)".
 """
 
 from __future__ import annotations

@@ -3,26 +3,11 @@
 Each reader in `stages/traces/sources/` turns its format into a normalized trace (a dict: `trace_id`,
 `model`, `created_at`, `messages` as OpenAI chat messages, `tools`, `feedback`, `usage`);
 `make_row` scrubs it, hashes it and flattens it into one Parquet row of this schema (nested parts
-as JSON strings, since Parquet readers and Great Expectations handle flat columns best):
+as JSON strings): `trace_id`, `source_file`, `source_line`, `format`, `content_hash` (the
+duplicate key), `model`, `created_at`, `conversation_id`, `messages`, `tools`, `feedback`,
+`usage`, `user_text`, `n_messages`, `n_tool_calls`, `thumbs_up`. Reads and writes no file.
 
-| column         | type        | meaning                                                           |
-|----------------|-------------|-------------------------------------------------------------------|
-| trace_id       | str         | the source's own id (lineage audits and deletion requests follow it); `<file>:<line>` if it had none |
-| source_file    | str         | inbox file name                                                   |
-| source_line    | int         | 1-based line of the file where the trace starts (item number in a JSON-array file) |
-| format         | str         | `openai-chat`, `openai-responses`, `otel-genai`, `openinference`, `langfuse`, `langsmith` |
-| content_hash   | str         | sha256 of the normalized, scrubbed messages: the duplicate key   |
-| model          | str or null | the model that answered                                           |
-| created_at     | str or null | timestamp, ISO 8601 where the source allowed                      |
-| conversation_id| str or null | the session or conversation the trace belongs to, if the source says |
-| messages       | str (JSON)  | OpenAI chat messages, scrubbed (see `stages/traces/sources/openai_chat.py`) |
-| tools          | str (JSON)  | tool schemas offered (chat `tools` shape), or `[]`                |
-| feedback       | str (JSON)  | outcome and feedback signals: `thumbs_up`, `scores`, `error`; `{}` if none |
-| usage          | str (JSON)  | token counts, e.g. `{"input_tokens": 12, "output_tokens": 3}`    |
-| user_text      | str or null | the first user message, scrubbed                                  |
-| n_messages     | int         |                                                                   |
-| n_tool_calls   | int         |                                                                   |
-| thumbs_up      | bool or null| the thumbs signal, where there was one                            |
+Details: docs/traces.md, "The normalized trace schema (stages/traces/schema.py)".
 """
 
 from __future__ import annotations

@@ -1,55 +1,13 @@
 """Langfuse exports (traces, observations, scores) mapped onto the normalized trace form.
 
-Format. The objects of Langfuse's public API (OpenAPI spec at
-cloud.langfuse.com/generated/api/openapi.yml: `TraceWithFullDetails`, `Observation`, `Score`), as
-the API and the UI's export write them, in a JSON array or JSONL, in any mix:
+Reads the objects of Langfuse's public API (traces, observations, scores) as the API and the UI's
+export write them, in a JSON array or JSONL in any mix, plus the UI's "Download JSON" of one trace
+and pages of the list endpoints. Records are grouped by Langfuse trace id; the conversation comes
+from the GENERATION observations joined by prefix matching, with the agent frameworks' own shapes
+read too (Vercel AI SDK, LlamaIndex, pydantic-ai, Koog, LangChain, Agno, Claude Agent SDK, ...).
+Usage, model, scores, the root's error and `sessionId` fill the rest. Writes nothing.
 
-- trace: `{"id", "timestamp", "name", "input", "output", "sessionId", "userId", "metadata",
-  "tags", "observations", "scores"}`; `GET /traces/{id}` nests the observation and score
-  objects, the trace list gives their ids only (which are ignored; the objects must then be
-  records of their own);
-- observation: `{"id", "traceId", "type": "GENERATION" | "SPAN" | "EVENT" | "AGENT" | "TOOL" |
-  ..., "name", "startTime", "model", "input", "output", "usage" | "usageDetails", "level",
-  "statusMessage", "parentObservationId"}`;
-- score: `{"traceId", "observationId", "name", "value", "stringValue", "dataType": "NUMERIC" |
-  "CATEGORICAL" | "BOOLEAN"}`.
-
-Also the UI's "Download JSON" of one trace (`{"trace": {...}, "observations": [...]}`) and
-pages of the list endpoints (`{"data": [...], "meta": {...}}`). Observations Langfuse made
-from OpenTelemetry spans keep the span's attributes in `metadata.attributes` (metadata, input
-and output often stored as JSON text, sometimes encoded twice): GenAI parts-form messages in
-`input` / `output`, `gen_ai.system_instructions` -> a leading system message,
-`gen_ai.tool.definitions` -> tools; an OpenInference span's messages are read from its
-`llm.input_messages.*` / `llm.output_messages.*` attributes (`openinference.call_of`).
-
-Mapping. Records are grouped by Langfuse trace id, which becomes `trace_id` unchanged. The
-conversation comes from the GENERATION observations in `startTime` order, joined by prefix
-matching (each generation's input repeats the history so far; see `messages.join_calls`).
-A generation's `input` is a list of chat messages, `{"messages": [...], "tools": [...]}` (the
-OpenAI integration when tools are passed) or a prompt string; its `output` an assistant message
-(OpenAI dict, or LangChain's with `tool_calls` as `{"name", "args", "id"}`), a `choices` response
-or a string. The LangChain callback handler appends the tools offered to the input as
-`{"role": "tool", "content": <tool schema>}`: those become `tools`, not messages. The agent
-frameworks' own shapes, as Langfuse's published downloads of their traces show them
-(langfuse/langfuse `worker/src/__tests__/chatml/framework-traces/`, copied into
-`tests/fixtures/traces/langfuse_frameworks/`), are read too: the Vercel AI SDK's
-`{"system", "prompt"}` input and tool-call list output, LlamaIndex's `{"args": [prompt]}`,
-pydantic-ai's GenAI events (`gen_ai.choice`), Koog's tool calls written as JSON text,
-LangChain JS's tool results named by the tool, Microsoft.Extensions.AI's reasoning parts
-(see `_framework_message`), and Agno's OpenInference spans, which leave out the assistant's
-tool-call message and the output messages (see `_fill_dropped`). LangSmith's Claude Agent SDK
-integration records each assistant message of a query as a generation of its own whose input
-holds no history (after the first): those turns continue the call before them, with the TOOL
-observations between them as the tool results (see `_add_turn`); the Vercel AI SDK's
-`ai.generateText` wrapper is left out for the provider calls under it. `usageDetails`
-(`input` plus its `input_*` parts, likewise `output`; else `usage`) -> `usage`, summed over the
-generations; the `model` of the
-last generation in the conversation -> `model`; scores -> `feedback["scores"]` (`{name: value}`,
-BOOLEAN as bool, CATEGORICAL as its label); the `statusMessage` of a root observation (no parent
-in the trace) at level ERROR -> `feedback["error"]`. Scores of sessions or dataset runs (no
-`traceId`) are not about one trace and are skipped. The trace's `sessionId` ->
-`conversation_id` (None when the file has no trace record for it, or it has no session);
-`userId` has no place in the normalized form.
+Details: docs/traces.md, "Reading Langfuse exports (stages/traces/sources/langfuse.py)".
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """LangSmith runs exports mapped onto the normalized trace form.
 
-Format. LangSmith's run records (docs.langchain.com/langsmith/run-data-format), one JSON object
-per run, as `Client.list_runs` / the runs API / a bulk export write them: `{"id", "trace_id",
-"parent_run_id", "dotted_order", "run_type": "llm" | "chain" | "tool" | ..., "name",
-"start_time", "inputs", "outputs", "error", "extra": {"invocation_params": {"model", "tools"},
-"metadata": {"ls_model_name"}}, "feedback_stats", "prompt_tokens", "completion_tokens"}`.
+Reads LangSmith's run records, one JSON object per run, as `Client.list_runs`, the runs API or a
+bulk export write them. Runs are grouped by `trace_id`; the conversation comes from the `llm`
+runs (LangChain or OpenAI message shapes) in `start_time` order, joined by prefix matching; tools,
+model, token usage, the root's error, `feedback_stats` and the thread id fill the rest of the
+normalized trace. Writes nothing: ingest calls it.
 
-An `llm` run's `inputs` is `{"messages": [[...]]}` (LangChain: one list per prompt of the
-batch) or `{"messages": [...]}` (the OpenAI wrapper, with `tools` beside it); the messages are
-OpenAI chat dicts or LangChain ones, serialized (`{"lc": 1, "type": "constructor", "id":
-["langchain", "schema", "messages", "AIMessage"], "kwargs": {"content", "tool_calls": [{"name",
-"args", "id"}], "tool_call_id", "usage_metadata"}}`) or as `{"type": "ai", "data": {...}}`.
-Its `outputs` is `{"generations": [[{"text", "message"}]], "llm_output": {"token_usage",
-"model_name"}}`, an OpenAI response (`choices`, `usage`, `model`) or `{"messages": [...]}`.
-
-Mapping. Runs are grouped by `trace_id` (the root run's id; runs without one are placed by
-following `parent_run_id`), which becomes `trace_id` unchanged. The conversation comes from the
-`llm` runs in `start_time` order, joined by prefix matching (each run's input repeats the
-history so far; see `messages.join_calls`). Tools offered (`extra.invocation_params.tools`,
-else `inputs.tools`) -> `tools`; the model that answered (`llm_output.model_name`, the response's
-`model`, else the requested `invocation_params.model` or `metadata.ls_model_name`) -> `model`;
-tokens (`llm_output.token_usage`, else the run's `prompt_tokens` / `completion_tokens`, the
-response's `usage` or the message's `usage_metadata`) -> `usage`, summed over the llm runs; the
-first line of a root run's `error` (a root: no parent in the trace) -> `feedback["error"]`;
-`feedback_stats` (`{key: {"n", "avg", "values"}}`, of any run, the root's winning) ->
-`feedback["scores"]` as `{key: avg}`, or the label when a categorical key has a single one.
-The thread the trace belongs to (LangSmith groups runs into threads by the metadata key
-`thread_id`, `session_id` or `conversation_id`, read from `extra.metadata` in that order, of a
-root run first, else of the other runs in start order) -> `conversation_id`.
+Details: docs/traces.md, "Reading LangSmith runs exports (stages/traces/sources/langsmith.py)".
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
 """OpenAI Responses API exports, one JSON object a line, mapped onto the normalized trace form.
 
-A line is either a Response object as `GET /v1/responses/{id}` returns it (`"object": "response"`,
-`id`, `model`, `created_at` in Unix seconds, `instructions`, `output`, `usage`, `tools`, `status`,
-`error`, `incomplete_details`; some exports add the request's `input`) or a bare
-`{"id": ..., "input": [...], "output": [...]}`. `input` is a string (one user message) or a list
-of items; `output` is a list of items. The items read are:
+Reads a line that is a Response object as `GET /v1/responses/{id}` returns it, or a bare
+`{"id", "input", "output"}`; the items read are `message`, `function_call`,
+`function_call_output` and `reasoning`. Other item types (hosted tools, images, files, audio) are
+refused rather than silently truncated. `instructions` becomes a leading system message, function
+`tools` are nested into the chat shape, `usage` kept, a failed response recorded as
+`feedback["error"]`, the `conversation` -> `conversation_id`. Writes nothing: ingest calls it.
 
-- `message` (`role` user/system/developer/assistant; `content` a string or a list of
-  `input_text` / `output_text` / `refusal` parts). An input item with a `role` and no `type`
-  (the API's "easy input message") counts as a message too.
-- `function_call` (`call_id`, `name`, `arguments` as a JSON string) -> an assistant `tool_calls`
-  entry; calls in a row, or right after an assistant message, share one assistant message, as
-  chat completions returns text and tool calls in one turn.
-- `function_call_output` (`call_id`, `output` a string or a list of `input_text` parts) -> a
-  `tool` message; its `call_id` must name an earlier `function_call`.
-- `reasoning` (`content` of `reasoning_text` parts where the model exposes raw reasoning, else
-  `summary` of `summary_text` parts) -> `reasoning_content` on the next assistant message.
-
-Other item types (hosted tools such as `web_search_call`, `computer_call`, `mcp_call`, custom
-tools, `item_reference`) and non-text content parts (images, files, audio) have no chat
-completions equivalent, so a record holding one is refused rather than silently truncated.
-
-`instructions` becomes a leading `system` message; function `tools` (flat in the Responses API:
-`{"type": "function", "name", "description", "parameters", "strict"}`) are nested into the chat
-shape, hosted tools are dropped. `usage` keeps `input_tokens`, `output_tokens`, `total_tokens`
-and the `input_tokens_details.cached_tokens` / `output_tokens_details.reasoning_tokens` details
-as `cached_input_tokens` / `reasoning_tokens`. A failed or incomplete response is recorded as
-`feedback["error"]`, next to any `feedback` object the export carries. The `conversation` the
-response belongs to (a `conv_...` id, or an object with `id`) -> `conversation_id`, else None;
-`previous_response_id` links responses, not a conversation, and is not read.
+Details: docs/traces.md, "Reading OpenAI Responses API exports (stages/traces/sources/openai_responses.py)".
 """
 
 from __future__ import annotations

@@ -1,50 +1,13 @@
 """OpenInference spans, as Arize Phoenix exports them, mapped onto the normalized trace form.
 
-Format. OpenInference (github.com/Arize-ai/openinference: `spec/semantic_conventions.md`,
-`spec/llm_spans.md`, `spec/tool_calling.md`) is a set of OpenTelemetry span attributes for LLM
-applications. Lists of objects are flattened with zero-based indices, so one chat message is
-`llm.input_messages.<i>.message.role` / `.message.content` / `.message.contents.<j>.
-message_content.type|text` / `.message.tool_calls.<k>.tool_call.id|function.name|
-function.arguments` / `.message.tool_call_id`, and the same under `llm.output_messages.`.
+Reads OTLP JSON, Phoenix's span JSON (or rows with `attributes.<name>` columns) and Phoenix
+annotations, a file may mix them; OpenInference's flattened attributes
+(`llm.input_messages.<i>.message.*`, `llm.output_messages.`, `llm.tools`, `llm.token_count.*`)
+are mapped onto the normalized trace, one per trace id, the `LLM` spans joined by prefix
+matching. A message hidden as `__REDACTED__` is refused (`NoContent`); image, audio and video
+parts raise `BadRecord`. Writes nothing: ingest calls it. Shared helpers are in `messages.py`.
 
-Accepted records (one parsed JSON value each; a file may mix them):
-
-- OTLP JSON, as the OpenTelemetry Collector's file exporter writes it:
-  `{"resourceSpans": [{"scopeSpans": [{"spans": [...]}]}]}`, each span with hex `traceId` /
-  `spanId` / `parentSpanId`, `startTimeUnixNano` and attributes as
-  `[{"key": ..., "value": {"stringValue" | "intValue" | ...: ...}}]`.
-- One span as Phoenix's span JSON: `context.trace_id` / `context.span_id`, `parent_id`,
-  `span_kind`, `start_time` (ISO 8601), `status_code` / `status_message`, and `attributes` as a
-  flat dict of dotted keys or nested dicts (lists of objects as JSON lists, e.g.
-  `{"llm": {"input_messages": [{"message": {"role": ...}}]}}`); pandas-style rows with
-  `attributes.<name>` columns are read too.
-- A Phoenix span or trace annotation (`{"span_id" | "trace_id", "name", "result": {"label",
-  "score"}}`), the shape of Phoenix's annotations API.
-
-Mapping. Spans are grouped by trace id into one normalized trace whose `trace_id` is the
-OTel trace id exactly as written. The conversation comes from the `LLM` spans
-(`openinference.span.kind`) in start-time order; every such span repeats the history so far in
-its input, so calls are joined by prefix matching (`join_calls`): a call whose input starts with
-a conversation seen so far extends it, one that only repeats it (a framework span and the client
-span nested in it record the same call) adds nothing, and one that shares no prefix (a router
-or judge call) starts another conversation; the longest one is the trace. `llm.tools.<i>.tool.
-json_schema` -> `tools`; `llm.model_name` -> `model`; `llm.token_count.prompt` / `.completion`
--> `usage` (summed over all LLM calls but the repeats); `annotations.<i>.annotation.*` and
-`evaluations.<i>.evaluation.*` (also `trace.`-prefixed) and annotation records -> `feedback
-["scores"]` (score, else label); an `ERROR` status on a root span (one whose parent is not in the
-trace) -> `feedback["error"]`. `session.id` (of the first span in start order that has one)
--> `conversation_id`; `user.id` has no place in the normalized form.
-
-A trace with a message whose text OpenInference hid (`__REDACTED__`, its `hide_input_text` /
-`hide_output_text`) is refused (`NoContent`), the fix naming the setting that hid it by where the
-placeholder is (`llm.input_messages` or `llm.output_messages`).
-
-Reasoning parts (`message_content.type == "reasoning"`) become the assistant message's
-`reasoning_content`. Image, audio and video parts raise `BadRecord`: the normalized content is
-text, and dropping them would leave a conversation that refers to something it no longer has.
-
-The message shapes, tool schemas, time stamps and the joining of LLM calls into one conversation,
-which `langfuse.py` and `langsmith.py` share with this module, are in `messages.py`.
+Details: docs/traces.md, "Reading OpenInference spans (stages/traces/sources/openinference.py)".
 """
 
 from __future__ import annotations

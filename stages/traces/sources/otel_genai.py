@@ -1,55 +1,14 @@
 """OpenTelemetry GenAI traces, as OTLP JSON, mapped onto the normalized trace form.
 
-The file is what the OpenTelemetry Collector's file exporter writes (one `TracesData` JSON object,
-or one a line): `resourceSpans[].scopeSpans[].spans[]`, each span with hex `traceId` / `spanId` /
-`parentSpanId`, `startTimeUnixNano` (a decimal string), `status` and `attributes` as
-`[{"key": ..., "value": {"stringValue" | "intValue" | "doubleValue" | "boolValue" | "arrayValue" |
-"kvlistValue": ...}}]`. Spans are grouped by `traceId`; each trace that holds GenAI content
-becomes one normalized trace whose `trace_id` is the OTel trace id. Traces with no GenAI span at
-all (health checks, plain HTTP) are skipped; a trace whose model calls (a `chat`-like operation,
-Semantic Kernel's `chat.completions`, OpenLLMetry's `llm.request.type` chat) recorded no messages
-is refused (`NoContent`: quarantined, naming the instrumentation's content-capture switch), and
-so is one that recorded placeholders instead: a message of only `<elided>` (Google ADK's and
-opentelemetry-instrumentation-google-genai's log events with capture off; `schema.PLACEHOLDERS`),
-or a text part with no `content` (Pydantic AI's `include_content=False`). The spans' scope names
-the instrumentation where it is one of `_CAPTURE_BY_SCOPE`, and the fix is then its own setting.
+Reads what the OpenTelemetry Collector's file exporter writes (OTLP JSON `TracesData`, one object
+or one a line); spans are grouped by `traceId` into one normalized trace each, from the GenAI
+semantic conventions' span attributes (`gen_ai.input.messages`, `gen_ai.output.messages`,
+`gen_ai.tool.definitions`, `gen_ai.usage.*`, ...) and their older names (OpenLLMetry's flattened
+`gen_ai.prompt.N.*`). Traces with no GenAI span are skipped; one whose model calls recorded no
+content, or only placeholders, is refused (`NoContent`, naming the capture switch). The
+conversation is assembled from the model-call spans by prefix matching. Writes nothing.
 
-Span attributes read (GenAI semantic conventions, `docs/gen-ai/gen-ai-spans.md`):
-
-- `gen_ai.input.messages` / `gen_ai.output.messages`: JSON strings, or structured values, per the
-  input/output messages JSON schemas: `[{"role", "parts": [{"type": "text", "content"},
-  {"type": "tool_call", "id", "name", "arguments"}, {"type": "tool_call_response", "id",
-  "response"}, {"type": "reasoning", "content"}, ...], "finish_reason"}]`.
-- `gen_ai.system_instructions` (a list of text parts) -> a leading `system` message.
-- `gen_ai.tool.definitions` (flat `{"type": "function", "name", "description", "parameters"}`)
-  -> chat `tools`.
-- `gen_ai.response.model`, else `gen_ai.request.model` -> `model`.
-- `gen_ai.usage.input_tokens` / `output_tokens` / `cache_read.input_tokens` /
-  `reasoning.output_tokens` -> `usage` (summed over the model calls of the trace).
-- `gen_ai.operation.name`: `chat` / `text_completion` / `generate_content` spans are the model
-  calls; `invoke_agent` spans may repeat the agent's input and final answer, so they are read
-  only when a trace has no model-call span with content.
-- the `status` of the root span (else of the last model call) -> `feedback["error"]`, and
-  `gen_ai.evaluation.result` span events (`gen_ai.evaluation.name`,
-  `gen_ai.evaluation.score.value` / `.label`) -> `feedback["scores"]`.
-- `gen_ai.conversation.id` (of any span of the trace, the first in start order that has one)
-  -> `conversation_id`.
-
-Older names are accepted too: `gen_ai.system` (for `gen_ai.provider.name`),
-`gen_ai.usage.prompt_tokens` / `completion_tokens`, and `gen_ai.prompt` / `gen_ai.completion`,
-either as JSON strings of chat-style messages (also when carried by the `gen_ai.content.prompt`
-/ `gen_ai.content.completion` span events of semconv 1.26) or flattened by index the way
-OpenLLMetry writes them (`gen_ai.prompt.0.role`, `gen_ai.prompt.0.content`,
-`gen_ai.prompt.2.tool_call_id`, `gen_ai.completion.0.tool_calls.0.name` / `.id` /
-`.arguments`), with OpenLLMetry's `llm.request.functions.N.*` for the tools offered.
-
-Every model-call span repeats the conversation so far in its input, so the conversation is
-assembled by prefix matching: a span whose input starts with a conversation already seen
-extends it with the new input and its output (keeping reasoning the earlier output carried,
-which inputs do not echo); a span that shares only part of one (a retry, a rewritten history)
-forks it, and a span sharing nothing with any (a sub-agent, a side call) starts another. The
-longest conversation is the trace (the latest on a tie); the others are dropped.
-Only the first output message is used: the spec makes each one a separate choice.
+Details: docs/traces.md, "Reading OpenTelemetry GenAI traces (stages/traces/sources/otel_genai.py)".
 """
 
 from __future__ import annotations
