@@ -363,7 +363,7 @@ def history_rows(root: Path) -> list[dict]:
     """One row per generation (git tag gen-N) from its committed metrics and the promotion log."""
     from flows.audit.lineage import approver_of
 
-    rows = []
+    rows, committed = [], []  # committed: each generation's commit time (ISO)
     for generation in generations(root):
         tag = f"gen-{generation}"
         promotion = read_at(root, tag, "metrics/promotion.json") or {}
@@ -380,18 +380,18 @@ def history_rows(root: Path) -> list[dict]:
             decided = (promotion.get("decision") or {}).get("decision")
             verdict = "promoted" if promotion.get("promoted") else \
                 {"rejected": "declined", "timeout": "timed out"}.get(decided, "rejected")
-        date = git(root, "log", "-1", "--format=%cs", tag)
+        committed.append(git(root, "log", "-1", "--format=%cI", tag))  # the date; rollbacks
         ledger = read_at(root, tag, "metrics/cost.json") or {}
         if (ledger.get("stages") or {}).get("ingest", {}).get("reused"):
             traces = 0  # ingest did not run (a cycle for a changed module): its metrics are old
         spent = ledger.get("total") or {}
-        rows.append({"tag": tag, "date": date, "new_traces": traces, "score": score,
+        rows.append({"tag": tag, "date": committed[-1][:10], "new_traces": traces, "score": score,
                      "cost_usd": spent.get("usd"), "cpu_seconds": spent.get("cpu_seconds"),
                      "champion_score": champ, "difference_interval": interval,
                      "verdict": verdict, "model_version": promotion.get("model_version"),
                      "promoted": promotion.get("promoted", False),
                      "approver": approver_of(promotion)})
-    attach_rollbacks(root, rows)
+    attach_rollbacks(root, rows, committed)
     current = max((i for i, r in enumerate(rows) if r["promoted"]), default=None)
     if (root / "promotions.jsonl").exists():  # the promotion log knows about rollbacks
         from flows.orchestration.promotion import champion_generation
@@ -406,7 +406,7 @@ def history_rows(root: Path) -> list[dict]:
     return rows
 
 
-def attach_rollbacks(root: Path, rows: list[dict]) -> None:
+def attach_rollbacks(root: Path, rows: list[dict], committed: list[str]) -> None:
     """Each generation's row gets `rollbacks`: the champion changes `offseason rollback` made
     after its cycle and before the next one (from, to, when, who, why), from the promotion log.
     A lineage audit sees every change of champion; without them a later row's "vs champ" fell
@@ -421,8 +421,7 @@ def attach_rollbacks(root: Path, rows: list[dict]) -> None:
     backs = [e for e in log_entries(root) if e.get("action") == "rollback"]
     if not backs or not rows:
         return
-    made = [datetime.fromisoformat(git(root, "log", "-1", "--format=%cI", r["tag"]))
-            for r in rows]
+    made = [datetime.fromisoformat(when) for when in committed]  # each row's commit time
     for entry in backs:
         at = datetime.fromisoformat(entry["at"])
         # after the newest generation committed before it (a rollback and its cycle's commit

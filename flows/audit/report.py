@@ -908,7 +908,8 @@ def plot_history(rows: list[dict], path: Path) -> None:
 
     x = list(range(len(rows)))
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.step(x, champion_after(rows), where="post", color="tab:gray",
+    champions = champion_after(rows)
+    ax.step(x, champions, where="post", color="tab:gray",
             label="champion after the cycle")
     for i, row in enumerate(rows):
         low_high = row["difference_interval"]
@@ -922,7 +923,6 @@ def plot_history(rows: list[dict], path: Path) -> None:
     ax.plot([], [], "o", color="tab:blue", label="candidate (hollow: rejected)")
     ax.plot([], [], color="tab:blue", alpha=0.4, linewidth=6,
             label="gate interval, champion + difference")
-    champions = champion_after(rows)
     for i, row in enumerate(rows):
         for back in row.get("rollbacks") or []:  # the champion changed between two cycles
             at = 0.0 if champions[i] is None else champions[i]  # (a champion never scored)

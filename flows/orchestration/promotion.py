@@ -298,13 +298,15 @@ def tag_alias_change(model_name: str, version: str, entry: dict) -> list[str]:
     """Record an alias change on the model version; returns the tag keys set."""
     from mlflow import MlflowClient
 
+    from flows.project import tracking
+
     client = MlflowClient()
     stamp = entry["at"].replace(":", "").replace("+0000", "Z")
     tags = {f"alias.{stamp}": json.dumps({k: entry[k] for k in
                                           ("action", "generation", "approver", "reason",
                                            "approval_reason") if entry.get(k) is not None}),
             # no one approved (none was asked): "none", as a word, not Python's "None"
-            "champion_since": entry["at"], "approver": str(entry.get("approver") or "none"),
+            "champion_since": entry["at"], "approver": tracking.tag_text(entry.get("approver") or None),
             # the approver's words on a promotion; a rollback's or init's reason otherwise
             "approval_reason": str(entry.get("approval_reason", entry.get("reason"))),
             "gate_summary": str(entry.get("gate_summary"))[:4000]}
