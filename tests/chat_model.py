@@ -322,9 +322,11 @@ def train_tokenizer(family: str = "qwen2", vocab_size: int = 1024):
     return tokenizer
 
 
-def build(folder: Path, family: str = "qwen2", template: str | None = None) -> Path:
+def build(folder: Path, family: str = "qwen2", template: str | None = None, heads: int = 4
+          ) -> Path:
     """Write a loadable chat-model folder for `family` into `folder`, and return it; `template`:
-    another chat template than the family's (a real one of tests/fixtures/templates).
+    another chat template than the family's (a real one of tests/fixtures/templates); `heads`:
+    attention heads (2 gives a head size of 32, the least vLLM's CPU attention serves).
 
     Random weights (seeded: the same folder every time), 2 layers, hidden size 64, 4 attention
     heads over 2 key-value heads, MLP width 128, vocabulary the trained tokenizer's size.
@@ -383,7 +385,8 @@ def build(folder: Path, family: str = "qwen2", template: str | None = None) -> P
                      "mistral": (MistralConfig, MistralForCausalLM),
                      "qwen3": (Qwen3Config, Qwen3ForCausalLM)}.get(family, (Qwen2Config, Qwen2ForCausalLM))
     config = Config(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                    num_attention_heads=heads, num_key_value_heads=min(2, heads),
+                    intermediate_size=128,
                     max_position_embeddings=2048, tie_word_embeddings=True,
                     bos_token_id=bos, eos_token_id=stops, pad_token_id=pad,
                     **({"head_dim": 16} if family == "qwen3" else {}))  # Qwen3's default is 128

@@ -214,6 +214,7 @@ STAGES_MAY_IMPORT = {
     "remote": {"*": set()},
     "http": {"*": set()},
     "servers": {"*": set()},
+    "weights": {"*": {"http"}},
 }
 FOLDERS = ("envs", "generation", "training", "traces")
 
