@@ -20,6 +20,7 @@ import hashlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -94,104 +95,19 @@ def run(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path, rollou
     `root`); returns the stage metrics. `meter`: the cycle's budget, checked first and between
     batches (`stages/budget.py`).
     """
-    import zlib
-
-    import torch
-
-    from stages.generation import chat
-    from stages.generation.episode import Progress
-
     tinylm.set_threads(base.threads)
     root = root or Path.cwd()
     envs, jobs = chat_jobs(specs, config, root, validated)
     if meter is not None:
         meter.check("no episode yet", f"{len(jobs)} episodes")
-    served = config.backend == "openai"
-    if served:  # the server holds the weights; the chat template and the tool parser run here
-        from types import SimpleNamespace
-
-        from transformers import AutoConfig, GenerationConfig
-
-        tokenizer = tinylm.load_tokenizer(champion)
-        try:
-            generation = GenerationConfig.from_pretrained(champion)
-        except OSError:  # no generation_config.json: the tokenizer's eos ends a turn
-            generation = None
-        ends = chat.end_ids(SimpleNamespace(generation_config=generation), tokenizer)
-        context = AutoConfig.from_pretrained(champion).max_position_embeddings
-    else:
-        model, tokenizer = tinylm.load(champion)
-        model.eval()
-        ends = chat.end_ids(model, tokenizer)
-    parser = None
-    templates = {name: chat.Template.of(tokenizer, list(env.tools), ends)
-                 for name, env in envs.items()}
-    rows, stats = [], []
-    refused: list[str] = []  # the chat template's words on the first turn it refused
-    ended = dict.fromkeys(chat.ENDINGS, 0)  # episodes by how they ended
-    bad_arguments = 0
-
-    def add(name: str, task: dict, sample: int, episode) -> None:
-        nonlocal bad_arguments
-        if episode.template_error and not refused:
-            refused.append(f"{name}:{task['task_id']}: {episode.template_error}")
-        ended[episode.ended] += 1
-        bad_arguments += episode.bad_arguments
-        added = episode.messages[len(task["messages"]):]
-        rows.append({  # ids of different environments' tasks may coincide
-            "task_id": f"{name}:{task['task_id']}", "environment": name, "sample": sample,
-            "task": json.dumps(task), "messages": json.dumps(episode.messages),
-            "completion": json.dumps(added), "token_ids": episode.token_ids,
-            "model_mask": episode.model_mask, "logprobs": episode.logprobs,
-            "finish": episode.finish, "tool_calls": episode.tool_calls,
-            "tool_errors": episode.tool_errors, "error": episode.error,
-            "turns": episode.turns})
-
-    started = time.time()
     with contextlib.ExitStack() as stack:
-        if served:
-            urls = openai_backend.servers(config, champion, stack)
-            started = time.time()
-        bar = None if served else Progress(len(jobs), "rollout", True)
-        for name, env in envs.items():
-            mine = [(task, sample) for n, task, sample in jobs if n == name]
-            parser, max_turns = chat.resolve(config, tokenizer, env)
-            # each episode's randomness from the seed and the episode's own identity: the same
-            # episode whatever else is in its batch
-            seeds = [zlib.crc32(f"{base.seed}/{name}/{task['task_id']}/{sample}".encode())
-                     for task, sample in mine]
-            if served:
-                episodes, stat = openai_backend.chat_rollout(
-                    tokenizer, env, [task for task, _ in mine], seeds, urls=urls, parser=parser,
-                    max_turns=max_turns, context=context, ends=ends, template=templates[name],
-                    model=config.model, temperature=config.temperature, top_p=config.top_p,
-                    top_k=config.top_k, max_new_tokens=config.max_new_tokens,
-                    concurrency=config.concurrency, timeout=config.request_timeout,
-                    retries=config.retries, api=config.api,
-                    api_key=openai_backend.api_key_from(config.api_key_env))
-                stats.append(stat)
-                for (task, sample), episode in zip(mine, episodes):
-                    add(name, task, sample, episode)
-                continue
-            for start in range(0, len(mine), config.batch_size):
-                if meter is not None and rows:
-                    meter.check(f"{len(rows)} of {len(jobs)} episodes",
-                                f"{len(jobs) - len(rows)} episodes")
-                chunk = mine[start:start + config.batch_size]
-                generators = [torch.Generator().manual_seed(seed)
-                              for seed in seeds[start:start + config.batch_size]]
-                done = len(rows)
-                episodes = chat.rollout(
-                    model, tokenizer, env, [task for task, _ in chunk], parser=parser,
-                    temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-                    max_turns=max_turns, generator=generators, top_p=config.top_p,
-                    top_k=config.top_k, template=templates[name],
-                    on_step=lambda n, base=done: bar.update(base + n))
-                for (task, sample), episode in zip(chunk, episodes):
-                    add(name, task, sample, episode)
-        if bar is not None:
-            bar.close()
-        seconds = time.time() - started  # generation only, not the server's start and stop
+        served = config.backend == "openai"
+        policy = Policy.served(champion, openai_backend.servers(config, champion, stack)) \
+            if served else Policy.local(champion)
+        played = play(base, config, envs, jobs, policy, meter=meter)
+    rows, stats, parser, seconds = played.rows, played.stats, played.parser, played.seconds
+    templates, refused, ended = played.templates, played.refused, played.ended
+    bad_arguments = played.bad_arguments
     io.write_parquet(rollouts, pa.Table.from_pylist(rows, schema=SCHEMA))
     generated = sum(sum(r["model_mask"]) for r in rows)
     per_env = {}
@@ -232,6 +148,145 @@ def run(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path, rollou
             "template_refused_first": refused[0] if refused else None,
             "episodes_ended": ended, "bad_arguments": bad_arguments,
             "errors": sum(r["error"] is not None for r in rows), "environments": per_env}
+
+
+@dataclass
+class Policy:
+    """The model that plays: its folder's tokenizer and end tokens, and either the model in this
+    process (`model`) or the servers that hold its weights (`urls`, the chat template and the
+    tool parser still run here; `context`: the model's positions).
+    """
+
+    tokenizer: object
+    ends: tuple
+    model: object = None
+    urls: list | None = None
+    context: int | None = None
+
+    @classmethod
+    def local(cls, folder: Path, model=None, tokenizer=None) -> Policy:
+        """The model of `folder` (or `model`, already loaded: a policy being trained) here."""
+        from stages.generation import chat
+
+        if model is None:
+            model, tokenizer = tinylm.load(folder)
+        model.eval()
+        return cls(tokenizer=tokenizer, ends=chat.end_ids(model, tokenizer), model=model)
+
+    @classmethod
+    def served(cls, folder: Path, urls: list[str]) -> Policy:
+        """The model of `folder` behind the servers at `urls`."""
+        from types import SimpleNamespace
+
+        from transformers import AutoConfig, GenerationConfig
+
+        from stages.generation import chat
+
+        tokenizer = tinylm.load_tokenizer(folder)
+        try:
+            generation = GenerationConfig.from_pretrained(folder)
+        except OSError:  # no generation_config.json: the tokenizer's eos ends a turn
+            generation = None
+        return cls(tokenizer=tokenizer,
+                   ends=chat.end_ids(SimpleNamespace(generation_config=generation), tokenizer),
+                   urls=urls, context=AutoConfig.from_pretrained(folder).max_position_embeddings)
+
+
+@dataclass
+class Played:
+    """What `play` returns: the episodes' rows (`SCHEMA`) and how they went."""
+
+    rows: list
+    stats: list
+    parser: str | None
+    seconds: float
+    templates: dict
+    refused: list
+    ended: dict
+    bad_arguments: int
+
+
+def play(base: cfg.Base, config: cfg.Rollout, envs: dict, jobs: list[tuple], policy: Policy, *,
+         meter: budgets.Meter | None = None, salt: str = "", progress: bool = True) -> Played:
+    """Play `jobs` ((environment, task, sample), from `chat_jobs`) with `policy`: the one episode
+    loop of the rollout stage and of on-policy training (`train.grpo.steps`). Each episode's
+    randomness comes from the seed, `salt` and the episode's own identity, so an episode is the
+    same whatever else is in its batch. `meter`: checked between batches.
+    """
+    import zlib
+
+    import torch
+
+    from stages.generation import chat
+    from stages.generation.episode import Progress
+
+    tokenizer, ends, served = policy.tokenizer, policy.ends, policy.urls is not None
+    parser = None
+    templates = {name: chat.Template.of(tokenizer, list(env.tools), ends)
+                 for name, env in envs.items()}
+    rows, stats = [], []
+    refused: list[str] = []  # the chat template's words on the first turn it refused
+    ended = dict.fromkeys(chat.ENDINGS, 0)  # episodes by how they ended
+    bad_arguments = 0
+
+    def add(name: str, task: dict, sample: int, episode) -> None:
+        nonlocal bad_arguments
+        if episode.template_error and not refused:
+            refused.append(f"{name}:{task['task_id']}: {episode.template_error}")
+        ended[episode.ended] += 1
+        bad_arguments += episode.bad_arguments
+        added = episode.messages[len(task["messages"]):]
+        rows.append({  # ids of different environments' tasks may coincide
+            "task_id": f"{name}:{task['task_id']}", "environment": name, "sample": sample,
+            "task": json.dumps(task), "messages": json.dumps(episode.messages),
+            "completion": json.dumps(added), "token_ids": episode.token_ids,
+            "model_mask": episode.model_mask, "logprobs": episode.logprobs,
+            "finish": episode.finish, "tool_calls": episode.tool_calls,
+            "tool_errors": episode.tool_errors, "error": episode.error,
+            "turns": episode.turns})
+
+    started = time.time()
+    bar = None if served or not progress else Progress(len(jobs), "rollout", True)
+    for name, env in envs.items():
+        mine = [(task, sample) for n, task, sample in jobs if n == name]
+        if not mine:
+            continue
+        parser, max_turns = chat.resolve(config, tokenizer, env)
+        seeds = [zlib.crc32(f"{base.seed}{salt}/{name}/{task['task_id']}/{sample}".encode())
+                 for task, sample in mine]
+        if served:
+            episodes, stat = openai_backend.chat_rollout(
+                tokenizer, env, [task for task, _ in mine], seeds, urls=policy.urls,
+                parser=parser, max_turns=max_turns, context=policy.context, ends=ends,
+                template=templates[name], model=config.model, temperature=config.temperature,
+                top_p=config.top_p, top_k=config.top_k, max_new_tokens=config.max_new_tokens,
+                concurrency=config.concurrency, timeout=config.request_timeout,
+                retries=config.retries, api=config.api,
+                api_key=openai_backend.api_key_from(config.api_key_env))
+            stats.append(stat)
+            for (task, sample), episode in zip(mine, episodes):
+                add(name, task, sample, episode)
+            continue
+        for start in range(0, len(mine), config.batch_size):
+            if meter is not None and rows:
+                meter.check(f"{len(rows)} of {len(jobs)} episodes",
+                            f"{len(jobs) - len(rows)} episodes")
+            chunk = mine[start:start + config.batch_size]
+            generators = [torch.Generator().manual_seed(seed)
+                          for seed in seeds[start:start + config.batch_size]]
+            done = len(rows)
+            episodes = chat.rollout(
+                policy.model, tokenizer, env, [task for task, _ in chunk], parser=parser,
+                temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+                max_turns=max_turns, generator=generators, top_p=config.top_p,
+                top_k=config.top_k, template=templates[name],
+                on_step=None if bar is None else lambda n, base=done: bar.update(base + n))
+            for (task, sample), episode in zip(chunk, episodes):
+                add(name, task, sample, episode)
+    if bar is not None:
+        bar.close()
+    return Played(rows, stats, parser, time.time() - started, templates, refused, ended,
+                  bad_arguments)
 
 
 def token_counts(rows: list[dict]) -> dict:
