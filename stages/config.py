@@ -335,6 +335,18 @@ class GRPO:
                                "or none (Dr. GRPO: reward - group mean, unscaled)")
     max_completion_length: int = Field(256, gt=0, description="dr_grpo's fixed denominator, per "
                                                               "episode")
+    steps: int = Field(1, ge=1, description="1: one off-policy step on the rollout stage's "
+                       "episodes; more: on-policy steps, each playing tasks_per_step tasks "
+                       "samples_per_task times with the current policy (the rollout stage's "
+                       "loop, backend and environments), scoring them with the reward stage's "
+                       "code and updating once")
+    tasks_per_step: int = Field(32, gt=0, description="on-policy steps: tasks drawn per step "
+                                                      "from the cycle's tasks")
+    samples_per_task: int = Field(8, ge=2, description="on-policy steps: episodes per task (the "
+                                                       "group its advantages are relative to)")
+    importance_cap: Float = Field(3.0, ge=1, description="on-policy steps: the most a token's "
+                                  "weight exp(training log-prob - the generating engine's) may "
+                                  "be (TRL's truncated importance sampling, for vLLM's numerics)")
     kl_importance_weighted: bool = Field(False, description="the KL term weighted by the ratio to "
                                          "the rollout policy (TRL's use_bias_correction_kl): the "
                                          "k3 estimate is unbiased for samples of the current "

@@ -19,6 +19,7 @@ Details: docs/environments.md, "How the reward stage works (stages/reward.py)".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -269,8 +270,8 @@ def hack_counts(notes: list[str | None]) -> dict:
 
 
 def score(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = None,
-          feedback: dict | None = None, meter: budgets.Meter | None = None
-          ) -> tuple[pa.Table, dict]:
+          feedback: dict | None = None, meter: budgets.Meter | None = None,
+          scoring=None) -> tuple[pa.Table, dict]:
     """The rollouts (chat episodes of the `environments:` modules, imported from `root`) scored
     by each environment's own `reward` (or `reward_group`), where `config` says they run
     (module docstring, "Fan-out"); returns the rewards table and the metrics.
@@ -281,7 +282,8 @@ def score(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = 
     tool call broke at rollout, is an error with its cause, never a zero. `feedback`: the
     traces' ratings (`trace_feedback`), added as the `feedback` component where an episode of
     a trace's task gave production's rated answer (`with_feedback`). `meter`: the cycle's
-    budget, checked as the scores come in (the judge's tokens counted).
+    budget, checked as the scores come in (the judge's tokens counted). `scoring`: a `scorer`
+    already open (on-policy training scores every step with one pool of workers).
     """
     config = config or cfg.Reward()
     envs = {name: contract.load(name, spec.module, root) for name, spec in specs.items()}
@@ -299,8 +301,9 @@ def score(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = 
         meter.check(f"{done} of {len(jobs)} scores", f"{len(jobs) - done} scores",
                     judge_tokens=sum(j.tokens for j in judge.used()))
 
-    with scorer(envs, {name: spec.module for name, spec in specs.items()}, root, config.workers,
-                config.ray_address) as run:
+    with contextlib.nullcontext(scoring) if scoring is not None else \
+            scorer(envs, {name: spec.module for name, spec in specs.items()}, root,
+                   config.workers, config.ray_address) as run:
         gold = run([("gold", name, rows[i]["task"], None) for (name, _), i in first.items()])
         set_aside = {key: cause for key, (_, cause) in zip(first, gold) if cause is not None}
         # an environment with reward_group scores all samples of a task at once (a relative

@@ -17,6 +17,7 @@ Details: docs/training.md, "How the train stage works (stages/train.py)".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import hashlib
 import importlib
@@ -333,15 +334,24 @@ class Spent(TrainerCallback):
 def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candidate: Path,
         replay: Path, checkpoints: Path | None = None, steps_csv: Path | None = None,
         validated: Path | None = None, specs: dict | None = None, root: Path | None = None,
-        temperature: float = 1.0, meter: budgets.Meter | None = None) -> dict:
+        temperature: float = 1.0, meter: budgets.Meter | None = None,
+        rollout: cfg.Rollout | None = None, reward: cfg.Reward | None = None,
+        episodes: Path | None = None) -> dict:
     """Train and write the candidate; returns the stage metrics. `validated`, with `specs` (the
     `environments:` section): the traces whose thumbs add DPO pairs (`dpo.feedback_pairs`)
     or, for SFT, whose thumbs-up conversations are trained on (`trace_conversations`).
     `meter`: the cycle's budget, checked after every optimizer step; at the limit the stage saves
-    a checkpoint and raises `BudgetSpent` (a rerun resumes there).
+    a checkpoint and raises `BudgetSpent` (a rerun resumes there). With `train.grpo.steps` > 1,
+    on-policy GRPO (`online`) with the `rollout` and `reward` sections, its episodes per step
+    into `episodes`.
     """
     tinylm.set_threads(base.threads)
     checkpoints = checkpoints or candidate.with_name(candidate.name + ".ckpt")
+    if config.algorithm == "grpo" and config.grpo.steps > 1:
+        return online(base, config, specs or {}, root or Path.cwd(), rewards, champion,
+                      candidate, replay,
+                      checkpoints, steps_csv, validated, rollout or cfg.Rollout(),
+                      reward or cfg.Reward(), episodes, meter)
     method, settings = algorithm(config.algorithm), config.method
     rows = _read(rewards)
     # GRPO's advantages are scaled as train.grpo.scale_rewards says
@@ -452,6 +462,201 @@ def run(base: cfg.Base, config: cfg.Train, rewards: Path, champion: Path, candid
             "before_resume": carried}
 
 
+def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: Path | None,
+           champion: Path, candidate: Path, replay: Path, checkpoints: Path,
+           steps_csv: Path | None,
+           validated: Path | None, rollout: cfg.Rollout, reward: cfg.Reward,
+           episodes: Path | None, meter: budgets.Meter | None = None) -> dict:
+    """On-policy GRPO (`train.grpo.steps` > 1). Step 1 learns from `rewards`, the rollout
+    stage's scored episodes (the champion's own); each later step draws `tasks_per_step` of the
+    cycle's tasks, plays each `samples_per_task` times with the current policy through the rollout
+    stage's own loop (`stages.rollout.play`: its backend, chat templates, tool parsers, sandbox,
+    judge and MCP tools), scores them with the reward stage's own code (`stages.reward.score`),
+    and updates once (`grpo.update`); then the new weights reach the generation servers
+    (`stages.weights`: in this process nothing moves; served, a verified push). Each step's
+    scored episodes are a Parquet part in `episodes` (an output); the state after each step is
+    saved in `checkpoints`, so a kill or a budget stop at step k and a rerun resume at k with
+    the same result. Returns the stage metrics.
+    """
+    import torch
+
+    from stages import reward as scoring_code
+    from stages import rollout as rollouts
+    from stages.training import grpo
+
+    settings = config.grpo
+    model, tokenizer = tinylm.load(champion)
+    envs, jobs = rollouts.chat_jobs(specs, rollout, root, validated)
+    tasks = [(name, task) for name, task, sample in jobs if sample == 0]
+    work = checkpoints / ("online-" + _fingerprint(
+        [{"task": f"{n}:{t['task_id']}"} for n, t in tasks], champion, config, base.seed))
+    episodes = episodes or work / "episodes"
+    if checkpoints.exists():  # an earlier training's state can never be resumed
+        for stale in checkpoints.iterdir():
+            if stale != work:
+                shutil.rmtree(stale, ignore_errors=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+    state, history, start = work / "state.pt", [], 0
+    if state.is_file():
+        saved = torch.load(state, weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        start, history = saved["step"], saved["history"]
+        print(f"train: resuming on-policy GRPO at step {start + 1}", file=sys.stderr, flush=True)
+    episodes.mkdir(parents=True, exist_ok=True)
+    for part in episodes.glob("step-*.parquet"):  # a part no saved state accounts for
+        if int(part.stem.split("-")[1]) > start:
+            part.unlink()
+    # step 1: the rollout stage's scored episodes (the champion's: on-policy for it), where
+    # there are any; the later steps play their own
+    first = [r for r in _read(rewards) if r["reward"] is not None] \
+        if rewards is not None and rewards.exists() else None
+    served = rollout.backend == "openai"
+    with contextlib.ExitStack() as stack:
+        sync = _Sync(stack, rollout, champion, work, model, tokenizer) if served else None
+        from stages.envs import contract
+
+        # one pool of reward workers for every step (spawning one per step costs seconds)
+        scoring = stack.enter_context(scoring_code.scorer(
+            {name: contract.load(name, spec.module, root) for name, spec in specs.items()},
+            {name: spec.module for name, spec in specs.items()}, root, reward.workers,
+            reward.ray_address))
+        pad = trainers.pad_id(tokenizer)
+        for step in range(start, settings.steps):
+            began = time.monotonic()
+            chosen = random.Random(f"{base.seed}/{step}").sample(
+                tasks, min(settings.tasks_per_step, len(tasks)))
+            step_jobs = [(name, task, sample) for name, task in chosen
+                         for sample in range(settings.samples_per_task)]
+            if step == 0 and first is not None:
+                # the rollout stage's episodes are the champion's own: step 1 learns from them
+                rows, played_rows, generated = first, first, 0.0
+            else:
+                policy = sync.policy() if served else \
+                    rollouts.Policy.local(champion, model=model, tokenizer=tokenizer)
+                played = rollouts.play(base, rollout, envs, step_jobs, policy,
+                                       salt=f"/step{step}", progress=False)
+                generated = time.monotonic() - began
+                table = pa.Table.from_pylist(played.rows, schema=rollouts.SCHEMA)
+                scored, summary = scoring_code.score(specs, table, root, reward, scoring=scoring)
+                scored = scored.append_column("step", pa.array([step + 1] * len(scored),
+                                                               pa.int32()))
+                io.write_parquet(episodes / f"step-{step + 1:05d}.parquet", scored)
+                rows = [r for r in scored.to_pylist() if r["reward"] is not None]
+                played_rows = played.rows
+            groups, flat = grpo.examples(rows, settings.scale_rewards)
+            trained = time.monotonic()
+            torch.manual_seed(base.seed * 100_003 + step)  # the same update on a resumed run
+            stats = grpo.update(model, groups, optimizer, settings, pad=pad,
+                                batch_size=config.batch_size, temperature=rollout.temperature,
+                                is_cap=settings.importance_cap) if groups else \
+                {"loss": 0.0, "optimizer_steps": 0}
+            sync_seconds = sync.push(step + 1) if served else 0.0
+            rewards_now = [r["reward"] for r in rows]
+            mean = sum(rewards_now) / max(1, len(rewards_now))
+            history.append({
+                "step": step + 1, **stats, "learning_rate": settings.lr,
+                "episodes": len(played_rows), "reward_mean": round(mean, 4),
+                "reward_std": round((sum((r - mean) ** 2 for r in rewards_now)
+                                     / max(1, len(rewards_now))) ** 0.5, 4),
+                "correct_rate": round(sum(r["correct"] or 0 for r in rows) / max(1, len(rows)), 4),
+                "groups": len(groups), **flat, "generate_seconds": round(generated, 2),
+                "train_seconds": round(time.monotonic() - trained - sync_seconds, 2),
+                "weight_sync_seconds": round(sync_seconds, 3), "staleness": 0,
+                "generated_tokens": summary_tokens(played_rows) if generated else 0,
+                "tokens_per_second": round(summary_tokens(played_rows) / generated)
+                if generated else None})
+            print(f"train: step {step + 1}/{settings.steps}: reward {mean:.3f}, "
+                  f"{len(groups)} groups with spread, loss {stats['loss']:.4f}", file=sys.stderr,
+                  flush=True)
+            tmp = state.with_suffix(".tmp")
+            work.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step + 1, "history": history}, tmp)
+            os.replace(tmp, state)
+            if meter is not None:
+                meter.check(f"{step + 1} of {settings.steps} on-policy steps (saved: a rerun "
+                            f"resumes at step {step + 2})", f"{settings.steps - step - 1} steps")
+    tmp = candidate.with_name(candidate.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tinylm.save(model.to("cpu").float(), tokenizer, tmp)
+    io.replace_dir(tmp, candidate)
+    if steps_csv is not None:
+        io.write_text(steps_csv, _steps_csv(history))
+    # the episodes trained on are stored for replay and the gate's contamination check
+    every = (first or []) + [r for part in sorted(episodes.glob("step-*.parquet"))
+                             for r in pq.read_table(part).to_pylist() if r["reward"] is not None]
+    store_and_replay(every, replay, "grpo", 0.0, base.seed, [])
+    shutil.rmtree(work, ignore_errors=True)
+    hw = trainers.hardware()
+    updated = sum(h.get("optimizer_steps", 0) for h in history)
+    if not updated:
+        print("train: no on-policy step had a group with a reward spread; the candidate is the "
+              "champion unchanged", file=sys.stderr)
+    return {"algorithm": "grpo", "online": True, "trained": bool(updated), "steps": len(history),
+            "optimizer_steps": sum(h.get("optimizer_steps", 0) for h in history),
+            "examples": sum(h["groups"] for h in history),
+            "episodes": sum(h["episodes"] for h in history),
+            "groups_without_spread": sum(h.get("groups_without_spread", 0) for h in history),
+            "reward_first_step": history[0]["reward_mean"] if history else None,
+            "reward_last_step": history[-1]["reward_mean"] if history else None,
+            "weight_sync_seconds": round(sum(h["weight_sync_seconds"] for h in history), 3),
+            "generate_seconds": round(sum(h["generate_seconds"] for h in history), 2),
+            "train_seconds": round(sum(h["train_seconds"] for h in history), 2),
+            "generated_tokens": sum(h["generated_tokens"] for h in history),
+            "loss_tokens": sum(h.get("loss_tokens", 0) for h in history),
+            "resumed_from_step": start, "device": hw["device"], "precision": hw["precision"],
+            "lora_r": config.lora_r, "deepspeed": config.deepspeed}
+
+
+def summary_tokens(rows: list[dict]) -> int:
+    """The tokens the model chose in `rows` (episodes)."""
+    return sum(sum(r["model_mask"]) for r in rows)
+
+
+class _Sync:
+    """The generation servers of on-policy steps (`rollout.backend: openai`): one started with
+    `runtime.rollout.server_command` on a copy of the champion, or `runtime.rollout.urls`; after
+    each step the policy's weights are written to a folder the servers read and pushed to every
+    one, verified (`stages.weights`), before the next step plays.
+    """
+
+    def __init__(self, stack: contextlib.ExitStack, rollout: cfg.Rollout, champion: Path,
+                 work: Path, model, tokenizer):
+        """Start or reach the servers; the first push follows the first step."""
+        from stages import weights
+        from stages.generation import openai_backend
+
+        self.model, self.tokenizer, self.work = model, tokenizer, work
+        self.folder = work / "serving"
+        shutil.rmtree(self.folder, ignore_errors=True)
+        shutil.copytree(champion, self.folder)
+        self.urls = openai_backend.servers(rollout, self.folder, stack)
+        self.replicas = [weights.Replica(url=url, model=rollout.model) for url in self.urls]
+        self.champion = champion
+        # probes: the start of the tokenizer's own vocabulary, a few fixed short prompts
+        self.probes = [[i % len(tokenizer) for i in range(k, k + 4)] for k in (1, 11, 21)]
+
+    def policy(self):
+        """The served policy, as the rollout stage's loop takes it."""
+        from stages import rollout as rollouts
+
+        return rollouts.Policy.served(self.champion, self.urls)
+
+    def push(self, version: int) -> float:
+        """Write the weights, push them to every server as `version`, verified; the seconds."""
+        from stages import weights
+
+        started = time.monotonic()
+        out = self.work / f"push-{version}"
+        tinylm.save(self.model, self.tokenizer, out)
+        weights.push_verified(self.replicas, out, str(version), self.model, self.probes)
+        for old in self.work.glob("push-*"):
+            if old != out:
+                shutil.rmtree(old, ignore_errors=True)
+        return time.monotonic() - started
+
+
 def main(argv: list[str] | None = None) -> None:
     """Train the candidate (the DVC stage's command line)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -460,16 +665,22 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(name, type=Path)
     parser.add_argument("--validated", type=Path,
                         help="data/validated.parquet: DPO also learns from the traces' thumbs")
+    parser.add_argument("--episodes", type=Path,
+                        help="data/train_episodes: on-policy GRPO's scored episodes, a part per "
+                             "step (train.grpo.steps > 1)")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     io.watch_gpus()  # per GPU busy seconds, peak memory (the cost ledger); none: nothing
     base, config = cfg.load("base", args.params), cfg.load("train", args.params)
+    rollout = cfg.load("rollout", args.params)
+    if args.episodes is not None:  # a DVC out: present (empty) when training is not on-policy
+        args.episodes.mkdir(parents=True, exist_ok=True)
     trainers.relaunch_on_gpus(config.deepspeed, "stages.train", sys.argv[1:])
     metrics = run(base, config, args.rewards, args.champion, args.candidate, args.replay,
                   args.checkpoints, args.steps, args.validated, cfg.environments(args.params),
                   Path(args.params).resolve().parent,
-                  cfg.load("rollout", args.params).temperature,
-                  budgets.Meter.of("train", args.params))
+                  rollout.temperature, budgets.Meter.of("train", args.params), rollout,
+                  cfg.load("reward", args.params), args.episodes)
     if int(os.environ.get("RANK", "0")) == 0:
         io.write_metrics(args.metrics, metrics, carried=metrics.get("before_resume"))
 

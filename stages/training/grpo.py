@@ -163,36 +163,109 @@ class GRPOTrainer(trainers.StepLog, Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The clipped policy loss of a batch, with the KL penalty when on."""
-        logp = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"],
-                              getattr(self, "temperature", 1.0))
-        mask = inputs["mask"]
-        ratio = torch.exp(logp - inputs["old_logprobs"])
-        advantage = inputs["advantage"][:, None]
-        high = getattr(self, "clip_high", 0.0) or self.clip
-        clipped = torch.clamp(ratio, 1 - self.clip, 1 + high)
-        per_token = -torch.minimum(ratio * advantage, clipped * advantage)
-        if self.kl_coef:
-            # masked before the exponential: at a padding position logp can be -200, and
-            # exp(200) is inf, which the mask's 0 would turn into NaN, not 0
-            delta = torch.where(mask > 0, inputs["ref_logprobs"] - logp, 0.0)
-            kl = torch.exp(delta) - delta - 1
-            if getattr(self, "kl_importance_weighted", False):
-                kl = kl * ratio  # the samples are the rollout policy's, not the current one's
-            per_token = per_token + self.kl_coef * kl
-        per_token = torch.where(mask > 0, per_token, 0.0)
-        tokens = mask.sum().clamp(min=1)
-        loss = reduce_loss(per_token, mask, getattr(self, "loss_type", "bnpo"),
-                           getattr(self, "max_completion_length", 256))
-        with torch.no_grad():
-            # where the clip binds: the ratio above 1 + clip with a positive advantage, below
-            # 1 - clip with a negative one (elsewhere the unclipped term is the minimum)
-            above = ((ratio > 1 + high) & (advantage > 0)).float() * mask
-            low = ((ratio < 1 - self.clip) & (advantage < 0)).float() * mask
-            high = above
-            self._extra = {"clip_fraction": round(float((high + low).sum() / tokens), 4),
-                           "clip_fraction_high": round(float(high.sum() / tokens), 4),
-                           "clip_fraction_low": round(float(low.sum() / tokens), 4)}
+        loss, self._extra = policy_loss(
+            model, inputs, clip=self.clip, clip_high=getattr(self, "clip_high", 0.0),
+            kl_coef=self.kl_coef, temperature=getattr(self, "temperature", 1.0),
+            loss_type=getattr(self, "loss_type", "bnpo"),
+            max_completion_length=getattr(self, "max_completion_length", 256),
+            kl_importance_weighted=getattr(self, "kl_importance_weighted", False))
         return (loss, None) if return_outputs else loss
+
+
+def policy_loss(model, inputs: dict, *, clip: float, clip_high: float = 0.0, kl_coef: float = 0.0,
+                temperature: float = 1.0, loss_type: str = "bnpo",
+                max_completion_length: int = 256, kl_importance_weighted: bool = False
+                ) -> tuple[torch.Tensor, dict]:
+    """GRPO's loss of one batch (`collate`'s) and its statistics: the Trainer's (recorded
+    rollouts) and on-policy training's (`update`) one loss.
+
+    Per model-chosen token: -min(ratio * A, clip(ratio, 1 - clip, 1 + clip_high) * A), ratio the
+    policy's probability over `old_logprobs`; times `inputs["is_weight"]` where present (the
+    truncated importance weight of an engine whose numerics differ from training's, TRL's
+    vllm_importance_sampling_correction); plus `kl_coef` times the k3 estimate of
+    KL(policy || reference).
+    """
+    logp = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], temperature)
+    mask = inputs["mask"]
+    ratio = torch.exp(logp - inputs["old_logprobs"])
+    advantage = inputs["advantage"][:, None]
+    high = clip_high or clip
+    clipped = torch.clamp(ratio, 1 - clip, 1 + high)
+    per_token = -torch.minimum(ratio * advantage, clipped * advantage)
+    if "is_weight" in inputs:
+        per_token = per_token * inputs["is_weight"]
+    if kl_coef:
+        # masked before the exponential: at a padding position logp can be -200, and
+        # exp(200) is inf, which the mask's 0 would turn into NaN, not 0
+        delta = torch.where(mask > 0, inputs["ref_logprobs"] - logp, 0.0)
+        kl = torch.exp(delta) - delta - 1
+        if kl_importance_weighted:
+            kl = kl * ratio  # the samples are the rollout policy's, not the current one's
+        per_token = per_token + kl_coef * kl
+    per_token = torch.where(mask > 0, per_token, 0.0)
+    tokens = mask.sum().clamp(min=1)
+    loss = reduce_loss(per_token, mask, loss_type, max_completion_length)
+    with torch.no_grad():
+        # where the clip binds: the ratio above 1 + clip with a positive advantage, below
+        # 1 - clip with a negative one (elsewhere the unclipped term is the minimum)
+        above = ((ratio > 1 + high) & (advantage > 0)).float() * mask
+        low = ((ratio < 1 - clip) & (advantage < 0)).float() * mask
+        extra = {"clip_fraction": round(float((above + low).sum() / tokens), 4),
+                 "clip_fraction_high": round(float(above.sum() / tokens), 4),
+                 "clip_fraction_low": round(float(low.sum() / tokens), 4)}
+    return loss, extra
+
+
+def update(model, groups: list[dict], optimizer, config, *, pad: int, batch_size: int,
+           temperature: float = 1.0, is_cap: float = 3.0) -> dict:
+    """One on-policy step's update: every episode of `groups` (`examples`') once, in batches of
+    `batch_size`, one optimizer step each; returns the step's statistics.
+
+    The ratio's "old" policy is the weights before this update as training computes them, so
+    the first batch's ratio is 1 exactly; where the episodes were generated elsewhere (their
+    recorded `logprobs` from vLLM, whose numerics differ), each token is weighted by
+    min(exp(old - recorded), `is_cap`), TRL's truncated importance sampling, and its size is
+    logged (`is_ratio_mean`, `is_capped_fraction`; 1.0 and 0.0 where generation ran here).
+    """
+    rows = [dict(e) for g in groups for e in g["episodes"]]
+    batch_of = collate(pad)
+    model.eval()
+    with torch.no_grad():  # the policy before the update, in training's numerics
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start:start + batch_size]
+            batch = batch_of(chunk)
+            old = token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature)
+            for i, row in enumerate(chunk):
+                row["train_logprobs"] = [0.0] + old[i, :len(row["token_ids"]) - 1].tolist()
+    model.train()
+    losses, extras, weights, capped, tokens = [], [], [], 0.0, 0.0
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        batch = batch_of([{**r, "logprobs": r["train_logprobs"]} for r in chunk])
+        recorded = batch_of(chunk)["old_logprobs"]
+        raw = torch.exp(batch["old_logprobs"] - recorded)
+        batch["is_weight"] = torch.clamp(raw, max=is_cap)
+        loss, extra = policy_loss(model, batch, clip=config.clip, clip_high=config.clip_high,
+                                  kl_coef=0.0, temperature=temperature,
+                                  loss_type=config.loss_type,
+                                  max_completion_length=config.max_completion_length)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        mask = batch["mask"]
+        losses.append(float(loss))
+        extras.append({**extra, "grad_norm": float(norm)})
+        weights.append(float((raw * mask).sum()))
+        capped += float(((raw > is_cap).float() * mask).sum())
+        tokens += float(mask.sum())
+    model.eval()
+    mean = lambda key: round(sum(e[key] for e in extras) / len(extras), 4)  # noqa: E731
+    return {"loss": round(sum(losses) / len(losses), 5), "grad_norm": mean("grad_norm"),
+            "clip_fraction": mean("clip_fraction"), "optimizer_steps": len(losses),
+            "is_ratio_mean": round(sum(weights) / max(tokens, 1.0), 4),
+            "is_capped_fraction": round(capped / max(tokens, 1.0), 4),
+            "loss_tokens": int(tokens)}
 
 
 def trainer(model, tokenizer, champion: Path, groups: list[dict], args_for, config,
