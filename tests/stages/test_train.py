@@ -300,3 +300,112 @@ def test_train_params_are_checked(tmp_path):
         (tmp_path / "p.yaml").write_text(yaml.safe_dump(params))
         with pytest.raises(cfg.ParamsError, match=key):
             cfg.load("train", tmp_path / "p.yaml")
+
+
+# On-policy GRPO (train.grpo.steps > 1). The arithmetic environment with a reward that gives
+# partial credit (distinct characters of the answer, under 1; a right answer 1.0): a group of
+# samples has a spread from the first step, whatever the tiny champion says.
+SPREAD_ENV = '''
+from stages.envs import arith
+
+TOOLS, call_tool, gold, MAX_TURNS = arith.TOOLS, arith.call_tool, arith.gold, 2
+
+
+def reward(task, messages):
+    right = arith.reward(task, messages)
+    text = "".join(m.get("content") or "" for m in messages if m["role"] == "assistant")
+    return 1.0 if right == 1.0 else min(0.99, len(set(text)) / 40)
+'''
+
+
+def on_policy_project(folder):
+    """A params.yaml with the spread environment and 40 tasks in `folder`; returns its path."""
+    import random as random_
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "spread_env.py").write_text(SPREAD_ENV)
+    rng = random_.Random(0)
+    with (folder / "tasks.jsonl").open("w") as out:
+        for i in range(40):
+            question = f"{rng.randint(1, 9)}+{rng.randint(1, 9)}"
+            out.write(json.dumps({"task_id": f"t{i}", **arith.chat_task(question)}) + "\n")
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["base"]["threads"] = 1
+    params["environments"] = {"spread": {"module": "spread_env", "tasks": "tasks.jsonl"}}
+    params["rollout"]["max_new_tokens"] = 24
+    params.setdefault("runtime", {}).setdefault("reward", {})["workers"] = 1
+    params["train"].update(algorithm="grpo", batch_size=16, min_examples=1)
+    params["train"]["grpo"].update(steps=3, tasks_per_step=6, samples_per_task=4, lr=0.001)
+    (folder / "params.yaml").write_text(yaml.safe_dump(params))
+    return folder / "params.yaml"
+
+
+def on_policy_command(folder, champion, params, rewards="none.parquet"):
+    return stage_command(folder, champion, folder / rewards, params) + [
+        "--episodes", str(folder / "episodes")]
+
+
+def test_on_policy_grpo_plays_scores_and_updates_every_step(tmp_path, champion):
+    params = on_policy_project(tmp_path)
+    run_stage(on_policy_command(tmp_path, champion, params))
+    metrics = json.loads((tmp_path / "train.json").read_text())
+    assert metrics["online"] is True and metrics["steps"] == 3 and metrics["trained"] is True
+    # each step played its own 6 tasks x 4 samples, scored by the environment's reward
+    parts = sorted((tmp_path / "episodes").glob("step-*.parquet"))
+    assert [p.name for p in parts] == [f"step-0000{i}.parquet" for i in (1, 2, 3)]
+    for step, part in enumerate(parts, 1):
+        table = pq.read_table(part).to_pylist()
+        assert len(table) == 24 and {r["step"] for r in table} == {step}
+        assert len({r["task_id"] for r in table}) == 6
+        assert all(r["reward"] is not None and r["logprobs"] for r in table)
+    log = steps_file(tmp_path)
+    assert [int(r["step"]) for r in log] == [1, 2, 3]
+    assert all(int(r["groups"]) > 0 and int(r["optimizer_steps"]) > 0 for r in log)
+    # generated here, with the weights being trained: the importance weight is 1
+    assert all(abs(float(r["is_ratio_mean"]) - 1.0) < 1e-3 for r in log)
+    assert gate.weights_hash(tmp_path / "candidate") != gate.weights_hash(champion)
+    # the episodes trained on are stored for replay (and the gate's contamination check)
+    assert sum(len(pq.read_table(p)) for p in (tmp_path / "replay").glob("*.parquet")) == 72
+
+
+def test_on_policy_grpo_learns_first_from_the_rollout_stage(tmp_path, champion):
+    params = on_policy_project(tmp_path)
+    rewards = scored(tmp_path, champion, [("2*3", [GOOD, BAD, BAD, BAD])] * 3)
+    run_stage(on_policy_command(tmp_path, champion, params, rewards.name))
+    log = steps_file(tmp_path)
+    assert int(log[0]["episodes"]) == 12 and float(log[0]["generate_seconds"]) == 0.0
+    assert [p.name for p in sorted((tmp_path / "episodes").glob("*.parquet"))] == [
+        "step-00002.parquet", "step-00003.parquet"]
+
+
+def test_on_policy_grpo_killed_resumes_to_the_same_weights(tmp_path, champion):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    for folder in (whole, killed):
+        params = on_policy_project(folder)
+        settings = yaml.safe_load(params.read_text())
+        settings["train"]["grpo"]["steps"] = 4
+        params.write_text(yaml.safe_dump(settings))
+    run_stage(on_policy_command(whole, champion, whole / "params.yaml"))
+    proc = subprocess.Popen(on_policy_command(killed, champion, killed / "params.yaml"), cwd=REPO,
+                            env=clean_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not list((killed / "candidate.ckpt").glob("online-*/state.pt")) or \
+            not (killed / "episodes" / "step-00002.parquet").exists():
+        assert proc.poll() is None and time.time() < deadline, "no step was saved"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "candidate").exists()
+    run_stage(on_policy_command(killed, champion, killed / "params.yaml"))
+    metrics = json.loads((killed / "train.json").read_text())
+    assert metrics["resumed_from_step"] >= 1 and metrics["steps"] == 4
+    assert gate.weights_hash(killed / "candidate") == gate.weights_hash(whole / "candidate")
+    assert [int(r["step"]) for r in steps_file(killed)] == [1, 2, 3, 4]
+    for part in sorted((whole / "episodes").glob("*.parquet")):
+        assert pq.read_table(killed / "episodes" / part.name).equals(pq.read_table(part))
+
+
+def test_on_policy_settings_are_checked(tmp_path):
+    with pytest.raises(cfg.ParamsError, match="samples_per_task"):
+        train_config(algorithm="grpo", steps=3, samples_per_task=1)
