@@ -6,6 +6,7 @@
     offseason history     one row per generation: scores, verdict, the champion
     offseason pending     cycles waiting for approval; `approve` / `reject RUN_ID --reason ...`
     offseason rollback    make an earlier generation the champion again (--to gen-N --reason ...)
+    offseason fleet       the servers that answer users: status, or push the champion to them
     offseason estimate    what the next cycle will cost (units, dollars, a range), before running it
     offseason demo        init (if needed), then simulate + run three times, then the history
     offseason check       check params.yaml, print it with every default filled in; --explain: every key
@@ -633,6 +634,53 @@ def cmd_rollback(args) -> int:
     print(f"rollback: gen-{entry['generation']} is the champion again (model version "
           f"{entry['model_version']}, was gen-{entry['from_generation']}); commit "
           f"{entry['commit'][:10]}")
+    fleet_config = cfg.fleet(root / "params.yaml")
+    if fleet_config.url_list and fleet_config.push_on_promote:
+        return _fleet_push(root, fleet_config, f"rollback: {args.reason}")
+    return 0
+
+
+def _fleet_push(root: Path, config, reason: str) -> int:
+    from flows.orchestration import fleet
+    from stages import weights
+
+    try:
+        entry = fleet.push(root, config, reason)
+    except weights.PushFailed as err:
+        print(f"fleet: {err}\n`offseason fleet status` shows each replica; `offseason fleet "
+              f"push` tries again", file=sys.stderr)
+        return 1
+    for url, done in entry["replicas"].items():
+        print(f"fleet: {url} serves {entry['version']}, verified (update "
+              f"{done['update_seconds']:.2f} s, verify {done['verify_seconds']:.2f} s)")
+    print(f"fleet: {entry['version']} on {len(entry['replicas'])} replicas in "
+          f"{entry['seconds']:.1f} s")
+    return 0
+
+
+def cmd_fleet(args) -> int:
+    """`offseason fleet status|push`: what each replica serves; the champion to every one."""
+    root, _ = workspace(env=False)
+    from flows.orchestration import fleet
+
+    config = cfg.fleet(root / "params.yaml")
+    if not config.url_list:
+        raise WorkspaceError("runtime.fleet.urls names no server: write the replicas' base URLs "
+                             "(e.g. http://10.0.0.5:8000/v1) in params.yaml's runtime.fleet")
+    if args.action == "push":
+        with cycle_lock(root, "offseason fleet push"):
+            return _fleet_push(root, config, args.reason or "offseason fleet push")
+    rows = fleet.status(root, config)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        agrees = "" if row["live"] == row["version"] else f"  (the server says {row['live']})"
+        print(f"{row['url']:<40}{row['version'] or 'never pushed':<12}"
+              f"{'verified' if row['verified'] else 'NOT verified':<14}"
+              f"since {row['since'] or '-'}{agrees}")
+        if row.get("error"):
+            print(f"    last push failed: {row['error']}")
     return 0
 
 
@@ -652,6 +700,7 @@ def cmd_check(args) -> int:
                         for section, keys in cfg.RUNTIME.items() if section in shown}
     shown["runtime"]["collect"] = settings.plain(cfg.collect(root / "params.yaml"))
     shown["runtime"]["sandbox"] = settings.plain(cfg.sandbox(root / "params.yaml"))
+    shown["runtime"]["fleet"] = settings.plain(cfg.fleet(root / "params.yaml"))
     found_envs = []  # checked before the settings are printed: an error is then the last line
     for name, spec in configs["environments"].items():  # the user's modules import and comply
         env = contract.load(name, spec.module, root)
@@ -1043,6 +1092,19 @@ def approval_commands(sub) -> None:
                        help="why, in a sentence (kept forever)")
         s.add_argument("--approver", help="who decides (default: the login name)")
         s.set_defaults(func=cmd_decide)
+    s = sub.add_parser("fleet", help="the servers that answer users: what each serves; push "
+                       "the champion to them",
+                       description="The fleet (params.yaml's runtime.fleet): `status` lists each "
+                       "replica with the generation it serves, since when, whether that was "
+                       "verified, and what the server itself reports now; `push` puts the "
+                       "champion on every replica, one at a time, each verified (its reported "
+                       "version and probe answers token for token) before the next; a replica "
+                       "that fails goes back to its earlier generation and the push stops. A "
+                       "promotion and a rollback push on their own (runtime.fleet.push_on_promote).")
+    s.add_argument("action", choices=["status", "push"])
+    s.add_argument("--reason", help="push: why, kept in .offseason/fleet.jsonl")
+    s.add_argument("--json", action="store_true", help="status: as JSON")
+    s.set_defaults(func=cmd_fleet)
     s = sub.add_parser("rollback", help="make an earlier generation the champion again",
                        description="Put an earlier champion back: its weights from DVC (the git "
                        "tag's models/champion.dvc, pulled from the cache or remote), the MLflow "

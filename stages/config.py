@@ -572,6 +572,54 @@ class Sandbox:
                                    "stage that runs code; said in the log of every such stage")
 
 
+@section("runtime.fleet")
+class Fleet:
+    """`runtime.fleet`: the model servers that answer users, which a promoted generation (and a
+    rollback) reaches through `stages/weights.py` (flows/orchestration/fleet.py). Where work runs,
+    never what a cycle computes: in `runtime:`.
+    """
+
+    urls: str = Field("", description="the replicas' OpenAI-compatible base URLs, comma-separated "
+                      "(e.g. http://10.0.0.5:8000/v1); \"\" = no fleet: promotion stops at the "
+                      "MLflow alias")
+    kind: str = Field("vllm", description="vllm or sglang")
+    mode: str = Field("reload", description="reload: full weights from a folder the servers "
+                      "read (.offseason/fleet/<generation>/ on a shared disk)")
+    model: str = Field("", description="the model name agents call; \"\" = the first the "
+                                       "server lists")
+    token_env: str = Field("OFFSEASON_FLEET_TOKEN", description="the environment variable "
+                           "holding the servers' admin token (sent as a bearer token); unset: "
+                           "none")
+    push_on_promote: bool = Field(True, description="a promotion (after its approval) and a "
+                                  "rollback push to the fleet at once; false: `offseason fleet "
+                                  "push` does")
+    keep: int = Field(3, ge=2, description="generations kept on disk for the servers (the "
+                                           "previous one always, for a rollback in seconds)")
+
+    def __post_init__(self):
+        """Refuse a kind or mode no push is written for, and URLs that are not http(s)."""
+        if self.kind not in ("vllm", "sglang"):
+            raise ParamsError(f"runtime.fleet.kind: {self.kind!r} is not vllm or sglang")
+        if self.mode != "reload":
+            raise ParamsError(f"runtime.fleet.mode: {self.mode!r}; the fleet takes full weights "
+                              f"(reload): the train stage merges LoRA adapters into them")
+        for url in self.url_list:
+            if not url.startswith(("http://", "https://")):
+                raise ParamsError(f"runtime.fleet.urls: {url!r} is not an http(s) URL; write "
+                                  f"e.g. http://127.0.0.1:8000/v1")
+
+    @property
+    def url_list(self) -> list[str]:
+        """The replicas' URLs."""
+        return [u.strip() for u in self.urls.split(",") if u.strip()]
+
+
+def fleet(path: str | Path = "params.yaml") -> Fleet:
+    """`runtime.fleet` of params.yaml, checked (defaults when absent)."""
+    return _build(Fleet, "runtime.fleet", _runtime(read_params(path), "fleet", str(path)),
+                  str(path))
+
+
 def sandbox(path: str | Path = "params.yaml") -> Sandbox:
     """`runtime.sandbox` of params.yaml, checked (defaults when absent)."""
     return _build(Sandbox, "runtime.sandbox", _runtime(read_params(path), "sandbox", str(path)),
@@ -599,7 +647,8 @@ RUNTIME = {"rollout": ("urls", "server_command", "server_timeout", "concurrency"
                      "retries", "concurrency"),
            # `offseason collect`'s own section: every key of it (no stage section to merge into)
            "collect": tuple(f.name for f in dataclasses.fields(Collect)),
-           "sandbox": tuple(f.name for f in dataclasses.fields(Sandbox))}
+           "sandbox": tuple(f.name for f in dataclasses.fields(Sandbox)),
+           "fleet": tuple(f.name for f in dataclasses.fields(Fleet))}
 
 
 def runtime_of(config) -> dict:

@@ -46,6 +46,7 @@ from flows.project.workspace import (
     workspace_slot,
 )
 from stages import budget as budgets
+from stages import config as cfg
 from stages.config import ALGORITHMS, CYCLE
 from stages.io import write_json
 
@@ -101,6 +102,29 @@ def promote(root: Path, generation: int, verdict: dict, decision: dict, run_id: 
             model_name: str, changes: dict) -> dict:
     """Register the candidate, promote it if it passed (and was approved), commit and tag gen-N."""
     return promotion.promote(root, generation, verdict, decision, run_id, model_name, changes)
+
+
+def fleet_push(root: Path) -> str:
+    """The new champion to the fleet (`runtime.fleet`, when it names servers and
+    `push_on_promote`); returns what to add to the cycle's message. A failed push leaves the
+    fleet on its earlier weights, said, and fails nothing already committed.
+    """
+    from flows.orchestration import fleet
+    from stages import weights
+
+    config = cfg.fleet(root / "params.yaml")
+    if not config.url_list or not config.push_on_promote:
+        return ""
+    logger = get_run_logger()
+    try:
+        entry = fleet.push(root, config, reason="promoted")
+    except weights.PushFailed as err:
+        logger.error("fleet: %s; `offseason fleet status` shows each replica, `offseason fleet "
+                     "push` tries again", err)
+        return f"; the fleet push FAILED ({err})"
+    logger.info("fleet: %s on %d replicas, verified, in %.1f s", entry["version"],
+                len(entry["replicas"]), entry["seconds"])
+    return f"; the fleet serves {entry['version']} ({len(entry['replicas'])} replicas, verified)"
 
 
 def run_name() -> str:
@@ -295,6 +319,8 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
         record = promote(root, generation, verdict, decision, run_id,
                          configs["base"].registered_model, changes)
         message, commit = record["message"], record["commit"]
+        if record["promoted"]:
+            message += fleet_push(root)
         if record.get("committed_inputs"):
             logger.info("committed with gen-%d, which read them (they were not in git as they "
                         "are): %s", generation, ", ".join(record["committed_inputs"]))

@@ -219,3 +219,66 @@ def test_on_policy_steps_push_each_step_to_a_vllm_server_and_verify_it(tmp_path,
     # vLLM's numerics are not training's: the weight is logged, near 1, not exactly 1
     ratios = [float(r["is_ratio_mean"]) for r in log]
     assert all(0.9 < ratio < 1.1 for ratio in ratios), ratios
+
+
+# The fleet (flows/orchestration/fleet.py) pushes through this module: tested here, on the same
+# vLLM server (one server start, about 45 s of CPU, for both).
+def fleet_project(root: Path, champion: Path, urls: list[str]) -> Path:
+    """A project folder as the fleet reads it: params.yaml with runtime.fleet, the demo's
+    benchmark (the probe questions), models/champion, promotions.jsonl at gen-0.
+    """
+    import json
+
+    import yaml
+
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["runtime"] = {"fleet": {"urls": ",".join(urls), "model": "policy"}}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    (root / "data" / "benchmarks").mkdir(parents=True)
+    shutil.copy(REPO / "data" / "benchmarks" / "arith.jsonl", root / "data" / "benchmarks")
+    shutil.copytree(champion, root / "models" / "champion")
+    (root / "promotions.jsonl").write_text(json.dumps(
+        {"action": "init", "generation": 0, "champion_generation": 0}) + "\n")
+    return root
+
+
+def promote_to(root: Path, generation: int, seed: int) -> None:
+    """What a promotion leaves for the fleet: new champion weights, a line in the log."""
+    import json
+
+    _, model = _changed(root / "models" / "champion", root / "next", seed)
+    chat_model.save_weights(model, root / "models" / "champion")
+    shutil.rmtree(root / "next")
+    with (root / "promotions.jsonl").open("a") as log:
+        log.write(json.dumps({"action": "promote", "generation": generation,
+                              "champion_generation": generation}) + "\n")
+
+
+def test_the_fleet_takes_each_champion_verified_and_a_failed_push_leaves_it_whole(
+        server, model_folder, tmp_path):
+    from flows.orchestration import fleet
+    from stages import config as cfg
+
+    root = fleet_project(tmp_path / "project", model_folder, [server])
+    config = cfg.fleet(root / "params.yaml")
+    entry = fleet.push(root, config, "first")
+    assert entry["version"] == "gen-0" and list(entry["replicas"]) == [server]
+    promote_to(root, 1, seed=11)
+    fleet.push(root, config, "promoted")
+    [row] = fleet.status(root, config)
+    assert (row["version"], row["live"], row["verified"]) == ("gen-1", "gen-1", True)
+    # a second replica that is down: the first moves to gen-2, the second fails, and the first
+    # goes back to gen-1, verified; the push names the one that failed
+    dead = f"http://127.0.0.1:{servers.free_port()}/v1"
+    two = cfg.fleet(fleet_project(tmp_path / "two", model_folder, [server, dead]) / "params.yaml")
+    promote_to(root, 2, seed=12)
+    with pytest.raises(weights.PushFailed) as caught:
+        fleet.push(root, two, "promoted")
+    assert dead in str(caught.value) and "gen-1 verified" in str(caught.value)
+    rows = {r["url"]: r for r in fleet.status(root, two)}
+    assert rows[server]["live"] == "gen-1" and rows[server]["verified"]
+    assert rows[dead]["live"].startswith("unreachable") and not rows[dead]["verified"]
+    # the whole push is on record, the failure and what was restored included
+    log = (root / ".offseason" / "fleet.jsonl").read_text().splitlines()
+    assert len(log) == 3 and '"failed"' in log[-1] and '"restored"' in log[-1]
