@@ -77,6 +77,13 @@ def training_summary(train: dict) -> str:
         return "no train metrics"
     if not train.get("trained"):
         return f"skipped ({train.get('reason')}); {train.get('examples', 0)} verified examples"
+    if train.get("online"):  # on-policy GRPO: its steps, not epochs over fixed examples
+        return (f"on-policy GRPO: {train.get('steps')} steps ({train.get('optimizer_steps')} "
+                f"optimizer steps) on {train.get('episodes')} episodes; mean reward "
+                f"{_num(train.get('reward_first_step'), '.3f')} at the first step, "
+                f"{_num(train.get('reward_last_step'), '.3f')} at the last; generation "
+                f"{train.get('generate_seconds')} s, training {train.get('train_seconds')} s, "
+                f"weight sync {train.get('weight_sync_seconds')} s")
     text = (f"{train.get('examples')} new verified examples + {train.get('replayed', 0)} replayed, "
             f"{train.get('steps')} steps, final loss {_num(train.get('final_loss'), '.4f')}, "
             f"{train.get('tokens_per_second')} tokens/s in {train.get('train_seconds')} s")
@@ -645,8 +652,11 @@ def stage_cost_plot(ledger: dict, tag: str) -> str:
     return _png(fig)
 
 
-def training_curves(root: Path, rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
-    """Each generation's loss per step, from `metrics/train_steps.csv` as committed at its tag."""
+def training_curves(root: Path, rows: list[dict], column: str = "loss"
+                    ) -> dict[str, list[tuple[float, float]]]:
+    """Each generation's `column` per step (the loss; `reward_mean` for on-policy GRPO's steps),
+    from `metrics/train_steps.csv` as committed at its tag.
+    """
     import csv
 
     from flows.project.workspace import run
@@ -656,26 +666,36 @@ def training_curves(root: Path, rows: list[dict]) -> dict[str, list[tuple[float,
         shown = run(["git", "show", f"{row['tag']}:metrics/train_steps.csv"], root, check=False)
         if shown.returncode != 0:
             continue
-        points = [(float(r["step"]), float(r["loss"])) for r in csv.DictReader(
-            shown.stdout.splitlines()) if r.get("step") and r.get("loss")]
+        points = [(float(r["step"]), float(r[column])) for r in csv.DictReader(
+            shown.stdout.splitlines()) if r.get("step") and r.get(column)]
         if points:
             curves[row["tag"]] = points
     return curves
 
 
-def training_plot(curves: dict[str, list[tuple[float, float]]]) -> str:
-    """The training loss per step of each generation that trained (a PNG data URI)."""
+def training_plot(curves: dict[str, list[tuple[float, float]]],
+                  rewards: dict[str, list[tuple[float, float]]] | None = None) -> str:
+    """The training loss per step of each generation that trained, and beside it the mean
+    reward per on-policy step of those that trained on-policy (a PNG data URI).
+    """
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.4))
-    for tag, points in curves.items():
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 30
-                else None, label=tag)
-    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
-    ax.set_title("training curve per generation (metrics/train_steps.csv)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2 if rewards else 1, figsize=(10 if rewards else 7, 3.4),
+                             squeeze=False)
+    panels = [(axes[0][0], curves, "optimizer step (on-policy: step)", "training loss",
+               "training curve per generation (metrics/train_steps.csv)")]
+    if rewards:
+        panels.append((axes[0][1], rewards, "on-policy step", "mean reward of the step's "
+                       "episodes", "on-policy GRPO: reward per step"))
+    for ax, series, xlabel, ylabel, title in panels:
+        for tag, points in series.items():
+            ax.plot([p[0] for p in points], [p[1] for p in points],
+                    marker="." if len(points) < 30 else None, label=tag)
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     return _png(fig)
 
@@ -870,6 +890,7 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
     ledger_tag = next((r["tag"] for r in reversed(rows) if r.get("cost_usd") is not None), None)
     ledger = read_at(root, ledger_tag, "metrics/cost.json") if ledger_tag else None
     curves = training_curves(root, rows)
+    rewards = training_curves(root, rows, "reward_mean")
     if cycles:
         rewards = _img("plot-rewards", "reward distribution per cycle", reward_plot(cycles), "")
         quarantine = _img("plot-quarantine", "quarantine rates per cycle",
@@ -891,7 +912,7 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
             f'<p class="note" id="estimate">{_esc(ledger_tag)}: '
             f'{_esc(estimate_line(ledger))}</p>' if ledger else ""),
         training=_img("plot-training", "training loss per step per generation",
-                      training_plot(curves) if curves else None,
+                      training_plot(curves, rewards) if curves else None,
                       "No generation trained yet (metrics/train_steps.csv)."),
         rewards=rewards, quarantine=quarantine, lineage_tag=tag, lineage_text=lineage_text,
         svg=svg, layout=layout, at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
