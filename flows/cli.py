@@ -401,6 +401,14 @@ def history_rows(root: Path) -> list[dict]:
         current = next((i for i, r in enumerate(rows) if r["tag"] == tag), current)
     for i, row in enumerate(rows):
         row["champion"] = i == current
+    # the fleet (.offseason/fleet.json): the replicas serving each generation, verified
+    fleet_state = root / ".offseason" / "fleet.json"
+    replicas = json.loads(fleet_state.read_text()).get("replicas", {}) \
+        if fleet_state.is_file() else None
+    for row in rows:
+        row["serving"] = None if not replicas else sum(
+            r.get("version") == row["tag"] and r.get("verified", False)
+            for r in replicas.values())
     from flows.orchestration.cost import per_dollar
 
     per_dollar(rows)
@@ -439,7 +447,7 @@ def print_history(rows: list[dict]) -> None:
     """The generations as a table on stdout, with the champion's gain over generation 0."""
     header = f"{'generation':<11}{'date':<12}{'traces':>7}{'pass@1':>8}{'vs champ':>10}" \
              f"{'interval of difference':>26}  {'verdict':<10}{'version':>8}{'cost $':>10}" \
-             f"{'pts/$':>9}  {'approver':<12}champion"
+             f"{'pts/$':>9}  {'approver':<12}{'serving':<9}champion"
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -452,6 +460,7 @@ def print_history(rows: list[dict]) -> None:
               f"{'-' if r.get('cost_usd') is None else format(r['cost_usd'], '.4f'):>10}"
               f"{'-' if r.get('points_per_usd') is None else format(r['points_per_usd'], '.0f'):>9}"
               f"  {r.get('approver') or '':<12}"
+              f"{'-' if r.get('serving') is None else str(r['serving']):<9}"
               f"{'*' if r['champion'] else ''}")
         for back in r.get("rollbacks") or []:  # a change of champion between two cycles
             print(f"{'rollback':<11}{back['date']:<12}champion {back['from']} -> {back['to']} "
@@ -660,7 +669,7 @@ def _fleet_push(root: Path, config, reason: str) -> int:
 
 def cmd_fleet(args) -> int:
     """`offseason fleet status|push`: what each replica serves; the champion to every one."""
-    root, _ = workspace(env=False)
+    root, _ = workspace()
     from flows.orchestration import fleet
 
     config = cfg.fleet(root / "params.yaml")

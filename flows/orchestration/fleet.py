@@ -129,7 +129,32 @@ def push(root: Path, config: cfg.Fleet, reason: str = "") -> dict:
                                  ) from err
     entry["seconds"] = round(time.monotonic() - started, 3)
     _log(root, entry)
+    _tag_model_version(root, entry)
     return entry
+
+
+def _tag_model_version(root: Path, entry: dict) -> None:
+    """The MLflow model version of the generation pushed gets `offseason.fleet`: on how many
+    replicas, verified, since when (the registry shows what serves users). Without a reachable
+    MLflow the push still stands: said, not raised.
+    """
+    import sys
+
+    changes = [e for e in promotion.log_entries(root)
+               if e["action"] in ("init", "promote", "rollback")]
+    number = changes[-1].get("champion_version") if changes else None
+    if number is None:
+        return
+    try:
+        from mlflow import MlflowClient
+
+        name = cfg.load("base", root / "params.yaml").registered_model
+        MlflowClient().set_model_version_tag(
+            name, str(number), "offseason.fleet",
+            f"{entry['version']} on {len(entry['replicas'])} replicas, verified, {entry['at']}")
+    except Exception as err:  # noqa: BLE001 - the registry is a record, the push is done
+        print(f"fleet: the push stands, but MLflow was not told ({type(err).__name__}: {err})",
+              file=sys.stderr)
 
 
 def _restore(root: Path, state: dict, back: list, config: cfg.Fleet) -> dict:
