@@ -84,6 +84,9 @@ def served_tokens(metrics: dict) -> int:
     """The prompt and generated tokens of a rollout an OpenAI-compatible server generated."""
     if metrics.get("backend") != "openai":
         return 0
+    usage = metrics.get("served_usage")  # the servers' own count, every turn's prompt included
+    if usage:
+        return int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
     return int(metrics.get("prompt_tokens") or 0) + int(metrics.get("generated_tokens") or 0)
 
 
@@ -174,8 +177,8 @@ class Meter:
         return bool(self.budget.max_usd or self.budget.max_gpu_hours
                     or self.budget.max_judge_tokens or self.budget.monthly_usd)
 
-    def own(self, judge_tokens: int = 0) -> dict:
-        """This stage's units so far."""
+    def own(self, judge_tokens: int = 0, served_tokens: int = 0) -> dict:
+        """This stage's units so far (`served_tokens`: a rollout server's, as it billed them)."""
         mine, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
             resource.RUSAGE_CHILDREN)
         cpu = mine.ru_utime + mine.ru_stime + kids.ru_utime + kids.ru_stime - self.since_cpu
@@ -184,15 +187,17 @@ class Meter:
         return {"cpu_seconds": cpu + self.carried.get("cpu_seconds", 0.0),
                 "gpu_seconds": len(names) * wall,
                 "gpu_names": names, "judge_tokens": judge_tokens,
-                "judge_tokens_by_model": {self.judge: judge_tokens} if judge_tokens else {}}
+                "judge_tokens_by_model": {self.judge: judge_tokens} if judge_tokens else {},
+                "served_tokens": served_tokens}
 
-    def check(self, done: str, left: str, judge_tokens: int = 0) -> None:
+    def check(self, done: str, left: str, judge_tokens: int = 0, served_tokens: int = 0) -> None:
         """Raise `BudgetSpent` if the cycle is over a limit; `done` and `left` say, in words,
-        what this stage did and what it leaves undone.
+        what this stage did and what it leaves undone; `judge_tokens` and `served_tokens`: what
+        this stage's judge and rollout servers processed so far.
         """
         if not self.limited:
             return
-        stages = {**self.before, self.stage: self.own(judge_tokens)}
+        stages = {**self.before, self.stage: self.own(judge_tokens, served_tokens)}
         total = {key: sum(u[key] for u in stages.values())
                  for key in ("cpu_seconds", "gpu_seconds", "judge_tokens")}
         # unrounded: a step's cent-fractions add up, and under $5e-7 rounded to nothing (a

@@ -100,15 +100,35 @@ def run(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path, rollou
     envs, jobs = chat_jobs(specs, config, root, validated)
     if meter is not None:
         meter.check("no episode yet", f"{len(jobs)} episodes")
+    # episodes a budget stop kept (beside the output, which DVC deletes before a run): a rerun
+    # plays only the rest, and each episode is the same as in an uninterrupted run (seeded by
+    # its identity), so the table is too
+    partial, key = rollouts.with_name(rollouts.name + ".partial"), _resume_key(
+        base, config, specs, champion)
+    kept = _kept(partial, key)
+    left = [job for job in jobs if (f"{job[0]}:{job[1]['task_id']}", job[2]) not in kept]
+    if kept:
+        print(f"rollout: {len(jobs) - len(left)} episodes kept from a run a budget stopped; "
+              f"{len(left)} to play", file=sys.stderr)
     with contextlib.ExitStack() as stack:
         served = config.backend == "openai"
         policy = Policy.served(champion, openai_backend.servers(config, champion, stack)) \
             if served else Policy.local(champion)
-        played = play(base, config, envs, jobs, policy, meter=meter)
-    rows, stats, parser, seconds = played.rows, played.stats, played.parser, played.seconds
+        try:
+            played = play(base, config, envs, left, policy, meter=meter)
+        except budgets.BudgetSpent as err:
+            done = list(kept.values()) + getattr(err, "rows", [])
+            io.write_parquet(partial, pa.Table.from_pylist(done, schema=SCHEMA)
+                             .replace_schema_metadata({"offseason.resume": key}))
+            raise budgets.BudgetSpent(f"{err} ({len(done)} finished episodes are kept in "
+                                      f"{partial.name}; the rerun plays only the rest)") from err
+    fresh = {(r["task_id"], r["sample"]): r for r in played.rows}
+    rows = [kept.get(k) or fresh[k] for k in ((f"{n}:{t['task_id']}", s) for n, t, s in jobs)]
+    stats, parser, seconds = played.stats, played.parser, played.seconds
     templates, refused, ended = played.templates, played.refused, played.ended
     bad_arguments = played.bad_arguments
     io.write_parquet(rollouts, pa.Table.from_pylist(rows, schema=SCHEMA))
+    partial.unlink(missing_ok=True)
     generated = sum(sum(r["model_mask"]) for r in rows)
     per_env = {}
     for name in envs:
@@ -133,8 +153,13 @@ def run(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path, rollou
             for url, count in stat.by_url.items():
                 by_url[url] = by_url.get(url, 0) + count
         requests = {"requests": sum(s.requests for s in stats),
-                    "retries": sum(s.retries for s in stats), "requests_by_url": by_url}
+                    "retries": sum(s.retries for s in stats), "requests_by_url": by_url,
+                    # what the servers processed (and bill): budget.served_tokens prices it
+                    "served_usage": {"prompt_tokens": sum(s.prompt_tokens for s in stats),
+                                     "completion_tokens": sum(s.completion_tokens
+                                                              for s in stats)}}
     return {"backend": config.backend, "tool_parser": parser, **requests,
+            "resumed_episodes": len(kept),
             "prompt_tokens": sum(e["prompt_tokens"] for e in per_env.values()),
             "tool_calls": sum(e["tool_calls"] for e in per_env.values()),
             "template": "prefix-preserving" if all(t.prefix_preserving for t in templates.values())
@@ -148,6 +173,31 @@ def run(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path, rollou
             "template_refused_first": refused[0] if refused else None,
             "episodes_ended": ended, "bad_arguments": bad_arguments,
             "errors": sum(r["error"] is not None for r in rows), "environments": per_env}
+
+
+def _resume_key(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path) -> str:
+    """What kept episodes must have been played with: the champion's weights, the rollout's
+    settings, the seed and the environments (a change of any: nothing kept is reused).
+    """
+    from dataclasses import asdict
+
+    digest = hashlib.sha256(tinylm.weights_digest(champion).encode())
+    digest.update(repr((sorted(asdict(config).items()), base.seed,
+                        sorted((n, repr(s)) for n, s in specs.items()))).encode())
+    return digest.hexdigest()[:24]
+
+
+def _kept(partial: Path, key: str) -> dict:
+    """{(task_id, sample): row} of the episodes a budget stop kept under `key`; none when the
+    file is missing or was written for other weights or settings (then it is removed).
+    """
+    if not partial.exists():
+        return {}
+    table = pq.read_table(partial)
+    if (table.schema.metadata or {}).get(b"offseason.resume", b"").decode() != key:
+        partial.unlink()
+        return {}
+    return {(r["task_id"], r["sample"]): r for r in table.to_pylist()}
 
 
 @dataclass
@@ -221,7 +271,6 @@ def play(base: cfg.Base, config: cfg.Rollout, envs: dict, jobs: list[tuple], pol
     from stages.generation.episode import Progress
 
     tokenizer, ends, served = policy.tokenizer, policy.ends, policy.urls is not None
-    parser = None
     templates = {name: chat.Template.of(tokenizer, list(env.tools), ends)
                  for name, env in envs.items()}
     rows, stats = [], []
@@ -245,46 +294,59 @@ def play(base: cfg.Base, config: cfg.Rollout, envs: dict, jobs: list[tuple], pol
             "tool_errors": episode.tool_errors, "error": episode.error,
             "turns": episode.turns})
 
-    started = time.time()
+    started, parser = time.time(), None
     bar = None if served or not progress else Progress(len(jobs), "rollout", True)
-    for name, env in envs.items():
-        mine = [(task, sample) for n, task, sample in jobs if n == name]
-        if not mine:
-            continue
-        parser, max_turns = chat.resolve(config, tokenizer, env)
-        seeds = [zlib.crc32(f"{base.seed}{salt}/{name}/{task['task_id']}/{sample}".encode())
-                 for task, sample in mine]
-        if served:
-            episodes, stat = openai_backend.chat_rollout(
-                tokenizer, env, [task for task, _ in mine], seeds, urls=policy.urls,
-                parser=parser, max_turns=max_turns, context=policy.context, ends=ends,
-                template=templates[name], model=config.model, temperature=config.temperature,
-                top_p=config.top_p, top_k=config.top_k, max_new_tokens=config.max_new_tokens,
-                concurrency=config.concurrency, timeout=config.request_timeout,
-                retries=config.retries, api=config.api,
-                api_key=openai_backend.api_key_from(config.api_key_env))
-            stats.append(stat)
-            for (task, sample), episode in zip(mine, episodes):
-                add(name, task, sample, episode)
-            continue
-        for start in range(0, len(mine), config.batch_size):
-            if meter is not None and rows:
-                meter.check(f"{len(rows)} of {len(jobs)} episodes",
-                            f"{len(jobs) - len(rows)} episodes")
-            chunk = mine[start:start + config.batch_size]
-            generators = [torch.Generator().manual_seed(seed)
-                          for seed in seeds[start:start + config.batch_size]]
-            done = len(rows)
-            episodes = chat.rollout(
-                policy.model, tokenizer, env, [task for task, _ in chunk], parser=parser,
-                temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-                max_turns=max_turns, generator=generators, top_p=config.top_p,
-                top_k=config.top_k, template=templates[name],
-                on_step=None if bar is None else lambda n, base=done: bar.update(base + n))
-            for (task, sample), episode in zip(chunk, episodes):
-                add(name, task, sample, episode)
-    if bar is not None:
-        bar.close()
+    try:
+        for name, env in envs.items():
+            mine = [(task, sample) for n, task, sample in jobs if n == name]
+            if not mine:
+                continue
+            parser, max_turns = chat.resolve(config, tokenizer, env)
+            seeds = [zlib.crc32(f"{base.seed}{salt}/{name}/{task['task_id']}/{sample}".encode())
+                     for task, sample in mine]
+            if served:  # in batches, the budget checked between them on the servers' usage
+                for start in range(0, len(mine), config.batch_size):
+                    if meter is not None and rows:
+                        meter.check(f"{len(rows)} of {len(jobs)} episodes",
+                                    f"{len(jobs) - len(rows)} episodes",
+                                    served_tokens=sum(s.prompt_tokens + s.completion_tokens
+                                                      for s in stats))
+                    chunk = mine[start:start + config.batch_size]
+                    episodes, stat = openai_backend.chat_rollout(
+                        tokenizer, env, [task for task, _ in chunk],
+                        seeds[start:start + config.batch_size], urls=policy.urls, parser=parser,
+                        max_turns=max_turns, context=policy.context, ends=ends,
+                        template=templates[name], model=config.model,
+                        temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                        max_new_tokens=config.max_new_tokens, concurrency=config.concurrency,
+                        timeout=config.request_timeout, retries=config.retries, api=config.api,
+                        api_key=openai_backend.api_key_from(config.api_key_env))
+                    stats.append(stat)
+                    for (task, sample), episode in zip(chunk, episodes):
+                        add(name, task, sample, episode)
+                continue
+            for start in range(0, len(mine), config.batch_size):
+                if meter is not None and rows:
+                    meter.check(f"{len(rows)} of {len(jobs)} episodes",
+                                f"{len(jobs) - len(rows)} episodes")
+                chunk = mine[start:start + config.batch_size]
+                generators = [torch.Generator().manual_seed(seed)
+                              for seed in seeds[start:start + config.batch_size]]
+                done = len(rows)
+                episodes = chat.rollout(
+                    policy.model, tokenizer, env, [task for task, _ in chunk], parser=parser,
+                    temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+                    max_turns=max_turns, generator=generators, top_p=config.top_p,
+                    top_k=config.top_k, template=templates[name],
+                    on_step=None if bar is None else lambda n, base=done: bar.update(base + n))
+                for (task, sample), episode in zip(chunk, episodes):
+                    add(name, task, sample, episode)
+    except budgets.BudgetSpent as err:
+        err.rows = rows  # the finished episodes: the caller keeps them
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
     return Played(rows, stats, parser, time.time() - started, templates, refused, ended,
                   bad_arguments)
 

@@ -31,6 +31,10 @@ class Stats:
     requests: int = 0  # completion requests answered
     retries: int = 0
     by_url: dict[str, int] = field(default_factory=dict)  # successful requests per URL
+    # what the servers say they processed (their `usage`): what a billing server charges for,
+    # every turn's prompt included (a multi-turn episode sends its conversation each turn)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 class Pool:
@@ -106,10 +110,14 @@ class Client:
             finally:
                 if url is None:
                     self.pool.release(base)
+        answer = response.json()
         if method == "POST":  # completions; not the GET /models lookup
             self.stats.requests += 1
             self.stats.by_url[base] = self.stats.by_url.get(base, 0) + 1
-        return response.json()
+            usage = answer.get("usage") or {} if isinstance(answer, dict) else {}
+            self.stats.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+            self.stats.completion_tokens += int(usage.get("completion_tokens") or 0)
+        return answer
 
     def _retried(self, state) -> None:
         self.stats.retries += 1

@@ -139,11 +139,16 @@ def test_a_budget_stops_the_rollout_between_batches_and_a_raised_one_gives_the_u
     assert done, message  # between batches: some done, the rest named
     assert 0 < int(done[1]) < 24 and int(done[1]) % 4 == 0 and int(done[2]) == 24 - int(done[1])
     assert not stopped.exists()  # no partial table is left as the stage's output
+    # but the finished episodes are kept beside it, and the message says where
+    partial = stopped.with_name("stopped.parquet.partial")
+    assert len(pq.read_table(partial)) == int(done[1]) and partial.name in message
     raised = budgets.Meter("rollout", cfg.Budget(max_usd=1e6), prices, since_cpu=cpu_now())
-    roll(config, tasks, champion, stopped, raised)
+    again = roll(config, tasks, champion, stopped, raised)
+    assert again["resumed_episodes"] == int(done[1])  # only the rest was played
     kept = ["task_id", "sample", "completion", "token_ids", "model_mask"]
     assert pq.read_table(stopped, columns=kept).to_pylist() == \
         pq.read_table(whole, columns=kept).to_pylist()
+    assert not partial.exists()  # used up
 
 
 def test_a_budget_spent_before_the_rollout_stops_it_naming_the_key(tmp_path, champion):

@@ -401,3 +401,36 @@ def test_api_key_only_from_the_environment(monkeypatch):
 def test_progress_lines_on_stderr(trained, serve, capsys):
     run_openai(trained, [serve().url], progress=True, tasks=tasks(1))
     assert "rollout (openai): 8/8 episodes" in capsys.readouterr().err
+
+
+def test_a_served_rollout_meets_the_budget_per_batch_on_the_servers_usage(trained, tmp_path):
+    """The served backend is the one that bills per token: its batches are checked against the
+    budget like the others, on the tokens the server says it processed (every turn's prompt
+    resent), and a stop keeps the finished episodes for the rerun."""
+    from stages import budget as budgets
+
+    folder = trained[2]
+    validated = _validated(tmp_path / "validated.parquet")
+    command = f"{sys.executable} -m stages.generation.serve_tiny {{model}} --port {{port}} --threads 1"
+    config = cfg.Rollout(backend="openai", server_command=command, samples_per_task=2,
+                         temperature=0.0, max_new_tokens=40, max_turns=4, batch_size=4)
+    whole = rollout.run(cfg.Base(), config, SPECS, folder, tmp_path / "whole.parquet",
+                        validated=validated)
+    usage = whole["served_usage"]
+    # the server's count: each turn's request carries the conversation so far
+    assert usage["completion_tokens"] == whole["generated_tokens"]
+    assert usage["prompt_tokens"] > whole["prompt_tokens"]
+    assert budgets.served_tokens(whole) == usage["prompt_tokens"] + usage["completion_tokens"]
+    # a dollar a served token, the CPU free: the first batch's tokens spend the budget
+    prices = cfg.Cost(cpu_hour_usd=0.0, rollout_usd_per_million_tokens=1e6)
+    meter = budgets.Meter("rollout", cfg.Budget(max_usd=10.0), prices)
+    with pytest.raises(budgets.BudgetSpent, match=r"done: 4 of 16 episodes") as err:
+        rollout.run(cfg.Base(), config, SPECS, folder, tmp_path / "stopped.parquet",
+                    validated=validated, meter=meter)
+    assert "budget.max_usd=10 reached" in str(err.value)
+    assert len(pq.read_table(tmp_path / "stopped.parquet.partial")) == 4
+    again = rollout.run(cfg.Base(), config, SPECS, folder, tmp_path / "stopped.parquet",
+                        validated=validated)
+    assert again["resumed_episodes"] == 4
+    assert pq.read_table(tmp_path / "stopped.parquet").column("token_ids").to_pylist() == \
+        pq.read_table(tmp_path / "whole.parquet").column("token_ids").to_pylist()
