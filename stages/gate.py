@@ -207,12 +207,19 @@ def compare(name: str, a: np.ndarray, b: np.ndarray, config: cfg.Gate, seed: int
                          f"{name}: {split} on the items only one model solved, p = "
                          f"{test['p_better']:.4f} >= alpha {level:.4g}: not clearly better")
     elif primary:
-        out["test"] = "paired bootstrap, one-sided lower bound"
-        # its p-value: the share of resamples at or below the threshold
-        out["p_value"] = round(float((1 + (stats <= threshold).sum()) / (1 + len(stats))), 6)
-        out["passed"] = low > threshold
-        out["reason"] = (f"{name}: lower bound {low:+.3f} > {threshold}" if out["passed"] else
-                         f"{name}: lower bound {low:+.3f} <= {threshold}: not clearly better")
+        # a paired t-test, not the bootstrap: a bootstrap p-value cannot go below 1 / (B + 1),
+        # so a level LORD++ set below it (8.9e-5 against B = 2,000) was never resolved and false
+        # promotions ran at 1e-3 (issue 50); the t-test's p-value resolves any level, and its
+        # error rate on bounded, skewed scores is checked by simulation (tests/stages/test_gate.py)
+        p_value, low = paired_t(a, b, threshold, level)
+        out["test"] = "paired t-test, one-sided"
+        out["p_value"] = round(p_value, 8)
+        out["interval"][0] = round(low, 4)
+        out["passed"] = p_value < level
+        out["reason"] = (f"{name}: {difference:+.3f}, p = {p_value:.4g} < alpha {level:.4g} "
+                         f"(lower bound {low:+.3f} > {threshold})" if out["passed"] else
+                         f"{name}: {difference:+.3f}, p = {p_value:.4g} >= alpha {level:.4g} "
+                         f"(lower bound {low:+.3f}): not clearly better than {threshold}")
     elif lower_is_better:  # growth is bad: its upper bound must stay within the margin
         out["passed"] = high <= threshold
         out["reason"] = (f"{name}: upper bound {high:+.3f} <= {threshold}" if out["passed"] else
@@ -224,6 +231,24 @@ def compare(name: str, a: np.ndarray, b: np.ndarray, config: cfg.Gate, seed: int
                          f"{name}: lower bound {low:+.3f} < -{threshold}: may have regressed "
                          f"beyond the margin")
     return out
+
+
+def paired_t(a: np.ndarray, b: np.ndarray, threshold: float, level: float
+             ) -> tuple[float, float]:
+    """One-sided paired t-test that mean(a - b) > `threshold`: (its p-value, the one-sided lower
+    confidence bound at `level`). Differences all alike (no spread): p is 0 above the threshold,
+    1 otherwise.
+    """
+    from scipy.stats import t as student
+
+    diff = a - b
+    n, mean = len(diff), float(diff.mean())
+    spread = float(diff.std(ddof=1)) if n > 1 else 0.0
+    if spread == 0.0:
+        return (0.0 if mean > threshold else 1.0), mean
+    se = spread / math.sqrt(n)
+    p_value = float(student.sf((mean - threshold) / se, n - 1))
+    return p_value, mean - float(student.ppf(1 - level, n - 1)) * se
 
 
 def detectable(a: np.ndarray, b: np.ndarray, alpha: float, power: float = 0.8) -> float:
@@ -497,7 +522,7 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
         reason = main["reason"].split(": ", 1)[1] + "; every guard held"
     else:
         reason = "; ".join(failures)
-    primary_test = main.get("test", "paired bootstrap, one-sided lower bound")
+    primary_test = main.get("test", "paired t-test, one-sided")
     rule = (f"pass when suite '{config.primary}' shows the candidate better than the champion "
             f"({primary_test}"
             f"{'' if primary_test.startswith('exact') else f', above {config.min_improvement}'}"
