@@ -512,6 +512,7 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
     first = [r for r in _read(rewards) if r["reward"] is not None] \
         if rewards is not None and rewards.exists() else None
     served = rollout.backend == "openai"
+    usage = {"prompt_tokens": 0, "completion_tokens": 0}  # this attempt's served tokens
     with contextlib.ExitStack() as stack:
         sync = _Sync(stack, rollout, champion, work, model, tokenizer) if served else None
         from stages.envs import contract
@@ -544,6 +545,9 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
                 io.write_parquet(episodes / f"step-{step + 1:05d}.parquet", scored)
                 rows = [r for r in scored.to_pylist() if r["reward"] is not None]
                 played_rows = played.rows
+                for stat in played.stats:  # what served generation processed (and bills)
+                    usage["prompt_tokens"] += stat.prompt_tokens
+                    usage["completion_tokens"] += stat.completion_tokens
             groups, flat = grpo.examples(rows, settings.scale_rewards)
             trained = time.monotonic()
             torch.manual_seed(base.seed * 100_003 + step)  # the same update on a resumed run
@@ -576,7 +580,8 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
             os.replace(tmp, state)
             if meter is not None:
                 meter.check(f"{step + 1} of {settings.steps} on-policy steps (saved: a rerun "
-                            f"resumes at step {step + 2})", f"{settings.steps - step - 1} steps")
+                            f"resumes at step {step + 2})", f"{settings.steps - step - 1} steps",
+                            served_tokens=usage["prompt_tokens"] + usage["completion_tokens"])
     tmp = candidate.with_name(candidate.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tinylm.save(model.to("cpu").float(), tokenizer, tmp)
@@ -606,6 +611,8 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
             "generated_tokens": sum(h["generated_tokens"] for h in history),
             "loss_tokens": sum(h.get("loss_tokens", 0) for h in history),
             "resumed_from_step": start, "device": hw["device"], "precision": hw["precision"],
+            # served generation is priced like the rollout stage's (budget.served_tokens)
+            "backend": rollout.backend, **({"served_usage": usage} if served else {}),
             "lora_r": config.lora_r, "deepspeed": config.deepspeed}
 
 

@@ -219,6 +219,11 @@ def test_on_policy_steps_push_each_step_to_a_vllm_server_and_verify_it(tmp_path,
     # vLLM's numerics are not training's: the weight is logged, near 1, not exactly 1
     ratios = [float(r["is_ratio_mean"]) for r in log]
     assert all(0.9 < ratio < 1.1 for ratio in ratios), ratios
+    # what the server generated is on the stage's ledger, priced like the rollout stage's
+    from stages import budget as budgets
+
+    metrics = json.loads((tmp_path / "train.json").read_text())
+    assert metrics["backend"] == "openai" and budgets.served_tokens(metrics) > 0
 
 
 # The fleet (flows/orchestration/fleet.py) pushes through this module: tested here, on the same
