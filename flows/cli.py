@@ -690,6 +690,9 @@ def cmd_fleet(args) -> int:
               f"since {row['since'] or '-'}{agrees}")
         if row.get("error"):
             print(f"    last push failed: {row['error']}")
+        if row.get("paused"):
+            print("    PAUSED: it holds new requests (a push was cut off between its pause and "
+                  "its resume); `offseason fleet push` again resumes it")
     return 0
 
 

@@ -134,6 +134,9 @@ def push(replica: Replica, folder: Path, version: str) -> float:
             _post(client, replica, "/update_weights_from_disk", "the weight update",
                   json={"model_path": path, "weight_version": version})
         else:
+            # a push killed between its pause and its resume left the server holding requests:
+            # this one finishes it (resuming a server that is not paused changes nothing)
+            _post(client, replica, "/resume", "resuming generation")
             # drain, not abort: requests in flight finish on the old weights; new ones wait
             _post(client, replica, "/pause", "pausing generation",
                   params={"mode": "wait"})
@@ -150,6 +153,21 @@ def push(replica: Replica, folder: Path, version: str) -> float:
             finally:  # a failed update must not leave the replica refusing traffic
                 _post(client, replica, "/resume", "resuming generation")
     return time.monotonic() - started
+
+
+def paused(replica: Replica) -> bool | None:
+    """Whether the server holds new requests (vLLM's GET /is_paused): a push cut off between
+    its pause and its resume leaves it so; None where the server cannot say (SGLang, older
+    vLLM). `push` resumes it first.
+    """
+    if replica.kind != "vllm":
+        return None
+    with replica.client(timeout=30.0) as client:
+        try:
+            return bool(http.checked(client.get(f"{replica.root}/is_paused")).json()
+                        .get("is_paused"))
+        except (http.Failed, httpx.HTTPError, ValueError):
+            return None
 
 
 def reported_version(replica: Replica) -> str | None:

@@ -206,5 +206,6 @@ def status(root: Path, config: cfg.Fleet) -> list[dict]:
             live = f"unreachable: {str(err).split(': ', 2)[-1][:120]}"
         rows.append({"url": replica.url, "version": record.get("version"),
                      "since": record.get("since"), "verified": record.get("verified", False),
-                     "live": live, "error": record.get("error")})
+                     "live": live, "error": record.get("error"),
+                     "paused": weights.paused(replica)})
     return rows

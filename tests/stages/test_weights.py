@@ -287,3 +287,10 @@ def test_the_fleet_takes_each_champion_verified_and_a_failed_push_leaves_it_whol
     # the whole push is on record, the failure and what was restored included
     log = (root / ".offseason" / "fleet.jsonl").read_text().splitlines()
     assert len(log) == 3 and '"failed"' in log[-1] and '"restored"' in log[-1]
+    # a push killed between its pause and its resume leaves the server holding requests: status
+    # says so, and the next push finishes it
+    httpx.post(f"{weights.Replica(url=server).root}/pause", params={"mode": "wait"}, timeout=30)
+    assert fleet.status(root, config)[0]["paused"] is True
+    fleet.push(root, config, "again")
+    [row] = fleet.status(root, config)
+    assert row["paused"] is False and row["live"] == "gen-2" and row["verified"]
