@@ -13,6 +13,7 @@ offseason's worker extension loaded) on a tiny Qwen2 chat model built offline (t
   order: decision -> every replica serving verified weights);
 - `lora`: a rank-8 adapter loaded at run time under a new name, verified the same way;
 - the baseline: a cold restart of the same server on the new folder (process start to /health).
+Each replica's OpenMP threads are bound to one core of their own (VLLM_CPU_OMP_THREADS_BIND).
 While pushing, `--load` threads send completions to the first replica without pause; the failed
 ones are counted (goal 0). Prints a Markdown table: medians over `--pushes`.
 """
@@ -102,9 +103,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = {}
     with contextlib.ExitStack() as stack:
         started = time.monotonic()
-        urls = [stack.enter_context(servers.serve(command(i == 0), base, timeout=600,
-                                                  setting="bench", who=f"replica {i}"))
-                for i in range(args.replicas)]
+        urls = []
+        for i in range(args.replicas):
+            # each replica's OpenMP threads on a core of their own: vLLM's CPU engine keeps its
+            # threads busy, and two on the same cores starved each other (a probe timed out)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(i % (os.cpu_count() or 1))
+            urls.append(stack.enter_context(servers.serve(
+                command(i == 0), base, timeout=600, setting="bench", who=f"replica {i}")))
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
         print(f"{args.replicas} replicas up in {time.monotonic() - started:.1f} s", file=sys.stderr)
         fleet = [weights.Replica(url=u, model="policy") for u in urls]
         failures, answered, stop = [], [0], threading.Event()
