@@ -187,6 +187,10 @@ class Rollout:
     concurrency: int = Field(64, gt=0, description="requests in flight, over all URLs")
     request_timeout: Float = Field(120.0, gt=0, description="seconds per request before it is "
                                                             "retried")
+    stall_seconds: Float = Field(300.0, gt=0, description="openai backend: no answer from any "
+                                 "server for this long (no request finished) fails the stage, "
+                                 "naming the servers, instead of waiting out every request's "
+                                 "timeout and retries")
     retries: int = Field(5, ge=0, description="per request, on timeouts, 429 and 5xx, with "
                                               "exponential backoff")
     api_key_env: str = Field("OPENAI_API_KEY", description="the environment variable holding the "
@@ -641,7 +645,7 @@ OPTIONAL = {"environments", "runtime", "judge", "cost", "budget", "pull"}
 # as a param: changing one reruns nothing and starts no cycle. `load` merges them into their
 # stage's config, so the code reads config.urls as before, and the stages record what they used.
 RUNTIME = {"rollout": ("urls", "server_command", "server_timeout", "concurrency",
-                       "request_timeout", "retries", "api_key_env", "api"),
+                       "request_timeout", "stall_seconds", "retries", "api_key_env", "api"),
            "reward": ("workers", "ray_address"),
            "judge": ("url", "server_command", "server_timeout", "api_key_env", "request_timeout",
                      "retries", "concurrency"),

@@ -320,7 +320,8 @@ def play(base: cfg.Base, config: cfg.Rollout, envs: dict, jobs: list[tuple], pol
                         temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                         max_new_tokens=config.max_new_tokens, concurrency=config.concurrency,
                         timeout=config.request_timeout, retries=config.retries, api=config.api,
-                        api_key=openai_backend.api_key_from(config.api_key_env))
+                        api_key=openai_backend.api_key_from(config.api_key_env),
+                        stall=config.stall_seconds)
                     stats.append(stat)
                     for (task, sample), episode in zip(chunk, episodes):
                         add(name, task, sample, episode)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +79,7 @@ class Client:
                                       concurrency=concurrency)
         self.retries, self.backoff = retries, backoff
         self.stats = Stats(by_url=dict.fromkeys(self.pool.urls, 0))
+        self.progress = time.monotonic()  # when a request last finished (the stall watch's)
 
     async def request(self, method: str, path: str, payload: dict | None = None,
                       url: str | None = None) -> dict:
@@ -111,6 +113,7 @@ class Client:
                 if url is None:
                     self.pool.release(base)
         answer = response.json()
+        self.progress = time.monotonic()
         if method == "POST":  # completions; not the GET /models lookup
             self.stats.requests += 1
             self.stats.by_url[base] = self.stats.by_url.get(base, 0) + 1
@@ -135,6 +138,30 @@ def _token_ids(tokens: list[str]) -> list[int] | None:
             return None
         ids.append(int(token.removeprefix("token_id:")))
     return ids
+
+
+async def _watched(work, client: Client, stall: float | None):
+    """`work`'s result, unless no request finishes for `stall` seconds: then it is cancelled
+    and ServerError names the servers (runtime.rollout.stall_seconds). A server that stops
+    answering mid-run otherwise holds the stage for every request's timeout times its attempts.
+    """
+    task = asyncio.ensure_future(work)
+    if not stall:
+        return await task
+    client.progress = time.monotonic()
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=min(1.0, stall / 4))
+        if done:
+            return task.result()
+        quiet = time.monotonic() - client.progress
+        if quiet > stall:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ServerError(
+                f"no answer from {', '.join(client.pool.urls)} for {quiet:.0f} s (no request "
+                f"finished; runtime.rollout.stall_seconds={stall:g}): the server is up but "
+                f"wedged, or overloaded. Restart it (or raise stall_seconds for a server that is "
+                f"slow, not stuck) and run the stage again")
 
 
 async def _all_or_none(coroutines: list) -> list:
@@ -275,7 +302,8 @@ async def _chat_episode(client: Client, model: str, play, index: int, prompt: li
 async def _chat(play, prompts: list[list[int] | None], seeds: list[int], *, urls: list[str], model: str,
                 sampling: dict, max_new_tokens: int, context: int, ends: tuple[int, ...],
                 eos: int, concurrency: int, timeout: float, retries: int, backoff: float,
-                api_key: str | None, progress: bool, api: str = "completions"):
+                api_key: str | None, progress: bool, api: str = "completions",
+                stall: float | None = None):
     client = Client(urls, concurrency=concurrency, timeout=timeout, retries=retries,
                     backoff=backoff, api_key=api_key)
     bar = Progress(len(prompts), "rollout (openai)", progress)
@@ -296,7 +324,8 @@ async def _chat(play, prompts: list[list[int] | None], seeds: list[int], *, urls
             bar.update(done)
             return episode
 
-        episodes = await _all_or_none([one(i) for i in range(len(prompts))])
+        episodes = await _watched(_all_or_none([one(i) for i in range(len(prompts))]), client,
+                                  stall)
     finally:
         bar.close()
         await client.close()
@@ -308,7 +337,8 @@ def chat_rollout(tokenizer, env, tasks: list[dict], seeds: list[int], *, urls: l
                  template=None, model: str = "", temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, max_new_tokens: int = 48, concurrency: int = 64,
                  timeout: float = 60.0, retries: int = 5, backoff: float = 0.5,
-                 api_key: str | None = None, progress: bool = True, api: str = "completions"):
+                 api_key: str | None = None, progress: bool = True, api: str = "completions",
+                 stall: float | None = None):
     """One chat episode per task (`stages.generation.chat.ChatEpisode`), from the servers at `urls`;
     and the stats. The same episodes as `chat.rollout` gives in this process: the prompt and every
     tool result are rendered here with `tokenizer`'s chat template (the served model's), the
@@ -316,7 +346,8 @@ def chat_rollout(tokenizer, env, tasks: list[dict], seeds: list[int], *, urls: l
     calls are parsed here by `parser`; nothing is re-tokenized. `seeds`: one per episode (each
     turn's request gets its own from it); `context`: the model's context length;
     `ends`: the ids that end a turn (sent as vLLM's `stop_token_ids`); `api`: "completions"
-    (token ids in and out) or "chat" (`/chat/completions`, checked against ours; module docstring).
+    (token ids in and out) or "chat" (`/chat/completions`, checked against ours; module docstring);
+    `stall`: seconds without any request finishing before it fails (`_watched`).
     """
     from stages.generation import chat, tool_parsers
 
@@ -336,7 +367,7 @@ def chat_rollout(tokenizer, env, tasks: list[dict], seeds: list[int], *, urls: l
         play, prompts, seeds, urls=urls, model=model, sampling=sampling,
         max_new_tokens=max_new_tokens, context=context, ends=ends, eos=eos,
         concurrency=concurrency, timeout=timeout, retries=retries, backoff=backoff,
-        api_key=api_key, progress=progress, api=api))
+        api_key=api_key, progress=progress, api=api, stall=stall))
     return chat.episodes_checked(episodes), stats
 
 

@@ -434,3 +434,29 @@ def test_a_served_rollout_meets_the_budget_per_batch_on_the_servers_usage(traine
     assert again["resumed_episodes"] == 4
     assert pq.read_table(tmp_path / "stopped.parquet").column("token_ids").to_pylist() == \
         pq.read_table(tmp_path / "whole.parquet").column("token_ids").to_pylist()
+
+
+def test_a_server_that_wedges_mid_run_fails_the_stage_within_its_stall_bound(serve, trained,
+                                                                                tmp_path):
+    """A server that stops answering after a few requests (up, accepting connections, never
+    replying) held the stage for request_timeout x attempts (12 minutes at the defaults); with
+    runtime.rollout.stall_seconds the stage fails within it, naming the server."""
+    release = threading.Event()
+
+    def wedge(server, n):  # from the 6th request on: hold the request until the test ends
+        if n > 5:
+            release.wait(60)
+            return True
+        return False
+
+    served = serve(handler(wedge))
+    config = cfg.Rollout(backend="openai", urls=served.url, samples_per_task=2,
+                         max_new_tokens=40, stall_seconds=2.0, request_timeout=120.0)
+    try:  # the watch's own error, not the request's timeout (120 s) after its retries
+        with pytest.raises(openai_backend.ServerError, match=r"no answer from "
+                           + re.escape(served.url) + r" for \d+ s .*stall_seconds=2"):
+            rollout.run(cfg.Base(), config, SPECS, trained[2], tmp_path / "r.parquet",
+                        validated=_validated(tmp_path / "validated.parquet"))
+    finally:
+        release.set()
+    assert not (tmp_path / "r.parquet").exists()
