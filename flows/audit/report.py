@@ -890,7 +890,7 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
     ledger_tag = next((r["tag"] for r in reversed(rows) if r.get("cost_usd") is not None), None)
     ledger = read_at(root, ledger_tag, "metrics/cost.json") if ledger_tag else None
     curves = training_curves(root, rows)
-    rewards = training_curves(root, rows, "reward_mean")
+    reward_curves = training_curves(root, rows, "reward_mean")
     if cycles:
         rewards = _img("plot-rewards", "reward distribution per cycle", reward_plot(cycles), "")
         quarantine = _img("plot-quarantine", "quarantine rates per cycle",
@@ -912,7 +912,7 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
             f'<p class="note" id="estimate">{_esc(ledger_tag)}: '
             f'{_esc(estimate_line(ledger))}</p>' if ledger else ""),
         training=_img("plot-training", "training loss per step per generation",
-                      training_plot(curves, rewards) if curves else None,
+                      training_plot(curves, reward_curves) if curves else None,
                       "No generation trained yet (metrics/train_steps.csv)."),
         rewards=rewards, quarantine=quarantine, lineage_tag=tag, lineage_text=lineage_text,
         svg=svg, layout=layout, at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
