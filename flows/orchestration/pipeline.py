@@ -35,6 +35,10 @@ from flows.project.workspace import WorkspaceError, generations, inputs_fingerpr
 from stages import io
 
 # DVC's lines that open a stage's part of the output (dvc/stage/run.py, dvc/stage/__init__.py)
+# DVC's routine lines, said every cycle, that ask nothing of anyone (issue 53): an output
+# legitimately empty (no row quarantined, no trace held out) and the push the cycle does itself
+NOISE = re.compile(r"WARNING: '[^']+' is empty\.$|Use `dvc push` to send your updates to "
+                   r"remote storage\.$")
 ANNOUNCED = re.compile(r"(?:Running stage '([^']+)':|Stage '([^']+)' (?:didn't change, skipping|"
                        r"is cached - skipping run))")
 NEW_TRACES = "new traces in data/inbox"
@@ -170,7 +174,8 @@ class Stage:
         while self._open:
             kind, text, lock, when = self._pipeline.events.get()
             if kind == "line" and not ANNOUNCED.match(text):
-                yield text
+                if not NOISE.match(text.strip()):
+                    yield text
                 continue
             self._open, self.lock, self.ended = False, lock, when
             if kind == "line":  # the next stage's first line: the next stage() reads it

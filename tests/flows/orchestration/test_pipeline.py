@@ -157,3 +157,25 @@ def test_closing_a_running_pipeline_stops_its_stage(repo):
     assert pipe.session.proc.poll() is not None
     pipe.thread.join(10)
     assert not pipe.running()
+
+
+def test_dvc_routine_lines_are_not_relayed_as_a_stage_said_them():
+    """Every cycle logged DVC's "WARNING: 'data/holdout' is empty." and "Use `dvc push` ..."
+    (issue 53): an output legitimately empty and the push the cycle does itself. A stage's
+    lines now leave them out, and keep everything else, warnings included."""
+    import queue
+    import types
+
+    said = ["validate: 981 of 981 traces valid", "WARNING: 'data/holdout' is empty.",
+            "WARNING: 'data/quarantine/validate.jsonl' is empty.", "Updating lock file 'dvc.lock'",
+            "Use `dvc push` to send your updates to remote storage.",
+            "WARNING: the validated traces drifted"]
+    events = queue.Queue()
+    for text in said:
+        events.put(("line", text, "", 0.0))
+    events.put(("command-end", None, "", 0.0))
+    stage = pipeline.Stage(types.SimpleNamespace(events=events, pending=None), "validate",
+                           "Running stage 'validate':", 0.0)
+    assert list(stage) == ["Running stage 'validate':", "validate: 981 of 981 traces valid",
+                           "Updating lock file 'dvc.lock'",
+                           "WARNING: the validated traces drifted"]
