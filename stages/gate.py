@@ -172,9 +172,11 @@ def mcnemar(a: np.ndarray, b: np.ndarray) -> dict:
 
 def compare(name: str, a: np.ndarray, b: np.ndarray, config: cfg.Gate, seed: int, *,
             threshold: float, primary: bool, relative: bool = False, lower_is_better=False,
-            level: float | None = None) -> dict:
+            level: float | None = None, score_test: bool = True) -> dict:
     """One rule: the paired interval of candidate - champion against its threshold. `level`:
-    the primary's one-sided test level (default `gate.alpha`; LORD's when sequential).
+    the primary's one-sided test level (default `gate.alpha`; LORD's when sequential);
+    `score_test`: a pass/fail guard with a margin is decided by Tango's test (False: by the
+    bootstrap's bound, as the per-environment protocol guards are).
     """
     level = config.alpha if level is None else level
     if len(a) == 0:
@@ -220,6 +222,20 @@ def compare(name: str, a: np.ndarray, b: np.ndarray, config: cfg.Gate, seed: int
                          f"(lower bound {low:+.3f} > {threshold})" if out["passed"] else
                          f"{name}: {difference:+.3f}, p = {p_value:.4g} >= alpha {level:.4g} "
                          f"(lower bound {low:+.3f}): not clearly better than {threshold}")
+    elif binary and score_test and not lower_is_better and threshold > 0:
+        # pass/fail pairs against a margin: Tango's score test for paired proportions (its
+        # size held at 5.1 % where the percentile bootstrap's ran at 7.1 %, issue 50). A margin
+        # of 0 keeps the bootstrap's "no regression seen": no test can show non-inferiority at a
+        # margin of 0, so every cycle would be blocked
+        from scipy.stats import norm
+
+        low = tango_lower(a, b, tail)
+        out["interval"][0] = round(low, 4)
+        out["test"] = "Tango's paired score test, one-sided"
+        out["passed"] = bool(tango_statistic(a, b, -threshold) > norm.ppf(1 - tail))
+        out["reason"] = (f"{name}: lower bound {low:+.3f} >= -{threshold}" if out["passed"]
+                         else f"{name}: lower bound {low:+.3f} < -{threshold}: may have "
+                              f"regressed beyond the margin")
     elif lower_is_better:  # growth is bad: its upper bound must stay within the margin
         out["passed"] = high <= threshold
         out["reason"] = (f"{name}: upper bound {high:+.3f} <= {threshold}" if out["passed"] else
@@ -231,6 +247,40 @@ def compare(name: str, a: np.ndarray, b: np.ndarray, config: cfg.Gate, seed: int
                          f"{name}: lower bound {low:+.3f} < -{threshold}: may have regressed "
                          f"beyond the margin")
     return out
+
+
+def tango_statistic(a: np.ndarray, b: np.ndarray, delta: float) -> float:
+    """Tango's score statistic (1998) for paired pass/fail items against the null hypothesis
+    mean(a) - mean(b) = `delta`: the discordant counts' difference over its standard error at
+    the constrained maximum-likelihood estimate of the discordant probability.
+    """
+    n = len(a)
+    only_a = float(((a == 1) & (b == 0)).sum())
+    only_b = float(((a == 0) & (b == 1)).sum())
+    big_a, big_b = 2.0 * n, -only_a - only_b + (2.0 * n - only_a + only_b) * delta
+    big_c = -only_b * delta * (1 - delta)
+    q = (math.sqrt(max(big_b * big_b - 4 * big_a * big_c, 0.0)) - big_b) / (2 * big_a)
+    variance = n * (2 * q + delta * (1 - delta))
+    surplus = only_a - only_b - n * delta
+    if variance <= 0:
+        return math.inf if surplus > 0 else -math.inf if surplus < 0 else 0.0
+    return surplus / math.sqrt(variance)
+
+
+def tango_lower(a: np.ndarray, b: np.ndarray, tail: float) -> float:
+    """The one-sided lower confidence bound (level 1 - `tail`) of mean(a) - mean(b) from
+    Tango's score test: the least difference the test does not reject (by bisection).
+    """
+    from scipy.stats import norm
+
+    z = float(norm.ppf(1 - tail))
+    low, high = -1.0, float((a - b).mean())
+    if tango_statistic(a, b, low + 1e-9) <= z:
+        return -1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if tango_statistic(a, b, middle) > z else (low, middle)
+    return high
 
 
 def paired_t(a: np.ndarray, b: np.ndarray, threshold: float, level: float
@@ -499,7 +549,10 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
                 **compare(f"{guard} ({words}) in {where}",
                           *arrays(everything if key == "tokens" else rows, key), config, seed,
                           threshold=limits[guard], primary=False,
-                          relative=key == "tokens", lower_is_better=growth)}
+                          relative=key == "tokens", lower_is_better=growth,
+                          # the protocol guards watch for a break, not a suite's score: on a
+                          # 10-item suite no test could show a format unchanged within 0.1
+                          score_test=False)}
     contamination = {"passed": not contaminated, "items": contaminated,
                      "reason": (f"contamination: {len(contaminated)} benchmark items appear in "
                                 f"the candidate's training data: {', '.join(contaminated[:10])}"
