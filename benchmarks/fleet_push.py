@@ -46,22 +46,6 @@ def command(lora: bool) -> str:
             + (" --enable-lora --max-lora-rank 8 --max-loras 4" if lora else ""))
 
 
-def changed(folder: Path, out: Path, seed: int):
-    """A copy of `folder` with every weight moved a little: (folder, model)."""
-    import chat_model
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    shutil.copytree(folder, out, dirs_exist_ok=True)
-    chat_model.save_weights(model, out)
-    return out, model
-
-
 def adapter(folder: Path, out: Path, seed: int):
     """A random rank-8 adapter on `folder` saved to `out`: (out, the merged model)."""
     import torch
@@ -130,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             t.start()
         one, every, lora = [], [], []
         for n in range(args.pushes):
-            folder, model = changed(base, work / f"v{n}", seed=n + 1)
+            folder, model = chat_model.changed(base, work / f"v{n}", seed=n + 1)
             expected = weights.greedy_ids(model, PROBES, 8)
             t0 = time.monotonic()
             update = weights.push(fleet[0], folder, f"r{n}")
@@ -155,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     # the baseline: a cold restart of one server on new weights
     cold = []
     for n in range(max(1, min(args.pushes, 2))):
-        folder, _ = changed(base, work / f"c{n}", seed=100 + n)
+        folder, _ = chat_model.changed(base, work / f"c{n}", seed=100 + n)
         t0 = time.monotonic()
         with servers.serve(command(False), folder, timeout=600, setting="bench", who="cold"):
             cold.append(time.monotonic() - t0)

@@ -402,9 +402,9 @@ def history_rows(root: Path) -> list[dict]:
     for i, row in enumerate(rows):
         row["champion"] = i == current
     # the fleet (.offseason/fleet.json): the replicas serving each generation, verified
-    fleet_state = root / ".offseason" / "fleet.json"
-    replicas = json.loads(fleet_state.read_text()).get("replicas", {}) \
-        if fleet_state.is_file() else None
+    from flows.orchestration.fleet import read_state
+
+    replicas = read_state(root)["replicas"]
     for row in rows:
         row["serving"] = None if not replicas else sum(
             r.get("version") == row["tag"] and r.get("verified", False)

@@ -539,7 +539,7 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
                                        salt=f"/step{step}", progress=False)
                 generated = time.monotonic() - began
                 table = pa.Table.from_pylist(played.rows, schema=rollouts.SCHEMA)
-                scored, summary = scoring_code.score(specs, table, root, reward, scoring=scoring)
+                scored, _ = scoring_code.score(specs, table, root, reward, scoring=scoring)
                 scored = scored.append_column("step", pa.array([step + 1] * len(scored),
                                                                pa.int32()))
                 io.write_parquet(episodes / f"step-{step + 1:05d}.parquet", scored)
@@ -556,6 +556,8 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
                                 is_cap=settings.importance_cap) if groups else \
                 {"loss": 0.0, "optimizer_steps": 0}
             sync_seconds = sync.push(step + 1) if served else 0.0
+            # step 1's episodes are the rollout stage's: generated there, counted there
+            made = rollouts.token_counts(played_rows)["generated_tokens"] if generated else 0
             rewards_now = [r["reward"] for r in rows]
             mean = sum(rewards_now) / max(1, len(rewards_now))
             history.append({
@@ -567,9 +569,8 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
                 "groups": len(groups), **flat, "generate_seconds": round(generated, 2),
                 "train_seconds": round(time.monotonic() - trained - sync_seconds, 2),
                 "weight_sync_seconds": round(sync_seconds, 3), "staleness": 0,
-                "generated_tokens": summary_tokens(played_rows) if generated else 0,
-                "tokens_per_second": round(summary_tokens(played_rows) / generated)
-                if generated else None})
+                "generated_tokens": made,
+                "tokens_per_second": round(made / generated) if generated else None})
             print(f"train: step {step + 1}/{settings.steps}: reward {mean:.3f}, "
                   f"{len(groups)} groups with spread, loss {stats['loss']:.4f}", file=sys.stderr,
                   flush=True)
@@ -614,11 +615,6 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
             # served generation is priced like the rollout stage's (budget.served_tokens)
             "backend": rollout.backend, **({"served_usage": usage} if served else {}),
             "lora_r": config.lora_r, "deepspeed": config.deepspeed}
-
-
-def summary_tokens(rows: list[dict]) -> int:
-    """The tokens the model chose in `rows` (episodes)."""
-    return sum(sum(r["model_mask"]) for r in rows)
 
 
 class _Sync:

@@ -411,6 +411,25 @@ def save_weights(model, folder: Path) -> None:
     save_file(weights, Path(folder) / "model.safetensors", metadata={"format": "pt"})
 
 
+def changed(folder: Path, out: Path, seed: int):
+    """A copy of the model folder `folder` in `out` with every weight moved a little (seeded):
+    other weights than the server's, for pushes. Returns (out, the changed model).
+    """
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+    save_weights(model, Path(out))
+    return out, model
+
+
 def build_support_agent(folder: Path) -> Path:
     """`build(folder)` (Qwen2), then a few seconds of SFT on the support example's gold
     conversations through `chat.encode`: enough that it calls lookup_order in some episodes and

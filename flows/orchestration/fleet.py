@@ -121,7 +121,7 @@ def push(root: Path, config: cfg.Fleet, reason: str = "") -> dict:
             "error": str(err), "since": promotion.now()}
         # the failed replica (its update is not transactional) and those already moved go back
         back = [(failed, state["replicas"][failed.url].get("version"))] + moved[::-1]
-        entry["restored"] = _restore(root, state, back, config)
+        entry["restored"] = _restore(root, state, back)
         io.write_json(root / STATE, state)
         _log(root, entry)
         raise weights.PushFailed(failed, f"{str(err).split(': ', 1)[-1]}; the fleet stays on "
@@ -157,7 +157,7 @@ def _tag_model_version(root: Path, entry: dict) -> None:
               file=sys.stderr)
 
 
-def _restore(root: Path, state: dict, back: list, config: cfg.Fleet) -> dict:
+def _restore(root: Path, state: dict, back: list) -> dict:
     """Each (replica, version it served) back on that version, verified where its folder is
     still kept; returns {url: "<version> verified" | why not}.
     """
@@ -169,10 +169,8 @@ def _restore(root: Path, state: dict, back: list, config: cfg.Fleet) -> dict:
             continue
         try:
             model, tokenizer = tinylm.load(folder)
-            prompts = probe_prompts(tokenizer, root)
-            weights.push(replica, folder, version)
-            weights.verify(replica, version, prompts,
-                           weights.greedy_ids(model, prompts, PROBE_TOKENS))
+            weights.push_verified([replica], folder, version, model,
+                                  probe_prompts(tokenizer, root), PROBE_TOKENS)
             state["replicas"][replica.url] = {"version": version, "since": promotion.now(),
                                               "verified": True}
             said[replica.url] = f"{version} verified"

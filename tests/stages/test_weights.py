@@ -68,23 +68,9 @@ def server(model_folder, tmp_path_factory):
                 os.environ[key] = value
 
 
-def _changed(folder: Path, out: Path, seed: int):
-    """A copy of the model folder with every weight moved a little; returns (folder, model)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    shutil.copytree(folder, out, dirs_exist_ok=True)
-    chat_model.save_weights(model, out)
-    return out, model
-
-
 def test_a_full_reload_is_served_and_verified(server, model_folder, tmp_path):
     replica = weights.Replica(url=server, model="policy")
-    new, model = _changed(model_folder, tmp_path / "v1", seed=1)
+    new, model = chat_model.changed(model_folder, tmp_path / "v1", seed=1)
     expected = weights.greedy_ids(model, PROBES, 8)
     # before the push the server answers with the old weights: the probe tells them apart
     with pytest.raises(weights.PushFailed, match="answered differently"):
@@ -93,15 +79,15 @@ def test_a_full_reload_is_served_and_verified(server, model_folder, tmp_path):
     assert weights.reported_version(replica) == "1"
     assert done[0].version == "1" and done[0].update_seconds > 0
     # a second push, and the version follows
-    newer, model2 = _changed(model_folder, tmp_path / "v2", seed=2)
+    newer, model2 = chat_model.changed(model_folder, tmp_path / "v2", seed=2)
     weights.push_verified([replica], newer, "2", model2, PROBES)
     assert weights.reported_version(replica) == "2"
 
 
 def test_a_server_on_other_weights_fails_verification_named(server, model_folder, tmp_path):
     replica = weights.Replica(url=server, model="policy")
-    pushed, _ = _changed(model_folder, tmp_path / "pushed", seed=3)
-    _, other = _changed(model_folder, tmp_path / "other", seed=4)
+    pushed, _ = chat_model.changed(model_folder, tmp_path / "pushed", seed=3)
+    _, other = chat_model.changed(model_folder, tmp_path / "other", seed=4)
     with pytest.raises(weights.PushFailed) as caught:
         weights.push_verified([replica], pushed, "3", other, PROBES)
     assert server in str(caught.value) and "probe 0" in str(caught.value)
@@ -143,7 +129,7 @@ def test_a_lora_adapter_is_loaded_under_its_version_and_verified(server, model_f
 
 def test_requests_in_flight_during_a_push_are_all_answered(server, model_folder, tmp_path):
     replica = weights.Replica(url=server, model="policy")
-    new, model = _changed(model_folder, tmp_path / "v9", seed=9)
+    new, model = chat_model.changed(model_folder, tmp_path / "v9", seed=9)
     failures, answered, stop = [], [], threading.Event()
 
     def traffic():
@@ -252,7 +238,7 @@ def promote_to(root: Path, generation: int, seed: int) -> None:
     """What a promotion leaves for the fleet: new champion weights, a line in the log."""
     import json
 
-    _, model = _changed(root / "models" / "champion", root / "next", seed)
+    _, model = chat_model.changed(root / "models" / "champion", root / "next", seed)
     chat_model.save_weights(model, root / "models" / "champion")
     shutil.rmtree(root / "next")
     with (root / "promotions.jsonl").open("a") as log:
