@@ -103,8 +103,9 @@ def run(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path, rollou
     # episodes a budget stop kept (beside the output, which DVC deletes before a run): a rerun
     # plays only the rest, and each episode is the same as in an uninterrupted run (seeded by
     # its identity), so the table is too
-    partial, key = rollouts.with_name(rollouts.name + ".partial"), _resume_key(
-        base, config, specs, champion)
+    partial = rollouts.with_name(rollouts.name + ".partial")
+    # hashed only where a stop left episodes or leaves them: the weights may be gigabytes
+    key = lambda: _resume_key(base, config, specs, champion)  # noqa: E731
     kept = _kept(partial, key)
     left = [job for job in jobs if (f"{job[0]}:{job[1]['task_id']}", job[2]) not in kept]
     if kept:
@@ -119,7 +120,7 @@ def run(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path, rollou
         except budgets.BudgetSpent as err:
             done = list(kept.values()) + getattr(err, "rows", [])
             io.write_parquet(partial, pa.Table.from_pylist(done, schema=SCHEMA)
-                             .replace_schema_metadata({"offseason.resume": key}))
+                             .replace_schema_metadata({"offseason.resume": key()}))
             raise budgets.BudgetSpent(f"{err} ({len(done)} finished episodes are kept in "
                                       f"{partial.name}; the rerun plays only the rest)") from err
     fresh = {(r["task_id"], r["sample"]): r for r in played.rows}
@@ -187,14 +188,14 @@ def _resume_key(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path
     return digest.hexdigest()[:24]
 
 
-def _kept(partial: Path, key: str) -> dict:
-    """{(task_id, sample): row} of the episodes a budget stop kept under `key`; none when the
+def _kept(partial: Path, key) -> dict:
+    """{(task_id, sample): row} of the episodes a budget stop kept under `key()`; none when the
     file is missing or was written for other weights or settings (then it is removed).
     """
     if not partial.exists():
         return {}
     table = pq.read_table(partial)
-    if (table.schema.metadata or {}).get(b"offseason.resume", b"").decode() != key:
+    if (table.schema.metadata or {}).get(b"offseason.resume", b"").decode() != key():
         partial.unlink()
         return {}
     return {(r["task_id"], r["sample"]): r for r in table.to_pylist()}
