@@ -197,6 +197,11 @@ class Checker:
                 continue
             run = checkpoint.run(batch_parameters={"dataframe": frame}, run_id=run_id)
             self.results += run.run_results
+            for key, result in run.run_results.items():
+                # GE's pages read the asset's name from the batch spec, which an in-memory
+                # dataframe's lacks: every page said "Data asset: None" (issue 53.7)
+                result.meta.setdefault("batch_spec", {})["data_asset_name"] = name
+                self.context.validation_results_store.set(key, result)
             for result in run.run_results.values():
                 for outcome in result.results:
                     if outcome.success:

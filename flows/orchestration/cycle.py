@@ -25,11 +25,12 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
+from pydantic import WithJsonSchema
 
 from flows.audit import report as cycle_report
 from flows.orchestration import cost, pipeline, promotion
@@ -55,8 +56,16 @@ SECTION = {"champion_scores": "gate"}  # the params section of a stage named oth
 PROJECT_ENV = "OFFSEASON_PROJECT"  # the checkout a flow run works in (not a Run form field)
 
 
-# the Run form offers the algorithms by name (a drop-down), from the one table of them
-Algorithm = Literal[tuple(ALGORITHMS)]
+# The Run form's fields. Each parameter is optional (empty: params.yaml's value), but a field
+# typed `X | None` is drawn by Prefect's UI as a choice between X and "None", with a "Property is
+# type None" warning, on every field (issue 53.5): the form is given the type alone, and an empty
+# field is not sent (flows/orchestration/serve.py drops the `null` defaults from the form). The algorithms are offered by name (a drop-down), from the one table.
+Algorithm = Annotated[Literal[tuple(ALGORITHMS)] | None,
+                      WithJsonSchema({"type": "string", "enum": list(ALGORITHMS)})]
+Count = Annotated[int | None, WithJsonSchema({"type": "integer", "minimum": 1})]
+# a yes/no drop-down, not a toggle: an untouched toggle is sent as false, which would turn
+# params.yaml's approval off for the run without anyone deciding it (pydantic reads "yes" as True)
+Switch = Annotated[bool | None, WithJsonSchema({"type": "string", "enum": ["yes", "no"]})]
 
 
 @task(task_run_name="{name}", cache_policy=NO_CACHE)
@@ -139,8 +148,8 @@ def run_name() -> str:
 
 
 @flow(name="offseason-cycle", log_prints=True, flow_run_name=run_name)
-def cycle(algorithm: Algorithm | None = None, samples_per_task: int | None = None,
-          epochs: int | None = None, require_approval: bool | None = None) -> dict:
+def cycle(algorithm: Algorithm = None, samples_per_task: Count = None, epochs: Count = None,
+          require_approval: Switch = None) -> dict:
     """One continuous-learning cycle over the stages of dvc.yaml, then promotion.
 
     The project is `OFFSEASON_PROJECT` (set by `offseason run` and `offseason serve` for the
@@ -150,9 +159,11 @@ def cycle(algorithm: Algorithm | None = None, samples_per_task: int | None = Non
     Args:
         algorithm: train.algorithm for this run (empty: params.yaml's value).
         samples_per_task: rollout.samples_per_task for this run (empty: params.yaml's value).
-        epochs: train.<algorithm>.epochs for this run, whole passes (empty: params.yaml's
-            value, which may be fractional).
-        require_approval: promotion.require_approval for this run (empty: params.yaml's value).
+        epochs: whole passes over the data for this run, of its algorithm (train.sft.epochs,
+            train.dpo.epochs or train.grpo.epochs; empty: params.yaml's value, which may be
+            fractional).
+        require_approval: promotion.require_approval for this run, yes or no (empty:
+            params.yaml's value).
 
     """
     quiet_explained_failures()

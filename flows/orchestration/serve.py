@@ -33,7 +33,10 @@ def specs(root: Path) -> dict[str, dict]:
         if name != "manual" and not spec.get("cron"):
             continue  # an empty cron turns a scheduled deployment off
         found[name] = {"cron": spec.get("cron") or None, "timezone": config.timezone,
-                       "parameters": dict(spec.get("parameters") or {}),
+                       # a switch (require_approval) is the Run form's yes/no drop-down
+                       "parameters": {key: ({True: "yes", False: "no"}[value]
+                                            if isinstance(value, bool) else value)
+                                      for key, value in (spec.get("parameters") or {}).items()},
                        "description": spec.get("description") or f"offseason cycle ({name})"}
     return found
 
@@ -59,6 +62,12 @@ def deployments(root: Path, flow=None, work_pool: str | None = None) -> list:
             # the checkout is the deployment's, not a Run form field (flows/orchestration/cycle.py)
             job_variables={"env": {PROJECT_ENV: str(root)}} if work_pool else None,
         ))
+        # Every parameter's default is None (params.yaml's value). Left in the Run form's schema,
+        # Prefect's UI sends that null for an untouched field and its server then refuses the run
+        # ("None is not of type 'integer'"): the form gets no default, so an empty field is left out.
+        for field in out[-1]._parameter_openapi_schema.properties.values():
+            if field.get("default", "") is None:
+                del field["default"]
     return out
 
 

@@ -257,6 +257,10 @@ def test_data_docs_open_offline_with_every_asset_local(tmp_path):
                  tmp_path / "q.jsonl", tmp_path / "profiles", docs, SPECS, tmp_path)
     for page in [*docs.rglob("*.html"), *(docs / "static" / "styles").rglob("*.css")]:
         assert datadocs.outside_assets(page.read_text()) == [], page
+    # each validation's page names the table it checked (GE printed "Data asset: None")
+    for table in ("traces", "messages", "tool_calls"):
+        page, = (docs / "validations" / table).rglob("*.html")
+        assert f"Data asset: {table}<" in page.read_text(), page
     index = docs / "index.html"
     probe = docs / "probe.html"  # beside index.html: the same relative paths
     probe.write_text(index.read_text().replace("</body>", DOCS_PROBE + "</body>"))

@@ -145,13 +145,18 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, lear
             form = manual.parameter_openapi_schema["properties"]
             assert set(form) == {"algorithm", "samples_per_task", "epochs", "require_approval"}
             # whole epochs (an integer field), the algorithms offered by name, no `repo` to edit
-            assert [t.get("type") for t in form["epochs"]["anyOf"]] == ["integer", "null"], form
+            # each field its type alone, no default: no "None" choice or "Property is type None"
+            # on the form, and an empty field is not sent (issue 53.5)
+            assert form["epochs"]["type"] == "integer" and "anyOf" not in form["epochs"], form
+            assert not any("default" in field or "anyOf" in field for field in form.values()), form
+            # approval a yes/no drop-down: an untouched toggle would send false
+            assert form["require_approval"]["enum"] == ["yes", "no"], form
             assert json.dumps(form["algorithm"]).count('"sft"') == 1, form["algorithm"]
             assert client.read_global_concurrency_limit_by_name(limit_name(project)).limit == 1
 
             # what the UI's Run button does: a flow run of the deployment, two parameters edited
             run = client.create_flow_run_from_deployment(
-                manual.id, parameters={"samples_per_task": 6, "require_approval": True})
+                manual.id, parameters={"samples_per_task": 6, "require_approval": "yes"})
             state = lambda: client.read_flow_run(run.id).state  # noqa: E731
             waiting = wait_until(lambda: (lambda s: s if s.is_paused() or s.is_final() else None)(
                 state()), 900, "the flow run to wait for approval", serve, log)
@@ -278,7 +283,7 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, lear
         with temporary_settings({PREFECT_API_URL: prefect_server}), \
                 get_client(sync_client=True) as prefect:
             late = prefect.create_flow_run_from_deployment(
-                manual.id, parameters={"require_approval": True})
+                manual.id, parameters={"require_approval": "yes"})
             seen = wait_until(lambda: (lambda s: s if s.is_paused() or s.is_final() else None)(
                 prefect.read_flow_run(late.id).state), 900, "the second run to wait", serve, log)
             assert seen.is_paused() or "never resumed" in (seen.message or ""), seen

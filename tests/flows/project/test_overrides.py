@@ -92,23 +92,39 @@ def test_deployments_section_is_checked(tmp_path):
 
 def test_the_run_form_offers_the_algorithms_by_name():
     """Prefect's Run form is built from the flow's parameter schema: a drop-down of the
-    algorithms (cfg.ALGORITHMS), not a free-text field."""
+    algorithms (cfg.ALGORITHMS), not a free-text field, and no "None" among the choices."""
     from prefect.utilities.callables import parameter_schema
 
     from flows.orchestration.cycle import cycle
     from stages.config import ALGORITHMS
 
     field = parameter_schema(cycle.fn).model_dump()["properties"]["algorithm"]
-    assert {"enum": list(ALGORITHMS), "type": "string"} in field["anyOf"], field
+    assert field["enum"] == list(ALGORITHMS) and field["type"] == "string", field
 
 
-def test_the_run_form_has_whole_epochs_and_no_project_folder():
+def test_the_run_form_has_whole_epochs_and_no_project_folder(tmp_path):
     """Epochs is an integer field; the project folder is not a field (a deployment belongs to
-    one checkout: flows/orchestration/serve.py sets OFFSEASON_PROJECT for its runs)."""
+    one checkout: flows/orchestration/serve.py sets OFFSEASON_PROJECT for its runs). The
+    deployments' form has each field's type alone and no default (issue 53.5: Prefect's UI drew
+    `X | None` as a choice with "None", and sent an untouched field's null, which its server then
+    refused); approval is a yes/no drop-down, which the flow reads as a switch."""
     from prefect.utilities.callables import parameter_schema
 
+    from flows.orchestration import serve
     from flows.orchestration.cycle import cycle
 
     form = parameter_schema(cycle.fn).model_dump()["properties"]
     assert set(form) == {"algorithm", "samples_per_task", "epochs", "require_approval"}
-    assert {"type": "integer"} in form["epochs"]["anyOf"], form["epochs"]
+    assert form["epochs"]["type"] == "integer" and form["epochs"]["minimum"] == 1, form
+    assert form["require_approval"]["enum"] == ["yes", "no"], form
+    assert "<" not in form["epochs"]["description"]  # the UI reads it as HTML: `<algorithm>` vanished
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["deployments"]["weekly"]["parameters"] = {"require_approval": True}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    made = {d.name: d for d in serve.deployments(tmp_path, flow=cycle)}
+    for deployment in made.values():
+        fields = deployment._parameter_openapi_schema.properties
+        assert not any("default" in field or "anyOf" in field for field in fields.values())
+    assert made["weekly"].parameters == {"require_approval": "yes"}
+    # the flow takes the form's yes/no as the switch it is
+    assert cycle.validate_parameters({"require_approval": "no"})["require_approval"] is False
