@@ -178,7 +178,35 @@ class GpuWatch(threading.Thread):
                     for index, s in self.stats.items()]
 
 
-_WATCH: list[GpuWatch] = []
+class HeldGpus:
+    """The GPUs torch sees where NVML cannot be read (no `nvidia-ml-py`, or its library
+    missing): counted, each held for the stage's whole wall time, which is how the budget
+    (`budget.max_gpu_hours`) and the cost ledger price a GPU anyway; not sampled, so no busy
+    time or memory. Without it a GPU stage counted 0 GPU hours and no GPU budget ever tripped.
+    """
+
+    def __init__(self, names: list[str]):
+        """`names`: each device's, as torch names it."""
+        self.names = names
+
+    def summary(self) -> list[dict]:
+        """Per GPU: index and name; the sampled figures None (nothing sampled them)."""
+        return [{"index": index, "name": name, "busy_seconds": None, "peak_memory_mb": None,
+                 "mean_utilisation": None, "samples": 0} for index, name in enumerate(self.names)]
+
+
+def held_by_torch() -> HeldGpus | None:
+    """The CUDA devices this process may use (CUDA_VISIBLE_DEVICES applies), by torch; None
+    without any (or without torch's CUDA).
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return HeldGpus([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+
+
+_WATCH: list[GpuWatch | HeldGpus] = []
 
 
 def visible_gpus(count: int) -> list[int]:
@@ -194,22 +222,23 @@ def visible_gpus(count: int) -> list[int]:
     return list(range(count)) if wanted else []
 
 
-def watch_gpus(interval: float = 0.5) -> GpuWatch | None:
-    """Start sampling the visible GPUs for this stage's metrics (once per process). None, and
-    nothing started, without `nvidia-ml-py` or without a GPU and its driver.
+def watch_gpus(interval: float = 0.5) -> GpuWatch | HeldGpus | None:
+    """Start sampling the visible GPUs for this stage's metrics (once per process). Without
+    `nvidia-ml-py` (or NVML's library), the GPUs torch sees, counted but not sampled
+    (`HeldGpus`); None, and nothing started, without a GPU.
     """
     if _WATCH:
         return _WATCH[0]
     try:
         import pynvml as nvml
-    except ImportError:  # nvidia-ml-py is optional: no GPU figures
-        return None
+    except ImportError:  # nvidia-ml-py is optional: the GPUs counted, not sampled
+        return _hold(held_by_torch())
     try:
         nvml.nvmlInit()
         count = nvml.nvmlDeviceGetCount()
         handles = [(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in visible_gpus(count)]
-    except nvml.NVMLError:  # no driver, no GPU: the same as no NVML
-        return None
+    except nvml.NVMLError:  # no driver or no NVML library: what torch sees, if anything
+        return _hold(held_by_torch())
     if not handles:
         return None
     watch = GpuWatch(nvml, handles, interval)
@@ -217,6 +246,13 @@ def watch_gpus(interval: float = 0.5) -> GpuWatch | None:
     watch.start()
     _WATCH.append(watch)
     return watch
+
+
+def _hold(held: HeldGpus | None) -> HeldGpus | None:
+    if held is not None and held.names:
+        _WATCH.append(held)
+        return held
+    return None
 
 
 def resources() -> dict:

@@ -41,7 +41,8 @@ def stage_row(metrics: dict, gpus: int, prices: Cost) -> dict:
     row = {"wall_seconds": wall, "cpu_seconds": used.get("cpu_seconds", 0.0),
            "max_rss_mb": used.get("max_rss_mb"), "gpu_count": count,
            "gpu_seconds": round(count * wall, 3),
-           "gpu_busy_seconds": round(sum(g["busy_seconds"] for g in seen or []), 3),
+           # None where the GPUs were counted but not sampled (no NVML: stages/io.py HeldGpus)
+           "gpu_busy_seconds": round(sum(g["busy_seconds"] or 0.0 for g in seen or []), 3),
            "prompt_tokens": int(metrics.get("prompt_tokens") or 0),
            "generated_tokens": int(metrics.get("generated_tokens") or 0),
            "tool_calls": int(metrics.get("tool_calls") or 0),

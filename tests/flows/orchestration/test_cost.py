@@ -3,11 +3,13 @@
 import json
 import re
 import resource
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import train_config
+from conftest import REPO, train_config
 from tiny_arith import BAD, GOOD, SPECS, build_champion, scored
 
 from flows.orchestration import cost
@@ -272,6 +274,40 @@ def test_nvml_samples_a_busy_gpu():
     assert 0 < mine["mean_utilisation"] <= 100 and mine["samples"] > 5
     row = cost.stage_row({"resources": io.resources()}, 0, cfg.Cost())
     assert row["gpu_count"] == len(used) and row["gpu_busy_seconds"] > 0.5
+
+
+def test_gpus_counted_without_nvml_are_priced_and_budgeted_for_the_wall_time(tmp_path):
+    """Where NVML cannot be read, the GPUs torch sees are counted (io.HeldGpus), each held for
+    the stage's wall time: the ledger prices them and `budget.max_gpu_hours` trips (issue 51.3:
+    they counted 0 and the budget never tripped). Two devices of a DeepSpeed run, 30 minutes."""
+    import yaml
+
+    held = io.HeldGpus(["NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3"])
+    metrics = {"resources": {"wall_seconds": 1800.0, "cpu_seconds": 10.0,
+                             "gpus": held.summary()}}
+    row = cost.stage_row(metrics, 0, cfg.Cost())
+    assert row["gpu_count"] == 2 and row["gpu_seconds"] == 3600.0 and row["gpu_busy_seconds"] == 0
+    assert budgets.units_of(metrics)["gpu_seconds"] == 3600.0
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"budget": {"max_gpu_hours": 0.5}}))
+    meter = budgets.Meter.of("train", params)
+    meter.before = {"rollout": budgets.units_of(metrics)}  # an hour of two GPUs spent before
+    with pytest.raises(budgets.BudgetSpent, match=r"budget.max_gpu_hours=0.5"):
+        meter.check("step 1", "8 steps")
+
+
+@pytest.mark.gpu
+def test_without_nvml_the_gpus_torch_sees_are_counted():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    code = ("import sys; sys.modules['pynvml'] = None\n"  # as without nvidia-ml-py
+            "from stages import io\n"
+            "held = io.watch_gpus()\n"
+            "print(type(held).__name__, len(io.resources()['gpus']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=REPO).stdout.split()
+    assert out == ["HeldGpus", str(torch.cuda.device_count())], out
 
 
 def test_the_estimate_fits_a_fixed_part_and_a_rate_and_says_its_spread():
