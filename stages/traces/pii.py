@@ -114,6 +114,15 @@ def _trie(words, shortest: int = 0) -> str:
 # Keys found by their prefix, tried only where one of the prefixes is (the lookahead: a trie of
 # `_SECRET_PREFIXES`, cheap at each position, where the alternation of all formats is not)
 SECRET = re.compile(r"\b(?=" + _trie(_SECRET_PREFIXES) + r")(?:" + _TOKENS + r")")
+# Bots' tokens, which no prefix announces: Discord's, three base64url parts (a numeric id in
+# base64, which therefore begins `M`, `N` or `O`, a timestamp and an HMAC; no boundary before it:
+# a key pasted after other characters, `=MTAy...`, is still one), and Telegram's outside its URL
+# (the bot's id, `:`, 35 characters). A search of their own, run only where `maybe_pii`'s scan
+# found one of the shapes.
+SIGNED = re.compile(r"[MNO][\w\-]{23,25}\.[\w\-]{6}\.[\w\-]{27,38}|(?<![\w:])\d{8,10}:[\w\-]{35}(?![\w\-])")
+# its test (as a Hyperscan expression too: no look behind), looser by the boundaries
+_MAYBE_SIGNED = r"[MNO][\w\-]{23,25}\.[\w\-]{6}\.[\w\-]{27}|\d{8,10}:[\w\-]{35}"
+_MAYBE_SIGNED_RE = re.compile(_MAYBE_SIGNED)
 # a key glued to an identifier by an `_`, a word's character, so no `\b`: `lookup_sk-proj-...` as a
 # tool's name, `call_sk-...` as a call's id (a pattern of its own, led by the `_` it keeps: a
 # boundary or an `_` before SECRET's trie made every search of code a sixth slower)
@@ -261,8 +270,21 @@ PHONE = re.compile(r"(?<![\w+])(?<!\d[ .\-])(?:(?P<intl>\+[1-9][\d ().\-]{7,17}\
                    # then 8 to 10 digits, written whole or in groups of 2 to 4 (`05321234567`,
                    # `020 7946 0958`, `01 23 45 67 89`)
                    r"|(?P<national>0[1-9]\d{8,10}|0[1-9]\d{0,3}(?:[ \-]\d{2,4}){2,4})"
-                   r"|1[3-9]\d{9})"                            # 13812345678: a mobile number
-                   r"(?!\w)(?![ .\-]\d)")
+                   r"|1[3-9]\d{9}"                            # 13812345678: a mobile number
+                   # any other grouping of digits a plan writes (`07400 123456`, `(0212) 345 67 89`,
+                   # `8 (912) 345-67-89`, `612 34 56 78`, `030/123456`, `06.12.34.56.78`): a number
+                   # only if some country's plan holds it (`_in_a_plan`)
+                   r"|(?<![\-./])(?P<plan>(?:\+|(?=\(?\d))(?:\(\d{1,5}\)|\d{1,14}+)"
+                   r"(?:(?:[ .\-/]|(?<=\))|(?=\())(?:\(\d{1,5}\)|\d{1,14}+)){1,7}+)"
+                   # digits alone, as code writes its numbers: a phone's only after a word that
+                   # says so (`phone: 4155550132`, `Tel. 5321234567`) and in some plan
+                   r"|(?P<bare>\d{8,12}+))"
+                   r"(?!\w)(?![ .\-/]\d)")
+# what says that the digits after it are a phone number (`_is_phone`: `bare`), up to 16
+# characters before them, no digit between
+_PHONE_WORD = re.compile(r"\b(?i:phone|telephone|tel|mobile|cell|cellphone|call|fax|whatsapp|sms|contact"
+                         r"|telefon|tel[eé]fono|telefone|t[eé]l[eé]phone|handy|celular|m[oó]vil"
+                         r"|(?:my|your|his|her|our|their) number)s?\b[^\n\d]{0,16}$")
 
 
 DIGIT = re.compile(r"\d")
@@ -530,23 +552,35 @@ def _is_keyword_value(value: str, name: str, op: str | None) -> bool:
 
 
 _DECIMAL = re.compile(r"[+\-]?\d+\.\d+")
+# a date, not a number: `2024-01-31`, `31.01.2024`, `01/31/2024 12`, `2024/01/31`
+_DATE = re.compile(r"\d{4}[\-./]\d\d?[\-./]\d\d?|\d\d?[\-./]\d\d?[\-./]\d{4}")
+_DIGIT_GROUPS = re.compile(r"\d+")
 
 
 def _is_phone(match: re.Match) -> bool:
     """8 to 15 digits, and neither a decimal number (`+35236450.6`) nor in the shape of an IPv4
     address, which the IP rule judges (a netmask `255.255.255.0` it leaves is no phone). A number
     with its country's code is held to that country's plan (`phonenumbers`: a length it can
-    have); a national one must not run through ten digits in order (`0123456789`, a table).
+    have); a national one must not run through ten digits in order (`0123456789`, a table); one
+    in any other grouping (PHONE's `plan`, or a national one too short for its shape) must be
+    valid in some country's plan (`_in_a_plan`), and digits alone (`bare`) also follow a word
+    that says phone (`_PHONE_WORD`). Never one digit or two repeated (`0000 0000 0000`).
     """
     text = match[0]
     digits = re.sub(r"\D", "", text)
-    if not (8 <= len(digits) <= 15) or _DECIMAL.fullmatch(text) or _DOTTED_QUAD.fullmatch(text):
+    if (not (8 <= len(digits) <= 15) or _DECIMAL.fullmatch(text) or _DOTTED_QUAD.fullmatch(text)
+            or len(set(digits)) < 3):  # (`0000 0000 0000`, `1111-2222`: no number)
         return False
-    if match["national"] is not None:
-        return len(digits) >= 10 and not _is_sequence(digits)
     if match["intl"] is not None:
         return _possible_number(text)
-    return True
+    if match["national"] is not None and len(digits) >= 10 and not _is_sequence(digits):
+        return True
+    if match["bare"] is not None:  # digits alone: after a word that says phone, and in a plan
+        return (_PHONE_WORD.search(match.string, max(0, match.start() - 40), match.start()) is not None
+                and not _is_sequence(digits) and _in_a_national_plan(text, digits))
+    if match["national"] is None and match["plan"] is None:
+        return True
+    return _in_a_plan(text, digits)  # (a national number too short for its shape: `08-12 34 56`)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -560,6 +594,81 @@ def _possible_number(text: str) -> bool:
         return phonenumbers.is_possible_number(phonenumbers.parse(text, None))
     except phonenumbers.NumberParseException:
         return False
+
+
+def _in_a_plan(text: str, digits: str) -> bool:
+    """A grouping of digits PHONE's other shapes do not take is a phone number when some
+    country's plan holds it as a valid number (`phonenumbers`, as a parser validates one): with
+    `+` (or the international prefix `00`) the plan of its country's code, else the plan of a
+    country whose national format it can be (its trunk prefix, a length and leading digits the
+    plan has). Code's numbers are left: a date (`2024-01-31`), groups of one digit (`1 2 3 4 5 6
+    7 8`), one group repeated (`0246 0246`), counting (`0123 4567`, `8-11 16-19 24-27 ...`).
+    Two groups only after a trunk prefix or an area code in parentheses (`07400 123456`,
+    `(11) 96123-4567`): `2001-2022` and `2045-2047` are ranges.
+    """
+    groups = _DIGIT_GROUPS.findall(text)
+    if (any(len(group) < 2 for group in groups[1:]) or (len(groups) < 3 and text[0] not in "+(0")
+            or (len(groups[0]) == 1 and len(groups) < 4 and "(" not in text)
+            or len(set(groups)) == 1 or _ascending(groups) or digits.startswith("01234567")
+            or _DATE.search(text)):
+        return False
+    if text[0] == "+" or digits[:2] == "00":
+        return _valid_number("+" + (digits[2:] if text[0] != "+" else digits), None)
+    return _in_a_national_plan(text, digits)
+
+
+def _in_a_national_plan(text: str, digits: str) -> bool:
+    """True if the text is a valid number in the national format of some country's plan."""
+    return any(_valid_number(text, region) for region in _plans_for(digits))
+
+
+def _ascending(groups: list[str]) -> bool:
+    """Five groups or more, each a larger number than the one before: a list or ranges (`8-11
+    16-19 24-27`), not a phone number's groups.
+    """
+    return len(groups) >= 5 and all(int(a) < int(b) for a, b in zip(groups, groups[1:]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _valid_number(text: str, region: str | None) -> bool:
+    """True if `phonenumbers` parses the text in that region's plan as a valid number."""
+    import phonenumbers
+
+    try:
+        return phonenumbers.is_valid_number(phonenumbers.parse(text, region))
+    except phonenumbers.NumberParseException:
+        return False
+
+
+@functools.cache
+def _plans() -> tuple:
+    """((region, its trunk prefix, its national numbers' lengths, their pattern), ...) of every
+    plan `phonenumbers` knows (245; read on the first number that needs them).
+    """
+    import phonenumbers
+
+    out = []
+    for region in sorted(phonenumbers.SUPPORTED_REGIONS):
+        plan = phonenumbers.PhoneMetadata.metadata_for_region(region)
+        general = plan.general_desc
+        if general is not None and general.national_number_pattern is not None:
+            out.append((region, plan.national_prefix or "", frozenset(general.possible_length),
+                        re.compile(general.national_number_pattern)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plans_for(digits: str) -> tuple[str, ...]:
+    """The regions whose national format the digits can be: with the region's trunk prefix
+    (`0`, `8`, `1`) or without it, a length its numbers have and the leading digits its numbers
+    begin with (the plan's general pattern: one regex each, before `phonenumbers` parses, 40 us).
+    """
+    out = []
+    for region, trunk, lengths, pattern in _plans():
+        national = digits[len(trunk):] if trunk and digits.startswith(trunk) else digits
+        if len(national) in lengths and pattern.fullmatch(national):
+            out.append(region)
+    return tuple(out)
 
 
 # Cheap tests over a whole serialized trace: only text that might hold PII is scrubbed piece by
@@ -652,8 +761,8 @@ def _maybe_ipv6(text: str) -> bool:
 # What one Hyperscan scan of ASCII text finds (below): a bit for each of `maybe_pii`'s tests, and
 # for `_MAYBE_MARKED`, `Scrubber._scrub`'s test for MARKED
 (_MARK, _KEY, _NUMBER, _IPV6_COLON, _IPV6_DIGIT, _DIGIT, _NAME, _DASH_P, _PUTTY, _GLUED_KEY,
- _JSON_ESCAPE, _URL_AT, _MARKED, _KEYWORD) = (1 << bit for bit in range(14))
-_GATE_ALONE = _MARK | _KEY | _NUMBER | _IPV6_COLON | _IPV6_DIGIT | _KEYWORD  # each is reason enough
+ _JSON_ESCAPE, _URL_AT, _MARKED, _KEYWORD, _SIGNED) = (1 << bit for bit in range(15))
+_GATE_ALONE = _MARK | _KEY | _NUMBER | _IPV6_COLON | _IPV6_DIGIT | _KEYWORD | _SIGNED  # each is reason enough
 _GATE_WITH_DIGIT = _NAME | _DASH_P | _PUTTY | _GLUED_KEY | _JSON_ESCAPE | _URL_AT  # with a digit
 
 
@@ -674,7 +783,7 @@ def _gate_patterns() -> list[str]:
     return [_MAYBE_MARK.pattern, keys(r"\b"), _MAYBE_NUMBER.pattern,
             _MAYBE_IPV6_COLON.pattern.replace("*+", "*"), _MAYBE_IPV6_DIGIT.pattern.replace("*+", "*"),
             r"\d", _ASSIGNMENT_NAMES, "-p", "Private-Lines:", keys("_"), r"\\u00", "%40",
-            _MAYBE_MARKED.pattern, _MAYBE_KEYWORD.pattern]
+            _MAYBE_MARKED.pattern, _MAYBE_KEYWORD.pattern, _MAYBE_SIGNED]
 
 
 # The tests on ASCII text (nearly all there is) in one Hyperscan scan: they run in C as one
@@ -740,7 +849,7 @@ def _maybe_pii_re(text: str, is_ascii: bool) -> bool:
     # a digit of another script (`²`) may be one for `_is_secret_value`, so non-ASCII text counts
     if is_ascii and _DIGIT_A.search(text) is None:
         return (_MAYBE_MARK.search(text) is not None or _MAYBE_KEY_A.search(text) is not None
-                or _maybe_context(text))
+                or _maybe_context(text) or _MAYBE_SIGNED_RE.search(text) is not None)
     # with a digit, a secret's name first: it settles most text that holds secrets in one search
     # (the marks need none). An IPv6 address has a digit (`_is_ipv6`): C++'s `std::` alone is no
     # reason to look
@@ -749,7 +858,7 @@ def _maybe_pii_re(text: str, is_ascii: bool) -> bool:
             or "Private-Lines:" in text or _MAYBE_GLUED_KEY_A.search(text) is not None
             or "\\u00" in text or "%40" in text  # escapes may hide an `@` or a key's `-` (`Scrubber.text`)
             or (_MAYBE_KEY_A if is_ascii else _MAYBE_KEY).search(text) is not None
-            or _maybe_context(text))
+            or _maybe_context(text) or _MAYBE_SIGNED_RE.search(text) is not None)
 
 
 # Strings `maybe_pii` turned down, remembered: agents' traces repeat their system prompt, tool
@@ -903,6 +1012,8 @@ class Scrubber:
                 value = (_ASSIGNMENT_A if is_ascii else ASSIGNMENT).sub(self._assignment, value)
             if found & _KEYWORD:
                 value = (_KEYWORD_A if is_ascii else KEYWORD).sub(self._keyword, value)
+            if found & _SIGNED:
+                value = SIGNED.sub(self._key, value)
         if "email" in kinds and "@" in value:
             value = EMAIL.sub(self._email, value)
         # card, IPv4 and phone share one test (a run of digits), made before the first of them

@@ -73,6 +73,14 @@ def scrub(text, kinds=KINDS):
     ("Set-Cookie: JSESSIONID=A8F5F167F44F4964E6C998DEE827110C; HttpOnly", "secret"),
     # a key glued to an identifier by `_`: a tool's name, a call's id (the privacy audit, stop 30)
     ("lookup_sk-proj-Hok7Qx9Zr4Wb8Nc1Xd5Fg3Hj6Lm2Pq", "secret"), ("call_ghp_Yb7Nc2Vd4Fg6Hj8Kl0MnYb7Nc2Vd4Fg6Hj8K", "secret"),
+    # issue 54: national formats held to a country's plan (`phonenumbers`), digits alone after a
+    # word that says phone, bots' tokens that no prefix announces
+    ("call 07400 123456 now", "phone"), ("call (0212) 345 67 89 now", "phone"),
+    ("call 8 (912) 345-67-89 now", "phone"), ("llame al 612 34 56 78", "phone"),
+    ("Tel. 030/4711 0815", "phone"), ("ring 0 532 123 45 67 or", "phone"),
+    ("My phone: 4155550132.", "phone"), ("Telefon 05321234567", "phone"),
+    ("bot MTk4NjIyNDgzNDcxOTI1MjQ4.Cl2FMQ.ZnCjm1XVW7vRze4b7Cq4se7kKWs", "secret"),
+    ("TELEGRAM_BOT=6734207509:AAHk9mP2vLq7Zr4Wb8Nc1Xd5Fg3Hj6Kl0Mn", "secret"),
 ])
 def test_each_kind_is_found(text, kind):
     assert maybe_pii(text), "the cheap pre-check must see every candidate"
@@ -115,6 +123,12 @@ def test_each_kind_is_found(text, kind):
     'public_key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGx7Zq9wL2mP4vK8nR3tY6bH1cJ5"',
     "my_ghp_xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx", "task_test_runner_2024_configuration_file",
     "session = requests.Session()", "session_timeout = 3600", "session_name = 'checkout-2024'",
+    # digits in groups that no plan's number is, or that code writes (issue 54: the tuning files
+    # of the clean-code corpora): ranges, dates, lists, counting, a bare number without a word
+    # that says phone
+    "// Copyright (C) 2001-2022 Free Software Foundation, Inc.", "RFCs 2045-2047", "CVE-2019-9740",
+    "// 0-3  8-11 16-19 24-27", "// 0123 4567", "# Id: help.py 527 2006-07-23 15:21:30Z greg",
+    "x = 4155550132", "0 160133733 0 0", "(1 2 3 4 5 6 7 8)", "0000 0000 0000",
 ])
 def test_ordinary_text_is_left_alone(text):
     out, counts = scrub(text)
