@@ -585,7 +585,13 @@ def cmd_pending(args) -> int:
     """`offseason pending`: cycles waiting for a person's decision, with their gate summary."""
     root = find_root()
     configure_env(root)
-    runs = paused_runs()
+    import os
+
+    from flows.orchestration.promotion import awaits_decision
+
+    # Prefect's own server, where one is set, is asked always: a worker elsewhere may run this
+    # project's deployments. Without one, this workspace's own record says whether to ask.
+    runs = paused_runs() if os.environ.get("PREFECT_API_URL") or awaits_decision(root) else []
     if not runs:
         print("pending: no cycle is waiting for a decision")
         return 0

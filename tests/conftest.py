@@ -397,3 +397,26 @@ def initialised(simulated: Path) -> Path:
     for path in (simulated / "data" / "inbox").iterdir():
         path.unlink()
     return simulated
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """Debian's chromium for the tests that read pages as a person sees them (tests/browser.py
+    drives it); skipped, saying why, where it is missing and cannot be installed."""
+    # as `make setup` does: Debian's chromium, and Graphviz for the graph (the report falls back
+    # to a layout by hand without it)
+    missing = [pkg for cmd, pkg in (("chromium", "chromium"), ("dot", "graphviz"))
+               if shutil.which(cmd) is None]
+    if missing and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
+        for attempt in range(2):
+            done = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
+            if done.returncode == 0:
+                break
+            subprocess.run(["apt-get", "update"], capture_output=True, env=env, timeout=600)
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.skip("Debian's chromium is not installed and cannot be installed here (needs root "
+                    "and apt-get: `apt-get install -y chromium`)")
+    return path

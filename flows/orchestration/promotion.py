@@ -176,6 +176,22 @@ def waiting_refusal(root: Path, flow_run_id: str | None) -> str | None:
 
 def clear_waiting(root: Path) -> None:
     """The awaited decision is in (or the cycle ended otherwise): the workspace is free."""
+def awaits_decision(root: Path) -> bool:
+    """Whether this workspace records a cycle waiting for a decision, read without Prefect: a
+    served run's note (`WAITING`, not past its time) or a cycle that holds the lock while it
+    waits (`note_cycle(awaiting=...)`). `offseason pending` asks Prefect only then: without a
+    server, asking starts Prefect's temporary one (15-20 s) to answer "none" (issue 53.9).
+    """
+    from flows.project.workspace import lock_holder
+
+    if waiting_refusal(root, None) is not None:
+        return True
+    held = lock_holder(root)
+    if held is None:  # no cycle runs
+        return False
+    return not held or bool(held.get("awaiting"))  # {}: its holder is writing it; ask Prefect
+
+
     (root / WAITING).unlink(missing_ok=True)
 
 

@@ -16,6 +16,7 @@ cycle's, and runs even with no new traces (its stages then run with the standing
 from __future__ import annotations
 
 import io as textio
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -94,10 +95,21 @@ def applied(root: Path, overrides: dict[str, object]):
     if not overrides:
         yield
         return
+    from flows.project.workspace import git
+
     original = path.read_text()
+    head = git(root, "rev-parse", "--verify", "--quiet", "HEAD", check=False)
     io.write_text(path, rewrite(original, overrides))
     try:
         settings.load_all(path)  # a bad value fails now, naming the key, before any stage runs
         yield
     finally:
         io.write_text(path, original)
+        # The cycle's commit (gen-N) holds the run's values. Put back, the standing ones would
+        # show as an edit of params.yaml in the work tree from then on (issue 53.9), and the next
+        # commit would carry them unnamed: they are committed back at once, saying so.
+        if git(root, "rev-parse", "--verify", "--quiet", "HEAD", check=False) != head and \
+                git(root, "show", "HEAD:params.yaml", check=False) != original.strip():
+            git(root, "commit", "--quiet", "-m", "params.yaml: the standing values again, after "
+                f"the run's overrides ({', '.join(f'{k}={json.dumps(v)}' for k, v in overrides.items())})",
+                "--", "params.yaml")

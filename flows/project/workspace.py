@@ -221,6 +221,29 @@ def cycle_lock(root: Path, label: str):
         os.close(fd)
 
 
+def lock_holder(root: Path) -> dict | None:
+    """What the cycle lock's holder wrote (pid, what, `awaiting`...), or None when no live
+    process holds it: the kernel's lock is tried, never taken for longer than the try.
+    """
+    path = root / ".offseason" / "cycle.lock"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: read what its holder says
+            try:
+                return json.loads(os.pread(fd, 1 << 16, 0) or b"{}")
+            except ValueError:  # its holder is writing it this very moment
+                return {}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 # what a killed cycle's holder leaves running (its DVC session, with the stage it runs; Prefect's
 # temporary server): the lock notes their pids, and what their command lines hold, to tell them
 # from a process that got the pid later

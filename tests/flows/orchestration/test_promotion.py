@@ -140,7 +140,7 @@ PASSED = {"passed": True, "candidate_score": 0.5, "champion_score": 0.1, "differ
 
 
 def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(initialised,
-                                                                          monkeypatch):
+                                                                          monkeypatch, chromium):
     import mlflow
     import torch
 
@@ -289,6 +289,14 @@ def test_interrupted_promotion_is_undone_and_rollback_restores_the_weights(initi
     offseason(root, "report")
     page = (root / "reports" / "index.html").read_text()
     assert 'class="rollback"' in page and "champion gen-1 &rarr; gen-0" in page
+    from browser import Browser  # the row as a person reads it, in headless Chromium
+
+    with Browser(chromium) as browser:
+        browser.open((root / "reports" / "index.html").as_uri())
+        browser.wait_for("document.querySelector('tr.rollback')")
+        shown = browser.eval("[...document.querySelectorAll('tr.rollback')].map(r => r.innerText)")
+    assert len(shown) == 1 and "champion gen-1 \u2192 gen-0" in shown[0] and "by bob" in shown[0] \
+        and "answers got worse in production" in shown[0], shown
     offseason(root, "rollback", "--to", "gen-1", "--reason", "the fix is out")
     assert weights(root) == candidate
     assert str(client.get_model_version_by_alias(name, "champion").version) == str(version)
@@ -317,3 +325,32 @@ def test_the_approval_form_has_no_default_decision_and_requires_a_reason():
             form(1, "x")(**bad)
     answer = form(1, "x")(decision="reject", reason="worse on code")
     assert answer.decision == "reject" and answer.approver == ""
+
+
+def test_pending_knows_without_prefect_whether_anything_waits(tmp_path):
+    """`offseason pending` without a Prefect server reads the workspace's own record first and
+    starts Prefect's temporary server only when a cycle waits there (issue 53.9: 14-23 s to say
+    none)."""
+    from types import SimpleNamespace
+
+    from flows.orchestration.promotion import awaits_decision, clear_waiting, note_waiting
+    from flows.project.workspace import cycle_lock, note_cycle
+
+    assert awaits_decision(tmp_path) is False  # nothing ever ran
+    with cycle_lock(tmp_path, "offseason run"):
+        assert awaits_decision(tmp_path) is False  # a cycle runs, and waits for nobody
+        note_cycle(tmp_path, awaiting="gen-2", awaiting_run="1f0e-run")
+        assert awaits_decision(tmp_path) is True  # paused for a decision (`offseason run`)
+        note_cycle(tmp_path, awaiting="", awaiting_run="")
+        assert awaits_decision(tmp_path) is False
+    assert awaits_decision(tmp_path) is False  # the lock is free again
+    note_waiting(tmp_path, 3, SimpleNamespace(id="2a-run", name="gen-3"), timeout=3600)
+    assert awaits_decision(tmp_path) is True  # a served run suspended for a decision
+    clear_waiting(tmp_path)
+    assert awaits_decision(tmp_path) is False
+    # the CLI as a fresh clone runs it: no server set, Prefect's home in the project
+    env = {**cli_env(tmp_path, shared_prefect=False), "PREFECT_HOME": str(tmp_path / "home")}
+    out = subprocess.run([str(BIN / "offseason"), "pending"], cwd=make_project(tmp_path / "p"),
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "no cycle is waiting" in out.stdout, out.stderr
+    assert not (tmp_path / "home").exists(), "Prefect (and its temporary server) was started"

@@ -56,6 +56,31 @@ def test_applied_restores_the_exact_text(tmp_path):
     assert path.read_text() == original
 
 
+def test_a_committed_run_leaves_the_work_tree_clean(tmp_path):
+    """The cycle's commit holds the run's values; the standing ones, put back, are committed back
+    at once: params.yaml never shows as edited after a run with overrides (issue 53.9)."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+
+    original = (REPO / "params.yaml").read_text()
+    (tmp_path / "params.yaml").write_text(original)
+    git("init", "-q")
+    git("add", "params.yaml")
+    git("commit", "-qm", "standing")
+    with overrides.applied(tmp_path, {"rollout.samples_per_task": 3}):
+        pass  # a run that failed before its commit: nothing to commit back
+    assert git("rev-list", "--count", "HEAD").strip() == "1"
+    with overrides.applied(tmp_path, {"rollout.samples_per_task": 3}):
+        git("commit", "-qam", "gen-1")  # as the cycle commits, with the run's values
+    assert git("status", "--porcelain") == ""
+    assert git("show", "HEAD:params.yaml") == original
+    assert "samples_per_task: 3" in git("show", "HEAD~1:params.yaml")
+    assert "rollout.samples_per_task=3" in git("log", "-1", "--format=%s")
+
+
 def test_a_bad_override_fails_naming_the_key_and_restores(tmp_path):
     path = tmp_path / "params.yaml"
     original = (REPO / "params.yaml").read_text()
