@@ -993,9 +993,21 @@ def cmd_lineage(args) -> int:
     from flows.audit import lineage
 
     if args.trace:
-        champions = {r["tag"] for r in history_rows(root) if r["champion"]}
-        found = lineage.trace(root, args.trace, champions)
-        print(json.dumps(found, indent=2) if args.json else lineage.trace_text(found))
+        from flows.orchestration import erase
+
+        request = erase.erased_trace(root, args.trace)
+        if request is not None:  # its objects are gone: what was recorded when it was erased
+            found = {"trace_id": args.trace, "erased": request["id"],
+                     "erased_on": request.get("done"),
+                     "generations": request.get("generations") or []}
+        else:
+            champions = {r["tag"] for r in history_rows(root) if r["champion"]}
+            found = lineage.trace(root, args.trace, champions)
+        text = lineage.trace_text(found) if request is None else (
+            f"trace {args.trace}: ERASED by {request['id']} ({request.get('done') or 'open'}); "
+            f"generations that learned from it: {', '.join(found['generations']) or 'none'} "
+            f"(erase.models: {request.get('policy')}: {request.get('action')})")
+        print(json.dumps(found, indent=2) if args.json else text)
         return 0
     if not args.ref:
         raise WorkspaceError("name a generation (gen-N) or a model version, or use --trace ID")
@@ -1005,6 +1017,33 @@ def cmd_lineage(args) -> int:
         return 0 if result["ok"] else 1
     chain = lineage.lineage(root, args.ref)
     print(json.dumps(chain, indent=2) if args.json else lineage.text(chain))
+    return 0
+
+
+def cmd_erase(args) -> int:
+    """`offseason erase`: a deletion request: a person's traces out of everything offseason keeps."""
+    root, configs = workspace()
+    from flows.orchestration import erase
+
+    if args.status:
+        text, _ = erase.status(root, configs["erase"].deadline_days)
+        print(text)
+        return 0
+    asked = [(kind, value) for kind, value in (("user", args.user), ("session", args.session),
+                                               ("trace", args.trace), ("field", args.field))
+             if value is not None]
+    if len(asked) != 1:
+        raise WorkspaceError("name one subject: --user ID, --session ID, --trace ID or --field "
+                             "NAME=VALUE (or --status)")
+    kind, value = asked[0]
+    if args.dry_run:
+        receipt = erase.erase(root, kind, value, args.reason, configs["erase"],
+                              configs["base"].registered_model, dry_run=True)
+    else:
+        with cycle_lock(root, "offseason erase"):
+            receipt = erase.erase(root, kind, value, args.reason, configs["erase"],
+                                  configs["base"].registered_model)
+    print(json.dumps(receipt, indent=2) if args.json else erase.text(receipt))
     return 0
 
 
@@ -1167,6 +1206,25 @@ def audit_commands(sub) -> None:
     s.add_argument("--trace", metavar="TRACE_ID", help="every generation that learned from this "
                    "trace, and whether the current champion is among them")
     s.set_defaults(func=cmd_lineage)
+    s = sub.add_parser("erase", help="a deletion request: a person's traces out of every copy",
+                       description="Erase a person's traces (by user, session, trace id or an "
+                       "erase.subject_fields field) from the inbox, every stage's files, the DVC "
+                       "cache and local remote, MLflow, the collect journal and pull's state; "
+                       "tombstone them so no later cycle reads them; apply erase.models to the "
+                       "generations that learned from them; write a receipt "
+                       "(.offseason/erasures/) and a line in erasures.jsonl. README, \"Deletion "
+                       "requests\".")
+    s.add_argument("--user", metavar="ID", help="the user id the traces carry")
+    s.add_argument("--session", metavar="ID", help="the session (conversation) id")
+    s.add_argument("--trace", metavar="ID", help="one trace id")
+    s.add_argument("--field", metavar="NAME=VALUE", help="a field erase.subject_fields names")
+    s.add_argument("--reason", default="", help="why (recorded; write no personal data here)")
+    s.add_argument("--dry-run", action="store_true", help="say what would be erased; change "
+                   "nothing")
+    s.add_argument("--status", action="store_true", help="the requests so far, open ones "
+                   "against erase.deadline_days")
+    s.add_argument("--json", action="store_true", help="print the receipt as JSON")
+    s.set_defaults(func=cmd_erase)
     s = sub.add_parser("report", help="a static HTML report of every generation",
                        description="Write reports/index.html: benchmark score per generation with "
                        "the gate's intervals, reward distributions per cycle, quarantine rates, "

@@ -638,7 +638,7 @@ def collect(path: str | Path = "params.yaml") -> Collect:
 
 # sections a params.yaml may leave out (`pull:` is the flow's: flows/intake/pull.py); `environments:`
 # may not, but `environments()` says so with what to write
-OPTIONAL = {"environments", "runtime", "judge", "cost", "budget", "pull"}
+OPTIONAL = {"environments", "runtime", "judge", "cost", "budget", "pull", "erase"}
 
 # Settings that say where and how fast work runs, never what it computes. They live in params.yaml's
 # `runtime:` section (runtime.rollout.urls, runtime.reward.workers, ...), which no DVC stage lists
@@ -793,6 +793,38 @@ class Budget:
                                                       "committed cycles' ledgers; 0 = no limit")
 
 
+ERASE_MODELS = ("keep", "flag", "rollback")  # what an erasure does to generations that learned
+
+
+@section("erase")
+class Erase:
+    """`erase:`: deletion requests (`offseason erase`, flows/orchestration/erase.py). Ingest reads
+    `subject_fields` (a DVC param of the ingest stage: what its erasure index holds); the rest is
+    the command's alone and reruns nothing.
+    """
+
+    subject_fields: list[str] = Field(default_factory=list, description="record fields (dotted: "
+                                      "metadata.customer_id) that name a person, indexed at "
+                                      "ingest as salted hashes beside the user and session ids, "
+                                      "so `offseason erase --field NAME=VALUE` finds them")
+    models: str = Field("flag", description="generations that learned from erased traces: keep "
+                        "(serve on; excluded from the next cycle), flag (also named in the "
+                        "receipt, erasures.jsonl and `lineage --trace`) or rollback (the champion goes back to the "
+                        "newest generation that never saw them)")
+    deadline_days: int = Field(30, gt=0, description="days a request may stay open (GDPR: a "
+                               "month); `offseason erase --status` counts against it")
+
+    def __post_init__(self):
+        """Refuse a models policy that is not one of the three."""
+        if self.models not in ERASE_MODELS:
+            raise ParamsError(f"erase.models: {self.models!r} is not a policy; one of "
+                              f"{', '.join(ERASE_MODELS)}")
+        for name in self.subject_fields:
+            if not name.strip():
+                raise ParamsError("erase.subject_fields: an empty field name; write a record "
+                                  "key such as customer_id or metadata.customer_id")
+
+
 SECTIONS: dict[str, type] = {
     "base": Base,
     "init": Init,
@@ -806,6 +838,7 @@ SECTIONS: dict[str, type] = {
     "judge": Judge,
     "cost": Cost,
     "budget": Budget,
+    "erase": Erase,
 }
 
 

@@ -16,6 +16,7 @@ Details: docs/traces.md, "How the ingest stage works (stages/ingest.py)".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import hashlib
 import json
@@ -31,7 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from stages import config as cfg
-from stages import io
+from stages import erasure, io
 from stages.traces.pii import KINDS, Scrubber, excerpt
 from stages.traces.schema import (
     CAPTURE,
@@ -98,6 +99,7 @@ class Refusal:
     raw: str
     trace_id: str | None = None
     fix: str | None = None
+    record: object = None  # a line format's raw record: the subjects erasure indexes
 
 
 BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, which some exporters put first
@@ -306,10 +308,12 @@ def traces_of_file(path: Path, config: cfg.Ingest) -> Iterator[tuple[int, str, d
                     raise BadRecord(f"a line must be a JSON object, got {type(record).__name__}")
                 if own_id is None:
                     record = {**record, "id": f"{path.name}:{number}"}
-                yield number, fmt, module.parse(record)
+                # the raw record rides along: its user and fields are erasure's subjects
+                yield number, fmt, {**module.parse(record), "record": record}
             except READER_ERRORS as err:
-                yield number, fmt, _refusal(fmt, err, _raw(record),
-                                            None if own_id is None else str(own_id))
+                yield number, fmt, dataclasses.replace(
+                    _refusal(fmt, err, _raw(record), None if own_id is None else str(own_id)),
+                    record=record)
         return
     # Span-based formats: the records of one trace can be anywhere in the file, so it is read
     # whole, then trace by trace: one trace that cannot be read is quarantined alone.
@@ -511,22 +515,27 @@ class Writer:
 
 
 def _counts() -> dict:
-    return {"rows_read": 0, "accepted": 0, "quarantined": 0, "duplicates": 0}
+    return {"rows_read": 0, "accepted": 0, "quarantined": 0, "duplicates": 0, "erased": 0}
 
 
-def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantine: Path) -> dict:
-    """Ingest the inbox files not yet in `traces`; returns the stage metrics."""
+def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantine: Path,
+        key: bytes | None = None, subject_fields: tuple[str, ...] = (),
+        tombstones: erasure.Tombstones | None = None) -> dict:
+    """Ingest the inbox files not yet in `traces`; returns the stage metrics. With the erasure
+    salt `key`, each file's subjects are indexed beside its part (`stages/erasure.py`) and a
+    record whose subject or trace is in `tombstones` is dropped, counted as `erased`.
+    """
     if not inbox.is_dir():
         raise FileNotFoundError(f"{inbox}: inbox folder not found; put trace files there "
                                 f"(or run `offseason simulate`)")
     files = inbox_files(inbox)
-    key, digests = inbox_key(files)
+    inbox_id, digests = inbox_key(files)
     traces.mkdir(parents=True, exist_ok=True)
     manifest_path = traces / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     # Parts from earlier cycles are history: their hashes are the duplicate set. Parts written from
     # this same inbox snapshot (a killed run) are recomputed, which gives the same result.
-    earlier = {name: entry for name, entry in manifest.items() if entry["inbox_key"] != key}
+    earlier = {name: entry for name, entry in manifest.items() if entry["inbox_key"] != inbox_id}
     seen: set[bytes] = set()
     for entry in earlier.values():
         column = pq.read_table(traces / entry["part"], columns=["content_hash"]).column(0)
@@ -550,10 +559,23 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
             part = f"part-{path.name}.parquet"
             writer, counts = Writer(traces / part), _counts()
             writers.append(writer)
+            index: list[dict] = []  # erasure's rows for this file (with `key`)
             for number, fmt, item in traces_of_file(path, config):
                 fmt_counts = per_format.setdefault(fmt, _counts())
                 for bucket in (counts, fmt_counts):
                     bucket["rows_read"] += 1
+                pairs = []
+                if key is not None:
+                    raw = item if isinstance(item, Refusal) else None
+                    pairs = erasure.subjects(None if raw else item, raw.record if raw else
+                                             item.get("record"), subject_fields)
+                    own = raw.trace_id if raw else item.get("trace_id")
+                    pairs += [("trace", str(own))] if own is not None else []
+                    if tombstones and tombstones.erased(pairs):
+                        # a tombstoned person's record: written nowhere, not even to quarantine
+                        for bucket in (counts, fmt_counts):
+                            bucket["erased"] += 1
+                        continue
                 scrubber = Scrubber(kinds)
                 refusal = item if isinstance(item, Refusal) else None
                 if refusal is None:
@@ -580,9 +602,15 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
                                      "reason": shown.text(quarantine_reason(path.name, number, fmt,
                                                                             refusal)),
                                      "raw": shown.text(refusal.raw)})
+                    _index(index, key, pairs, bad_rows[-1]["trace_id"], None, path.name, number,
+                           fmt, "quarantined")
                     continue
+                if key is not None and ("trace", row["trace_id"]) not in pairs:
+                    pairs.append(("trace", row["trace_id"]))  # the id as the parts keep it
                 digest = bytes.fromhex(row["content_hash"])
                 if digest in seen:
+                    _index(index, key, pairs, row["trace_id"], row["content_hash"], path.name,
+                           number, fmt, "duplicate")
                     for bucket in (counts, fmt_counts):
                         bucket["duplicates"] += 1
                     feedback = item.get("feedback")
@@ -605,11 +633,17 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
                     redactions[kind] += n
                 for bucket in (counts, fmt_counts):
                     bucket["accepted"] += 1
+                _index(index, key, pairs, row["trace_id"], row["content_hash"], path.name, number,
+                       fmt, "accepted")
                 writer.add(row)
                 out.add(row)
             writer.close()
-            manifest[path.name] = {"part": part, "inbox_key": key, "sha256": digests[path.name],
-                                   **counts}
+            manifest[path.name] = {"part": part, "inbox_key": inbox_id,
+                                   "sha256": digests[path.name], **counts}
+            if key is not None:
+                manifest[path.name]["index_part"] = f"{erasure.INDEX_PREFIX}{path.name}.parquet"
+                io.write_parquet(traces / manifest[path.name]["index_part"],
+                                 pa.Table.from_pylist(index, erasure.INDEX))
             for name, value in counts.items():
                 totals[name] += value
         out.close()
@@ -620,7 +654,8 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
     duplicates_of(traces, manifest, repeats)
     io.write_json(manifest_path, manifest)  # last: the parts it names are whole
     io.write_jsonl(quarantine, bad_rows)
-    assert totals["rows_read"] == totals["accepted"] + totals["quarantined"] + totals["duplicates"]
+    assert totals["rows_read"] == totals["accepted"] + totals["quarantined"] + \
+        totals["duplicates"] + totals["erased"]
     # a file read by an earlier cycle and changed since (a line deleted for an erasure, traces
     # appended): ingest reads each name once, so the change is in no cycle (manifests before
     # stop 31 kept no digest of their files)
@@ -631,6 +666,17 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
             "per_format": per_format, "pii_redactions": redactions, "feedback_unread": unread,
             "duplicates_rated": rated_repeats,
             "total_traces": sum(e["accepted"] for e in manifest.values())}
+
+
+def _index(rows: list[dict], key: bytes | None, pairs: list[tuple[str, str]], trace_id,
+           content_hash, file: str, line: int, fmt: str, status: str) -> None:
+    """Erasure's index rows of one record: each of its subjects, salted, with where it went."""
+    if key is None:
+        return
+    for kind, value in pairs:
+        rows.append({"subject": erasure.digest(key, kind, value), "kind": kind,
+                     "trace_id": trace_id, "content_hash": content_hash, "source_file": file,
+                     "source_line": line, "format": fmt, "status": status})
 
 
 def duplicates_of(traces: Path, manifest: dict, repeats: dict[str, list[dict]]) -> None:
@@ -672,7 +718,8 @@ def main(argv: list[str] | None = None) -> None:
     """Ingest the inbox (the DVC stage's command line)."""
     args = parser().parse_args(argv)
     metrics = run(cfg.load("ingest", args.params), args.inbox, args.traces, args.ingested,
-                  args.quarantine)
+                  args.quarantine, erasure.salt(),
+                  tuple(cfg.load("erase", args.params).subject_fields), erasure.Tombstones())
     io.write_metrics(args.metrics, metrics)
     print(f"ingest: {metrics['rows_read']} rows read from {metrics['new_files']} new file(s): "
           f"{metrics['accepted']} accepted, {metrics['quarantined']} quarantined, "

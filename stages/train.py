@@ -37,7 +37,7 @@ from transformers import TrainerCallback
 
 from stages import budget as budgets
 from stages import config as cfg
-from stages import io, tinylm
+from stages import erasure, io, tinylm
 from stages.training import trainers
 
 REPLAY = pa.schema([("task_id", pa.string()), ("completion", pa.string()),
@@ -211,9 +211,10 @@ def store_and_replay(rows: list[dict], replay: Path, name: str, fraction: float,
     part = replay / f"part-{_rows_digest(stored)[:16]}.parquet"
     mine = _rows_digest(stored[:len(rows)]) if rows else None
     earlier = []
+    erased = erasure.Tombstones()  # the project's (the stage runs in its root): never replayed
     for path in sorted(replay.glob("part-*.parquet")):
         if path != part:
-            old = pq.read_table(path).to_pylist()
+            old = erased.keep_rows(pq.read_table(path).to_pylist())
             if mine is not None and len(old) >= len(rows) and _rows_digest(old[:len(rows)]) == mine:
                 # this cycle's rollouts, stored by a run with another algorithm: what this run
                 # adds is its trace examples, if that run had none

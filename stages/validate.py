@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages import config as cfg
-from stages import datadocs, io
+from stages import datadocs, erasure, io
 from stages.envs import contract
 from stages.traces import drift
 
@@ -270,7 +270,7 @@ def add_to_pool(holdout: Path, tasks: list[dict]) -> int:
 
 def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
         quarantine: Path, profiles: Path, docs: Path, specs: dict, root: Path | None = None,
-        holdout: Path | None = None) -> dict:
+        holdout: Path | None = None, tombstones: erasure.Tombstones | None = None) -> dict:
     """Split the ingested traces into valid and quarantined; returns the stage metrics.
 
     Reads and checks `BATCH` traces at a time, so memory does not grow with their number. A
@@ -298,6 +298,10 @@ def run(base: cfg.Base, config: cfg.Validate, ingested: Path, validated: Path,
     meaning = meanings(router)
     pool: list[dict] = []
     for table in source.iter_batches(batch_size=BATCH):
+        if tombstones:  # erased since ingest (`offseason erase`): in no later file
+            table = tombstones.keep_table(pa.Table.from_batches([table]))
+            if not table.num_rows:
+                continue
         traces = table.to_pandas()
         per_trace, per_message, per_call = flatten(traces, router)
         failures = checker.check({"traces": per_trace, "messages": per_message,
@@ -434,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
         metrics = run(cfg.load("base", args.params), cfg.load("validate", args.params),
                       args.ingested, args.validated, args.quarantine, args.profiles, args.docs,
                       cfg.environments(args.params), Path(args.params).resolve().parent,
-                      args.holdout)
+                      args.holdout, erasure.Tombstones())
     except ValidationFailed as err:
         print(f"validate: error: {err}", file=sys.stderr)
         sys.exit(1)

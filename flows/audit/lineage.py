@@ -198,7 +198,10 @@ def trace_id_of(row: dict) -> str | None:
 def training_trace_ids(root: Path, replay_md5: str, cache: dict) -> set[str]:
     """The trace ids of the training examples in a `data/replay/` folder version."""
     ids = set()
+    erased = erased_objects(root)  # deleted by a deletion request: their rows are nowhere now
     for entry in manifest(root, replay_md5):
+        if entry["md5"] in erased:
+            continue
         if entry["md5"] not in cache:
             data = stored_object(root, entry["md5"])
             names = pq.read_schema(pa.BufferReader(data)).names
@@ -216,7 +219,8 @@ def inbox_files_of(root: Path, traces_md5: str | None, ids: set[str]) -> dict[st
         return counts
     for entry in manifest(root, traces_md5):
         if not entry["relpath"].endswith(".parquet") or \
-                entry["relpath"].startswith("duplicates-"):  # the accepted traces' parts only
+                entry["relpath"].startswith(("duplicates-", "index-")) or \
+                entry["md5"] in erased_objects(root):  # the accepted traces' parts only
             continue
         for row in parquet_column(root, entry["md5"], ["trace_id", "source_file"]):
             if row["trace_id"] in ids:
@@ -410,7 +414,18 @@ def _check_object(root: Path, md5: str) -> tuple[str, list[str]]:
             notes.append(f"altered in the {name} ({path})")
     if bad:
         return "altered", notes
+    if not good and md5 in erased_objects(root):  # deleted on purpose, by a deletion request
+        return "erased", [f"erased by {erased_objects(root)[md5]['erasure']} (data/tombstones.jsonl)"]
     return ("ok" if good else "missing"), notes
+
+
+def erased_objects(root: Path) -> dict[str, dict]:
+    """The DVC objects `offseason erase` deleted, by md5 (their tombstones)."""
+    path = root / "data" / "tombstones.jsonl"
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
+    return {r["object"]: r for r in rows if r.get("object")}
 
 
 def _check_files(root: Path, path: str, md5: str, workspace: bool = False) -> list[dict]:
@@ -495,16 +510,19 @@ def verify(root: Path, ref: str) -> dict:
         in_workspace = here and (path, md5) in current
         if md5.endswith(".dir") and status == "ok":
             entry["files"] = _check_files(root, path, md5, workspace=in_workspace)
-            if entry["files"]:
+            real = [f for f in entry["files"] if f["status"] != "erased"]
+            if real:
                 entry["status"] = "altered" if any(f["status"] == "altered"
-                                                   for f in entry["files"]) else "missing"
+                                                   for f in real) else "missing"
+            elif entry["files"]:
+                entry["status"] = "erased"
         elif in_workspace and status == "ok":
             local = root / path
             if not local.is_file() or md5_of(local.read_bytes()) != md5:
                 entry["status"] = "altered" if local.is_file() else "missing"
                 entry["notes"].append(f"{entry['status']} in the workspace ({local})")
         results.append(entry)
-    problems = [r for r in results if r["status"] != "ok"]
+    problems = [r for r in results if r["status"] not in ("ok", "erased")]
     absent = {name: str(store) for name, store in stores(root).items()
               if name != "cache" and not store.is_dir()}
     return {"generation": chain["generation"], "tag": tag, "ok": not problems,
@@ -516,6 +534,12 @@ def verify_text(report: dict) -> str:
     """The verify report as text, one problem (and its notes) a line."""
     lines = [f"{report['tag']}: {report['checked']} recorded hashes checked against git, the DVC "
              f"cache and the remote"]
+    for result in report["results"]:  # gone by a deletion request: known, not a problem
+        if result["status"] == "erased" or any(f["status"] == "erased"
+                                               for f in result.get("files") or []):
+            files = [f for f in result.get("files") or [] if f["status"] == "erased"] or [result]
+            lines += [f"  ERASED   {f['path']} ({f['md5']}): {'; '.join(f['notes'])}"
+                      for f in files]
     for problem in report["problems"]:
         lines.append(f"  {problem['status'].upper():<8} {problem['path']} ({problem['md5']}, "
                      f"recorded by {problem['recorded_by']})")
@@ -696,7 +720,9 @@ def read_as(root: Path, trace_id: str) -> dict | None:
     folder = out_hash(stage_files(root, tags[-1]), "data/traces") if tags else None
     if not folder:
         return None
-    entries = [e for e in manifest(root, folder) if e["relpath"].endswith(".parquet")]
+    entries = [e for e in manifest(root, folder) if e["relpath"].endswith(".parquet")
+               and not e["relpath"].startswith("index-")  # erasure's index: no trace's own row
+               and e["md5"] not in erased_objects(root)]
     # the accepted parts first: an id accepted once and repeated later is the accepted trace
     for entry in sorted(entries, key=lambda e: e["relpath"].startswith("duplicates-")):
         repeats = entry["relpath"].startswith("duplicates-")

@@ -25,7 +25,7 @@ from typing import Any
 from flows.project.params import SERVICES, Pull
 from flows.project.workspace import WorkspaceError, generations, git
 from stages import config as cfg
-from stages import io
+from stages import erasure, io
 
 OVERLAP = timedelta(minutes=15)  # Langfuse's v1 read endpoints may lag ingestion by ~10 minutes
 TIMEOUT = 30  # seconds a request may take before the service counts as down
@@ -308,6 +308,23 @@ FETCH = {"langfuse": langfuse_traces, "langsmith": langsmith_traces}
 
 # --- the command --------------------------------------------------------------------------------
 
+def not_erased(root: Path, records: list[dict], ids: list[str]) -> tuple[list[dict], list[str]]:
+    """The records and trace ids without the traces `offseason erase` tombstoned (by trace, or
+    by a subject a trace record names: its user, its session).
+    """
+    tombstones = erasure.Tombstones(root)
+    if not tombstones:
+        return records, ids
+    gone = {str(i) for i in ids if tombstones.trace_erased(str(i))}
+    gone |= {str(r.get("id")) for r in records if "traceId" not in r and "trace_id" not in r
+             and tombstones.erased(erasure.subjects(None, r))}
+
+    def trace_of(record: dict) -> str:
+        return str(record.get("traceId") or record.get("trace_id") or record.get("id"))
+
+    return [r for r in records if trace_of(r) not in gone], [i for i in ids if str(i) not in gone]
+
+
 def pull(root: Path, inbox: Path, service: str, since: str = "last-cycle", limit: int = 0,
          project: str = "") -> dict:
     """Pull the new traces of `service` into `inbox`; returns what was done (`message` says it)."""
@@ -321,6 +338,7 @@ def pull(root: Path, inbox: Path, service: str, since: str = "last-cycle", limit
     start = window_start(root, since, state)
     pulled: dict[str, str] = dict(state.get("ids") or {})
     records, ids, cut = FETCH[service](start, limit, set(pulled), project)
+    records, ids = not_erased(root, records, ids)
     written = write_inbox(inbox, service, records, began) if records else None
     for trace_id in ids:
         pulled[trace_id] = began.isoformat()

@@ -59,7 +59,8 @@ PROJECT_ENV = "OFFSEASON_PROJECT"  # the checkout a flow run works in (not a Run
 # The Run form's fields. Each parameter is optional (empty: params.yaml's value), but a field
 # typed `X | None` is drawn by Prefect's UI as a choice between X and "None", with a "Property is
 # type None" warning, on every field (issue 53.5): the form is given the type alone, and an empty
-# field is not sent (flows/orchestration/serve.py drops the `null` defaults from the form). The algorithms are offered by name (a drop-down), from the one table.
+# field is not sent (flows/orchestration/serve.py drops the `null` defaults from the form). The
+# algorithms are offered by name (a drop-down), from the one table.
 Algorithm = Annotated[Literal[tuple(ALGORITHMS)] | None,
                       WithJsonSchema({"type": "string", "enum": list(ALGORITHMS)})]
 Count = Annotated[int | None, WithJsonSchema({"type": "integer", "minimum": 1})]

@@ -172,7 +172,8 @@ def _trace(trace_id: str, trace: dict | None, observations: list[dict],
     if created is None:
         created = min(observations, key=lambda o: _start(o, where)).get("startTime")
     return make_trace(trace_id, calls, created_at=iso_time(created), feedback=feedback,
-                      where=where, conversation_id=(trace or {}).get("sessionId"))
+                      where=where, conversation_id=(trace or {}).get("sessionId"),
+                      user_id=(trace or {}).get("userId"))
 
 
 # The Vercel AI SDK's spans for a whole call, whose `.doGenerate` / `.doStream` children are the

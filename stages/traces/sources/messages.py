@@ -46,10 +46,11 @@ class Call:
 
 
 def make_trace(trace_id: str, calls: list[Call], *, created_at: str | None, feedback: dict,
-               where: str, conversation_id: Any = None) -> dict:
+               where: str, conversation_id: Any = None, user_id: Any = None) -> dict:
     """The normalized trace from a trace's LLM calls; raises BadRecord if no conversation.
 
-    `conversation_id` is the session or thread the trace belongs to (kept as a string).
+    `conversation_id` is the session or thread the trace belongs to (kept as a string);
+    `user_id` the user it served, which only erasure's index keeps (as a salted hash).
     """
     calls = sorted(calls, key=lambda c: (c.start is None, c.start or 0.0))  # stable on ties
     messages, used = join_calls(calls)
@@ -69,7 +70,8 @@ def make_trace(trace_id: str, calls: list[Call], *, created_at: str | None, feed
             "model": next((c.model for c in reversed(used) if c.model), None),
             "created_at": created_at, "messages": messages, "tools": tools,
             "feedback": feedback, "usage": usage,
-            "conversation_id": None if conversation_id in (None, "") else str(conversation_id)}
+            "conversation_id": None if conversation_id in (None, "") else str(conversation_id),
+            "user_id": None if user_id in (None, "") else str(user_id)}
 
 
 class _Thread:

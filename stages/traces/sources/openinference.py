@@ -155,8 +155,10 @@ def _trace(trace_id: str, spans: list[dict], extra_scores: dict[str, Any]) -> di
     first = min(spans, key=_start_key)
     session = next((s["attributes"]["session.id"] for s in sorted(spans, key=_start_key)
                     if s["attributes"].get("session.id") not in (None, "")), None)
+    user = next((s["attributes"]["user.id"] for s in sorted(spans, key=_start_key)
+                 if s["attributes"].get("user.id") not in (None, "")), None)
     trace = make_trace(trace_id, calls, created_at=iso_time(first["start"]), feedback=feedback,
-                       where=where, conversation_id=session)
+                       where=where, conversation_id=session, user_id=user)
     problem = placeholder_problem(trace["messages"])
     if problem is not None:
         hidden = sorted({setting for span in spans if span["kind"] == "LLM"

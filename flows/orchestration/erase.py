@@ -1,0 +1,893 @@
+"""`offseason erase`: a deletion request removes a person's traces from what offseason keeps.
+
+Finds the person by the index ingest keeps beside each inbox file's part (`data/traces/index-*`,
+salted hashes: stages/erasure.py), then, under the cycle lock (never while a cycle runs):
+
+1. **Tombstone** (`data/tombstones.jsonl`, git-tracked: salted hashes, reason, date, no personal
+   data): ingest drops a tombstoned subject's or trace's records before writing them anywhere,
+   validate, train's replay and the benchmark refresh drop tombstoned traces, `offseason pull`
+   skips them: the data enters no later cycle.
+2. **Rewrite** every current file that holds the rows, each whole (a temporary file renamed):
+   the inbox files, `data/traces/` (parts, duplicates, index, manifest), every Parquet and JSONL
+   file under `data/` with a `trace_id` or `task_id` (ingested, validated, held-out pool,
+   quarantine, rollouts, rewards, replay, train episodes, benchmarks), the collect journal and
+   pull's state; then `dvc commit` of the stages that hold them, `dvc push`, and a git commit,
+   as a cycle commits.
+3. **Purge** the older versions: every DVC object git history records for those paths (dvc.lock
+   and the `.dvc` files of every commit) whose content holds the rows is deleted from the cache
+   and each local remote, and recorded in the tombstones as erased (`offseason lineage --verify`
+   says "erased", not "missing"); DVC's run-cache goes (it names the old objects); MLflow
+   artifacts holding the rows are deleted, and runs whose logged data holds them are deleted
+   for good (`mlflow gc`).
+4. **Models** (`erase.models`): the generations that learned from the traces are listed;
+   keep (serve on, excluded from the next cycle), flag (named in the receipt, erasures.jsonl
+   and `lineage --trace`),
+   or rollback (the champion goes back to the newest generation that never saw them).
+5. **Receipt**: `.offseason/erasures/<id>.json` and `.txt`, and a line in `erasures.jsonl`
+   (git-tracked, no personal data: received and done dates). A kill at any point and the same
+   command again finishes the same erasure (`.offseason/erasures/<subject>.pending.json` holds
+   what was found until it is done).
+
+    offseason erase --user ID [--reason TEXT] [--dry-run]
+    offseason erase --trace ID | --session ID | --field NAME=VALUE
+    offseason erase --status             # open requests against erase.deadline_days
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import gzip
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from flows.audit import lineage
+from flows.project.workspace import COLLECT_SPOOL, WorkspaceError, dvc, dvc_remotes, git
+from stages import erasure, io
+
+LOG = "erasures.jsonl"  # git-tracked: each request, received and done, no personal data
+RECEIPTS = Path(".offseason") / "erasures"
+LINE_FORMATS = ("openai-chat", "openai-responses")
+# folders of data/ that hold no rows of traces (pages, profiles of counts, environments' tasks)
+NOT_ROWS = ("data/inbox", "data/traces", "data/docs", "data/profiles", "data/tasks")
+
+
+class EraseError(WorkspaceError):
+    """An erasure that cannot go on; the message says what to do."""
+
+
+def now() -> str:
+    """The time, UTC, to the second."""
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class Found:
+    """A person's traces: their ids as the files keep them, their places (inbox file, line), the
+    inbox files and their formats.
+    """
+
+    traces: set[str] = field(default_factory=set)
+    places: set[tuple[str, int]] = field(default_factory=set)
+    files: dict[str, str] = field(default_factory=dict)
+    index_rows: int = 0
+
+    def to_json(self) -> dict:
+        """As the pending file keeps it."""
+        return {"traces": sorted(self.traces), "places": sorted(map(list, self.places)),
+                "files": self.files, "index_rows": self.index_rows}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Found:
+        """Back from the pending file."""
+        return cls(set(data["traces"]), {(f, int(n)) for f, n in data["places"]},
+                   dict(data["files"]), data["index_rows"])
+
+    def holds(self, row: dict) -> bool:
+        """Whether a row (of any file offseason writes) is one of these traces'."""
+        trace = row.get("trace_id")
+        if trace is None and "task_id" in row:
+            trace = erasure.trace_of_task(row.get("task_id"), row.get("environment"))
+        if trace is not None and str(trace) in self.traces:
+            return True
+        place = (row.get("source_file"), row.get("source_line"))
+        return place in self.places
+
+
+def subject_of(args_kind: str, value: str) -> tuple[str, str]:
+    """(kind, value) from the command line: user, session, trace, or field NAME=VALUE."""
+    if args_kind == "field":
+        name, eq, found = value.partition("=")
+        if not eq or not name:
+            raise EraseError(f"--field {value!r}: write NAME=VALUE, e.g. --field "
+                             f"customer_id=C-1042 (NAME as erase.subject_fields lists it)")
+        return f"field:{name}", found
+    return args_kind, value
+
+
+def lookup(root: Path, subject: str) -> Found:
+    """The traces the index holds for a subject hash: one filtered read of each index part."""
+    found = Found()
+    folder = root / "data" / "traces"
+    parts = sorted(folder.glob(f"{erasure.INDEX_PREFIX}*.parquet")) if folder.is_dir() else []
+    if not parts:
+        return found
+    import pyarrow.dataset as ds
+
+    table = ds.dataset([str(p) for p in parts], schema=erasure.INDEX, format="parquet").to_table(
+        filter=ds.field("subject") == subject)
+    for row in table.to_pylist():
+        found.index_rows += 1
+        if row["trace_id"] is not None:
+            found.traces.add(row["trace_id"])
+        found.places.add((row["source_file"], row["source_line"]))
+        found.files[row["source_file"]] = row["format"]
+    return found
+
+
+def widen(root: Path, key: bytes, found: Found) -> Found:
+    """Every index row of the traces found (a trace's other subjects' rows, its duplicates)."""
+    hashes = {erasure.digest(key, "trace", t) for t in found.traces}
+    for subject in hashes:
+        more = lookup(root, subject)
+        found.traces |= more.traces
+        found.places |= more.places
+        found.files.update(more.files)
+    return found
+
+
+# --- the tombstones ---------------------------------------------------------------------------
+
+def tombstone(root: Path, entries: list[dict]) -> None:
+    """Add tombstones (each once), the file rewritten whole."""
+    path = root / erasure.TOMBSTONES
+    rows = io.read_jsonl(path) if path.exists() else []
+    have = {(r.get("hash"), r.get("object")) for r in rows}
+    rows += [e for e in entries if (e.get("hash"), e.get("object")) not in have]
+    io.write_jsonl(path, rows)
+
+
+def erased_objects(root: Path) -> dict[str, dict]:
+    """The DVC objects erasures deleted, by md5: {path, erasure, date}."""
+    path = root / erasure.TOMBSTONES
+    rows = io.read_jsonl(path) if path.exists() else []
+    return {r["object"]: r for r in rows if r.get("object")}
+
+
+# --- rewriting the current files --------------------------------------------------------------
+
+def _read_raw(path: Path) -> tuple[bytes, bool]:
+    data = path.read_bytes()
+    if data[:2] == b"\x1f\x8b":
+        return gzip.decompress(data), True
+    return data, False
+
+
+def _write_raw(path: Path, data: bytes, zipped: bool) -> None:
+    if zipped:
+        data = gzip.compress(data, mtime=0)
+    io.write_lines_durably(path, [data])
+
+
+def id_forms(traces: set[str]) -> set[str]:
+    """The ids as files may write them: as they are, and an OTLP id's hex as base64 too."""
+    forms = set(traces)
+    for trace in traces:
+        try:
+            forms.add(base64.b64encode(bytes.fromhex(trace)).decode())
+        except ValueError:
+            pass
+    return forms
+
+
+def _names_any(value, ids: set[str]) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if item in ids:
+                return True
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return False
+
+
+_SPANS = (("resourceSpans", "scopeSpans", "spans"), ("resourceLogs", "scopeLogs", "logRecords"))
+
+
+def _drop_otlp(document: dict, ids: set[str]) -> bool:
+    """Remove the spans and log records of `ids` from an OTLP JSON document in place; whether
+    anything was removed.
+    """
+    removed = False
+    for resources_key, scopes_key, items_key in _SPANS:
+        for resource in document.get(resources_key) or []:
+            for scope in resource.get(scopes_key) or []:
+                items = scope.get(items_key) or []
+                kept = [i for i in items if str(i.get("traceId")) not in ids]
+                if len(kept) != len(items):
+                    scope[items_key] = kept
+                    removed = True
+    return removed
+
+
+def rewrite_inbox_file(path: Path, fmt: str, lines: set[int], ids: set[str]) -> int:
+    """The inbox file without the rows: a line format's lines by number, a span format's records
+    (an OTLP document's spans) by trace id. Written whole; removed when nothing is left. The
+    number of lines dropped or changed.
+    """
+    data, zipped = _read_raw(path)
+    raw_lines = data.split(b"\n")
+    if fmt in LINE_FORMATS and not (data.lstrip()[:1] == b"[" and len(raw_lines) > 1 and
+                                    not raw_lines[0].strip().endswith(b"}")):
+        kept = [line for number, line in enumerate(raw_lines, start=1) if number not in lines]
+        changed = len(raw_lines) - len(kept)
+    else:
+        kept, changed = [], 0
+        for line in raw_lines:
+            try:
+                record = json.loads(line) if line.strip() else None
+            except ValueError:
+                kept.append(line)
+                continue
+            if isinstance(record, dict) and any(k in record for k, _, _ in _SPANS):
+                if _drop_otlp(record, ids):
+                    changed += 1
+                    line = json.dumps(record, ensure_ascii=False).encode()
+                kept.append(line)
+            elif record is not None and _names_any(record, ids):
+                changed += 1
+            else:
+                kept.append(line)
+    if not changed:
+        return 0
+    out = b"\n".join(kept)
+    if not out.strip():
+        path.unlink()
+        io.fsync_folder(path.parent)
+    else:
+        _write_raw(path, out, zipped)
+    return changed
+
+
+def _sha256(path: Path) -> str | None:
+    import hashlib
+
+    if not path.exists():
+        return None
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def filter_parquet(path: Path, found: Found) -> int:
+    """The Parquet file without the rows of the traces found; the number of rows removed."""
+    schema = pq.read_schema(path)
+    names = [n for n in ("trace_id", "task_id", "environment", "source_file", "source_line")
+             if n in schema.names]
+    if not {"trace_id", "task_id", "source_file"} & set(names):
+        return 0
+    keys = pq.read_table(path, columns=names).to_pylist()
+    mask = [not found.holds(row) for row in keys]
+    if all(mask):
+        return 0
+    table = pq.read_table(path).filter(pa.array(mask, pa.bool_()))
+    io.write_parquet(path, table.replace_schema_metadata(schema.metadata))
+    return mask.count(False)
+
+
+def filter_jsonl(path: Path, found: Found) -> int:
+    """The JSONL file without the rows of the traces found; the number of rows removed."""
+    try:
+        rows = io.read_jsonl(path)
+    except ValueError:  # not rows of JSON: no trace of ours in it
+        return 0
+    kept = [r for r in rows if not (isinstance(r, dict) and found.holds(r))]
+    if len(kept) == len(rows):
+        return 0
+    io.write_jsonl(path, kept)
+    return len(rows) - len(kept)
+
+
+def rewrite_traces(root: Path, found: Found, inbox_digests: dict[str, str | None]) -> dict:
+    """data/traces/ without the rows: parts, duplicates, index; the manifest's counts and the
+    rewritten inbox files' digests (ingest would warn of a file changed since it read it).
+    """
+    folder = root / "data" / "traces"
+    removed = {}
+    for path in sorted(folder.glob("*.parquet")):
+        n = filter_parquet(path, found)
+        if n:
+            removed[str(path.relative_to(root))] = n
+    manifest_path = folder / "manifest.json"
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        for name, entry in manifest.items():
+            if name in inbox_digests:
+                entry["sha256"] = inbox_digests[name]
+            part = folder / entry["part"]
+            if part.exists() and f"data/traces/{entry['part']}" in removed:
+                accepted = pq.read_metadata(part).num_rows
+                entry["erased"] = entry.get("erased", 0) + entry["accepted"] - accepted
+                entry["accepted"] = accepted
+        io.write_json(manifest_path, manifest)
+    return removed
+
+
+def rewrite_data(root: Path, found: Found) -> dict:
+    """Every other Parquet and JSONL file under data/ without the rows (benchmarks included)."""
+    removed = {}
+    for path in sorted((root / "data").rglob("*")):
+        rel = str(path.relative_to(root))
+        if not path.is_file() or path.name.startswith(".") or \
+                any(rel == f or rel.startswith(f + "/") for f in NOT_ROWS):
+            continue
+        if path.suffix == ".parquet":
+            n = filter_parquet(path, found)
+        elif path.suffix == ".jsonl" and rel != str(erasure.TOMBSTONES):
+            n = filter_jsonl(path, found)
+        else:
+            continue
+        if n:
+            removed[rel] = n
+    return removed
+
+
+def rewrite_collect_journal(root: Path, found: Found) -> tuple[int, str | None]:
+    """The collect journal's segments without the spans and log records of the traces (their
+    OTLP ids); (records changed, or why it was left: a receiver running).
+    """
+    folder = root / COLLECT_SPOOL / "journal"
+    segments = sorted(folder.glob("journal-*.log")) if folder.is_dir() else []
+    if not segments:
+        return 0, None
+    import fcntl
+    import struct
+    import zlib
+
+    lock = open(root / COLLECT_SPOOL / "lock", "a")
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return 0, (f"`offseason collect` is running and holds its journal ({folder}); stop "
+                       f"it and run this erase again to finish")
+        from flows.intake import collect
+
+        raw_ids = set()
+        for trace in found.traces:
+            try:
+                raw_ids.add(bytes.fromhex(trace))
+            except ValueError:
+                pass
+        head = struct.Struct(">cII")
+        changed = 0
+        for path in segments:
+            data, at, out = path.read_bytes(), 0, []
+            while at + head.size <= len(data):
+                kind, size, crc = head.unpack_from(data, at)
+                payload = data[at + head.size: at + head.size + size]
+                if len(payload) != size or zlib.crc32(payload) != crc:
+                    break
+                at += head.size + size
+                if kind in (collect.SPANS, collect.LOGS):
+                    request = (collect.ExportTraceServiceRequest if kind == collect.SPANS
+                               else collect.ExportLogsServiceRequest)()
+                    request.ParseFromString(payload)
+                    if _drop_request(request, raw_ids, kind == collect.SPANS):
+                        changed += 1
+                        payload = request.SerializeToString()
+                elif kind in (collect.WRITTEN, collect._WRITTEN_SPANS) and \
+                        payload[:16] in raw_ids:
+                    changed += 1
+                    continue
+                out.append(head.pack(kind, len(payload), zlib.crc32(payload)) + payload)
+            if changed:
+                io.write_lines_durably(path, out)
+        return changed, None
+    finally:
+        lock.close()
+
+
+def _drop_request(request, raw_ids: set[bytes], spans: bool) -> bool:
+    removed = False
+    for resource in (request.resource_spans if spans else request.resource_logs):
+        for scope in (resource.scope_spans if spans else resource.scope_logs):
+            items = scope.spans if spans else scope.log_records
+            keep = [i for i in items if i.trace_id not in raw_ids]
+            if len(keep) != len(items):
+                removed = True
+                copies = [type(i)() for i in keep]
+                for copy, item in zip(copies, keep):
+                    copy.CopyFrom(item)
+                del items[:]
+                items.extend(copies)
+    return removed
+
+
+def rewrite_pull_state(root: Path, found: Found) -> int:
+    """The pull state's remembered ids without the traces' (pull skips tombstoned traces itself)."""
+    changed = 0
+    for path in sorted((root / ".offseason" / "pull").glob("*.json")):
+        state = json.loads(path.read_text())
+        ids = state.get("ids") or {}
+        kept = {i: t for i, t in ids.items() if i not in found.traces}
+        if len(kept) != len(ids):
+            changed += len(ids) - len(kept)
+            io.write_json(path, {**state, "ids": kept})
+    return changed
+
+
+# --- committing, as a cycle does --------------------------------------------------------------
+
+def stages_touching(root: Path, paths: set[str]) -> list[str]:
+    """The stages of dvc.lock with a dep or an out at (or above) any of `paths`."""
+    lock = yaml.safe_load((root / "dvc.lock").read_text()) if (root / "dvc.lock").exists() \
+        else {}
+    names = []
+    for name, stage in (lock.get("stages") or {}).items():
+        recorded = [i["path"] for kind in ("deps", "outs") for i in stage.get(kind) or []]
+        if any(p == r or p.startswith(r.rstrip("/") + "/") for p in paths for r in recorded):
+            names.append(name)
+    return names
+
+
+def commit(root: Path, changed: set[str], message: str) -> list[str]:
+    """`dvc commit` of the stages and pointers holding `changed`, `dvc push`, git commit; the
+    stages committed.
+    """
+    stages = stages_touching(root, changed)
+    targets = list(stages)
+    if any(p == "data/inbox" or p.startswith("data/inbox/") for p in changed) and \
+            (root / "data" / "inbox.dvc").exists():
+        targets.append("data/inbox.dvc")
+    if targets:
+        dvc(root, "commit", "--force", "--quiet", *targets)
+    if dvc_remotes(root)[0]:
+        dvc(root, "push", "--quiet")
+    tracked = [p for p in ("dvc.lock", "data/inbox.dvc", str(erasure.TOMBSTONES), LOG)
+               if (root / p).exists()]
+    tracked += sorted(p for p in changed if git(root, "ls-files", "--", p))
+    git(root, "add", "--", *tracked)
+    git(root, "commit", "--quiet", "--allow-empty", "-m", message, "--", *tracked)
+    return stages
+
+
+# --- purging older versions -------------------------------------------------------------------
+
+def _recorded(root: Path, paths: set[str]) -> dict[str, str]:
+    """Every (md5 -> path) git history records for `paths` (dvc.lock and the .dvc pointers of
+    every commit), folders expanded to their files where the manifest is still stored.
+    """
+    found: dict[str, str] = {}
+    commits = git(root, "rev-list", "--all").split()
+    seen_docs: set[bytes] = set()
+    for commit_id in commits:
+        for doc in ("dvc.lock", "data/inbox.dvc"):
+            data = lineage.show(root, commit_id, doc)
+            if not data or data in seen_docs:
+                continue
+            seen_docs.add(data)
+            parsed = yaml.safe_load(data) or {}
+            entries = [o for s in (parsed.get("stages") or {}).values()
+                       for kind in ("deps", "outs") for o in s.get(kind) or []] \
+                if doc == "dvc.lock" else [{**o, "path": "data/inbox"} for o in
+                                           parsed.get("outs") or []]
+            for entry in entries:
+                path, md5 = entry.get("path"), entry.get("md5")
+                if not md5 or not any(path == p or p.startswith(path + "/") or
+                                      path.startswith(p + "/") for p in paths):
+                    continue
+                if md5.endswith(".dir"):
+                    data_dir = lineage.read_object(root, md5)
+                    for item in json.loads(data_dir) if data_dir else []:
+                        found.setdefault(item["md5"], f"{path}/{item['relpath']}")
+                else:
+                    found.setdefault(md5, path)
+    return found
+
+
+def _object_holds(data: bytes, path: str, found: Found, needles: list[bytes]) -> bool:
+    """Whether a stored object (a version of `path`) holds any of the traces' rows."""
+    if data[:4] == b"PAR1":
+        table = lineage.read_parquet(data, None)
+        names = [n for n in ("trace_id", "task_id", "environment", "source_file", "source_line")
+                 if n in table.column_names]
+        return any(found.holds(r) for r in table.select(names).to_pylist()) if names else False
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError):
+            pass
+    return any(n in data for n in needles)
+
+
+def purge(root: Path, paths: set[str], found: Found, needles: list[bytes], erasure_id: str
+          ) -> tuple[list[dict], list[dict]]:
+    """Delete every stored DVC object (cache and local remotes) that git history records for
+    `paths` and that holds the rows; DVC's run-cache too. (what was deleted, what was left)
+    """
+    current: set[str] = set()
+    for path in paths:
+        local = root / path
+        if local.is_file():
+            current.add(lineage.md5_of(local.read_bytes()))
+    deleted, left = [], []
+    for md5, path in sorted(_recorded(root, paths).items()):
+        if md5 in current:
+            continue
+        data = lineage.read_object(root, md5)
+        if data is None or not _object_holds(data, path, found, needles):
+            continue
+        for name, store in lineage.stores(root).items():
+            obj = lineage.object_path(store, md5)
+            if obj.exists():
+                try:
+                    obj.unlink()
+                except OSError as err:
+                    left.append({"what": f"{path} ({md5}) in the DVC {name}",
+                                 "why": str(err), "todo": f"delete {obj} by hand"})
+                    continue
+                deleted.append({"md5": md5, "path": path, "store": name})
+    for name, store in lineage.stores(root).items():
+        runs = store / "runs"
+        if runs.is_dir():  # the run-cache names old outputs: a restore must not look for them
+            shutil.rmtree(runs)
+    default, remotes = dvc_remotes(root)
+    for name, settings in remotes.items():
+        if "://" in settings.get("url", ""):
+            left.append({"what": f"the DVC remote {name} ({settings['url']})", "why": "not a "
+                         "local folder: erase purges local stores only", "todo": "delete the "
+                         "objects listed in the receipt from it with its own tools"})
+    tombstone(root, [{"object": d, "path": p, "erasure": erasure_id, "date": now()}
+                     for d, p in sorted({(d["md5"], d["path"]) for d in deleted})])
+    return deleted, left
+
+
+def purge_mlflow(root: Path, needles: list[bytes]) -> tuple[dict, list[dict]]:
+    """MLflow artifacts holding the rows deleted; runs whose params or tags hold them deleted
+    for good (`mlflow gc`). (what was done, what was left)
+    """
+    done: dict = {"artifacts": [], "runs": []}
+    left: list[dict] = []
+    store = root / "mlartifacts"
+    if store.is_dir():
+        for path in sorted(store.rglob("*")):
+            if path.is_file() and any(n in path.read_bytes() for n in needles):
+                path.unlink()
+                done["artifacts"].append(str(path.relative_to(root)))
+    uri = os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    db = root / "mlflow.db"
+    if not uri.startswith("sqlite:///"):
+        left.append({"what": f"the MLflow server {uri}", "why": "erase searches a local "
+                     "SQLite store only", "todo": "search its runs' params, tags and artifacts "
+                     "for the traces and delete them there"})
+        return done, left
+    if not db.exists():
+        return done, left
+    runs: set[str] = set()
+    with sqlite3.connect(db) as con:
+        for table in ("params", "tags"):
+            for needle in needles:
+                runs |= {r[0] for r in con.execute(
+                    f"SELECT run_uuid FROM {table} WHERE instr(value, ?) > 0",
+                    (needle.decode(errors="ignore"),))}
+    if runs:
+        import mlflow
+
+        client = mlflow.MlflowClient(uri)
+        for run_id in sorted(runs):
+            client.delete_run(run_id)
+        subprocess.run([sys.executable, "-m", "mlflow", "gc", "--backend-store-uri", uri,
+                        "--run-ids", ",".join(sorted(runs))], cwd=root, check=True,
+                       capture_output=True)
+        done["runs"] = sorted(runs)
+    return done, left
+
+
+# --- models -----------------------------------------------------------------------------------
+
+def generations_of(root: Path, found: Found) -> dict:
+    """The generations that learned from the traces (read before anything is purged)."""
+    from flows.orchestration.promotion import champion_generation
+
+    try:
+        champion = champion_generation(root)
+    except Exception:  # no promotion log yet: no champion to speak of
+        champion = None
+    tags = {f"gen-{champion}"} if champion is not None else set()
+    direct, affected = set(), set()
+    for trace in sorted(found.traces):
+        try:
+            seen = lineage.trace(root, trace, tags)
+        except lineage.LineageError:
+            continue
+        direct |= set(seen["direct"])
+        affected |= set(seen["generations"])
+    order = sorted(affected, key=lambda t: int(t[4:]))
+    return {"generations": order, "direct": sorted(direct, key=lambda t: int(t[4:])),
+            "champion": None if champion is None else f"gen-{champion}",
+            "champion_affected": champion is not None and f"gen-{champion}" in affected}
+
+
+def apply_policy(root: Path, policy: str, models: dict, reason: str, model_name: str) -> dict:
+    """What the policy does to the generations listed: keep, flag, or rollback."""
+    decision = {"policy": policy, **models, "action": "none"}
+    if not models["generations"]:
+        decision["action"] = "none: no generation learned from the traces"
+        return decision
+    if policy == "keep":
+        decision["action"] = ("kept serving; the traces are excluded from every later cycle")
+    elif policy == "flag":
+        decision["action"] = ("flagged: " + ", ".join(models["generations"]) + " learned from "
+                              "erased traces (named in this receipt, erasures.jsonl and "
+                              "`offseason lineage --trace`); excluded from every later cycle")
+    elif models["champion_affected"]:
+        from flows.orchestration import promotion
+        from flows.project.workspace import generations
+
+        clean = [g for g in generations(root) if f"gen-{g}" not in models["generations"]]
+        if not clean:
+            decision["action"] = "rollback impossible: every generation learned from them"
+        else:
+            entry = promotion.rollback(root, model_name, f"erasure: {reason}", "offseason erase",
+                                       clean[-1])
+            decision["action"] = f"rolled back to gen-{clean[-1]}"
+            decision["rollback"] = {k: entry.get(k) for k in ("generation", "from_generation",
+                                                               "at")}
+    else:
+        decision["action"] = "no rollback needed: the champion never saw the traces"
+    return decision
+
+
+# --- the request ------------------------------------------------------------------------------
+
+def _log_rows(root: Path) -> list[dict]:
+    path = root / LOG
+    return io.read_jsonl(path) if path.exists() else []
+
+
+def _log(root: Path, entry: dict) -> None:
+    """Add or replace (by id) the request's line in erasures.jsonl."""
+    rows = [r for r in _log_rows(root) if r["id"] != entry["id"]] + [entry]
+    io.write_jsonl(root / LOG, rows)
+
+
+def scan_parts(root: Path, trace_id: str) -> Found:
+    """A trace the index does not know (ingested before it was kept): its rows in the parts."""
+    found = Found()
+    folder = root / "data" / "traces"
+    for path in sorted(folder.glob("*.parquet")) if folder.is_dir() else []:
+        if path.name.startswith(erasure.INDEX_PREFIX):
+            continue
+        rows = pq.read_table(path, columns=["trace_id", "source_file", "source_line"]).to_pylist()
+        for row in rows:
+            if row["trace_id"] == trace_id:
+                found.traces.add(trace_id)
+                found.places.add((row["source_file"], row["source_line"]))
+                found.files.setdefault(row["source_file"], _format_of(path))
+    return found
+
+
+def _format_of(path: Path) -> str:
+    names = pq.read_schema(path).names
+    if "format" not in names:
+        return "unknown"
+    column = pq.read_table(path, columns=["format"]).column(0).to_pylist()
+    return column[0] if column else "unknown"
+
+
+def needles_of(root: Path, found: Found, value: str) -> list[bytes]:
+    """What marks the rows in bytes no schema reads (raw inbox versions, MLflow): the trace ids
+    as JSON strings, the subject's own value, and the conversations' first user turns.
+    """
+    needles = {json.dumps(t).encode() for t in id_forms(found.traces)}
+    if len(value) >= 6:
+        needles.add(value.encode())
+    folder = root / "data" / "traces"
+    for path in sorted(folder.glob("part-*.parquet")) if folder.is_dir() else []:
+        table = pq.read_table(path, columns=["trace_id", "user_text"])
+        for row in table.to_pylist():
+            if row["trace_id"] in found.traces and row["user_text"] and \
+                    len(row["user_text"]) >= 12:
+                needles.add(row["user_text"].encode())
+    return sorted(needles)
+
+
+def erase(root: Path, kind: str, value: str, reason: str, config, model_name: str,
+          dry_run: bool = False) -> dict:
+    """Erase one subject's traces (see the module's docstring); returns the receipt."""
+    key = erasure.salt(root)
+    kind, value = subject_of(kind, value)
+    subject = erasure.digest(key, kind, value)
+    pending_path = root / RECEIPTS / f"{subject}.pending.json"
+    if pending_path.exists():  # a run killed midway: the same erasure, finished
+        pending = json.loads(pending_path.read_text())
+        found, models = Found.from_json(pending["found"]), pending["models"]
+        erasure_id, received = pending["id"], pending["received"]
+        needles = [bytes.fromhex(n) for n in pending["needles"]]
+    else:
+        found = widen(root, key, lookup(root, subject))
+        if kind == "trace" and not found.traces:
+            found = widen(root, key, scan_parts(root, value))
+        models = generations_of(root, found) if found.traces else \
+            {"generations": [], "direct": [], "champion": None, "champion_affected": False}
+        received = now()
+        erasure_id = f"erasure-{received[:19].replace(':', '').replace('-', '')}-{subject[:8]}"
+        needles = needles_of(root, found, value) if found.traces or found.places else []
+    receipt = {"id": erasure_id, "subject": {"kind": kind.split(":")[0] if ":" not in kind
+                                             else kind, "hash": subject},
+               "reason": reason, "received": received, "dry_run": dry_run,
+               "found": {"traces": len(found.traces), "index_rows": found.index_rows,
+                         "inbox_files": sorted(found.files),
+                         "trace_hashes": sorted(erasure.digest(key, "trace", t)
+                                                for t in found.traces)},
+               "models": models, "removed": {}, "purged": [], "mlflow": {}, "left": []}
+    if dry_run:
+        receipt["status"] = "dry run: nothing changed"
+        return receipt
+    if not found.traces and not found.places:
+        already = subject in erasure.read_tombstones(root)
+        receipt.update(status="already erased" if already else "nothing found",
+                       done=now())
+        receipt["left"].append({"what": "nothing", "why": "the index holds no trace of this "
+                                "subject" + (" any more: an earlier erasure removed them"
+                                             if already else ""),
+                                "todo": "tell the person offseason holds no data of theirs"
+                                if not already else "nothing"})
+        _finish(root, receipt)
+        return receipt
+    pending_path.parent.mkdir(parents=True, exist_ok=True)
+    if not pending_path.exists():
+        io.write_json(pending_path, {"id": erasure_id, "received": received,
+                                     "found": found.to_json(), "models": models,
+                                     "needles": [n.hex() for n in needles]})
+    date = now()
+    tombstone(root, [{"hash": subject, "kind": kind, "erasure": erasure_id, "reason": reason,
+                      "date": date}] +
+              [{"hash": h, "kind": "trace", "erasure": erasure_id, "reason": reason,
+                "date": date} for h in receipt["found"]["trace_hashes"]])
+    _log(root, {"id": erasure_id, "subject_hash": subject, "kind": kind, "received": received,
+                "done": None, "status": "open", "traces": len(found.traces)})
+
+    # the current files, each rewritten whole
+    removed: dict[str, int] = {}
+    inbox = root / "data" / "inbox"
+    digests = {}
+    ids = id_forms(found.traces)
+    for name, fmt in sorted(found.files.items()):
+        path = inbox / name
+        if path.exists():
+            lines = {n for f, n in found.places if f == name}
+            n = rewrite_inbox_file(path, fmt, lines, ids)
+            if n:
+                removed[f"data/inbox/{name}"] = n
+        digests[name] = _sha256(path)
+    removed.update(rewrite_traces(root, found, digests))
+    removed.update(rewrite_data(root, found))
+    journal, journal_left = rewrite_collect_journal(root, found)
+    if journal:
+        removed[str(COLLECT_SPOOL / "journal")] = journal
+    if journal_left:
+        receipt["left"].append({"what": "the collect journal", "why": journal_left,
+                                "todo": "stop `offseason collect`, then run this erase again"})
+    pulled = rewrite_pull_state(root, found)
+    if pulled:
+        removed[".offseason/pull"] = pulled
+    receipt["removed"] = removed
+    commit(root, set(removed), f"erase: {erasure_id}: {len(found.traces)} trace(s) of one "
+                               f"{kind.split(':')[0]} removed from every current file")
+
+    # older versions: DVC objects, MLflow
+    receipt["purged"], left = purge(root, {"data"}, found, needles, erasure_id)
+    receipt["left"] += left
+    receipt["mlflow"], left = purge_mlflow(root, needles)
+    receipt["left"] += left
+    receipt["models"] = apply_policy(root, config.models, models, reason, model_name)
+    if config.models == "keep" or config.models == "flag":
+        if models["champion_affected"]:
+            receipt["left"].append({
+                "what": f"the champion {models['champion']}", "why": "it learned from the "
+                "traces; erase.models is " + config.models, "todo": "the next cycle trains "
+                "without them; `offseason rollback` or erase.models: rollback takes it out of "
+                "service at once"})
+    receipt["left"].append({"what": "copies outside offseason", "why": "the tracing service "
+                            "the traces came from, backups, models already shipped",
+                            "todo": "delete them there (Langfuse, LangSmith: their delete API)"})
+    receipt.update(status="done", done=now())
+    _finish(root, receipt)
+    pending_path.unlink(missing_ok=True)
+    return receipt
+
+
+def _finish(root: Path, receipt: dict) -> None:
+    """The receipt (JSON and text) and its line in erasures.jsonl, committed."""
+    folder = root / RECEIPTS
+    folder.mkdir(parents=True, exist_ok=True)
+    io.write_json(folder / f"{receipt['id']}.json", receipt)
+    io.write_text(folder / f"{receipt['id']}.txt", text(receipt) + "\n")
+    models = receipt.get("models") or {}
+    _log(root, {"id": receipt["id"], "subject_hash": receipt["subject"]["hash"],
+                "kind": receipt["subject"]["kind"], "received": receipt["received"],
+                "done": receipt.get("done"), "status": receipt["status"],
+                "traces": receipt["found"]["traces"],
+                "trace_hashes": receipt["found"]["trace_hashes"],
+                "generations": models.get("generations") or [],
+                "policy": models.get("policy"), "action": models.get("action"),
+                "left": [item["what"] for item in receipt["left"]]})
+    git(root, "add", "--", LOG)
+    git(root, "commit", "--quiet", "-m", f"erase: {receipt['id']} {receipt['status']}", "--", LOG)
+
+
+def text(receipt: dict) -> str:
+    """The receipt for a person to read."""
+    found = receipt["found"]
+    lines = [f"{receipt['id']}: {receipt['status']}",
+             f"  subject        {receipt['subject']['kind']} (salted hash "
+             f"{receipt['subject']['hash']})",
+             f"  received       {receipt['received']}", f"  done           "
+             f"{receipt.get('done') or '-'}",
+             f"  reason         {receipt['reason'] or '-'}",
+             f"  found          {found['traces']} trace(s) in "
+             f"{len(found['inbox_files'])} inbox file(s)"]
+    for path, n in sorted((receipt.get("removed") or {}).items()):
+        lines.append(f"  removed        {path}: {n} row(s)")
+    for item in receipt.get("purged") or []:
+        lines.append(f"  purged         {item['path']} version {item['md5']} from the DVC "
+                     f"{item['store']}")
+    ml = receipt.get("mlflow") or {}
+    for path in ml.get("artifacts") or []:
+        lines.append(f"  purged         MLflow artifact {path}")
+    for run_id in ml.get("runs") or []:
+        lines.append(f"  purged         MLflow run {run_id} (deleted for good)")
+    models = receipt.get("models") or {}
+    if models.get("generations"):
+        lines.append(f"  models         learned from them: {', '.join(models['generations'])}; "
+                     f"policy {models.get('policy')}: {models.get('action')}")
+    elif models.get("action"):
+        lines.append(f"  models         {models['action']}")
+    for item in receipt.get("left") or []:
+        lines.append(f"  left           {item['what']}: {item['why']}; to do: {item['todo']}")
+    return "\n".join(lines)
+
+
+def status(root: Path, deadline_days: int) -> tuple[str, int]:
+    """The requests of erasures.jsonl, open ones against the deadline; (text, open count)."""
+    rows = _log_rows(root)
+    today = dt.datetime.now(dt.timezone.utc)
+    lines, open_count = [], 0
+    for row in rows:
+        received = dt.datetime.fromisoformat(row["received"])
+        due = received + dt.timedelta(days=deadline_days)
+        if row.get("done"):
+            lines.append(f"{row['id']}: {row['status']} ({row['traces']} trace(s); received "
+                         f"{row['received']}, done {row['done']})")
+        else:
+            open_count += 1
+            left = (due - today).days
+            lines.append(f"{row['id']}: OPEN since {row['received']}, due {due.date()} ("
+                         + (f"{left} day(s) left" if left >= 0 else f"{-left} day(s) OVERDUE")
+                         + "): run the same `offseason erase` again to finish it")
+    if not rows:
+        lines.append("no erasure requests recorded")
+    lines.append(f"{open_count} open, {len(rows) - open_count} done (deadline "
+                 f"{deadline_days} days: erase.deadline_days)")
+    return "\n".join(lines), open_count
+
+
+def erased_trace(root: Path, trace_id: str) -> dict | None:
+    """The request that erased a trace, by its salted hash, or None."""
+    key = erasure.salt(root)
+    wanted = erasure.digest(key, "trace", trace_id)
+    return next((r for r in _log_rows(root) if wanted in (r.get("trace_hashes") or [])), None)
