@@ -215,6 +215,7 @@ def cmd_init(args) -> int:
         client.set_terminated(run.info.run_id)
     print(f"init: generation 0 is the champion (MLflow model '{name}' version {version}, alias "
           f"'champion'; git tag gen-0); benchmark pass@1 {metrics['benchmark_score']:.3f}")
+    print(f"init: {design_line(root, configs, {n: len(t) for n, (_, t) in chats.items()})}")
     return 0
 
 
@@ -720,6 +721,7 @@ def cmd_check(args) -> int:
     shown["runtime"]["sandbox"] = settings.plain(cfg.sandbox(root / "params.yaml"))
     shown["runtime"]["fleet"] = settings.plain(cfg.fleet(root / "params.yaml"))
     found_envs = []  # checked before the settings are printed: an error is then the last line
+    sizes = {}  # each benchmark's items, for the gate's design
     for name, spec in configs["environments"].items():  # the user's modules import and comply
         env = contract.load(name, spec.module, root)
         own = set(env.tool_names)
@@ -735,6 +737,8 @@ def cmd_check(args) -> int:
         for kind in ("tasks", "benchmark"):
             if getattr(spec, kind):
                 found = contract.load_tasks(root / getattr(spec, kind), env)
+                if kind == "benchmark":
+                    sizes[name] = min(len(found), configs["gate"].benchmark_size or len(found))
                 counts.append(f"{len(found)} {kind} tasks" if kind == "benchmark"
                               else f"{len(found)} tasks")
         tools = [t if t in own else f"{t} (MCP)" for t in env.tool_names]
@@ -744,9 +748,39 @@ def cmd_check(args) -> int:
     print(yaml.safe_dump(shown, sort_keys=False))
     for line in found_envs:
         print(line)
+    if sizes:
+        print(design_line(root, configs, sizes))
     for line in power_lines(root):
         print(line)
     print("params.yaml is valid")
+
+
+def next_design(root: Path, configs: dict, sizes: dict[str, int]) -> dict:
+    """The next decision's design (`gate.design`) for suites of these sizes: the whole
+    decision's power and the items each suite needs, at the primary's next level (LORD's, from
+    data/gate_history.jsonl, when sequential), with the last decision's forgetting items.
+    """
+    from stages import gate, io
+
+    config, specs = configs["gate"], configs["environments"]
+    history = root / "data" / "gate_history.jsonl"
+    earlier = [bool(h["passed"]) for h in (io.read_jsonl(history) if history.exists() else [])
+               if not h.get("unchanged")]
+    level = gate.lord_level(config.alpha, earlier) if config.sequential == "lord" else None
+    last = root / "metrics" / "gate.json"
+    forgetting = (json.loads(last.read_text()).get("forgetting") or {}).get("items", 0) \
+        if last.exists() else 0
+    return gate.design(config, {name: {"items": n, "margin": specs[name].max_regression}
+                                for name, n in sizes.items()}, forgetting, level)
+
+
+def design_line(root: Path, configs: dict, sizes: dict[str, int]) -> str:
+    """`next_design` in a line, with a warning when its power is below gate.power."""
+    config, plan = configs["gate"], next_design(root, configs, sizes)
+    return (f"gate design: {plan['summary']}"
+            + ("" if plan["decision_power"] >= config.power else
+               "; WARNING: below gate.power: add items to the suites that need them, widen "
+               "their margins or raise gate.min_detectable"))
 
 
 def power_lines(root: Path) -> list[str]:
@@ -846,7 +880,7 @@ def holdout_path(root: Path) -> Path:
 
 def cmd_benchmark(args) -> int:
     """`offseason benchmark refresh`: worn benchmark items replaced by held-out traces' tasks."""
-    from stages import gate, io
+    from stages import erasure, gate, io
     from stages.envs import contract
 
     root, configs = workspace(env=False)
@@ -857,6 +891,16 @@ def cmd_benchmark(args) -> int:
     pool_dir = holdout_path(root)
     history_path = root / "data" / "gate_history.jsonl"
     history = io.read_jsonl(history_path) if history_path.exists() else []
+    needs = {}  # --grow: the items each suite needs for the gate's design (`offseason check`)
+    if args.grow:
+        if configs["gate"].benchmark_size:
+            raise WorkspaceError(f"--grow: gate.benchmark_size {configs['gate'].benchmark_size} "
+                                 f"has the gate read only that many items of each suite; set it "
+                                 f"to 0 first")
+        sizes = {n: len(contract.load_tasks(root / s.benchmark, contract.load(n, s.module, root)))
+                 for n, s in specs.items() if s.benchmark}
+        needs = {n: s["needs"] or 0 for n, s in next_design(root, configs, sizes)["suites"]
+                 .items()}
     changed, lines = [], []
     with cycle_lock(root, "offseason benchmark refresh"):
         for name in [args.env] if args.env else sorted(specs):
@@ -869,10 +913,19 @@ def cmd_benchmark(args) -> int:
             items = contract.load_tasks(path, env)
             pool_file = pool_dir / f"{name}.jsonl"
             pool = contract.load_tasks(pool_file, env) if pool_file.exists() else []
+            pool = erasure.Tombstones(root).keep_rows(pool)  # an erased trace's task: never
             decided = gate.item_decisions(history, name)
-            new, retired, added = gate.refreshed(items, pool, decided, args.items,
+            # a suite short of its design's size grows first: fresh items also dilute wear
+            longer, grown = gate.grown(items, pool, decided, needs.get(name, 0))
+            new, retired, added = gate.refreshed(longer, pool, decided, args.items,
                                                  args.min_decisions)
-            if not added:
+            growth = (f"; grown from {len(items)} to {len(new)} items by held-out production "
+                      f"tasks (the gate's design needs {needs[name]})" if grown else "")
+            if grown and not added:
+                line = f"{name}: nothing replaced{growth}"
+                print(line)
+                lines.append(line)
+            elif not added:
                 why = ("no held-out task is left in " + str(pool_file.relative_to(root))
                        if pool else f"the pool {pool_file.relative_to(root)} is empty (set "
                        f"validate.holdout_fraction to hold traces out)")
@@ -881,12 +934,14 @@ def cmd_benchmark(args) -> int:
                 print(f"{name}: nothing replaced: {worn} of {len(items)} items have informed "
                       f"{args.min_decisions}+ decisions; {why}")
                 continue
-            mean = sum(decided.get(str(t["task_id"]), 0) for t in retired) / len(retired)
-            line = (f"{name}: {len(added)} of {len(items)} items replaced by held-out production "
-                    f"tasks (the retired ones had informed {mean:.1f} decisions on average; "
-                    f"{len(pool) - len(added)} pool tasks left)")
-            print(line)
-            lines.append(line)
+            else:
+                mean = sum(decided.get(str(t["task_id"]), 0) for t in retired) / len(retired)
+                line = (f"{name}: {len(added)} of {len(longer)} items replaced by held-out "
+                        f"production tasks (the retired ones had informed {mean:.1f} decisions "
+                        f"on average; {len(pool) - len(added) - len(grown)} pool tasks left)"
+                        f"{growth}")
+                print(line)
+                lines.append(line)
             if not args.dry_run:
                 io.write_jsonl(path, new)
                 changed.append(str(path.relative_to(root)))
@@ -1250,6 +1305,9 @@ def audit_commands(sub) -> None:
                    "allows)")
     s.add_argument("--min-decisions", type=int, default=1, metavar="K",
                    help="only items that informed at least K decisions give way (default 1)")
+    s.add_argument("--grow", action="store_true", help="first append held-out tasks to each "
+                   "suite short of the items the gate's design needs (`offseason check` prints "
+                   "them), as many as the pool allows")
     s.add_argument("--dry-run", action="store_true", help="say what would change; write nothing")
     s.set_defaults(func=cmd_benchmark)
     s = sub.add_parser("rescore", help="re-score stored rollouts with the current verifier",

@@ -448,9 +448,26 @@ class Gate:
     sequential: str = Field("none", description="error control across cycles: none (alpha per "
                             "decision) or lord (LORD++: the expected share of false promotions "
                             "among all promotions stays below alpha over the years)")
+    power: Float = Field(0.8, gt=0, lt=1, description="the design's target: the chance that the "
+                         "whole decision (primary better and every guard within its margin) "
+                         "promotes a candidate min_detectable better on the primary and unchanged "
+                         "elsewhere; each test is sized for 1 - (1 - power) / (guards + 1)")
+    min_detectable: Float = Field(0.075, gt=0, le=1, description="the primary's improvement the "
+                                  "design sizes the suites for (pass@1 points / 100); it sets no "
+                                  "rule, min_improvement does")
+    discordance: Float = Field(0.15, gt=0, le=1, description="the design's assumption: the share "
+                               "of items a candidate answers differently from the champion "
+                               "(graded scores: their mean squared difference)")
 
     def __post_init__(self):
-        """Refuse unknown rules for underpowered guards and for the sequence of decisions."""
+        """Refuse unknown rules for underpowered guards and for the sequence of decisions, and a
+        design no candidate can meet.
+        """
+        if self.discordance < self.min_detectable:
+            raise ParamsError(f"gate.discordance: {self.discordance} is below "
+                              f"gate.min_detectable {self.min_detectable}: a candidate better by "
+                              f"that much answers at least that share of the items differently; "
+                              f"raise discordance or lower min_detectable")
         if self.sequential not in ("none", "lord"):
             raise ParamsError(f"gate.sequential: {self.sequential!r}; use none (alpha per "
                               f"decision) or lord (a bound over the sequence of cycles)")

@@ -18,6 +18,7 @@ Details: docs/cycle.md, "How the gate stage works (stages/gate.py)".
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import math
 import re
@@ -257,14 +258,22 @@ def tango_statistic(a: np.ndarray, b: np.ndarray, delta: float) -> float:
     n = len(a)
     only_a = float(((a == 1) & (b == 0)).sum())
     only_b = float(((a == 0) & (b == 1)).sum())
-    big_a, big_b = 2.0 * n, -only_a - only_b + (2.0 * n - only_a + only_b) * delta
-    big_c = -only_b * delta * (1 - delta)
-    q = (math.sqrt(max(big_b * big_b - 4 * big_a * big_c, 0.0)) - big_b) / (2 * big_a)
-    variance = n * (2 * q + delta * (1 - delta))
+    variance = n * tango_variance(only_a / n, only_b / n, delta)
     surplus = only_a - only_b - n * delta
     if variance <= 0:
         return math.inf if surplus > 0 else -math.inf if surplus < 0 else 0.0
     return surplus / math.sqrt(variance)
+
+
+def tango_variance(only_a: float, only_b: float, delta: float) -> float:
+    """The variance of one item's paired difference under Tango's null hypothesis mean(a) -
+    mean(b) = `delta`, given the shares of items only a and only b solved: 2q + delta(1 -
+    delta), q the constrained maximum-likelihood estimate of the share only b solved.
+    """
+    big_b = -only_a - only_b + (2.0 - only_a + only_b) * delta
+    big_c = -only_b * delta * (1 - delta)
+    q = (math.sqrt(max(big_b * big_b - 8 * big_c, 0.0)) - big_b) / 4
+    return 2 * q + delta * (1 - delta)
 
 
 def tango_lower(a: np.ndarray, b: np.ndarray, tail: float) -> float:
@@ -320,6 +329,138 @@ def detectable(a: np.ndarray, b: np.ndarray, alpha: float, power: float = 0.8) -
     if np.isin(a, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all():
         change = max(change, (math.floor(math.log2(1 / alpha)) + 1) / len(a))
     return change
+
+
+@functools.lru_cache(maxsize=4096)  # the design of every decision asks again (simulations)
+def mcnemar_power(n: int, discordance: float, change: float, level: float) -> float:
+    """The chance that McNemar's exact one-sided test at `level` finds a candidate better on `n`
+    pass/fail items, when each item is discordant with probability `discordance` and a
+    discordant one goes the candidate's way with probability 1/2 + change / (2 discordance):
+    a true difference of `change`. Exact: the sum over the number of discordant items.
+    """
+    from scipy import special
+
+    if n < 1:
+        return 0.0
+    # the numbers of discordant items with any weight (within 10 standard deviations)
+    spread = 10 * math.sqrt(n * discordance * (1 - discordance)) + 10
+    k = np.arange(max(0, math.floor(n * discordance - spread)),
+                  min(n, math.ceil(n * discordance + spread)) + 1)
+    # the least number of wins among k that the test calls significant (p < level): from the
+    # normal approximation, moved until P(W >= wins - 1) >= level > P(W >= wins)
+    wins = np.ceil(k / 2 + special.ndtri(1 - level) * np.sqrt(k) / 2).astype(int)
+    for _ in range(n + 2):
+        up = special.bdtrc(wins - 1, k, 0.5) >= level  # not yet significant: one more
+        down = (wins > 0) & (special.bdtrc(wins - 2, k, 0.5) < level)  # one fewer suffices
+        if not (up.any() or down.any()):
+            break
+        wins += up.astype(int) - down.astype(int)
+    share = min(0.5 + change / (2 * discordance), 1.0)
+    counts = np.exp(special.gammaln(n + 1) - special.gammaln(k + 1) - special.gammaln(n - k + 1)
+                    + special.xlogy(k, discordance) + special.xlog1py(n - k, -discordance))
+    # P(W >= wins) for W ~ Binomial(k, share); no k can reach wins > k
+    reach = np.where(wins <= k, special.bdtrc(wins - 1, k, share), 0.0)
+    return float((counts * reach).sum())
+
+
+def design(config: cfg.Gate, suites: dict[str, dict], forgetting: int = 0,
+           level: float | None = None) -> dict:
+    """The gate stated as one decision (Schultzberg, Ankargren and Frånberg 2024, "Risk-aware
+    product decisions in A/B tests with multiple metrics"): promote when the primary is
+    significantly better and every guard significantly within its margin. Alpha is not adjusted
+    for the guards (the rule is an intersection-union test: a candidate no better than the
+    champion is promoted at most alpha of the time however many guards there are), but beta is:
+    with k guards each test is sized for power 1 - (1 - gate.power) / (k + 1), so that the whole
+    decision has at least gate.power (Bonferroni on the misses).
+
+    `suites`: {name: {"items": n, "margin": its max_regression (the primary's is unused),
+    "graded": scores other than pass/fail}}; `forgetting`: the items earlier champions solved
+    (a guard from gate.forgetting_min_items on); `level`: the primary's level (default
+    gate.alpha; LORD's when sequential). The scenario: the candidate is gate.min_detectable
+    better on the primary and unchanged on every guard, and answers gate.discordance of each
+    suite's items differently from the champion (graded: that mean squared difference), so the
+    variance of an item's paired difference is discordance - change^2. A pass/fail primary's
+    power is McNemar's exact test's (`mcnemar_power`; the normal approximation of Connor 1987
+    overstates it by 5 to 7 points at 200 items); the rest are normal approximations: the paired
+    t-test for a graded primary or one above a min_improvement, Tango's score test for a
+    pass/fail guard at its margin (the null variance at its constrained estimate), a normal
+    bound for the rest. The protocol guards
+    (format, tool calls, length, hacks) are assumed to hold. The decision's power is the product
+    of the tests' (the suites' items are apart; the forgetting items overlap them), never below
+    the Bonferroni bound also returned. Per suite: items it has, items it needs for its test's
+    target (None: no number suffices, as for a margin of 0), its test's power.
+    """
+    from scipy.stats import norm
+
+    level = config.alpha if level is None else level
+    change, psi = config.min_detectable, config.discordance
+    # name: (role, items, effect, sd under the null, sd at the scenario, level, McNemar's)
+    tests = {}
+    for name, suite in sorted(suites.items(), key=lambda item: item[0] != config.primary):
+        graded = suite.get("graded", False)
+        if name == config.primary:
+            spread = math.sqrt(max(psi - change * change, 1e-12))
+            exact = not graded and config.min_improvement == 0  # compare's McNemar branch
+            tests[name] = ("primary", suite["items"], change - config.min_improvement, spread,
+                           spread, level, exact)
+        else:
+            margin = suite["margin"]
+            null = (tango_variance(psi / 2, psi / 2, -margin) if not graded and margin > 0
+                    else psi)
+            tests[name] = ("guard", suite["items"], margin, math.sqrt(null), math.sqrt(psi),
+                           config.alpha, False)
+    if forgetting >= config.forgetting_min_items:
+        margin = config.forgetting_max_regression
+        tests["forgetting"] = ("forgetting", forgetting, margin, math.sqrt(
+            tango_variance(psi / 2, psi / 2, -margin) if margin > 0 else psi), math.sqrt(psi),
+            config.alpha, False)
+    z_power = norm.ppf(0.8)  # `detectable`'s 80%: what decide flags underpowered by
+    blocking = [name for name, (role, n, effect, *_) in tests.items() if role != "primary" and n
+                and not (config.underpowered == "skip"
+                         and (norm.ppf(1 - config.alpha) + z_power) * math.sqrt(psi)
+                         > effect * math.sqrt(n))]
+    target = 1 - (1 - config.power) / (len(blocking) + 1)
+    out, whole, misses = {}, 1.0, 0.0
+    for name, (role, n, effect, null, spread, lvl, exact) in tests.items():
+        z = norm.ppf(1 - lvl)
+        if exact:  # McNemar's exact test, given the discordant items
+            power = mcnemar_power(n, psi, effect, lvl)
+        elif role == "primary" or name in blocking:
+            power = float(norm.cdf((effect * math.sqrt(n) - z * null) / spread)) if n else 0.0
+        else:  # no items yet, or underpowered under gate.underpowered: skip: it cannot block
+            power = 1.0
+        needs = (math.ceil(((z * null + norm.ppf(target) * spread) / effect) ** 2)
+                 if effect > 0 else None)
+        if exact and needs is not None:  # from there, the least n the exact test reaches it at
+            low, high = 1, needs
+            while mcnemar_power(high, psi, effect, lvl) < target:
+                low, high = high, 2 * high
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (low, middle) if mcnemar_power(middle, psi, effect, lvl) >= target \
+                    else (middle, high)
+            needs = high
+        out[name] = {"role": role, "items": n, "needs": needs, "test_power": round(power, 4),
+                     "blocks": role == "primary" or name in blocking}
+        whole, misses = whole * power, misses + 1 - power
+    primary = tests.get(config.primary)
+    lacking = [f"{'the forgetting guard' if name == 'forgetting' else f'suite {name!r}'}"
+               + ("" if s["blocks"] else " does not block (underpowered, gate.underpowered: "
+                                         "skip); it")
+               + " needs " + (f"{s['needs']} items, has {s['items']}" if s["needs"] is not None
+                              else f"a margin above 0 (no number of items shows "
+                                   f"non-inferiority at 0), has {s['items']} items")
+               for name, s in out.items() if s["blocks"] or s["items"]]
+    guards = (f", {len(blocking)} guard{'' if len(blocking) == 1 else 's'} unchanged"
+              if blocking else "")
+    summary = (f"whole decision power {whole:.0%} (target {config.power:.0%}) at {change:+g} on "
+               f"{config.primary!r}{guards}, {psi:.0%} of items answered differently (assumed); "
+               + "; ".join(lacking)) if primary else (
+        f"no decision: the primary {config.primary!r} has no benchmark suite")
+    return {"decision_power": round(whole if primary else 0.0, 4), "target": config.power,
+            "bound": round(max(1 - misses, 0.0) if primary else 0.0, 4),
+            "per_test_target": round(target, 4), "min_detectable": change, "discordance": psi,
+            "level": round(level, 6), "suites": out, "summary": summary}
 
 
 def normalized_hash(text: str) -> str:
@@ -463,6 +604,18 @@ def refreshed(items: list[dict], pool: list[dict], decided: dict[str, int], limi
     return out, [items[i] for i in sorted(worn[:n])], fresh[:n]
 
 
+def grown(items: list[dict], pool: list[dict], decided: dict[str, int], size: int
+          ) -> tuple[list[dict], list[dict]]:
+    """A benchmark grown towards `size` items (what the gate's design says it needs, `design`)
+    by the oldest held-out tasks that are not in it and never decided anything, as `refreshed`
+    takes them, appended. Returns (the new items, the ones added).
+    """
+    ids = {str(i["task_id"]) for i in items}
+    fresh = [t for t in pool if str(t["task_id"]) not in ids and str(t["task_id"]) not in decided]
+    added = fresh[:max(size - len(items), 0)]
+    return items + added, added
+
+
 # the reward-hacking guards, each held in every suite apart: (what it measures, the row key,
 # whether growth is the bad direction); their margins are gate.max_length_increase etc.
 GUARDS = {
@@ -500,12 +653,16 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
         return (np.array([c[key] for c, _ in rows], dtype=float),
                 np.array([h[key] for _, h in rows], dtype=float))
 
-    suites_out = {}
+    suites_out, shapes, observed = {}, {}, {}
     for name in dict.fromkeys(c["suite"] for c, _ in pairs):
         rows = [(c, h) for c, h in judged if c["suite"] == name]
         primary = name == config.primary
         threshold = config.min_improvement if primary else margins[name][1]
         scores = arrays(rows, "correct")
+        shapes[name] = {"items": len(rows), "margin": margins[name][1],
+                        "graded": not np.isin(np.concatenate(scores), (0.0, 1.0)).all()}
+        if rows:  # this decision's discordance, beside the design's assumption
+            observed[name] = float(((scores[0] - scores[1]) ** 2).mean())
         out = suites_out[name] = {
             "role": "primary" if primary else "guard", "environment": margins[name][0],
             "unjudged": sum(c["suite"] == name for c, _ in pairs) - len(rows),
@@ -532,6 +689,14 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
     else:
         forgotten = compare("forgetting", *arrays(kept, "correct"), config, seed,
                             threshold=config.forgetting_max_regression, primary=False)
+    # the decision's design: its power for gate.min_detectable, the items each suite needs
+    plan = design(config, shapes, len(kept), level)
+    if kept:
+        a, b = arrays(kept, "correct")
+        observed["forgetting"] = float(((a - b) ** 2).mean())
+    for name, value in observed.items():
+        if name in plan["suites"]:
+            plan["suites"][name]["observed_discordance"] = round(value, 4)
     forgotten["lost"] = sorted(f"{c['suite']}/{c['id']}" for c, h in kept
                                if h["correct"] == 1 and c["correct"] == 0)[:20]
     # each guard in each suite (environment) apart, with the same margin: pooled, one
@@ -600,7 +765,7 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
             "benchmark": f"{config.primary}.jsonl", "primary": config.primary,
             "rule": rule, "reason": reason, "failures": failures, "unchanged": unchanged,
             "suites": suites_out, "forgetting": forgotten, "guards": guards,
-            "contamination": contamination,
+            "contamination": contamination, "design": plan,
             "first_cycle_rule": "generation 0 is scored like any champion: no pass by default; "
                                 "the forgetting guard is skipped until earlier champions solved "
                                 "gate.forgetting_min_items items"}

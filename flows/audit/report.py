@@ -115,6 +115,8 @@ def gate_lines(gate: dict) -> list[str]:
              f"({gate.get('reason')})"]
     if gate.get("rule"):
         lines.append(f"  - rule: {gate['rule']}")
+    if gate.get("design"):  # the decision's power and the items each suite needs (gate.design)
+        lines.append(f"  - design: {gate['design']['summary']}")
     # per-suite verdicts, when the gate scores several suites
     for name, suite in (gate.get("suites") or {}).items():
         if isinstance(suite, dict):

@@ -113,7 +113,9 @@ def gate_summary(verdict: dict) -> str:
             + (f" ({'; '.join(failed)})" if failed else "")
             + ("; guards per environment: " + "; ".join(
                 f"{where} {'failed ' + ', '.join(bad) if bad else 'held'}"
-                for where, bad in environments.items()) if environments else ""))
+                for where, bad in environments.items()) if environments else "")
+            # the decision's design (gate.design): its power and the items each suite needs
+            + (f"; {verdict['design']['summary']}" if verdict.get("design") else ""))
 
 
 def fault(step: str) -> None:
@@ -174,8 +176,6 @@ def waiting_refusal(root: Path, flow_run_id: str | None) -> str | None:
             f"{run} --reason ...` (or the Prefect UI), then run again")
 
 
-def clear_waiting(root: Path) -> None:
-    """The awaited decision is in (or the cycle ended otherwise): the workspace is free."""
 def awaits_decision(root: Path) -> bool:
     """Whether this workspace records a cycle waiting for a decision, read without Prefect: a
     served run's note (`WAITING`, not past its time) or a cycle that holds the lock while it
@@ -192,6 +192,8 @@ def awaits_decision(root: Path) -> bool:
     return not held or bool(held.get("awaiting"))  # {}: its holder is writing it; ask Prefect
 
 
+def clear_waiting(root: Path) -> None:
+    """The awaited decision is in (or the cycle ended otherwise): the workspace is free."""
     (root / WAITING).unlink(missing_ok=True)
 
 

@@ -510,6 +510,10 @@ def test_check_shows_what_each_suite_detects_and_warns_about_an_underpowered_gua
     assert "WARNING: underpowered, its max_regression 0.05 is below that" in small_line
     assert "gate suite 'arith' (primary): 200 items" in out.stdout
     assert "its items have informed 1.67 decisions on average, at most 2" in out.stdout
+    # the next decision's design, from params.yaml and the benchmark's 200 items
+    assert ("gate design: whole decision power 85% (target 80%) at +0.075 on 'arith', 15% of "
+            "items answered differently (assumed); suite 'arith' needs 178 items, has 200\n"
+            in out.stdout)
     assert "WARNING" not in next(line for line in out.stdout.splitlines() if "'arith'" in line)
 
 
@@ -764,3 +768,166 @@ def test_a_binary_guard_regressed_by_its_margin_is_declared_non_inferior_at_most
     verdict = gate.decide(CONFIG, 0, suite(0.2, "arith") + suite(0.0, "other"), set(), [], False,
                           {"arith": ("arith", 0.05), "other": ("other", 0.05)})
     assert verdict["suites"]["other"]["test"] == "Tango's paired score test, one-sided"
+
+
+def discordant(rng, d: float, name: str, n: int, disagree: float) -> list[tuple[dict, dict]]:
+    """Pass/fail rows of one suite as the design assumes them: each item answered differently
+    with probability `disagree`, the candidate then right with 1/2 + d / (2 disagree)."""
+    champion = (rng.random(n) < 0.55).astype(float)
+    candidate = champion.copy()
+    split = rng.random(n) < disagree
+    wins = rng.random(n) < 0.5 + d / (2 * disagree)
+    candidate[split], champion[split] = wins[split], 1 - wins[split]
+    return pairs(rows(candidate, name), rows(champion, name))
+
+
+def graded(rng, d: float, name: str, n: int, square: float) -> list[tuple[dict, dict]]:
+    """Graded rows: the candidate's scores differ from the champion's by a mean square of
+    `square`, by `d` on average."""
+    champion = rng.random(n)
+    candidate = champion + d + rng.normal(0, (square - d * d) ** 0.5, n)
+    return pairs(rows(candidate, name), rows(champion, name))
+
+
+@pytest.mark.parametrize("config, primary", [
+    (cfg.Gate(bootstrap_samples=20), discordant),  # the defaults: +0.075, 15% discordant
+    (cfg.Gate(bootstrap_samples=20, min_detectable=0.04, discordance=0.05), graded)])
+def test_the_whole_decision_promotes_as_often_as_its_design_states(config, primary):
+    """Through `gate.decide`, 500 times each (seeded, a few seconds): a candidate exactly
+    gate.min_detectable better on the primary and unchanged on a pass/fail guard is promoted
+    within 4 points (2.5 standard errors) of the power `gate.design` states and the verdict
+    records; the statement is no tautology: it lies well inside (0, 1)."""
+    rng = np.random.default_rng(17)
+    sizes, margins = {"arith": 200, "guard": 150}, {"arith": ("arith", 0.05),
+                                                     "guard": ("guard", 0.06)}
+    runs, promoted, stated = 500, 0, None
+    for _ in range(runs):
+        items = (primary(rng, config.min_detectable, "arith", sizes["arith"],
+                         config.discordance)
+                 + discordant(rng, 0.0, "guard", sizes["guard"], config.discordance))
+        verdict = gate.decide(config, int(rng.integers(1 << 30)), items, set(), [], False,
+                              margins)
+        promoted += verdict["passed"]
+        stated = verdict["design"]
+    expected = gate.design(config, {"arith": {"items": 200, "graded": primary is graded},
+                                    "guard": {"items": 150, "margin": 0.06}})
+    assert {k: v for k, v in stated.items() if k != "suites"} == {
+        k: v for k, v in expected.items() if k != "suites"}
+    print(f"{primary.__name__} primary + a pass/fail guard: promoted {promoted / runs:.3f}, "
+          f"stated {stated['decision_power']:.3f}")
+    assert 0.3 < stated["decision_power"] < 0.9
+    assert abs(promoted / runs - stated["decision_power"]) <= 0.04
+
+
+def test_the_design_corrects_beta_for_the_guards_and_says_what_each_suite_needs(tmp_path):
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    # the demo: params.yaml's gate on its 200-item primary, no guard
+    demo_items = len((repo / "data" / "benchmarks" / "arith.jsonl").read_text().splitlines())
+    demo = gate.design(cfg.load("gate", repo / "params.yaml"), {"arith": {"items": demo_items}})
+    assert demo["decision_power"] >= demo["target"] == 0.8
+    assert demo["summary"] == ("whole decision power 85% (target 80%) at +0.075 on 'arith', 15% "
+                               "of items answered differently (assumed); suite 'arith' needs "
+                               "178 items, has 200")
+    # McNemar's exact power, summed over the discordant items, against scipy's distributions
+    k = np.arange(201)
+    wins = np.array([next(w for w in range(j + 2) if w > j or stats.binom.sf(w - 1, j, 0.5)
+                          < 0.05) for j in k])
+    exact = (stats.binom.pmf(k, 200, 0.15) * stats.binom.sf(wins - 1, k, 0.75)).sum()
+    assert gate.mcnemar_power(200, 0.15, 0.075, 0.05) == pytest.approx(exact, abs=1e-9)
+    # issue 50's case: +5 points on 200 items, three unchanged 200-item guards at 0.05: the
+    # whole decision promotes about 1 time in 10; each test is sized for 1 - 0.2 / 4
+    config = cfg.Gate(min_detectable=0.05)
+    suites = {"arith": {"items": 200}, **{g: {"items": 200, "margin": 0.05} for g in "abc"}}
+    weak = gate.design(config, suites)
+    assert 0.05 < weak["decision_power"] < 0.15 and weak["per_test_target"] == 0.95
+    assert weak["suites"]["a"]["needs"] > 200 and "suite 'a' needs" in weak["summary"]
+    # every suite at the size it says it needs: each test reaches 0.95, the whole decision 0.8
+    sized = gate.design(config, {n: {**s, "items": weak["suites"][n]["needs"]}
+                                 for n, s in suites.items()})
+    assert all(s["test_power"] >= 0.95 for s in sized["suites"].values())
+    assert sized["decision_power"] >= sized["bound"] >= 0.8
+    # the forgetting guard counts from gate.forgetting_min_items on; a margin of 0 never holds
+    assert "forgetting" not in gate.design(config, suites, forgetting=29)["suites"]
+    assert gate.design(config, suites, forgetting=30)["per_test_target"] == 0.96
+    zero = gate.design(config, {"arith": {"items": 200}, "z": {"items": 200, "margin": 0.0}})
+    assert zero["suites"]["z"]["needs"] is None and zero["decision_power"] < 0.05
+    # gate.underpowered: skip: a guard too small for its margin cannot block, nor count
+    skip = gate.design(cfg.Gate(min_detectable=0.05, underpowered="skip"), suites)
+    assert skip["suites"]["a"]["blocks"] is False and skip["per_test_target"] == 0.8
+    assert skip["decision_power"] == skip["suites"]["arith"]["test_power"]
+    # a lower level (LORD's) costs power
+    assert gate.design(config, suites, level=0.001)["decision_power"] < weak["decision_power"]
+
+
+def test_check_init_pending_and_the_report_state_the_decision_s_design(tmp_path):
+    from flows.audit import report
+    from flows.cli import design_line
+    from flows.orchestration import promotion
+
+    specs = {"arith": cfg.EnvironmentSpec(module="stages.envs.arith", benchmark="a.jsonl"),
+             "code": cfg.EnvironmentSpec(module="stages.envs.coding", benchmark="c.jsonl",
+                                         max_regression=0.1)}
+    configs = {"gate": cfg.Gate(), "environments": specs}
+    line = design_line(tmp_path, configs, {"arith": 400, "code": 300})
+    assert line.startswith("gate design: whole decision power ") and "WARNING" not in line
+    assert "1 guard unchanged" in line and "suite 'code' needs" in line
+    short = design_line(tmp_path, configs, {"arith": 60, "code": 300})
+    assert "suite 'arith' needs" in short and "has 60" in short
+    assert short.endswith("; WARNING: below gate.power: add items to the suites that need them, "
+                          "widen their margins or raise gate.min_detectable")
+    # LORD's level for the next decision, from the history: lower, so less power
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "gate_history.jsonl").write_text(
+        "".join(json.dumps({"passed": False}) + "\n" for _ in range(10)))
+    lord = design_line(tmp_path, {**configs, "gate": cfg.Gate(sequential="lord")},
+                       {"arith": 400, "code": 300})
+    assert float(lord.split("power ")[1].split("%")[0]) < float(line.split("power ")[1]
+                                                                  .split("%")[0])
+    # the verdict records it; `pending`'s summary and the cycle report show it
+    verdict = gate.decide(CONFIG, 0, discordant(np.random.default_rng(3), 0.3, "arith", 200,
+                                                0.4), set(), [], False)
+    assert verdict["design"] == {**gate.design(CONFIG, {"arith": {"items": 200}}),
+                                 "suites": verdict["design"]["suites"]}
+    assert verdict["design"]["suites"]["arith"]["observed_discordance"] > 0.2
+    assert promotion.gate_summary(verdict).endswith("; " + verdict["design"]["summary"])
+    assert f"  - design: {verdict['design']['summary']}" in report.gate_lines(verdict)
+
+
+def test_a_design_no_candidate_can_meet_is_refused_naming_the_keys(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"gate": {"min_detectable": 0.2, "discordance": 0.1},
+                                    "environments": {"arith": {"module": "stages.envs.arith",
+                                                               "benchmark": "b.jsonl"}}}))
+    with pytest.raises(cfg.ParamsError, match=r"gate.discordance: 0.1 is below "
+                                              r"gate.min_detectable 0.2.*raise discordance"):
+        cfg.load("gate", path)
+
+
+def test_benchmark_refresh_grows_a_short_suite_to_what_the_design_needs(tmp_path, monkeypatch,
+                                                                        capsys):
+    from pathlib import Path
+
+    from flows import cli
+
+    items = [{"task_id": f"b{i}", **arith.chat_task(f"{i}+1")} for i in range(100)]
+    pool = [{"task_id": f"trace:{i}", **arith.chat_task(f"{i}*2")} for i in range(120)]
+    used = {"trace:0"}  # a held-out task that already informed a decision is never added
+    assert gate.grown(items, pool, {t: 1 for t in used}, 150)[1] == pool[1:51]
+    assert gate.grown(items, pool, {}, 80) == (items, [])  # long enough: unchanged
+
+    repo = Path(__file__).resolve().parents[2]
+    for name in ("params.yaml", "dvc.yaml"):
+        (tmp_path / name).write_text((repo / name).read_text())
+    benchmark = tmp_path / "data" / "benchmarks" / "arith.jsonl"
+    for path, rows_ in ((benchmark, items), (tmp_path / "data" / "holdout" / "arith.jsonl",
+                                             pool)):
+        path.parent.mkdir(parents=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["benchmark", "refresh", "--grow", "--dry-run"]) == 0
+    out = capsys.readouterr().out  # 100 items; the design (+0.075, 15%) needs 178
+    assert ("arith: nothing replaced; grown from 100 to 178 items by held-out production tasks "
+            "(the gate's design needs 178)") in out
+    assert len(benchmark.read_text().splitlines()) == 100  # a dry run writes nothing
