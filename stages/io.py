@@ -291,14 +291,44 @@ def explained(stage: str):
         sys.exit(1)
 
 
+def numbers_path(path: str | Path) -> Path:
+    """Where the numbers of a stage's metrics file go: `metrics/numbers/<stage>.json`, the file
+    dvc.yaml declares as the stage's DVC metric (tests/test_layout.py checks each is declared).
+    """
+    path = Path(path)
+    return path.parent / "numbers" / path.name
+
+
+def numbers(record: dict) -> dict:
+    """The numbers of a metrics record, nested as they are; no strings, lists or switches.
+
+    `dvc metrics diff gen-1 gen-3` prints every value of a metrics file: the gate's reasons and
+    the cost's notes made rows of 300 characters, and a switch that flipped showed as -1 (issue
+    53.8). A stage's whole record stays beside it (`metrics/<stage>.json`) for the report, the
+    lineage and MLflow.
+    """
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            value = numbers(value)
+            if value:
+                out[key] = value
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = value
+    return out
+
+
 def write_metrics(path: str | Path, metrics: dict, carried: dict | None = None) -> None:
     """A stage's metrics file, with its `resources` (measured: they vary run to run), plus the
-    `carried` CPU and wall seconds of its earlier attempts (a training resumed after a stop).
+    `carried` CPU and wall seconds of its earlier attempts (a training resumed after a stop);
+    then its numbers alone, for `dvc metrics diff` (`numbers_path`).
     """
     used = resources()
     for key, value in (carried or {}).items():
         used[key] = round(used[key] + value, 3)
-    write_json(path, {**metrics, "resources": used})
+    record = {**metrics, "resources": used}
+    write_json(path, record)
+    write_json(numbers_path(path), numbers(record))
 
 
 def jsonl_line(row: dict) -> str:

@@ -248,3 +248,17 @@ def test_every_room_of_stages_has_a_rule():
     stage_modules = set(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]) | {
         "init", "simulate", "datadocs", "budget"}
     assert rooms - stage_modules - set(STAGES_MAY_IMPORT) == set()
+
+
+def test_every_stage_declares_its_numbers_as_its_dvc_metric():
+    """Each stage's whole record (metrics/<stage>.json) is a plain output; its numbers alone
+    (stages/io.py numbers_path) are the DVC metric, so `dvc metrics diff` compares numbers."""
+    from stages import io
+
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    for name, spec in stages.items():
+        outs = [next(iter(e)) if isinstance(e, dict) else e for e in spec.get("outs") or []]
+        metrics = [next(iter(e)) for e in spec.get("metrics") or []]
+        record = f"metrics/{name}.json"
+        assert record in outs, (name, outs)
+        assert metrics == [str(io.numbers_path(record))], (name, metrics)

@@ -62,3 +62,21 @@ def test_heavy_imports_leave_a_paused_collector_paused_even_on_error():
     except ImportError:
         pass
     assert gc.isenabled()
+
+
+def test_a_stages_metrics_keep_their_numbers_apart_for_dvc(tmp_path):
+    """`dvc metrics diff` reads metrics/numbers/<stage>.json: numbers only, nested as in the
+    record; the whole record (reasons, switches, lists) stays at metrics/<stage>.json."""
+    import json
+
+    io.write_metrics(tmp_path / "gate.json", {
+        "passed": True, "reason": "arith: 110-0 on the items only one model solved",
+        "interval": [0.1, 0.3], "candidate_score": 0.6, "items": 200,
+        "guards": {"format": {"arith": {"passed": True, "difference": -0.005}}, "empty": {"a": "b"}}})
+    record = json.loads((tmp_path / "gate.json").read_text())
+    assert record["passed"] is True and record["reason"].startswith("arith")
+    numbers = json.loads((tmp_path / "numbers" / "gate.json").read_text())
+    assert numbers["candidate_score"] == 0.6 and numbers["items"] == 200
+    assert numbers["guards"] == {"format": {"arith": {"difference": -0.005}}}
+    assert {"passed", "reason", "interval"}.isdisjoint(numbers)
+    assert set(numbers["resources"]) >= {"cpu_seconds", "wall_seconds"}

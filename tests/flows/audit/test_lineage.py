@@ -92,6 +92,19 @@ def replay_part(root, tag):
         root / ".dvcstore/files/md5" / part["md5"][:2] / part["md5"][2:]
 
 
+def test_dvc_metrics_diff_between_generations_compares_numbers(learned):
+    """`dvc metrics diff gen-1 gen-2`, as the demo's last words suggest: rows of numbers a person
+    reads, no reasons, hashes or switches (issue 53.8: rows of 300 characters, True diffed as -1)."""
+    dvc = str(Path(sys.executable).parent / "dvc")
+    rows = subprocess.run([dvc, "metrics", "diff", "gen-1", "gen-2", "--all"], cwd=learned,
+                          capture_output=True, text=True, check=True,
+                          env=cli_env(learned)).stdout.splitlines()
+    assert len(rows) > 20 and any("metrics/numbers/gate.json" in row for row in rows), rows
+    for row in rows[1:]:  # Path, Metric (a name may hold spaces), gen-1, gen-2, Change
+        assert all(re.fullmatch(r"-?[\d.e+-]+|-", v) for v in row.split()[-3:]), row
+        assert len(row) < 200, row
+
+
 def test_verify_names_a_tampered_and_a_missing_file(learned, tmp_path):
     ok = offseason(learned, "lineage", "--verify", "gen-2")
     assert "all hashes resolve and match, the workspace's copies of its outputs too" in ok.stdout
@@ -317,27 +330,6 @@ window.addEventListener('load', () => {
 </script>"""
 
 
-@pytest.fixture(scope="module")
-def chromium():
-    # as `make setup` does: Debian's chromium, and Graphviz for the graph (the report falls back
-    # to a layout by hand without it)
-    missing = [pkg for cmd, pkg in (("chromium", "chromium"), ("dot", "graphviz"))
-               if shutil.which(cmd) is None]
-    if missing and os.geteuid() == 0 and shutil.which("apt-get"):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
-        for attempt in range(2):
-            done = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
-            if done.returncode == 0:
-                break
-            subprocess.run(["apt-get", "update"], capture_output=True, env=env, timeout=600)
-    path = shutil.which("chromium")
-    if path is None:
-        pytest.skip("Debian's chromium is not installed and cannot be installed here (needs root "
-                    "and apt-get: `apt-get install -y chromium`)")
-    return path
-
-
 def test_html_report_renders_in_headless_chromium(learned, chromium, tmp_path):
     from mlflow import MlflowClient
 
@@ -428,6 +420,27 @@ def test_html_report_renders_in_headless_chromium(learned, chromium, tmp_path):
     keep = os.environ.get("OFFSEASON_KEEP_SCREENSHOT")
     if keep:  # for a person to look at
         shutil.copy2(shot, Path(keep))
+
+
+# what Python prints and a person should never read on a page (issue 53.5): None, True, False,
+# a dict's repr, a count printed as a float
+PYTHON_SPELLINGS = re.compile(r"\b(None|True|False)\b|\{'|(?<![\d.])\d{3,}\.0(?![\d.])")
+
+
+def test_the_report_in_a_browser_spells_nothing_as_python(learned, chromium, tmp_path):
+    """The report as a person reads it (headless Chromium, the rendered text): nothing on the
+    page spelled as Python prints it (issue 53.5: `1570.0` in pts/$, `True` in the tags)."""
+    from browser import Browser
+
+    out = tmp_path / "report.html"
+    offseason(learned, "report", "--out", str(out))
+    with Browser(chromium) as browser:
+        browser.open(out.as_uri())
+        browser.wait_for("document.querySelectorAll('img').length >= 6")
+        text = browser.text()
+    assert "gen-2" in text and "pts/$" in text, text[:2000]
+    assert PYTHON_SPELLINGS.search(text) is None, text[max(0, PYTHON_SPELLINGS.search(
+        text).start() - 200):][:400]
 
 
 def test_an_id_that_holds_personal_data_is_looked_up_by_its_file_and_line():

@@ -89,7 +89,9 @@ def prefect_server(tmp_path):
     port = free_port()
     log = tmp_path / "prefect-server.log"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-server"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           # the UI's pages ask this server, not the default port's (the browser test reads them)
+           "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api"}
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
                              "--port", str(port), "--analytics-off"], env=env,
@@ -103,8 +105,32 @@ def prefect_server(tmp_path):
         stop(proc)
 
 
+def read_the_forms(chromium, api: str, deployment, flow_run) -> tuple[str, str]:
+    """The Run form of a deployment and the approval form of a waiting flow run, as the Prefect
+    UI renders them in headless Chromium: the Run form's text, and the approval form's after
+    an untouched Submit."""
+    from browser import Browser
+
+    ui = api.removesuffix("/api")
+    with Browser(chromium) as browser:
+        browser.open(f"{ui}/deployments/deployment/{deployment}/run")
+        browser.wait_for("document.body.innerText.includes('require_approval')")
+        run_form = browser.text("main") if browser.eval("!!document.querySelector('main')") \
+            else browser.text()
+        browser.open(f"{ui}/runs/flow-run/{flow_run}")
+        browser.wait_for("[...document.querySelectorAll('button')]"
+                         ".some(e => e.innerText.trim() === 'Resume')")
+        browser.click("Resume")
+        browser.wait_for("document.querySelector('[role=dialog]')")
+        browser.wait_for("document.querySelector('[role=dialog]').innerText.includes('Reason')")
+        browser.click("Submit", within="[role=dialog]")
+        browser.wait_for("document.querySelector('[role=dialog]').innerText"
+                         ".includes('is a required property')")
+        return run_form, browser.text("[role=dialog]")
+
+
 def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, learned_once,
-                                                             tmp_path):
+                                                             tmp_path, chromium):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -170,6 +196,17 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, lear
             assert run.name == "gen-1", run.name
             pending = api_cli(project, prefect_server, "pending").stdout
             assert f"{run.id}  {run.name}  Suspended" in pending, pending
+            run_form, approval_form = read_the_forms(chromium, prefect_server, manual.id, run.id)
+            # the Run form (issue 53.5): each field as it is, no "None" choice or type, and the
+            # epochs' description whole (its `<algorithm>` was eaten as HTML)
+            assert "train.sft.epochs" in run_form and "yes" in run_form, run_form
+            assert "None" not in run_form and "Property is type" not in run_form, run_form
+            # the approval form (issue 53.3): the gate summary, no decision made for the person,
+            # and an untouched form refused for want of a decision and a reason
+            assert "gen-1 passed the gate" in approval_form, approval_form
+            assert "'decision' is a required property" in approval_form, approval_form
+            assert "'reason' is a required property" in approval_form, approval_form
+            assert client.read_flow_run(run.id).state.name == "Suspended"
             assert "gen-1: arith: candidate" in pending and "passed" in pending, pending
             # a schedule firing while the run waits is refused, naming it: it would build the same
             # gen-1 from the same traces
@@ -187,6 +224,10 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, lear
             final = wait_until(lambda: (lambda r: r if r.state.is_final() else None)(
                 client.read_flow_run(run.id)), 600, "the resumed flow run", serve, log)
             assert final.state.is_completed(), log.read_text()[-4000:]
+            # gen-1 holds the run's values; the work tree the standing ones, committed (53.9)
+            assert subprocess.run(["git", "status", "--porcelain", "params.yaml"], cwd=project,
+                                  capture_output=True, text=True).stdout == ""
+            assert (project / "params.yaml").read_text() == standing
             # the estimate is the one made before the stages ran, not remade on the rerun after
             # approval with every stage reused ($0; issue 53.2)
             estimate = json.loads((project / "metrics" / "cost.json").read_text())["estimate"]
@@ -198,6 +239,9 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, lear
             assert {"cycle-report", "cycle-metrics", "mlflow-run"} <= set(artifacts)
             report = artifacts["cycle-report"].data
             assert "## Decision" in report and "Data Docs" in report and "MLflow run" in report
+            # the estimate the run's page shows is the one made before approval (issue 53.2)
+            assert "estimated before it $" in report and \
+                "estimated before it $0.0000" not in report, report
             table = artifacts["cycle-metrics"].data
             table = json.loads(table) if isinstance(table, str) else table
             assert [row["stage"] for row in table][:2] == ["ingest", "validate"]
