@@ -525,6 +525,7 @@ def cmd_demo(args) -> int:
              (f"{offseason} ui", "the Prefect and MLflow UIs of this project, until Ctrl-C"),
              (f"{dvc} params diff gen-1 {last}",
               "how two generations' settings differ"),
+             (f"{dvc} metrics diff gen-1 {last}", "and their figures (metrics/numbers/)"),
              ("git log --oneline --decorate", "one commit and tag per cycle")]
     width = max(len(command) for command, _ in looks) + 2
     print("\nWhere to look next (each command as you can type it here):")
