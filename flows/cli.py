@@ -758,16 +758,16 @@ def cmd_check(args) -> int:
 
 def next_design(root: Path, configs: dict, sizes: dict[str, int]) -> dict:
     """The next decision's design (`gate.design`) for suites of these sizes: the whole
-    decision's power and the items each suite needs, at the primary's next level (LORD's, from
-    data/gate_history.jsonl, when sequential), with the last decision's forgetting items.
+    decision's power and the items each suite needs, at the primary's next level (gate.sequential's,
+    from data/gate_history.jsonl), with the last decision's forgetting items.
     """
     from stages import gate, io
 
     config, specs = configs["gate"], configs["environments"]
     history = root / "data" / "gate_history.jsonl"
-    earlier = [bool(h["passed"]) for h in (io.read_jsonl(history) if history.exists() else [])
+    earlier = [h for h in (io.read_jsonl(history) if history.exists() else [])
                if not h.get("unchanged")]
-    level = gate.lord_level(config.alpha, earlier) if config.sequential == "lord" else None
+    level = gate.sequential_level(config, earlier) if config.sequential != "none" else None
     last = root / "metrics" / "gate.json"
     forgetting = (json.loads(last.read_text()).get("forgetting") or {}).get("items", 0) \
         if last.exists() else 0

@@ -446,8 +446,9 @@ class Gate:
                               "max_regression at 80% power: decide (it still blocks or passes, "
                               "flagged) or skip (it does not)")
     sequential: str = Field("none", description="error control across cycles: none (alpha per "
-                            "decision) or lord (LORD++: the expected share of false promotions "
-                            "among all promotions stays below alpha over the years)")
+                            "decision), or the expected share of false promotions among all "
+                            "promotions kept below alpha over the years by addis (ADDIS: most "
+                            "power, docs/cycle.md), saffron (SAFFRON) or lord (LORD++)")
     power: Float = Field(0.8, gt=0, lt=1, description="the design's target: the chance that the "
                          "whole decision (primary better and every guard within its margin) "
                          "promotes a candidate min_detectable better on the primary and unchanged "
@@ -468,9 +469,10 @@ class Gate:
                               f"gate.min_detectable {self.min_detectable}: a candidate better by "
                               f"that much answers at least that share of the items differently; "
                               f"raise discordance or lower min_detectable")
-        if self.sequential not in ("none", "lord"):
+        if self.sequential not in ("none", "lord", "saffron", "addis"):
             raise ParamsError(f"gate.sequential: {self.sequential!r}; use none (alpha per "
-                              f"decision) or lord (a bound over the sequence of cycles)")
+                              f"decision), or a bound over the sequence of cycles: addis, "
+                              f"saffron or lord (docs/cycle.md, 'The error rate it promises')")
         if self.underpowered not in ("decide", "skip"):
             raise ParamsError(f"gate.underpowered: {self.underpowered!r}; use decide (an "
                               f"underpowered guard still decides, flagged) or skip (it does not)")

@@ -157,6 +157,95 @@ def lord_level(alpha: float, passed: list[bool]) -> float:
     return level
 
 
+# SAFFRON's and ADDIS's spending sequence: gamma_j proportional to j^-1.6, summing to 1 (the
+# default of both papers); ZETA_1_6 is the sum of j^-1.6 over j >= 1
+ZETA_1_6 = 2.2857583226
+
+
+def gamma_adaptive(j: int) -> float:
+    """The weight of the j-th step of SAFFRON's and ADDIS's spending (j >= 1)."""
+    return j ** -1.6 / ZETA_1_6
+
+
+def saffron_level(alpha: float, p_values: list[float], lam: float = 0.5) -> float:
+    """SAFFRON's level for the next decision (Ramdas, Zrnic, Wainwright & Jordan 2018), from the
+    earlier decisions' p-values in order. Adaptive: a decision whose p-value is at most `lam`
+    (a "candidate", likely a real improvement) spends no wealth, so a run of clearly null
+    decisions does not drive the level to nothing as LORD++'s does. FDR at most alpha.
+    """
+    w0 = (1 - lam) * alpha / 2
+    t = len(p_values) + 1
+    levels, rejections = [], []
+    for i, p in enumerate(p_values, start=1):  # the levels earlier decisions were held to
+        level = _saffron(alpha, lam, w0, i, p_values[:i - 1], rejections)
+        levels.append(level)
+        if p <= level:
+            rejections.append(i)
+    return _saffron(alpha, lam, w0, t, p_values, rejections)
+
+
+def _saffron(alpha, lam, w0, t, p_values, rejections) -> float:
+    candidates = [1 if p <= lam else 0 for p in p_values]
+
+    def after(time: int) -> int:  # candidates after decision `time`, before t
+        return sum(candidates[time:t - 1])
+
+    level = w0 * gamma_adaptive(t - after(0))
+    for j, tau in enumerate(rejections):
+        weight = ((1 - lam) * alpha - w0) if j == 0 else (1 - lam) * alpha
+        level += weight * gamma_adaptive(t - tau - after(tau))
+    return min(lam, level)
+
+
+def addis_level(alpha: float, p_values: list[float], lam: float = 0.25, tau: float = 0.5
+                ) -> float:
+    """ADDIS's level for the next decision (Tian & Ramdas 2019): SAFFRON's adaptivity plus
+    discarding, a decision whose p-value is above `tau` (a candidate clearly no better, which
+    most are) spends nothing at all. FDR at most alpha, for conservative null p-values (a
+    discrete exact test's are).
+    """
+    w0 = alpha / 2
+    rejections: list[int] = []
+    for i, p in enumerate(p_values, start=1):
+        if p <= _addis(alpha, lam, tau, w0, i, p_values[:i - 1], rejections):
+            rejections.append(i)
+    return _addis(alpha, lam, tau, w0, len(p_values) + 1, p_values, rejections)
+
+
+def _addis(alpha, lam, tau, w0, t, p_values, rejections) -> float:
+    selected = [1 if p <= tau else 0 for p in p_values]
+    candidates = [1 if p <= lam else 0 for p in p_values]
+    s_t = 1 + sum(selected)
+
+    def after(time: int) -> int:
+        return sum(candidates[time:t - 1])
+
+    level = w0 * gamma_adaptive(s_t - after(0))
+    for j, kappa in enumerate(rejections):
+        kappa_star = sum(selected[:kappa])
+        weight = (alpha - w0) if j == 0 else alpha
+        level += weight * gamma_adaptive(max(1, s_t - kappa_star - after(kappa)))
+    return min(lam, (tau - lam) * level)
+
+
+SEQUENTIAL = ("none", "lord", "saffron", "addis")
+SEQUENTIAL_NAMES = {"lord": "LORD++", "saffron": "SAFFRON", "addis": "ADDIS"}
+
+
+def sequential_level(config: cfg.Gate, history: list[dict]) -> float:
+    """The primary's level for this decision under `gate.sequential`, from the earlier
+    decisions (data/gate_history.jsonl lines: `passed`, `p_value`).
+    """
+    if config.sequential == "lord":
+        return lord_level(config.alpha, [bool(h["passed"]) for h in history])
+    p_values = [1.0 if h.get("p_value") is None else float(h["p_value"]) for h in history]
+    if config.sequential == "saffron":
+        return saffron_level(config.alpha, p_values)
+    if config.sequential == "addis":
+        return addis_level(config.alpha, p_values)
+    return config.alpha
+
+
 def mcnemar(a: np.ndarray, b: np.ndarray) -> dict:
     """McNemar's exact test on pass/fail pairs: the items only one of the two models solved.
     `p_value` is two-sided; `p_better` one-sided, that a (the candidate) is better.
@@ -643,7 +732,7 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
                           for c, _ in pairs}
     history = history or []  # the earlier cycles' decisions (data/gate_history.jsonl)
     earlier = [bool(h["passed"]) for h in history]
-    level = lord_level(config.alpha, earlier) if config.sequential == "lord" else config.alpha
+    level = sequential_level(config, history)
     judged = [(c, h) for c, h in pairs if c["correct"] is not None and h["correct"] is not None]
 
     def arrays(rows, key):
@@ -749,9 +838,10 @@ def decide(config: cfg.Gate, seed: int, pairs: list[tuple[dict, dict]], solved: 
             f"and no benchmark item is in the training data; each test is one-sided at alpha "
             f"{config.alpha}: a candidate no better than the champion is promoted at most "
             f"{config.alpha:.0%} of the time per decision"
-            + (f"; across cycles LORD++ sets the primary's level ({level:.4g} at decision "
-               f"{len(history) + 1}), so that false promotions stay at most {config.alpha:.0%} "
-               f"of all promotions over the years" if config.sequential == "lord" else ""))
+            + (f"; across cycles {SEQUENTIAL_NAMES.get(config.sequential)} sets the primary's "
+               f"level ({level:.4g} at decision {len(history) + 1}), so that false promotions "
+               f"stay at most {config.alpha:.0%} of all promotions over the years"
+               if config.sequential != "none" else ""))
     return {"passed": bool(passed), "candidate_score": main.get("candidate", 0.0),
             "champion_score": main.get("champion", 0.0),
             "difference": main.get("difference", 0.0), "interval": main.get("interval"),

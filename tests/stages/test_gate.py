@@ -2,12 +2,14 @@
 
 import json
 import random
+import sys
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from conftest import REPO
 from scipy import stats
 
 from flows.project import params as settings
@@ -931,3 +933,40 @@ def test_benchmark_refresh_grows_a_short_suite_to_what_the_design_needs(tmp_path
     assert ("arith: nothing replaced; grown from 100 to 178 items by held-out production tasks "
             "(the gate's design needs 178)") in out
     assert len(benchmark.read_text().splitlines()) == 100  # a dry run writes nothing
+
+
+def test_adaptive_procedures_keep_fdr_at_alpha_and_double_lords_power():
+    """SAFFRON and ADDIS (gate.sequential), a year of weekly decisions on 200-item pass/fail
+    suites with exact McNemar p-values (benchmarks/gate_sequences.py, fewer years): with no real
+    improvement the share of years with any false promotion stays within alpha; with 30 % of the
+    candidates better by 3-10 points, false promotions stay within alpha of all promotions, and
+    more of the real improvements are promoted than LORD++ promotes (issue 50.2: its level
+    falls with every decision, to 9 % power at the first and 0.3 % at the 52nd)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gate_sequences as sim
+
+    rng = np.random.default_rng(3)
+    power = {}
+    for method in ("lord", "saffron", "addis"):
+        nulls = [sim.year(rng, method, [0.0] * 52) for _ in range(150)]
+        any_false = sum(any(p for _, p in y) for y in nulls) / 150
+        mixed = sim.summary([sim.year(rng, method, sim.truths(rng, 0.7)) for _ in range(150)])
+        print(f"{method}: null years with a false promotion {any_false:.3f}, FDR "
+              f"{mixed['fdr']:.3f}, power {mixed['power']:.3f}")
+        assert any_false <= 0.05 + 3 * (0.05 * 0.95 / 150) ** 0.5
+        assert mixed["fdr"] <= 0.05 + 3 * (0.05 * 0.95 / 150) ** 0.5
+        power[method] = mixed["power"]
+    assert power["saffron"] > 1.5 * power["lord"] and power["addis"] > 1.5 * power["lord"], power
+
+
+def test_addis_through_gate_decide_promotes_nothing_in_null_years():
+    """The same through the stage's own `gate.decide` (its p-value, its level from the history
+    lines it reads): 30 null years of 52 decisions with gate.sequential: addis."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gate_sequences as sim
+
+    got = sim.through_decide(np.random.default_rng(4), "addis", 30, null=1.0)
+    assert got["promotions"] <= 0.1, got  # alpha / 2 of the years at most, with its error
+    levels = [gate.addis_level(0.05, [0.9] * t) for t in range(60)]
+    assert levels == [levels[0]] * 60  # a clearly worse candidate spends nothing (discarded)
+    assert gate.addis_level(0.05, [0.001]) > levels[0]  # a promotion earns wealth back
