@@ -6,7 +6,7 @@
     offseason history     one row per generation: scores, verdict, the champion
     offseason pending     cycles waiting for approval; `approve` / `reject RUN_ID --reason ...`
     offseason rollback    make an earlier generation the champion again (--to gen-N --reason ...)
-    offseason fleet       the servers that answer users: status, or push the champion to them
+    offseason fleet       the servers that answer users: status, push the champion, judge a canary
     offseason estimate    what the next cycle will cost (units, dollars, a range), before running it
     offseason demo        init (if needed), then simulate + run three times, then the history
     offseason check       check params.yaml, print it with every default filled in; --explain: every key
@@ -463,6 +463,12 @@ def print_history(rows: list[dict]) -> None:
               f"  {r.get('approver') or '':<12}"
               f"{'-' if r.get('serving') is None else str(r['serving']):<9}"
               f"{'*' if r['champion'] else ''}")
+        for step in r.get("fleet_steps") or []:  # its canary, then the production gate
+            print(f"{step['action'].replace('production-gate', 'prod gate'):<11}"
+                  f"{step['date']:<12}{step['what']}")
+        for flag in r.get("flagged") or []:  # erase.models: flag
+            print(f"{'flagged':<11}{flag['date']:<12}{r['tag']} learned from traces erased by "
+                  f"{flag['erasure']} (erase.models: flag)")
         for back in r.get("rollbacks") or []:  # a change of champion between two cycles
             print(f"{'rollback':<11}{back['date']:<12}champion {back['from']} -> {back['to']} "
                   f"(model version {back['model_version']}) by {back['approver'] or 'unknown'}: "
@@ -687,9 +693,16 @@ def cmd_fleet(args) -> int:
     if args.action == "push":
         with cycle_lock(root, "offseason fleet push"):
             return _fleet_push(root, config, args.reason or "offseason fleet push")
+    if args.action == "judge":
+        with cycle_lock(root, "offseason fleet judge"):
+            verdict = fleet.judge(root, config)
+        print(json.dumps(verdict, indent=2) if args.json else fleet.said(verdict))
+        return 1 if verdict["status"] == "failed" else 0
     rows = fleet.status(root, config)
+    state = fleet.read_state(root)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"replicas": rows, "canary": state.get("canary"),
+                          "production_gate": state.get("production_gate")}, indent=2))
         return 0
     for row in rows:
         agrees = "" if row["live"] == row["version"] else f"  (the server says {row['live']})"
@@ -701,6 +714,15 @@ def cmd_fleet(args) -> int:
         if row.get("paused"):
             print("    PAUSED: it holds new requests (a push was cut off between its pause and "
                   "its resume); `offseason fleet push` again resumes it")
+    if (canary := state.get("canary")):
+        counts = canary.get("traces") or {}
+        print(f"canary: {canary['version']} on {len(canary['replicas'])} of {canary['of']} "
+              f"replicas since {canary['since']}, stable {canary['stable']}; live traces "
+              f"canary {counts.get('canary', '?')}, stable {counts.get('stable', '?')} of "
+              f"{canary['bake']} each (as of the last judgment; `offseason fleet judge`)")
+    if (last := state.get("production_gate")):
+        print(f"last production gate: {last['version']} {last['status']} at {last['at']}: "
+              f"{last['reason']}")
     return 0
 
 
@@ -1213,10 +1235,14 @@ def approval_commands(sub) -> None:
                        "champion on every replica, one at a time, each verified (its reported "
                        "version and probe answers token for token) before the next; a replica "
                        "that fails goes back to its earlier generation and the push stops. A "
-                       "promotion and a rollback push on their own (runtime.fleet.push_on_promote).")
-    s.add_argument("action", choices=["status", "push"])
+                       "promotion and a rollback push on their own (runtime.fleet.push_on_promote); "
+                       "with runtime.fleet.canary, a promotion reaches the canary replicas first "
+                       "and `judge` (also run first thing in every cycle) compares canary and "
+                       "stable on the ingested live traces once runtime.fleet.bake are in on "
+                       "each: pass, the rest follow; fail, the canary and the champion go back.")
+    s.add_argument("action", choices=["status", "push", "judge"])
     s.add_argument("--reason", help="push: why, kept in .offseason/fleet.jsonl")
-    s.add_argument("--json", action="store_true", help="status: as JSON")
+    s.add_argument("--json", action="store_true", help="status, judge: as JSON")
     s.set_defaults(func=cmd_fleet)
     s = sub.add_parser("rollback", help="make an earlier generation the champion again",
                        description="Put an earlier champion back: its weights from DVC (the git "

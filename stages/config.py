@@ -618,9 +618,18 @@ class Fleet:
                                   "push` does")
     keep: int = Field(3, ge=2, description="generations kept on disk for the servers (the "
                                            "previous one always, for a rollback in seconds)")
+    canary: int = Field(0, ge=0, description="replicas (the first ones of urls) that get a "
+                        "promoted generation first; the rest follow once the production gate "
+                        "passes on live traffic (`offseason fleet judge`, and the start of every "
+                        "cycle), else the canary goes back; 0 = no canary: every replica at once")
+    bake: int = Field(100, ge=1, description="live traces per arm (canary, stable), ingested and "
+                      "attributed by the model name their responses carry, before the "
+                      "production gate decides")
 
     def __post_init__(self):
-        """Refuse a kind or mode no push is written for, and URLs that are not http(s)."""
+        """Refuse a kind or mode no push is written for, URLs that are not http(s), and a
+        canary that leaves no stable replica to compare it with.
+        """
         if self.kind not in ("vllm", "sglang"):
             raise ParamsError(f"runtime.fleet.kind: {self.kind!r} is not vllm or sglang")
         if self.mode != "reload":
@@ -630,6 +639,11 @@ class Fleet:
             if not url.startswith(("http://", "https://")):
                 raise ParamsError(f"runtime.fleet.urls: {url!r} is not an http(s) URL; write "
                                   f"e.g. http://127.0.0.1:8000/v1")
+        if self.canary and self.url_list and self.canary >= len(self.url_list):
+            raise ParamsError(f"runtime.fleet.canary: {self.canary} of {len(self.url_list)} "
+                              f"replicas leaves none serving the stable generation to compare "
+                              f"the canary with; set it below {len(self.url_list)} (or 0: no "
+                              f"canary)")
 
     @property
     def url_list(self) -> list[str]:

