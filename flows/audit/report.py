@@ -26,11 +26,11 @@ import os
 from pathlib import Path
 
 from flows.project import tracking
+from flows.project.workspace import PREFECT_UI
 from stages.config import CYCLE
 
 STAGES = CYCLE  # in the order they run
 MLFLOW_UI = "http://127.0.0.1:5000"
-PREFECT_UI = "http://127.0.0.1:4200"
 DATA_DOCS = "data/docs"  # the validate stage's Great Expectations Data Docs (dvc.yaml)
 
 
@@ -82,11 +82,14 @@ def training_summary(train: dict) -> str:
                 f"optimizer steps) on {train.get('episodes')} episodes; mean reward "
                 f"{_num(train.get('reward_first_step'), '.3f')} at the first step, "
                 f"{_num(train.get('reward_last_step'), '.3f')} at the last; generation "
-                f"{train.get('generate_seconds')} s, training {train.get('train_seconds')} s, "
-                f"weight sync {train.get('weight_sync_seconds')} s")
-    text = (f"{train.get('examples')} new verified examples + {train.get('replayed', 0)} replayed, "
-            f"{train.get('steps')} steps, final loss {_num(train.get('final_loss'), '.4f')}, "
-            f"{train.get('tokens_per_second')} tokens/s in {train.get('train_seconds')} s")
+                f"{_num(train.get('generate_seconds'), '.1f')} s, training "
+                f"{_num(train.get('train_seconds'), '.1f')} s, weight sync "
+                f"{_num(train.get('weight_sync_seconds'), '.2f')} s")
+    text = (f"{_num(train.get('examples'), '.0f')} new verified examples + "
+            f"{_num(train.get('replayed', 0), '.0f')} replayed, {_num(train.get('steps'), '.0f')} "
+            f"steps, final loss {_num(train.get('final_loss'), '.4f')}, "
+            f"{_num(train.get('tokens_per_second'), '.0f')} tokens/s in "
+            f"{_num(train.get('train_seconds'), '.2f')} s")
     curve = train.get("curve") or train.get("loss_curve")
     if curve:  # a per-step loss curve, when the train stage writes one into its metrics
         losses = [p["loss"] if isinstance(p, dict) else p for p in curve]

@@ -51,10 +51,19 @@ def find_root(start: str | Path = ".") -> Path:
 USER_PATH = "OFFSEASON_USER_PATH"  # PATH as it was before configure_env put the venv first
 
 
+# where `offseason ui` serves the embedded mode's Prefect runs (flows/audit/ui.py)
+PREFECT_UI = "http://127.0.0.1:4200"
+
+
 def configure_env(root: Path) -> None:
     """Telemetry off and the embedded defaults, unless the user set them already."""
     for key, value in TELEMETRY_OFF.items():
         os.environ.setdefault(key, value)
+    if not os.environ.get("PREFECT_API_URL"):
+        # embedded: each run's temporary server is gone when it ends, and Prefect's "View at
+        # http://127.0.0.1:<its port>/..." lines pointed at it (issue 53.8); `offseason ui`
+        # serves the same runs here
+        os.environ.setdefault("PREFECT_UI_URL", PREFECT_UI)
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     os.environ.setdefault("PREFECT_HOME", str(root / ".prefect"))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -239,9 +240,10 @@ def test_served_deployment_runs_a_cycle_from_the_run_button(prefect_server, lear
             assert {"cycle-report", "cycle-metrics", "mlflow-run"} <= set(artifacts)
             report = artifacts["cycle-report"].data
             assert "## Decision" in report and "Data Docs" in report and "MLflow run" in report
-            # the estimate the run's page shows is the one made before approval (issue 53.2)
-            assert "estimated before it $" in report and \
-                "estimated before it $0.0000" not in report, report
+            # the estimate the run's page shows is the one made before approval, never the $0 of
+            # a rerun with every stage reused (issue 53.2); and no Python spelling (53.5)
+            assert "estimated before it $0.0000" not in report, report
+            assert not re.search(r"\b(None|True|False)\b|\{'", report), report
             table = artifacts["cycle-metrics"].data
             table = json.loads(table) if isinstance(table, str) else table
             assert [row["stage"] for row in table][:2] == ["ingest", "validate"]

@@ -233,3 +233,23 @@ def test_the_demos_closing_commands_work_as_typed(monkeypatch, tmp_path):
         for key in set(os.environ) - set(before):
             del os.environ[key]
         os.environ.update(before)
+
+
+def test_embedded_runs_link_to_where_offseason_ui_serves_them(tmp_path):
+    """Without a Prefect server, each run's temporary one is gone when it ends: Prefect's "View
+    at ..." lines and links point where `offseason ui` serves the same runs (issue 53.8); with a
+    server, at that server."""
+    code = ("import sys; from pathlib import Path\n"
+            "from flows.project.workspace import configure_env\n"
+            "configure_env(Path(sys.argv[1]))\n"
+            "from prefect.utilities.urls import url_for\n"
+            "print(url_for('flow-run', obj_id='abc'))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    embedded = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                              text=True, env=env, check=True).stdout.strip()
+    assert embedded == "http://127.0.0.1:4200/runs/flow-run/abc"
+    served = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                            text=True, check=True,
+                            env={**env, "PREFECT_API_URL": "http://127.0.0.1:4311/api"}
+                            ).stdout.strip()
+    assert served == "http://127.0.0.1:4311/runs/flow-run/abc"
