@@ -8,12 +8,13 @@ nothing. The cycle's spend so far is the earlier stages' (their `metrics/<stage>
 when it differs from the last committed cycle's: a stage DVC skipped was paid for before) plus
 this stage's own (its process's CPU seconds and its children's, the GPUs it watches for its wall
 time, its judge's tokens). Over a limit, the stage raises `BudgetSpent` naming the key, what was
-spent and what was left to do, after keeping what it did (the train stage saves a checkpoint
-first; the judge's paid judgments are in its cache). Neither section is a DVC param of any
-stage: raising a budget reruns nothing, so `offseason run` again resumes where the stage
-stopped. The calendar month's budget (`budget.monthly_usd`) counts the committed cycles of
-the month by their ledgers (`month_spent`, read through git) plus this cycle's spend so far,
-before a cycle starts (flows/orchestration/cost.py) and in the stages alike.
+spent and what was left to do, after keeping what it did (the rollout's finished episodes and
+the reward's finished scores beside their outputs, `<output>.partial`; the train stage's
+checkpoint or on-policy state; the judge's paid judgments in its cache). Neither section is a
+DVC param of any stage: raising a budget reruns nothing, so `offseason run` again resumes where
+the stage stopped. The calendar month's budget (`budget.monthly_usd`) counts the committed
+cycles of the month by their ledgers (`month_spent`, read through git) plus this cycle's spend
+so far, before a cycle starts (flows/orchestration/cost.py) and in the stages alike.
 """
 
 from __future__ import annotations

@@ -269,6 +269,10 @@ class Reward:
                                               "in: 0 = one per core, 1 = the stage's own process")
     ray_address: str = Field("", description="\"\" = the local processes; \"auto\" or "
                                              "\"host:port\" = that Ray cluster")
+    stall_seconds: Float = Field(300.0, gt=0, description="no reward or gold check finished "
+                                 "anywhere (the local processes, the Ray cluster, the judged "
+                                 "environments' threads) for this long: the stage fails, naming "
+                                 "where it waited and what it finished")
 
     def __post_init__(self):
         """Refuse unknown reward components and bad weights."""
@@ -514,6 +518,10 @@ class Judge:
                                               "unparseable answers")
     concurrency: int = Field(8, ge=1, description="judgments in flight at once, always within "
                                                   "max_calls and max_cost")
+    stall_seconds: Float = Field(300.0, gt=0, description="no answer from the judge's server for "
+                                 "this long (across the judgments in flight): the stage fails, "
+                                 "naming the server and what it judged (kept in its cache), "
+                                 "instead of waiting request_timeout x retries for each")
 
     def __post_init__(self):
         """Refuse server settings that contradict each other."""
@@ -595,6 +603,18 @@ class Sandbox:
                                    "stage that runs code; said in the log of every such stage")
 
 
+@section("runtime.mcp")
+class Mcp:
+    """`runtime.mcp`: how long the environments' MCP tool servers (stages/envs/mcp_tools.py) may
+    go silent. Where work runs, never what it computes: in `runtime:`.
+    """
+
+    stall_seconds: Float = Field(300.0, gt=0, description="no answer from an MCP server for this "
+                                 "long (across its calls in flight, and calls that timed out one "
+                                 "by one): the stage fails, naming the server and the calls it "
+                                 "answered, instead of every episode's call waiting its timeout")
+
+
 @section("runtime.fleet")
 class Fleet:
     """`runtime.fleet`: the model servers that answer users, which a promoted generation (and a
@@ -663,6 +683,11 @@ def sandbox(path: str | Path = "params.yaml") -> Sandbox:
                   str(path))
 
 
+def mcp(path: str | Path = "params.yaml") -> Mcp:
+    """`runtime.mcp` of params.yaml, checked (defaults when absent)."""
+    return _build(Mcp, "runtime.mcp", _runtime(read_params(path), "mcp", str(path)), str(path))
+
+
 def collect(path: str | Path = "params.yaml") -> Collect:
     """`runtime.collect` of params.yaml, checked (defaults when absent)."""
     return _build(Collect, "runtime.collect", _runtime(read_params(path), "collect", str(path)),
@@ -679,12 +704,13 @@ OPTIONAL = {"environments", "runtime", "judge", "cost", "budget", "pull", "erase
 # stage's config, so the code reads config.urls as before, and the stages record what they used.
 RUNTIME = {"rollout": ("urls", "server_command", "server_timeout", "concurrency",
                        "request_timeout", "stall_seconds", "retries", "api_key_env", "api"),
-           "reward": ("workers", "ray_address"),
+           "reward": ("workers", "ray_address", "stall_seconds"),
            "judge": ("url", "server_command", "server_timeout", "api_key_env", "request_timeout",
-                     "retries", "concurrency"),
+                     "retries", "concurrency", "stall_seconds"),
            # `offseason collect`'s own section: every key of it (no stage section to merge into)
            "collect": tuple(f.name for f in dataclasses.fields(Collect)),
            "sandbox": tuple(f.name for f in dataclasses.fields(Sandbox)),
+           "mcp": tuple(f.name for f in dataclasses.fields(Mcp)),
            "fleet": tuple(f.name for f in dataclasses.fields(Fleet))}
 
 
@@ -750,6 +776,7 @@ def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]
         if spec.mcp:
             from stages.envs import mcp_tools
 
+            mcp_tools.STALL_SECONDS[0] = mcp(path).stall_seconds  # this process's servers'
             try:
                 servers = mcp_tools.check(f"environments.{name}.mcp", spec.mcp)
             except ValueError as err:

@@ -7,7 +7,9 @@ column per reward component) and `metrics/reward.json` (with the `hack_suspected
 counted per reason).
 Each episode is scored by its environment's `reward` (or `reward_group`); a reward that raises is
 an error with its cause, never a zero. Runs in `runtime.reward.workers` processes or on a Ray
-cluster; `--validated` adds users' ratings as a `feedback` component.
+cluster; `--validated` adds users' ratings as a `feedback` component. A budget that stops the
+stage (`stages/budget.py`, checked between batches of jobs) leaves the finished scores in
+`data/rewards.parquet.partial`; the rerun scores only the rest, to the same table.
 
     python -m stages.reward data/rollouts.parquet data/rewards.parquet metrics/reward.json \
         --judgments data/judgments --validated data/validated.parquet
@@ -20,12 +22,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    wait,
+)
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -151,22 +160,72 @@ def rollout_error(cause: str | None) -> str | None:
 
 
 def probe_ray(address: str, timeout: float | None = None) -> None:
-    """Fail within the probe's deadline, naming the setting, when nothing answers at a
-    `host:port` Ray address, whether nothing listens or a listener never answers
-    (`stages.remote`: Ray's GCS is a gRPC server); `ray.init` would otherwise retry for minutes,
-    printing "Failed to get cluster ID". "auto" is left to Ray.
+    """Fail within the probe's deadline, naming the setting, when nothing answers at the Ray
+    address, whether nothing listens or a listener never answers (`stages.remote`: Ray's GCS is
+    a gRPC server); `ray.init` would otherwise retry for minutes, printing "Failed to get cluster
+    ID". "auto" is first resolved as Ray resolves it (RAY_ADDRESS, else the cluster last started
+    on this machine, which may have died since: that took `ray.init` two minutes to say).
     """
-    host, _, port = address.rpartition(":")
+    fix = ("start the cluster (`ray start --head`), fix the address, or set "
+           "runtime.reward.ray_address to '' for the local process pool")
+    probed = address
+    if address == "auto":
+        from ray._private.services import get_ray_address_from_environment
+
+        try:  # the address as found, before Ray turns a loopback one into this node's address
+            probed = get_ray_address_from_environment("auto", None) or ""
+        except ConnectionError:
+            probed = ""
+        if not probed:
+            raise remote.RemoteDown(
+                "runtime.reward.ray_address='auto': no Ray cluster runs on this machine (RAY_ADDRESS "
+                f"is unset and none was started here with `ray start`); {fix}")
+    host, _, port = probed.rpartition(":")
     if not host or not port.isdigit():
         return
-    remote.probe(address, setting="runtime.reward.ray_address", kind="grpc", timeout=timeout,
-                 fix="start the cluster (`ray start --head`), fix the address, or set "
-                     "runtime.reward.ray_address to '' for the local process pool")
+    remote.probe(probed, setting="runtime.reward.ray_address", kind="grpc", timeout=timeout,
+                 value=address if address != probed else None,
+                 fix=fix if address == probed else f"{fix} (auto found {probed}: the cluster "
+                                                   f"last started here, gone since?)")
 
 
 # what stops the stage rather than erring one episode: a spent judge budget, a judge that is down
 STOPS = (judge.JudgeBudget, remote.RemoteDown)
 PROGRESS_EVERY_S = 10.0
+
+
+class Stalled(RuntimeError):
+    """Nothing scored for runtime.reward.stall_seconds; the message names where it waited."""
+
+
+CHUNK_MAX = 64  # jobs per chunk sent to a worker at most: each chunk done is visible progress
+
+
+def _ready(handles: list, ray) -> list:
+    """The handles (futures, Ray object refs) done now, after waiting up to half a second for
+    one: never longer, so the stall bound is checked twice a second.
+    """
+    futures = [h for h in handles if isinstance(h, Future)]
+    refs = [h for h in handles if not isinstance(h, Future)]
+    if futures:
+        wait(futures, timeout=0.5 if not refs else 0.25, return_when=FIRST_COMPLETED)
+    if refs:
+        ray.wait(refs, num_returns=1, timeout=0.5 if not futures else 0.25, fetch_local=False)
+    ready = [f for f in futures if f.done()]
+    if refs:
+        ready += ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]
+    return ready
+
+
+def _where(waiting: dict, ray_address: str, workers: int) -> str:
+    """What a stalled stage waited on, in words."""
+    places = []
+    if any(not isinstance(h, Future) for h in waiting):
+        places.append(f"the Ray cluster at runtime.reward.ray_address={ray_address!r}")
+    if any(isinstance(h, Future) for h in waiting):
+        places.append(f"the local workers (runtime.reward.workers={workers}) or the judged "
+                      f"environments' threads")
+    return " and ".join(places)
 
 
 def _chunks(jobs: list, parts: int) -> list[list]:
@@ -176,11 +235,14 @@ def _chunks(jobs: list, parts: int) -> list[list]:
 
 @contextmanager
 def scorer(envs: dict, modules: dict[str, str], root: Path, workers: int = 0,
-           ray_address: str = ""):
+           ray_address: str = "", stall_seconds: float = 300.0):
     """`run(jobs, between=None)`: the results of scoring jobs, in their order, wherever they ran
     (module docstring, "Fan-out"). A job is `(kind, environment, task JSON, payload JSON)`
     (`contract.run_job`); `envs`: the loaded environments by name, `modules`: the module each
     was loaded from. `between(done)` is called as results come in (a budget check may raise).
+    Nothing finished anywhere for `stall_seconds` (runtime.reward.stall_seconds) and `run`
+    raises `Stalled`, naming where it waited: a Ray worker or a process that wedges would
+    otherwise hold the stage for ever (`ray.get` has no bound of its own).
     """
     unisolated = os.environ.get(sandbox.ALLOW_UNISOLATED_ENV) == "1"
     where = str(Path(root).resolve())
@@ -224,7 +286,8 @@ def scorer(envs: dict, modules: dict[str, str], root: Path, workers: int = 0,
         # the judged ones start at once, on threads; collected after the rest
         judging = [([i], pool("threads").submit(here, jobs[i])) for i in judged]
         if rest and not local:  # in chunks, to the workers: only where to find the modules
-            parts = _chunks(rest, workers * 4)
+            # small enough that a chunk finishing is progress the stall bound can see
+            parts = _chunks(rest, max(workers * 4, -(-len(rest) // CHUNK_MAX)))
             shipped = [[(kind, name, modules[name], where, task, payload)
                         for kind, name, task, payload in (jobs[i] for i in part)]
                        for part in parts]
@@ -236,25 +299,60 @@ def scorer(envs: dict, modules: dict[str, str], root: Path, workers: int = 0,
         pending += judging
         results: list = [None] * len(jobs)
         done, started, last = 0, time.time(), time.time()
+        waiting = {}  # handle -> the jobs' indices, for those running elsewhere
         for indices, handle in pending:
-            got = (here(jobs[indices[0]]) if handle is None else
-                   handle.result() if isinstance(handle, Future) else ray.get(handle))
+            if handle is None:  # here, in this thread, now
+                got = here(jobs[indices[0]])
+            else:
+                waiting[handle] = indices
+                continue
             for i, result in zip(indices, got):
                 results[i] = result
             done += len(indices)
             if between is not None:
                 between(done)
+        progress = time.monotonic()
+        while waiting:
+            ready = _ready(list(waiting), ray)
+            if not ready:
+                quiet = time.monotonic() - progress
+                if quiet > stall_seconds:
+                    raise Stalled(
+                        f"reward: nothing scored for {quiet:.0f} s ({done} of {len(jobs)} done; "
+                        f"runtime.reward.stall_seconds={stall_seconds:g}) while waiting on "
+                        f"{_where(waiting, ray_address, workers)}: a worker is wedged (a reward "
+                        f"that never returns, a dead node). Fix or restart it, or raise "
+                        f"stall_seconds for rewards that are slow, not stuck, and run again")
+                continue
+            progress = time.monotonic()
+            for handle in ready:
+                indices = waiting.pop(handle)
+                got = handle.result() if isinstance(handle, Future) else ray.get(handle)
+                for i, result in zip(indices, got):
+                    results[i] = result
+                done += len(indices)
+                if between is not None:
+                    between(done)
             if time.time() - last >= PROGRESS_EVERY_S:
                 last = time.time()
                 print(f"reward: {done}/{len(jobs)} scored ({done / (last - started):.0f}/s)",
                       file=sys.stderr, flush=True)
         return results
 
+    stalled = False
     try:
         yield run
+    except Stalled:
+        stalled = True
+        raise
     finally:
         for executor in pools.values():
-            executor.shutdown(cancel_futures=True)
+            if stalled and isinstance(executor, ProcessPoolExecutor):
+                # a wedged worker would hold shutdown for ever: its processes are ended
+                for process in list(getattr(executor, "_processes", {}).values()):
+                    process.kill()
+            # a wedged judged thread cannot be ended: left behind (daemon), not waited for
+            executor.shutdown(wait=not stalled, cancel_futures=True)
         if connect:
             ray.shutdown()
 
@@ -271,7 +369,7 @@ def hack_counts(notes: list[str | None]) -> dict:
 
 def score(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = None,
           feedback: dict | None = None, meter: budgets.Meter | None = None,
-          scoring=None) -> tuple[pa.Table, dict]:
+          scoring=None, kept: dict | None = None) -> tuple[pa.Table, dict]:
     """The rollouts (chat episodes of the `environments:` modules, imported from `root`) scored
     by each environment's own `reward` (or `reward_group`), where `config` says they run
     (module docstring, "Fan-out"); returns the rewards table and the metrics.
@@ -282,8 +380,10 @@ def score(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = 
     tool call broke at rollout, is an error with its cause, never a zero. `feedback`: the
     traces' ratings (`trace_feedback`), added as the `feedback` component where an episode of
     a trace's task gave production's rated answer (`with_feedback`). `meter`: the cycle's
-    budget, checked as the scores come in (the judge's tokens counted). `scoring`: a `scorer`
-    already open (on-policy training scores every step with one pool of workers).
+    budget, checked between batches of jobs (the judge's tokens counted); a stop raises
+    `BudgetSpent` whose `rows` are the finished results (`_kept` reads them back). `scoring`: a
+    `scorer` already open (on-policy training scores every step with one pool of workers).
+    `kept`: {job key: (result, cause)} finished by a run a budget stopped: not scored again.
     """
     config = config or cfg.Reward()
     envs = {name: contract.load(name, spec.module, root) for name, spec in specs.items()}
@@ -297,28 +397,58 @@ def score(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = 
         if not row["error"]:
             first.setdefault((row["environment"], row["task_id"]), i)
 
-    def check(done: int) -> None:  # the judge's paid judgments are cached: a rerun reuses them
-        meter.check(f"{done} of {len(jobs)} scores", f"{len(jobs) - done} scores",
+    # under a budget the jobs go out in batches, the budget checked between two: a stop keeps
+    # every finished result (`err.rows`, `run` writes them beside the output) and a rerun given
+    # them (`kept`: job key -> (result, cause)) scores only the rest. A judged environment's
+    # results are not kept here: the judge's cache has them, keyed by its model and rubric
+    batch = max(16, 8 * (config.workers or os.cpu_count() or 1)) \
+        if meter is not None and meter.limited else 0
+    finished, keep = dict(kept or {}), []
+
+    def check(done: int, total: int, what: str) -> None:
+        meter.check(f"{done} of {total} {what}", f"{total - done} {what}",
                     judge_tokens=sum(j.tokens for j in judge.used()))
 
-    with contextlib.nullcontext(scoring) if scoring is not None else \
-            scorer(envs, {name: spec.module for name, spec in specs.items()}, root,
-                   config.workers, config.ray_address) as run:
-        gold = run([("gold", name, rows[i]["task"], None) for (name, _), i in first.items()])
-        set_aside = {key: cause for key, (_, cause) in zip(first, gold) if cause is not None}
-        # an environment with reward_group scores all samples of a task at once (a relative
-        # judge); every other episode is scored on its own
-        groups: dict[object, list[int]] = {}  # a job's rows: its task's, or one episode (key i)
-        for i, row in enumerate(rows):
-            key = (row["environment"], row["task_id"])
-            if not row["error"] and key not in set_aside:
-                groups.setdefault(key if envs[key[0]].reward_group else i, []).append(i)
-        jobs = [("group", rows[m[0]]["environment"], rows[m[0]]["task"],
-                 "[" + ",".join(rows[i]["messages"] for i in m) + "]")
-                if envs[rows[m[0]]["environment"]].reward_group else
-                ("reward", rows[m[0]]["environment"], rows[m[0]]["task"], rows[m[0]]["messages"])
-                for m in groups.values()]
-        results = run(jobs, check if meter is not None else None)
+    def batched(run, these: list[tuple], what: str) -> list:
+        if not batch and not finished:
+            return run(these)
+        keys = [_job_key(job) for job in these]
+        todo = [job for job, key in zip(these, keys) if key not in finished]
+        step = batch or len(todo) or 1
+        for start in range(0, len(todo), step):
+            part = todo[start:start + step]
+            for job, result in zip(part, run(part)):
+                finished[_job_key(job)] = tuple(result)
+                if not envs[job[1]].judged:
+                    keep.append(_job_key(job))
+            if batch:
+                check(sum(key in finished for key in keys), len(these), what)
+        return [finished[key] for key in keys]
+
+    try:
+        with contextlib.nullcontext(scoring) if scoring is not None else \
+                scorer(envs, {name: spec.module for name, spec in specs.items()}, root,
+                       config.workers, config.ray_address, config.stall_seconds) as run:
+            gold = batched(run, [("gold", name, rows[i]["task"], None)
+                                 for (name, _), i in first.items()], "gold checks")
+            set_aside = {key: cause for key, (_, cause) in zip(first, gold) if cause is not None}
+            # an environment with reward_group scores all samples of a task at once (a relative
+            # judge); every other episode is scored on its own
+            groups: dict[object, list[int]] = {}  # a job's rows: its task's, or one episode (i)
+            for i, row in enumerate(rows):
+                key = (row["environment"], row["task_id"])
+                if not row["error"] and key not in set_aside:
+                    groups.setdefault(key if envs[key[0]].reward_group else i, []).append(i)
+            jobs = [("group", rows[m[0]]["environment"], rows[m[0]]["task"],
+                     "[" + ",".join(rows[i]["messages"] for i in m) + "]")
+                    if envs[rows[m[0]]["environment"]].reward_group else
+                    ("reward", rows[m[0]]["environment"], rows[m[0]]["task"],
+                     rows[m[0]]["messages"]) for m in groups.values()]
+            results = batched(run, jobs, "scores")
+    except budgets.BudgetSpent as err:
+        err.rows = [{"key": key, "result": _encoded(finished[key][0]),
+                     "cause": finished[key][1]} for key in dict.fromkeys([*(kept or {}), *keep])]
+        raise
     scored: dict[int, object] = {}  # row -> its Scores (or None: cannot judge) or its cause
     for (kind, *_), members, (result, cause) in zip(jobs, groups.values(), results):
         for n, i in enumerate(members):
@@ -382,7 +512,7 @@ def score(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = 
 
     every = list(range(len(rows)))
     return out, {**summary(every), **judge.spent(), "unjudgeable": unjudged, FEEDBACK: rated,
-                 "tasks_set_aside": len(set_aside),
+                 "tasks_set_aside": len(set_aside), "resumed_scores": len(kept or {}),
                  "components": {n: mean([c[n] for c in scores if c and n in c]) for n in names},
                  "environments": {name: {**summary([i for i in every
                                                     if rows[i]["environment"] == name]),
@@ -399,10 +529,80 @@ def run(config: cfg.Reward, rollouts: Path, rewards: Path, specs: dict,
     """
     if meter is not None:
         meter.check("no episode scored yet", "every episode")
-    out, metrics = score(specs, pq.read_table(rollouts), root or Path.cwd(), config,
-                         trace_feedback(validated, config.feedback_score), meter)
+    root = root or Path.cwd()
+    # scores a budget stop kept (beside the output, which DVC deletes before a run): a rerun
+    # scores only the rest, and the table is the one an unstopped run writes
+    partial = rewards.with_name(rewards.name + ".partial")
+    key = _resume_key(specs, root)
+    kept = _kept(partial, key)
+    if kept:
+        print(f"reward: {len(kept)} scores kept from a run a budget stopped", file=sys.stderr)
+    try:
+        out, metrics = score(specs, pq.read_table(rollouts), root, config,
+                             trace_feedback(validated, config.feedback_score), meter, kept=kept)
+    except budgets.BudgetSpent as err:
+        io.write_parquet(partial, pa.Table.from_pylist(err.rows, schema=PARTIAL)
+                         .replace_schema_metadata({"offseason.resume": key}))
+        raise budgets.BudgetSpent(f"{err} ({len(err.rows)} finished scores are kept in "
+                                  f"{partial.name}; the rerun scores only the rest)") from err
     io.write_parquet(rewards, out)
+    partial.unlink(missing_ok=True)
     return metrics
+
+
+# what a budget stop keeps of the reward stage: each finished job's result and cause
+PARTIAL = pa.schema([("key", pa.string()), ("result", pa.string()), ("cause", pa.string())])
+
+
+def _job_key(job: tuple) -> str:
+    """A scoring job's identity: its kind, environment, task and episode(s)."""
+    return hashlib.sha256(json.dumps(job).encode()).hexdigest()
+
+
+def _encoded(result) -> str:
+    """A job's result (None, `Scores`, or a list of them) as JSON, its notes kept."""
+    def one(scores):
+        return None if scores is None else {"scores": dict(scores),
+                                            "hack": contract.suspected(scores),
+                                            "judgment": scores.judgment}
+    return json.dumps([one(s) for s in result] if isinstance(result, list) else one(result))
+
+
+def _decoded(text: str):
+    """The result `_encoded` wrote."""
+    def one(data):
+        if data is None:
+            return None
+        scores = contract.Scores.of(data["scores"], data["hack"])
+        if data["judgment"]:
+            scores.judgment = data["judgment"]
+        return scores
+    data = json.loads(text)
+    return [one(d) for d in data] if isinstance(data, list) else one(data)
+
+
+def _resume_key(specs: dict, root: Path) -> str:
+    """What kept scores must have been made with: the `environments:` section and each module's
+    own file (a change of either: nothing kept is reused).
+    """
+    digest = hashlib.sha256(repr(sorted((n, repr(s)) for n, s in specs.items())).encode())
+    for name, spec in sorted(specs.items()):
+        source = contract.load(name, spec.module, root).source
+        digest.update(Path(source).read_bytes() if source else b"")
+    return digest.hexdigest()[:24]
+
+
+def _kept(partial: Path, key: str) -> dict:
+    """{job key: (result, cause)} a budget stop kept under `key`; none when the file is missing
+    or was written for other environments (then it is removed).
+    """
+    if not partial.exists():
+        return {}
+    table = pq.read_table(partial)
+    if (table.schema.metadata or {}).get(b"offseason.resume", b"").decode() != key:
+        partial.unlink()
+        return {}
+    return {r["key"]: (_decoded(r["result"]), r["cause"]) for r in table.to_pylist()}
 
 
 def _same(a, b) -> bool:

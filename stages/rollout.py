@@ -28,8 +28,13 @@ import pyarrow.parquet as pq
 
 from stages import budget as budgets
 from stages import config as cfg
-from stages import io, tinylm
+from stages import io, remote, tinylm
 from stages.generation import openai_backend
+from stages.servers import ServerError
+
+# what stops a rollout between episodes, its finished episodes kept (`err.rows`): a spent budget,
+# a remote down or stalled (an MCP tool server, the judge), a rollout server that failed or stalled
+STOPS = (budgets.BudgetSpent, remote.RemoteDown, ServerError)
 
 SCHEMA = pa.schema([
     ("task_id", pa.string()), ("environment", pa.string()), ("sample", pa.int64()),
@@ -100,16 +105,16 @@ def run(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path, rollou
     envs, jobs = chat_jobs(specs, config, root, validated)
     if meter is not None:
         meter.check("no episode yet", f"{len(jobs)} episodes")
-    # episodes a budget stop kept (beside the output, which DVC deletes before a run): a rerun
-    # plays only the rest, and each episode is the same as in an uninterrupted run (seeded by
-    # its identity), so the table is too
+    # episodes a stop kept (a budget, a remote: `STOPS`; beside the output, which DVC deletes
+    # before a run): a rerun plays only the rest, and each episode is the same as in an
+    # uninterrupted run (seeded by its identity), so the table is too
     partial = rollouts.with_name(rollouts.name + ".partial")
     # hashed only where a stop left episodes or leaves them: the weights may be gigabytes
     key = lambda: _resume_key(base, config, specs, champion)  # noqa: E731
     kept = _kept(partial, key)
     left = [job for job in jobs if (f"{job[0]}:{job[1]['task_id']}", job[2]) not in kept]
     if kept:
-        print(f"rollout: {len(jobs) - len(left)} episodes kept from a run a budget stopped; "
+        print(f"rollout: {len(jobs) - len(left)} episodes kept from a run that stopped; "
               f"{len(left)} to play", file=sys.stderr)
     with contextlib.ExitStack() as stack:
         served = config.backend == "openai"
@@ -117,12 +122,12 @@ def run(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path, rollou
             if served else Policy.local(champion)
         try:
             played = play(base, config, envs, left, policy, meter=meter)
-        except budgets.BudgetSpent as err:
+        except STOPS as err:
             done = list(kept.values()) + getattr(err, "rows", [])
             io.write_parquet(partial, pa.Table.from_pylist(done, schema=SCHEMA)
                              .replace_schema_metadata({"offseason.resume": key()}))
-            raise budgets.BudgetSpent(f"{err} ({len(done)} finished episodes are kept in "
-                                      f"{partial.name}; the rerun plays only the rest)") from err
+            raise type(err)(f"{err} ({len(done)} finished episodes are kept in "
+                            f"{partial.name}; the rerun plays only the rest)") from err
     fresh = {(r["task_id"], r["sample"]): r for r in played.rows}
     rows = [kept.get(k) or fresh[k] for k in ((f"{n}:{t['task_id']}", s) for n, t, s in jobs)]
     stats, parser, seconds = played.stats, played.parser, played.seconds
@@ -189,7 +194,7 @@ def _resume_key(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path
 
 
 def _kept(partial: Path, key) -> dict:
-    """{(task_id, sample): row} of the episodes a budget stop kept under `key()`; none when the
+    """{(task_id, sample): row} of the episodes a stop (`STOPS`) kept under `key()`; none when the
     file is missing or was written for other weights or settings (then it is removed).
     """
     if not partial.exists():
@@ -343,7 +348,7 @@ def play(base: cfg.Base, config: cfg.Rollout, envs: dict, jobs: list[tuple], pol
                     on_step=None if bar is None else lambda n, base=done: bar.update(base + n))
                 for (task, sample), episode in zip(chunk, episodes):
                     add(name, task, sample, episode)
-    except budgets.BudgetSpent as err:
+    except STOPS as err:
         err.rows = rows  # the finished episodes: the caller keeps them
         raise
     finally:

@@ -498,12 +498,20 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
                 shutil.rmtree(stale, ignore_errors=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
     state, history, start = work / "state.pt", [], 0
+    # what served generation processed (and bills) and the seconds used, earlier attempts' too
+    usage, carried = {"prompt_tokens": 0, "completion_tokens": 0}, {}
     if state.is_file():
         saved = torch.load(state, weights_only=False)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         start, history = saved["step"], saved["history"]
+        # the attempts before (a budget stop, a kill): counted, not lost, as for `Spent`
+        usage, carried = saved.get("usage", usage), saved.get("spent", {})
+        if meter is not None:
+            meter.carried = carried
         print(f"train: resuming on-policy GRPO at step {start + 1}", file=sys.stderr, flush=True)
+    since_cpu = meter.since_cpu if meter is not None else 0.0
+    since_wall = meter.since_wall if meter is not None else io.STARTED
     episodes.mkdir(parents=True, exist_ok=True)
     for part in episodes.glob("step-*.parquet"):  # a part no saved state accounts for
         if int(part.stem.split("-")[1]) > start:
@@ -513,7 +521,6 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
     first = [r for r in _read(rewards) if r["reward"] is not None] \
         if rewards is not None and rewards.exists() else None
     served = rollout.backend == "openai"
-    usage = {"prompt_tokens": 0, "completion_tokens": 0}  # this attempt's served tokens
     with contextlib.ExitStack() as stack:
         sync = _Sync(stack, rollout, champion, work, model, tokenizer) if served else None
         from stages.envs import contract
@@ -522,7 +529,7 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
         scoring = stack.enter_context(scoring_code.scorer(
             {name: contract.load(name, spec.module, root) for name, spec in specs.items()},
             {name: spec.module for name, spec in specs.items()}, root, reward.workers,
-            reward.ray_address))
+            reward.ray_address, reward.stall_seconds))
         pad = trainers.pad_id(tokenizer)
         for step in range(start, settings.steps):
             began = time.monotonic()
@@ -577,8 +584,13 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
                   flush=True)
             tmp = state.with_suffix(".tmp")
             work.mkdir(parents=True, exist_ok=True)
+            spent = {"cpu_seconds": round(carried.get("cpu_seconds", 0.0)
+                                          + io.resources()["cpu_seconds"] - since_cpu, 3),
+                     "wall_seconds": round(carried.get("wall_seconds", 0.0)
+                                           + time.monotonic() - since_wall, 3)}
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step + 1, "history": history}, tmp)
+                        "step": step + 1, "history": history, "usage": usage, "spent": spent},
+                       tmp)
             os.replace(tmp, state)
             if meter is not None:
                 meter.check(f"{step + 1} of {settings.steps} on-policy steps (saved: a rerun "
@@ -613,6 +625,8 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
             "generated_tokens": sum(h["generated_tokens"] for h in history),
             "loss_tokens": sum(h.get("loss_tokens", 0) for h in history),
             "resumed_from_step": start, "device": hw["device"], "precision": hw["precision"],
+            # the earlier attempts' seconds, added to `resources` (io.write_metrics)
+            "before_resume": carried,
             # served generation is priced like the rollout stage's (budget.served_tokens)
             "backend": rollout.backend, **({"served_usage": usage} if served else {}),
             "lora_r": config.lora_r, "deepspeed": config.deepspeed}

@@ -21,7 +21,8 @@ from pathlib import Path
 
 class Scripted:
     """An OpenAI-compatible /chat/completions that answers from `script` (one entry a request,
-    the last one repeated): a dict (the JSON answer), "malformed", "refusal", "500", "slow".
+    the last one repeated): a dict (the JSON answer), "malformed", "refusal", "500", "slow",
+    "stall" (never answers: up but wedged, until `close`).
     """
 
     def __init__(self, script, port: int = 0, log: Path | None = None,
@@ -34,6 +35,7 @@ class Scripted:
         """
         self.script, self.requests = list(script), []
         self.in_flight = self.most_in_flight = 0
+        self.closing = threading.Event()  # lets the stalled requests' threads go
         lock = threading.Lock()
         outer = self
 
@@ -76,6 +78,9 @@ class Scripted:
                 time.sleep(delay)
                 if step == "slow":
                     time.sleep(1.5)
+                if step == "stall":
+                    outer.closing.wait()
+                    return
                 if step == "500":
                     self.send_response(500)
                     self.end_headers()
@@ -106,6 +111,7 @@ class Scripted:
 
     def close(self):
         """Stop serving."""
+        self.closing.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--script", type=Path, default=None,
                         help="a JSON file: a list of steps, answers (objects), malformed, refusal, "
-                             "500, slow (default: always a score of 0.5)")
+                             "500, slow, stall (default: always a score of 0.5)")
     parser.add_argument("--requests", type=Path, default=None,
                         help="append each request's body to this file, a JSON line each")
     args = parser.parse_args(argv)

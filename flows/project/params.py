@@ -167,6 +167,7 @@ def reference() -> str:
             table(f"runtime.{name}", cls, list(runtime))
     table("runtime.collect", cfg.Collect, list(cfg.RUNTIME["collect"]))
     table("runtime.sandbox", cfg.Sandbox, list(cfg.RUNTIME["sandbox"]))
+    table("runtime.mcp", cfg.Mcp, list(cfg.RUNTIME["mcp"]))
     table("runtime.fleet", cfg.Fleet, list(cfg.RUNTIME["fleet"]))
     return "\n".join(lines) + "\n"
 

@@ -6,7 +6,8 @@ the benchmark stages use the held-out judge (`for_benchmarks()`). Reads params.y
 (model, rubric, budget) and `runtime.judge:` (url, api key variable, timeout, retries); writes each
 paid judgment to the calling stage's cache (`data/judgments/`, `data/champion_judgments/`,
 `data/gate_judgments/`). A failed judge raises `JudgeError` (never a zero), a spent budget
-`JudgeBudget`.
+`JudgeBudget`, a server that answers nothing for `runtime.judge.stall_seconds` `JudgeStalled`
+(the stage stops, naming it and what it judged).
 
     python -m stages.envs.judge --url http://127.0.0.1:8000/v1 --model m "What is 2+2?" "4"
 
@@ -23,11 +24,13 @@ import hashlib
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from stages.envs.contract import WORKER, ContractError, Scores, text_of
 from stages.envs.errors import VerifierError
+from stages.remote import RemoteDown
 
 COMPONENT = "judge"  # the reward component a judged episode gets
 CACHE = Path("data/judgments")  # the reward stage's persistent output (dvc.yaml)
@@ -60,6 +63,12 @@ class JudgeBudget(RuntimeError):
     """The stage's judge budget (`judge.max_calls`, `judge.max_cost`) is spent: the stage stops."""
 
 
+class JudgeStalled(RemoteDown):
+    """No answer from the judge's server for `runtime.judge.stall_seconds` while judgments were
+    in flight: the stage stops, naming the server and what was judged (kept in the cache).
+    """
+
+
 def _conversation(messages: list[dict]) -> str:
     """A chat as text the judge reads: one block per message, tool calls and results included."""
     out = []
@@ -90,6 +99,7 @@ class Judge:
     cache_dir: Path | None = None
     judged_before: tuple[Path, ...] = ()  # other stages' caches: read, never written
     concurrency: int = 8  # requests in flight at once, at most (runtime.judge.concurrency)
+    stall_seconds: float = 300.0  # no answer for this long, requests in flight: JudgeStalled
     calls: int = 0  # requests sent (retries included)
     tokens: int = 0  # as the server reported them
     prompt_tokens: int = 0  # of those, the server's `usage.prompt_tokens`
@@ -105,6 +115,13 @@ class Judge:
     _room: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _in_flight: int = field(default=0, repr=False)
     _largest: int = field(default=0, repr=False)
+    # the stall watch's clock: since the server last answered, or since a request went out
+    # when none was in flight and the last one had its answer (an idle judge is not a stalled
+    # one; one whose requests time out one at a time is); and the answers it counts
+    _quiet_since: float = field(default=0.0, repr=False)
+    _unanswered: bool = field(default=False, repr=False)
+    _answered: int = field(default=0, repr=False)
+    _stall: str = field(default="", repr=False)  # once stalled: why, for every request after
 
     @classmethod
     def from_params(cls, params: str | Path = "params.yaml", cache_dir: Path | None = None,
@@ -130,7 +147,7 @@ class Judge:
                    api_key=os.environ.get(config.api_key_env) or None,
                    request_timeout=config.request_timeout, retries=config.retries,
                    concurrency=config.concurrency, max_calls=config.max_calls,
-                   max_cost=config.max_cost,
+                   max_cost=config.max_cost, stall_seconds=config.stall_seconds,
                    cache_dir=cache_dir, judged_before=tuple(judged_before))
 
     @property
@@ -216,6 +233,8 @@ class Judge:
         """
         with self._room:
             while True:
+                if self._stall:  # the others waiting for room fail at once, not one by one
+                    raise JudgeStalled(self._stall)
                 if self.calls >= self.max_calls:
                     raise JudgeBudget(f"{where}: judge.max_calls={self.max_calls} requests spent "
                                       f"this stage run ({self.tokens} tokens, {self.hits} cache "
@@ -230,20 +249,30 @@ class Judge:
                 if not self._in_flight or (
                         self._in_flight < self.concurrency and self._largest and
                         self.tokens + (self._in_flight + 1) * self._largest < self.max_cost):
+                    if not self._in_flight and not self._unanswered:
+                        self._quiet_since = time.monotonic()
                     self.calls += 1
                     self._in_flight += 1
                     if self._client is None:
                         from stages import http
 
-                        self._client = http.client([self.url], timeout=self.request_timeout,
-                                                   api_key=self.api_key,
-                                                   concurrency=self.concurrency)
+                        # a request waits no longer than the stall bound: past it, the bound
+                        # is checked (`_stalled`) before any retry
+                        self._client = http.client([self.url], timeout=min(
+                            self.request_timeout, self.stall_seconds), api_key=self.api_key,
+                            concurrency=self.concurrency)
                     return
                 self._room.wait()
 
-    def _release(self, used: tuple[int, int, int]) -> None:
-        """A request is back: the tokens it cost, (total, prompt, completion)."""
+    def _release(self, used: tuple[int, int, int], answered: bool = True) -> None:
+        """A request is back: the tokens it cost, (total, prompt, completion); `answered`: the
+        server answered it (any status), which is progress for the stall watch.
+        """
         with self._room:
+            if answered:
+                self._answered += 1
+                self._quiet_since = time.monotonic()
+            self._unanswered = not answered
             self._in_flight -= 1
             self.tokens += used[0]
             self.prompt_tokens += used[1]
@@ -274,7 +303,10 @@ class Judge:
         except http.Rejected as err:  # a 4xx other than 429 will not change on a retry
             raise JudgeError(f"{where}: {err}", "http") from None
         except httpx.TimeoutException:
-            last = f"no answer within runtime.judge.request_timeout={self.request_timeout:g} s"
+            last = (f"no answer within {min(self.request_timeout, self.stall_seconds):g} s "
+                    f"(runtime.judge.request_timeout={self.request_timeout:g}, stall_seconds="
+                    f"{self.stall_seconds:g})" if self.stall_seconds < self.request_timeout else
+                    f"no answer within runtime.judge.request_timeout={self.request_timeout:g} s")
             kind = "timeout"
         except http.Transient as err:  # one with no status is an answer `_attempt` could not read
             last, kind = err.message, "http" if err.status else "unparseable"
@@ -293,8 +325,13 @@ class Judge:
         self._reserve(where)
         used = (0, 0, 0)
         try:
-            response = http.checked(self._client.post(f"{self.url.rstrip('/')}/chat/completions",
-                                                       json=body))
+            sent = self._client.post(f"{self.url.rstrip('/')}/chat/completions", json=body)
+        except http.NETWORK_ERRORS:  # no answer: a timeout, a connection refused or cut
+            self._release(used, answered=False)
+            self._stalled(where)
+            raise
+        try:
+            response = http.checked(sent)
             try:
                 data = response.json()
                 usage = data.get("usage") or {}
@@ -315,6 +352,26 @@ class Judge:
         except json.JSONDecodeError:
             raise http.Transient(f"unparseable output: {str(message.get('content'))[:200]!r}"
                                  ) from None
+
+    def _stalled(self, where: str) -> None:
+        """JudgeStalled once the server has answered nothing for `stall_seconds` (a request of
+        ours waited that long, or failed, and no other got an answer meanwhile).
+        """
+        with self._room:
+            quiet = time.monotonic() - self._quiet_since
+            if self._stall:
+                raise JudgeStalled(self._stall)
+            if quiet < self.stall_seconds:
+                return
+            self._stall = (
+                f"{where}: no answer for {quiet:.0f} s with judgments in flight "
+                f"(runtime.judge.stall_seconds={self.stall_seconds:g}); it answered "
+                f"{self._answered} requests this run and {self.hits} judgments came from the "
+                f"cache, kept in {self.cache_dir or CACHE}/. The server is up but wedged, or "
+                f"overloaded: restart it (or raise stall_seconds for a judge that is slow, not "
+                f"stuck) and run again; the judgments paid for are not asked again")
+            self._room.notify_all()
+            raise JudgeStalled(self._stall)
 
     def _fail(self, err: JudgeError) -> None:
         with self._room:

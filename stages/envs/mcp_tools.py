@@ -5,7 +5,9 @@ the code sandbox's limits, no network unless `network: true`) or a Streamable HT
 `network: true`), each with `allow`, `timeout` and `memory_mb`. Their `tools/list` join the
 module's TOOLS and calls go to `tools/call`, one session per server per process. An `is_error`
 result is a `ToolError` the agent sees; a timeout or a dead server is an `McpError`, an
-infrastructure failure, never a zero. Writes nothing.
+infrastructure failure, never a zero. A server that answers nothing for
+`runtime.mcp.stall_seconds` (its calls in flight, or timing out one by one) is `McpStalled`: the
+stage stops, naming it and the calls it answered. Writes nothing.
 
     python -m stages.envs.mcp_tools "python tools/shop_server.py"     # list a server's tools
 
@@ -21,19 +23,31 @@ import json
 import shlex
 import sys
 import threading
+import time
+from concurrent.futures import CancelledError, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from stages.envs import sandbox
 from stages.envs.errors import ToolError, VerifierError
+from stages.remote import RemoteDown
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MEMORY_MB = 2048  # RLIMIT_AS of a stdio server: Python and the SDK take ~300 MB of it
 KEYS = {"command", "url", "allow", "timeout", "memory_mb"}
+# runtime.mcp.stall_seconds, set for this process by `config.environments` (where the
+# environments, and so their servers, are read)
+STALL_SECONDS = [300.0]
 
 
 class McpError(VerifierError):
     """An MCP server failed (would not start, timed out, died): an infrastructure failure."""
+
+
+class McpStalled(RemoteDown):
+    """An MCP server answered nothing for `runtime.mcp.stall_seconds`: the stage stops (not one
+    episode's error: every episode after would wait its timeout too).
+    """
 
 
 def check(where: str, servers) -> dict[str, dict]:
@@ -83,6 +97,16 @@ class Servers:
         self.schemas: list[dict] = []
         self._stop: asyncio.Event | None = None
         self._done: list = []
+        # the stall watch, per server: since it last answered (or since a call went out when
+        # none was in flight and the last had its answer), its calls in flight and answered,
+        # and once stalled, why
+        self.stall_seconds = STALL_SECONDS[0]
+        self._watch = threading.Lock()
+        self._quiet = dict.fromkeys(servers, 0.0)
+        self._unanswered = dict.fromkeys(servers, False)
+        self._in_flight = dict.fromkeys(servers, 0)
+        self._answered = dict.fromkeys(servers, 0)
+        self._stalled: dict[str, str] = {}
 
     def _where(self, server: str) -> str:
         spec = self.servers[server]
@@ -181,22 +205,50 @@ class Servers:
         self.start()
         server = self.owner[name]
         timeout = self.servers[server]["timeout"]
-        future = asyncio.run_coroutine_threadsafe(
-            self.clients[server].call_tool(name, arguments, read_timeout_seconds=timeout),
-            self.loop)
+        with self._watch:
+            if server in self._stalled:  # every call after the stall fails at once
+                raise McpStalled(self._stalled[server])
+            if not self._in_flight[server] and not self._unanswered[server]:
+                self._quiet[server] = time.monotonic()
+            self._in_flight[server] += 1
+        failed = None  # the McpError of a call that failed
+        answered = False  # the server said something (a result, an error): it is not stalled
         try:
-            result = future.result(timeout + 5)
-        except (FutureTimeout, TimeoutError) as err:
-            future.cancel()
-            raise McpError(f"{self._where(server)}: tools/call {name} gave no answer within "
-                           f"{timeout:g} s (its `timeout`)") from err
-        except Exception as err:
-            text = str(err) or type(err).__name__
-            if "timed out" in text:
-                raise McpError(f"{self._where(server)}: tools/call {name} gave no answer within "
-                               f"{timeout:g} s (its `timeout`)") from err
-            raise McpError(f"{self._where(server)}: tools/call {name} failed: "
-                           f"{type(err).__name__}: {text}") from err
+            future = asyncio.run_coroutine_threadsafe(
+                self.clients[server].call_tool(name, arguments, read_timeout_seconds=timeout),
+                self.loop)
+            began = time.monotonic()
+            # polled, so that the stall bound holds whatever `timeout` says
+            while not wait([future], timeout=min(1.0, self.stall_seconds / 4)).done:
+                self._check_stall(server, name, future)
+                if time.monotonic() - began > timeout + 5:
+                    future.cancel()
+                    break
+            try:
+                result = future.result(0)
+                answered = True
+            except (FutureTimeout, TimeoutError, CancelledError):
+                failed = McpError(f"{self._where(server)}: tools/call {name} gave no answer "
+                                  f"within {timeout:g} s (its `timeout`)")
+            except Exception as err:
+                text = str(err) or type(err).__name__
+                answered = "timed out" not in text
+                failed = McpError(f"{self._where(server)}: tools/call {name} gave no answer "
+                                  f"within {timeout:g} s (its `timeout`)" if not answered else
+                                  f"{self._where(server)}: tools/call {name} failed: "
+                                  f"{type(err).__name__}: {text}")
+                failed.__cause__ = err
+        finally:
+            with self._watch:
+                self._in_flight[server] -= 1
+                self._unanswered[server] = not answered
+                if answered:
+                    self._answered[server] += 1
+                    self._quiet[server] = time.monotonic()
+        if not answered:  # a call that timed out: its silence counts against the bound
+            self._check_stall(server, name, None)
+        if failed is not None:
+            raise failed
         text = "\n".join(getattr(part, "text", "") or json.dumps(part.model_dump(mode="json"))
                          for part in result.content)
         if result.is_error:
@@ -204,6 +256,25 @@ class Servers:
         if not text and result.structured_content is not None:
             text = json.dumps(result.structured_content)
         return text
+
+    def _check_stall(self, server: str, name: str, future) -> None:
+        """McpStalled once `server` has answered nothing for `stall_seconds` (`future`, the call
+        waited on, is cancelled).
+        """
+        with self._watch:
+            quiet = time.monotonic() - self._quiet[server]
+            if server not in self._stalled and quiet >= self.stall_seconds:
+                self._stalled[server] = (
+                    f"{self._where(server)}: no answer for {quiet:.0f} s (runtime.mcp."
+                    f"stall_seconds={self.stall_seconds:g}; waiting on tools/call {name}); it "
+                    f"answered {self._answered[server]} calls this run. The server is up but "
+                    f"wedged, or overloaded: restart it (or raise runtime.mcp.stall_seconds for "
+                    f"tools that are slow, not stuck) and run the stage again")
+            stalled = self._stalled.get(server)
+        if stalled:
+            if future is not None:
+                future.cancel()
+            raise McpStalled(stalled)
 
     def close(self) -> None:
         """End every session (stdio servers exit with it)."""

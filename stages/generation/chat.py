@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from stages.envs import contract
 from stages.generation import tool_parsers
+from stages.remote import RemoteDown
 
 _STUB = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
 _PROBE_CALL = {"id": "call_0", "type": "function",
@@ -438,6 +439,8 @@ class _Play:
             try:
                 content, why = contract.call(self.env, task, function["name"],
                                              function["arguments"])
+            except RemoteDown:  # a tool server down or stalled: every episode after would wait
+                raise  # on it too, so the stage stops, naming it (mcp_tools.McpStalled)
             except Exception as err:  # an infrastructure failure: recorded, never a zero
                 episode.error = (f"{self.env.where}: call_tool({function['name']!r}) raised "
                                  f"{type(err).__name__}: {err}")

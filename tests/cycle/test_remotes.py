@@ -86,6 +86,31 @@ def test_ray(fault, black_hole, tmp_path):
 
 
 @pytest.mark.parametrize("fault", FAULTS)
+def test_ray_auto_finds_the_cluster_last_started_here_gone(fault, black_hole, tmp_path,
+                                                           monkeypatch):
+    """`auto` as Ray resolves it: the cluster last started on this machine (its address in Ray's
+    temp folder), which has died or wedged since. ray.init waited two minutes to say so; the
+    probe says it within its bound, naming the address auto found (issue 51.4)."""
+    where = address(fault, black_hole)
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(where + "\n")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    started = time.monotonic()
+    with pytest.raises(remote.RemoteDown) as err:
+        reward.probe_ray("auto")
+    assert time.monotonic() - started < BOUND_S + 1
+    assert "runtime.reward.ray_address='auto'" in str(err.value) and says(str(err.value), fault)
+    assert f"auto found {where}" in str(err.value)
+    (tmp_path / "ray" / "ray_current_cluster").unlink()  # no cluster started here at all
+    from ray._private.services import find_gcs_addresses
+
+    if not find_gcs_addresses():  # (another test's cluster, running beside, would be found)
+        with pytest.raises(remote.RemoteDown, match="no Ray cluster runs on this machine"):
+            reward.probe_ray("auto")
+
+
+@pytest.mark.parametrize("fault", FAULTS)
 def test_rollout_servers(fault, black_hole, tmp_path):
     url = f"http://{address(fault, black_hole)}/v1"
     config = cfg.Rollout(backend="openai", urls=f"http://{refused()}/v1, {url}"

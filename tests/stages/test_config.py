@@ -161,7 +161,8 @@ def test_where_work_runs_lives_in_runtime_and_is_merged_into_its_stage(tmp_path)
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     assert cfg.load("reward", path).workers == 3 and cfg.load("rollout", path).concurrency == 9
-    assert cfg.runtime_of(cfg.load("reward", path)) == {"workers": 3, "ray_address": ""}
+    assert cfg.runtime_of(cfg.load("reward", path)) == {"workers": 3, "ray_address": "",
+                                                        "stall_seconds": 300.0}
 
     def refused(edit, message):
         changed = yaml.safe_load(open("params.yaml"))

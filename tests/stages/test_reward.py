@@ -268,7 +268,8 @@ def test_in_process_workers_and_ray_give_identical_rewards(tmp_path):
     assert "loopback" in seen["listening"] and set(seen["listening"]) <= {"loopback", "any"}, seen
     assert pq.read_table(tmp_path / "ray.parquet").equals(here)
     on_ray = json.loads((tmp_path / "ray.json").read_text())
-    assert on_ray.pop("runtime") == {"workers": 0, "ray_address": seen["address"]}
+    assert on_ray.pop("runtime") == {"workers": 0, "ray_address": seen["address"],
+                                     "stall_seconds": 300.0}
     assert on_ray.pop("resources")["cpu_seconds"] > 0  # what the stage used (measured)
     assert on_ray == json.loads(json.dumps(m_here))
 
@@ -400,3 +401,33 @@ def test_rescore_a_generation_from_its_tag(tmp_path, monkeypatch, capsys):
     summary = json.loads((root / "gen1.json").read_text())
     assert summary["input"].endswith(".offseason/rewards-gen-1.parquet")
     assert summary["rescored"] == 4 and summary["changed"] == 2
+
+
+# a reward that never returns for one answer: a grader wedged on a dead service
+WEDGED = '''
+import time
+
+TOOLS = []
+VERSION = "wedged@1"
+
+
+def reward(task, messages):
+    if messages[-1]["content"] == "hang":
+        time.sleep(3600)
+    return {"answer": float(messages[-1]["content"] == task["answer"])}
+'''
+
+
+def test_a_wedged_worker_fails_the_stage_within_its_stall_bound(tmp_path):
+    """A reward that never returns in a worker process: the stage fails once nothing has been
+    scored for runtime.reward.stall_seconds, naming where it waited and how far it got, and the
+    wedged worker is ended (issue 51.4: it held the stage for ever)."""
+    (tmp_path / "wedged_env.py").write_text(WEDGED)
+    specs = {"wedged": cfg.EnvironmentSpec(module="wedged_env")}
+    rows = [("wedged", asked(f"t{i}", "6"), answer("6")) for i in range(6)]
+    rows.append(("wedged", asked("t-hang", "6"), answer("hang")))
+    with pytest.raises(reward.Stalled) as err:
+        reward.score(specs, table(rows), tmp_path, cfg.Reward(workers=2, stall_seconds=3))
+    message = str(err.value)
+    assert "runtime.reward.stall_seconds=3" in message and "runtime.reward.workers=2" in message
+    assert "(6 of 7 done" in message, message  # all but the wedged one, kept in the count

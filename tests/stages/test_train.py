@@ -406,6 +406,49 @@ def test_on_policy_grpo_killed_resumes_to_the_same_weights(tmp_path, champion):
         assert pq.read_table(killed / "episodes" / part.name).equals(pq.read_table(part))
 
 
+
+def test_on_policy_grpo_stopped_by_a_budget_resumes_to_the_unlimited_weights(tmp_path, champion):
+    import resource
+
+    from stages import budget as budgets
+
+    def cpu_now():
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+            resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    def run(folder, meter):
+        params = on_policy_project(folder)
+        return train.run(cfg.load("base", params), cfg.load("train", params),
+                         folder / "none.parquet", champion, folder / "candidate",
+                         folder / "replay", folder / "candidate.ckpt", folder / "steps.csv",
+                         specs=cfg.environments(params), root=folder, meter=meter,
+                         rollout=cfg.load("rollout", params), reward=cfg.load("reward", params),
+                         episodes=folder / "episodes")
+
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert run(whole, None)["steps"] == 3
+    # checked after each step, once its state is saved: the first check stops it
+    meter = budgets.Meter("train", cfg.Budget(max_usd=1e-9), cfg.Cost(cpu_hour_usd=0.05),
+                          since_cpu=cpu_now())
+    with pytest.raises(budgets.BudgetSpent, match=r"done: 1 of 3 on-policy steps \(saved: a "
+                                                  r"rerun resumes at step 2\); left to do: 2"):
+        run(stopped, meter)
+    assert not (stopped / "candidate").exists()  # nothing half-done is left as an output
+    assert [p.name for p in (stopped / "episodes").glob("*.parquet")] == ["step-00001.parquet"]
+    raised = budgets.Meter("train", cfg.Budget(max_usd=1000.0), cfg.Cost(), since_cpu=cpu_now())
+    again = run(stopped, raised)
+    assert again["resumed_from_step"] == 1 and again["steps"] == 3
+    assert gate.weights_hash(stopped / "candidate") == gate.weights_hash(whole / "candidate")
+    for part in sorted((whole / "episodes").glob("*.parquet")):
+        assert pq.read_table(stopped / "episodes" / part.name).equals(pq.read_table(part))
+    assert [r["step"] for r in steps_file(stopped)] == [r["step"] for r in steps_file(whole)]
+    # the stopped attempt's seconds join the resumed run's, in its meter and its metrics
+    before = again["before_resume"]
+    assert before["cpu_seconds"] > 0 and before["wall_seconds"] > 0
+    assert raised.own()["cpu_seconds"] >= before["cpu_seconds"]
+
+
 def test_on_policy_settings_are_checked(tmp_path):
     with pytest.raises(cfg.ParamsError, match="samples_per_task"):
         train_config(algorithm="grpo", steps=3, samples_per_task=1)

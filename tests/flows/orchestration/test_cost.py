@@ -321,3 +321,68 @@ def test_the_estimate_fits_a_fixed_part_and_a_rate_and_says_its_spread():
     # more units cost no more (the demo's train stage: start-up, one step): a fixed cost
     assert cost.predict([(1.0, 9.084), (3.0, 8.581)], 4.5) == [8.581, 8.832, 9.084]
     assert cost.predict([], 10) == [0.0, 0.0, 0.0]
+
+
+SLOW_REWARD = '''
+import time
+from pathlib import Path
+
+from stages.envs import arith
+
+TOOLS, call_tool, gold = arith.TOOLS, arith.call_tool, arith.gold
+
+
+def reward(task, messages):
+    end = time.process_time() + 0.01  # 10 ms of CPU a score: what the budget meters
+    while time.process_time() < end:
+        pass
+    with open(Path(__file__).with_name("calls.txt"), "a") as calls:
+        calls.write(task["task_id"] + "\\n")
+    return arith.reward(task, messages)
+'''
+
+
+def test_a_budget_stops_the_reward_stage_mid_way_and_a_raised_one_gives_the_unlimited_rewards(
+        tmp_path, champion):
+    from tiny_arith import episodes
+
+    from stages import reward
+
+    (tmp_path / "slow_env.py").write_text(SLOW_REWARD)
+    specs = {"arith": cfg.EnvironmentSpec(module="slow_env")}
+    rollouts = tmp_path / "rollouts.parquet"
+    groups = [(f"{a}+{b}", [GOOD, BAD, reward_bad, GOOD]) for a, b, reward_bad in
+              [(1, 2, BAD), (3, 4, GOOD), (2, 2, BAD), (5, 1, BAD), (6, 3, GOOD), (7, 1, BAD),
+               (2, 8, BAD), (4, 4, GOOD), (9, 1, BAD), (3, 3, BAD), (5, 5, GOOD), (1, 1, BAD)]]
+    pq.write_table(pa.Table.from_pylist(episodes(champion, groups), schema=rollout.SCHEMA),
+                   rollouts)
+    jobs = 12 + 48  # a gold check per task, a score per episode: 10 ms of CPU each
+    calls = tmp_path / "calls.txt"
+    config = cfg.Reward(workers=1)  # in this process: its CPU is what the meter reads
+    whole, stopped = tmp_path / "whole.parquet", tmp_path / "stopped.parquet"
+    reward.run(config, rollouts, whole, specs, tmp_path)
+    assert len(calls.read_text().split()) == jobs
+    calls.unlink()
+    prices = cfg.Cost(cpu_hour_usd=3600.0)  # a dollar a CPU-second: max_usd counts CPU seconds
+    # half the scores' CPU: the check before the first batch passes, one after a later batch
+    # (16 jobs each, the gold checks first) stops the stage
+    meter = budgets.Meter("reward", cfg.Budget(max_usd=jobs * 0.01 / 2), prices,
+                          since_cpu=cpu_now())
+    with pytest.raises(budgets.BudgetSpent) as err:
+        reward.run(config, rollouts, stopped, specs, tmp_path, meter=meter)
+    message = str(err.value)
+    assert "budget.max_usd=" in message and "reached" in message, message
+    assert re.search(r"done: \d+ of 48 scores; left to do: \d+ scores", message), message
+    assert not stopped.exists()  # no partial table is left as the stage's output
+    partial = stopped.with_name("stopped.parquet.partial")
+    kept = len(pq.read_table(partial))
+    assert partial.name in message and f"{kept} finished scores are kept" in message
+    done = len(calls.read_text().split())  # an episode twice in a task: one result kept
+    assert 12 < done < jobs and 0 < kept <= done
+    calls.unlink()
+    raised = budgets.Meter("reward", cfg.Budget(max_usd=1e6), prices, since_cpu=cpu_now())
+    again = reward.run(config, rollouts, stopped, specs, tmp_path, meter=raised)
+    assert again["resumed_scores"] == kept
+    assert len(calls.read_text().split()) == jobs - done  # only the rest was scored
+    assert pq.read_table(stopped).equals(pq.read_table(whole))
+    assert not partial.exists()  # used up

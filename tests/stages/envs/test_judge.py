@@ -147,14 +147,14 @@ def reward_group(task, episodes):
 '''
 
 
-def judged_project(tmp_path, url, module=ENV, concurrency=8, **judge_params):
+def judged_project(tmp_path, url, module=ENV, concurrency=8, runtime=None, **judge_params):
     # a module name of its own per test: contract.load imports it by name (sys.modules)
     name = f"judged_env_{'group' if 'reward_group' in module else 'one'}"
     (tmp_path / f"{name}.py").write_text(module)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({
         "judge": {"model": "judge-7b", "rubric": "rubric.md", **judge_params},
         "runtime": {"judge": {"url": url, "request_timeout": 10.0, "retries": 1,
-                              "concurrency": concurrency}}}))
+                              "concurrency": concurrency, **(runtime or {})}}}))
     (tmp_path / "rubric.md").write_text(RUBRIC)
     from stages import config as cfg
 
@@ -285,6 +285,36 @@ def test_a_judge_that_is_down_stops_the_stage_in_seconds(fault, tmp_path, fresh_
             reward.score(specs, rollouts(["4", "5", "6"]), tmp_path)
         assert time.monotonic() - started < 5
 
+
+@pytest.mark.parametrize("runtime", [
+    {"concurrency": 2, "stall_seconds": 1.0},
+    # requests that time out one at a time, each before the bound: their silences add up
+    {"concurrency": 1, "request_timeout": 0.4, "stall_seconds": 1.0}])
+def test_a_judge_that_stalls_mid_stage_fails_it_in_the_stall_bound_keeping_its_judgments(
+        server, tmp_path, fresh_judges, runtime):
+    """A server that answers 3 judgments and then nothing (up, never replying): the stage fails
+    once no answer came for runtime.judge.stall_seconds, naming the server and what it judged,
+    where each episode waited request_timeout x attempts (10 s x 2 here); the 3 judgments paid
+    for are in the cache, and the rerun asks a healthy server only the rest."""
+    ok = {"reasoning": "good", "score": 0.75}
+    answers = [str(n) for n in range(10)]
+    wedged = server(ok, ok, ok, "stall")
+    specs = judged_project(tmp_path, wedged.url, runtime=runtime)
+    started = time.monotonic()
+    with pytest.raises(judge.JudgeStalled) as err:
+        reward.score(specs, rollouts(answers), tmp_path)
+    took = time.monotonic() - started
+    assert took < 8, took  # not even one request_timeout (10 s)
+    message = str(err.value)
+    assert f"judge 'judge-7b' at {wedged.url}: no answer for" in message, message
+    assert "runtime.judge.stall_seconds=1" in message and "answered 3 requests" in message
+    assert "data/judgments/" in message
+    judge.use_cache(tmp_path / "data" / "judgments")  # the stage rerun: a fresh judge
+    healthy = server(ok)
+    specs = judged_project(tmp_path, healthy.url, concurrency=2, runtime={"stall_seconds": 1.0})
+    out, metrics = reward.score(specs, rollouts(answers), tmp_path)
+    assert out.column("score_judge").to_pylist() == [0.75] * 10
+    assert metrics["judges"][0]["cache_hits"] == 3 and len(healthy.requests) == 7
 
 def test_the_benchmark_stages_use_the_held_out_judge(server, tmp_path, fresh_judges):
     srv = server({"reasoning": "ok", "score": 1.0})

@@ -211,3 +211,123 @@ def test_a_url_server_needs_the_network_named_in_params(tmp_path):
     params.write_text(yaml.safe_dump({"environments": {"support": {
         "module": "m", "mcp": {"shop": SERVER}}}}))
     assert cfg.environments(params)["support"].network is False
+
+
+@pytest.mark.parametrize("timeout", [30.0, 0.4])  # calls that wait, or time out one by one
+def test_an_mcp_server_that_stalls_mid_stage_stops_it_by_name_within_the_stall_bound(
+        tmp_path, timeout):
+    """A server that answers 3 calls and then nothing (up, never replying): once it answered
+    nothing for runtime.mcp.stall_seconds the call raises McpStalled, naming the server and
+    what it answered, which stops the stage (a tool call's McpError only errs its episode: each
+    episode after waited the call's `timeout` again); every call after fails at once."""
+    server = {"flaky": {"command": f"{MISBEHAVING} stall 3", "timeout": timeout}}
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({
+        "environments": {"wedged": {"module": "wedged_env", "mcp": server}},
+        "runtime": {"mcp": {"stall_seconds": 1.0}}}))
+    cfg.environments(params)  # where a stage reads runtime.mcp for its process
+    stalling = mcp_tools.Servers("wedged", mcp_tools.check("m", server), REPO)
+    mcp_tools.STALL_SECONDS[0] = cfg.Mcp().stall_seconds  # the other tests' default again
+    assert stalling.stall_seconds == 1.0
+    try:
+        assert [stalling.call("ping", {}) for _ in range(3)] == ["pong"] * 3
+        started = time.monotonic()
+        timed_out = 0
+        with pytest.raises(mcp_tools.McpStalled, match=r"MCP server 'flaky' of environment "
+                           r"'wedged' \(.*stall 3\): no answer for \d+ s \(runtime.mcp."
+                           r"stall_seconds=1; waiting on tools/call ping\); it answered 3 calls"):
+            while time.monotonic() - started < 20:
+                try:
+                    stalling.call("ping", {})
+                except mcp_tools.McpStalled:
+                    raise
+                except mcp_tools.McpError:  # a call past its own timeout: the episode's error
+                    timed_out += 1
+        assert time.monotonic() - started < 10  # the bound, not 30 s, nor calls without end
+        assert timed_out <= 3
+        with pytest.raises(mcp_tools.McpStalled):
+            stalling.call("ping", {})  # at once
+    finally:
+        stalling.close()
+
+
+
+CALC_ENV = '''
+from stages.envs import arith
+
+TOOLS = []  # the calculator is the MCP server's (tests/fixtures/mcp/calc_server.py)
+reward = arith.reward
+'''
+
+
+def test_a_rollout_whose_tool_server_stalls_fails_keeping_its_finished_episodes(tmp_path):
+    """The arithmetic environment's calculator behind an MCP server that wedges mid-rollout: the
+    stage fails within runtime.mcp.stall_seconds naming the server (not one episode error after
+    another, each past the call's timeout of 30 s), its finished batches kept beside the output;
+    rerun with the server restarted, it plays only the rest and the table is an unstalled run's."""
+    import json
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stages import rollout, tinylm
+    from stages.envs import arith
+    from stages.generation import chat
+    from stages.training import warmstart
+
+    # a very small chat model that has seen tool demonstrations, so it calls the tool
+    tokenizer = tinylm.build_tokenizer(arith)
+    model = tinylm.build_model(tokenizer, n_layer=1, n_embd=32, n_head=2, n_positions=64, seed=0)
+    template = chat.Template.of(tokenizer, list(arith.TOOLS), chat.end_ids(model, tokenizer))
+    warmstart.train(model, warmstart.demonstrations(template, arith, random.Random(0), 1.0, 32),
+                    steps=25, lr=2e-2, tokenizer=tokenizer, seed=0)
+    tinylm.save(model, tokenizer, tmp_path / "champion")
+    (tmp_path / "calc_env.py").write_text(CALC_ENV)
+    (tmp_path / "calc_server.py").write_text(
+        (REPO / "tests/fixtures/mcp/calc_server.py").read_text())
+    specs = {"arith": cfg.EnvironmentSpec(module="calc_env", mcp={"calc": {
+        "command": "python calc_server.py", "timeout": 30.0}})}
+    validated = tmp_path / "validated.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"trace_id": f"tr{i}", "question": json.dumps({**arith.chat_task(q),
+                                                       "environment": "arith"})}
+        for i, q in enumerate(["2*3", "1+1", "4+5", "7-2", "3*3", "8+1", "6*2", "9-3"])]),
+        validated)
+    config = cfg.Rollout(samples_per_task=1, batch_size=2, max_new_tokens=40)  # 4 batches
+
+    def roll(out):
+        try:
+            return rollout.run(cfg.Base(), config, specs, tmp_path / "champion", out, tmp_path,
+                               validated)
+        finally:  # the stage's process ends, and its MCP sessions with it
+            for servers in mcp_tools._OPEN.values():
+                servers.close()
+            mcp_tools._OPEN.clear()
+
+    whole = tmp_path / "whole.parquet"
+    roll(whole)
+    # the calls that reached the server (not those the schema refused first), per episode
+    calls = [row["tool_calls"] - row["tool_errors"] for row in pq.read_table(whole).to_pylist()]
+    batches = [sum(calls[i:i + 2]) for i in range(0, len(calls), 2)]
+    first = batches[0]  # the first batch's: the server wedges on the next call, in batch `b`
+    b = next((b for b in range(1, len(batches)) if batches[b]), None)
+    assert b is not None, calls
+    (tmp_path / "stall_after.txt").write_text(str(first))
+    mcp_tools.STALL_SECONDS[0] = 1.0  # runtime.mcp.stall_seconds, as cfg.environments sets it
+    stopped = tmp_path / "stopped.parquet"
+    started = time.monotonic()
+    try:
+        with pytest.raises(mcp_tools.McpStalled, match=rf"MCP server 'calc' of environment "
+                           rf"'arith' .*no answer for \d+ s .*it answered {first} calls this "
+                           rf"run.*\({2 * b} finished episodes are kept in stopped.parquet.partial"):
+            roll(stopped)
+    finally:
+        mcp_tools.STALL_SECONDS[0] = cfg.Mcp().stall_seconds
+    assert time.monotonic() - started < 25  # the bound (1 s), not the call's timeout (30 s)
+    assert not stopped.exists() and len(pq.read_table(tmp_path / "stopped.parquet.partial")) == \
+        2 * b
+    (tmp_path / "stall_after.txt").unlink()  # the server restarted, well
+    again = roll(stopped)
+    assert again["resumed_episodes"] == 2 * b
+    assert pq.read_table(stopped).equals(pq.read_table(whole))
