@@ -195,7 +195,14 @@ PROGRESS_EVERY_S = 10.0
 
 
 class Stalled(RuntimeError):
-    """Nothing scored for runtime.reward.stall_seconds; the message names where it waited."""
+    """Nothing scored for runtime.reward.stall_seconds; the message names where it waited.
+    `results`: each job's result as `run` returns it, None where it was not finished.
+    """
+
+    def __init__(self, message: str, results: list | None = None):
+        """`message` names where it waited; `results` the finished jobs'."""
+        super().__init__(message)
+        self.results = results or []
 
 
 CHUNK_MAX = 64  # jobs per chunk sent to a worker at most: each chunk done is visible progress
@@ -322,7 +329,8 @@ def scorer(envs: dict, modules: dict[str, str], root: Path, workers: int = 0,
                         f"runtime.reward.stall_seconds={stall_seconds:g}) while waiting on "
                         f"{_where(waiting, ray_address, workers)}: a worker is wedged (a reward "
                         f"that never returns, a dead node). Fix or restart it, or raise "
-                        f"stall_seconds for rewards that are slow, not stuck, and run again")
+                        f"stall_seconds for rewards that are slow, not stuck, and run again",
+                        results)
                 continue
             progress = time.monotonic()
             for handle in ready:
@@ -409,18 +417,30 @@ def score(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = 
         meter.check(f"{done} of {total} {what}", f"{total - done} {what}",
                     judge_tokens=sum(j.tokens for j in judge.used()))
 
+    def record(job: tuple, result) -> None:
+        finished[_job_key(job)] = tuple(result)
+        if not envs[job[1]].judged:
+            keep.append(_job_key(job))
+
+    def ran(run, part: list[tuple]) -> list:
+        try:
+            return run(part)
+        except Stalled as err:  # what finished before the stall is kept, as on a budget stop
+            for job, result in zip(part, err.results):
+                if result is not None:
+                    record(job, result)
+            raise
+
     def batched(run, these: list[tuple], what: str) -> list:
         if not batch and not finished:
-            return run(these)
+            return ran(run, these)
         keys = [_job_key(job) for job in these]
         todo = [job for job, key in zip(these, keys) if key not in finished]
         step = batch or len(todo) or 1
         for start in range(0, len(todo), step):
             part = todo[start:start + step]
-            for job, result in zip(part, run(part)):
-                finished[_job_key(job)] = tuple(result)
-                if not envs[job[1]].judged:
-                    keep.append(_job_key(job))
+            for job, result in zip(part, ran(run, part)):
+                record(job, result)
             if batch:
                 check(sum(key in finished for key in keys), len(these), what)
         return [finished[key] for key in keys]
@@ -445,7 +465,7 @@ def score(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = 
                     ("reward", rows[m[0]]["environment"], rows[m[0]]["task"],
                      rows[m[0]]["messages"]) for m in groups.values()]
             results = batched(run, jobs, "scores")
-    except budgets.BudgetSpent as err:
+    except (budgets.BudgetSpent, Stalled) as err:
         err.rows = [{"key": key, "result": _encoded(finished[key][0]),
                      "cause": finished[key][1]} for key in dict.fromkeys([*(kept or {}), *keep])]
         raise
@@ -536,15 +556,16 @@ def run(config: cfg.Reward, rollouts: Path, rewards: Path, specs: dict,
     key = _resume_key(specs, root)
     kept = _kept(partial, key)
     if kept:
-        print(f"reward: {len(kept)} scores kept from a run a budget stopped", file=sys.stderr)
+        print(f"reward: {len(kept)} scores kept from a run a budget or a stall stopped",
+              file=sys.stderr)
     try:
         out, metrics = score(specs, pq.read_table(rollouts), root, config,
                              trace_feedback(validated, config.feedback_score), meter, kept=kept)
-    except budgets.BudgetSpent as err:
+    except (budgets.BudgetSpent, Stalled) as err:
         io.write_parquet(partial, pa.Table.from_pylist(err.rows, schema=PARTIAL)
                          .replace_schema_metadata({"offseason.resume": key}))
-        raise budgets.BudgetSpent(f"{err} ({len(err.rows)} finished scores are kept in "
-                                  f"{partial.name}; the rerun scores only the rest)") from err
+        raise type(err)(f"{err} ({len(err.rows)} finished scores are kept in {partial.name}; "
+                        f"the rerun scores only the rest)") from err
     io.write_parquet(rewards, out)
     partial.unlink(missing_ok=True)
     return metrics

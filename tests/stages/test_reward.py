@@ -403,31 +403,46 @@ def test_rescore_a_generation_from_its_tag(tmp_path, monkeypatch, capsys):
     assert summary["rescored"] == 4 and summary["changed"] == 2
 
 
-# a reward that never returns for one answer: a grader wedged on a dead service
+# a reward that never returns for one answer while a flag file exists: a grader wedged on a
+# dead service (the module's text stays the same when it recovers, so kept scores stay valid)
 WEDGED = '''
 import time
+from pathlib import Path
 
 TOOLS = []
 VERSION = "wedged@1"
 
 
 def reward(task, messages):
-    if messages[-1]["content"] == "hang":
+    if messages[-1]["content"] == "hang" and Path(__file__).with_name("wedged.flag").exists():
         time.sleep(3600)
-    return {"answer": float(messages[-1]["content"] == task["answer"])}
+    return {"answer": float(messages[-1]["content"] in (task["answer"], "hang"))}
 '''
 
 
-def test_a_wedged_worker_fails_the_stage_within_its_stall_bound(tmp_path):
+def test_a_wedged_worker_fails_the_stage_within_its_stall_bound_and_keeps_what_finished(tmp_path):
     """A reward that never returns in a worker process: the stage fails once nothing has been
-    scored for runtime.reward.stall_seconds, naming where it waited and how far it got, and the
-    wedged worker is ended (issue 51.4: it held the stage for ever)."""
+    scored for runtime.reward.stall_seconds, naming where it waited and how far it got; the
+    wedged worker is ended (issue 51.4: it held the stage for ever), the finished scores are kept,
+    and once the grader recovers the rerun scores only the rest, to the table an unstopped run
+    writes."""
     (tmp_path / "wedged_env.py").write_text(WEDGED)
     specs = {"wedged": cfg.EnvironmentSpec(module="wedged_env")}
-    rows = [("wedged", asked(f"t{i}", "6"), answer("6")) for i in range(6)]
+    rows = [("wedged", asked(f"t{i}", "6"), answer("6" if i % 2 else "7")) for i in range(6)]
     rows.append(("wedged", asked("t-hang", "6"), answer("hang")))
+    rollouts = write(tmp_path, rows)
+    config = cfg.Reward(workers=2, stall_seconds=3)
+    unstopped, _ = reward.score(specs, table(rows), tmp_path, config)
+    (tmp_path / "wedged.flag").touch()
+    out = tmp_path / "rewards.parquet"
     with pytest.raises(reward.Stalled) as err:
-        reward.score(specs, table(rows), tmp_path, cfg.Reward(workers=2, stall_seconds=3))
+        reward.run(config, rollouts, out, specs, root=tmp_path)
     message = str(err.value)
     assert "runtime.reward.stall_seconds=3" in message and "runtime.reward.workers=2" in message
-    assert "(6 of 7 done" in message, message  # all but the wedged one, kept in the count
+    assert "(6 of 7 done" in message, message  # all but the wedged one
+    assert "6 finished scores are kept in rewards.parquet.partial" in message, message
+    (tmp_path / "wedged.flag").unlink()  # the grader's service is back
+    metrics = reward.run(config, rollouts, out, specs, root=tmp_path)
+    assert metrics["resumed_scores"] == 6
+    assert pq.read_table(out).equals(unstopped)
+    assert not (tmp_path / "rewards.parquet.partial").exists()
