@@ -352,6 +352,10 @@ class GRPO:
                                                       "from the cycle's tasks")
     samples_per_task: int = Field(8, ge=2, description="on-policy steps: episodes per task (the "
                                                        "group its advantages are relative to)")
+    max_staleness: int = Field(0, ge=0, le=1, description="on-policy steps: 0 = each step plays "
+                               "with the weights it trains; 1 = the next step's episodes are "
+                               "played while this step trains, with weights one step old "
+                               "(generation and training overlap; importance_cap corrects)")
     importance_cap: Float = Field(3.0, ge=1, description="on-policy steps: the most a token's "
                                   "weight exp(training log-prob - the generating engine's) may "
                                   "be (TRL's truncated importance sampling, for vLLM's numerics)")
@@ -869,8 +873,9 @@ class Erase:
                                       "so `offseason erase --field NAME=VALUE` finds them")
     models: str = Field("flag", description="generations that learned from erased traces: keep "
                         "(serve on; excluded from the next cycle), flag (also named in the "
-                        "receipt, erasures.jsonl and `lineage --trace`) or rollback (the champion goes back to the "
-                        "newest generation that never saw them)")
+                        "receipt, erasures.jsonl, `lineage --trace`, `offseason history` and "
+                        "the report) or rollback (the champion goes back to the newest "
+                        "generation that was a champion and never saw them)")
     deadline_days: int = Field(30, gt=0, description="days a request may stay open (GDPR: a "
                                "month); `offseason erase --status` counts against it")
 

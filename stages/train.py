@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import csv
 import hashlib
 import importlib
@@ -28,6 +29,7 @@ import random
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -477,7 +479,10 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
     (`stages.weights`: in this process nothing moves; served, a verified push). Each step's
     scored episodes are a Parquet part in `episodes` (an output); the state after each step is
     saved in `checkpoints`, so a kill or a budget stop at step k and a rerun resume at k with
-    the same result. Returns the stage metrics.
+    the same result. With `train.grpo.max_staleness: 1` the next step's episodes are played (on a
+    copy of the weights, or on the servers before the push) while a step trains, so generation
+    and training overlap; those episodes are one update old, which the truncated importance
+    weights correct, and each step's log says its staleness. Returns the stage metrics.
     """
     import torch
 
@@ -513,8 +518,11 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
     since_cpu = meter.since_cpu if meter is not None else 0.0
     since_wall = meter.since_wall if meter is not None else io.STARTED
     episodes.mkdir(parents=True, exist_ok=True)
+    # max_staleness 1: the state after step k was saved once step k+1's episodes were played
+    # (with the weights before step k's update) and stored: that part is the next step's
+    overlap = settings.max_staleness > 0
     for part in episodes.glob("step-*.parquet"):  # a part no saved state accounts for
-        if int(part.stem.split("-")[1]) > start:
+        if int(part.stem.split("-")[1]) > start + (1 if overlap and start else 0):
             part.unlink()
     # step 1: the rollout stage's scored episodes (the champion's: on-policy for it), where
     # there are any; the later steps play their own
@@ -531,31 +539,73 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
             {name: spec.module for name, spec in specs.items()}, root, reward.workers,
             reward.ray_address, reward.stall_seconds))
         pad = trainers.pad_id(tokenizer)
-        for step in range(start, settings.steps):
+        # max_staleness 1: the next step's episodes are played on this thread while one trains
+        ahead_pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="ahead"))
+
+        def policy_now():
+            """The policy as its weights are now: the servers', or a copy of the model here
+            (a copy: with max_staleness 1 the model is trained while the copy plays).
+            """
+            if served:
+                return sync.policy()
+            here = copy.deepcopy(model) if overlap else model
+            return rollouts.Policy.local(champion, model=here, tokenizer=tokenizer)
+
+        def produce(step: int, policy, version: int) -> dict:
+            """Play, score and store `step`'s episodes with `policy` (the weights after
+            `version` updates); what the step's log needs of them.
+            """
             began = time.monotonic()
             chosen = random.Random(f"{base.seed}/{step}").sample(
                 tasks, min(settings.tasks_per_step, len(tasks)))
             step_jobs = [(name, task, sample) for name, task in chosen
                          for sample in range(settings.samples_per_task)]
+            played = rollouts.play(base, rollout, envs, step_jobs, policy,
+                                   salt=f"/step{step}", progress=False)
+            generated = time.monotonic() - began
+            table = pa.Table.from_pylist(played.rows, schema=rollouts.SCHEMA)
+            scored, _ = scoring_code.score(specs, table, root, reward, scoring=scoring)
+            scored = scored.append_column("step", pa.array([step + 1] * len(scored), pa.int32()))
+            log = {"generate_seconds": round(generated, 2), "episodes": len(played.rows),
+                   "generated_tokens": rollouts.token_counts(played.rows)["generated_tokens"],
+                   "policy_version": version,
+                   "prompt_tokens": sum(stat.prompt_tokens for stat in played.stats),
+                   "completion_tokens": sum(stat.completion_tokens for stat in played.stats)}
+            io.write_parquet(episodes / f"step-{step + 1:05d}.parquet", scored.replace_schema_metadata(
+                {**(scored.schema.metadata or {}), b"offseason.played": json.dumps(log)}))
+            return log
+
+        def stored(step: int) -> dict | None:
+            """A step's episodes as `produce` stored them (played ahead before a kill)."""
+            part = episodes / f"step-{step + 1:05d}.parquet"
+            meta = pq.read_schema(part).metadata or {} if part.exists() else {}
+            return json.loads(meta[b"offseason.played"]) if b"offseason.played" in meta else None
+
+        def rows_of(step: int) -> list[dict]:
+            return [r for r in pq.read_table(episodes / f"step-{step + 1:05d}.parquet")
+                    .to_pylist() if r["reward"] is not None]
+
+        ahead = None  # max_staleness 1: (step, the future of its episodes, played meanwhile)
+        for step in range(start, settings.steps):
             if step == 0 and first is not None:
                 # the rollout stage's episodes are the champion's own: step 1 learns from them
-                rows, played_rows, generated = first, first, 0.0
+                rows, log = first, {"generate_seconds": 0.0, "episodes": len(first),
+                                    "generated_tokens": 0, "policy_version": 0}
             else:
-                policy = sync.policy() if served else \
-                    rollouts.Policy.local(champion, model=model, tokenizer=tokenizer)
-                played = rollouts.play(base, rollout, envs, step_jobs, policy,
-                                       salt=f"/step{step}", progress=False)
-                generated = time.monotonic() - began
-                table = pa.Table.from_pylist(played.rows, schema=rollouts.SCHEMA)
-                scored, _ = scoring_code.score(specs, table, root, reward, scoring=scoring)
-                scored = scored.append_column("step", pa.array([step + 1] * len(scored),
-                                                               pa.int32()))
-                io.write_parquet(episodes / f"step-{step + 1:05d}.parquet", scored)
-                rows = [r for r in scored.to_pylist() if r["reward"] is not None]
-                played_rows = played.rows
-                for stat in played.stats:  # what served generation processed (and bills)
-                    usage["prompt_tokens"] += stat.prompt_tokens
-                    usage["completion_tokens"] += stat.completion_tokens
+                if ahead is not None and ahead[0] == step:
+                    log = ahead[1].result()  # played while the step before trained
+                elif overlap and step == start and stored(step) is not None:
+                    log = stored(step)  # played ahead before a kill; its usage is counted
+                else:
+                    log = produce(step, policy_now(), step)
+                    usage["prompt_tokens"] += log["prompt_tokens"]
+                    usage["completion_tokens"] += log["completion_tokens"]
+                rows = rows_of(step)
+            ahead = None
+            if overlap and step + 1 < settings.steps:
+                # the next step's episodes, played with these weights while this step trains
+                ahead = (step + 1, ahead_pool.submit(produce, step + 1, policy_now(), step))
+            generated = log["generate_seconds"]
             groups, flat = grpo.examples(rows, settings.scale_rewards)
             trained = time.monotonic()
             torch.manual_seed(base.seed * 100_003 + step)  # the same update on a resumed run
@@ -563,20 +613,26 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
                                 batch_size=config.batch_size, temperature=rollout.temperature,
                                 is_cap=settings.importance_cap) if groups else \
                 {"loss": 0.0, "optimizer_steps": 0}
+            if ahead is not None:  # the next step's episodes done before the weights move
+                played_ahead = ahead[1].result()
+                usage["prompt_tokens"] += played_ahead["prompt_tokens"]
+                usage["completion_tokens"] += played_ahead["completion_tokens"]
             sync_seconds = sync.push(step + 1) if served else 0.0
             # step 1's episodes are the rollout stage's: generated there, counted there
-            made = rollouts.token_counts(played_rows)["generated_tokens"] if generated else 0
+            made = log["generated_tokens"]
             rewards_now = [r["reward"] for r in rows]
             mean = sum(rewards_now) / max(1, len(rewards_now))
             history.append({
                 "step": step + 1, **stats, "learning_rate": settings.lr,
-                "episodes": len(played_rows), "reward_mean": round(mean, 4),
+                "episodes": log["episodes"], "reward_mean": round(mean, 4),
                 "reward_std": round((sum((r - mean) ** 2 for r in rewards_now)
                                      / max(1, len(rewards_now))) ** 0.5, 4),
                 "correct_rate": round(sum(r["correct"] or 0 for r in rows) / max(1, len(rows)), 4),
                 "groups": len(groups), **flat, "generate_seconds": round(generated, 2),
                 "train_seconds": round(time.monotonic() - trained - sync_seconds, 2),
-                "weight_sync_seconds": round(sync_seconds, 3), "staleness": 0,
+                "weight_sync_seconds": round(sync_seconds, 3),
+                # updates between the weights that played the episodes and those they train
+                "staleness": step - log["policy_version"],
                 "generated_tokens": made,
                 "tokens_per_second": round(made / generated) if generated else None})
             print(f"train: step {step + 1}/{settings.steps}: reward {mean:.3f}, "

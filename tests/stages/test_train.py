@@ -452,3 +452,40 @@ def test_on_policy_grpo_stopped_by_a_budget_resumes_to_the_unlimited_weights(tmp
 def test_on_policy_settings_are_checked(tmp_path):
     with pytest.raises(cfg.ParamsError, match="samples_per_task"):
         train_config(algorithm="grpo", steps=3, samples_per_task=1)
+
+
+def test_on_policy_grpo_overlapped_plays_one_step_ahead_and_resumes_to_the_same_weights(
+        tmp_path, champion):
+    """train.grpo.max_staleness: 1: each step's episodes are played while the step before
+    trains, with the weights before its update: the log says staleness 1 (the first step's,
+    played first, 0), the importance weights are no longer all 1, and a kill after a step and a
+    rerun give the uninterrupted run's weights and episodes (the part played ahead is kept)."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    for folder in (whole, killed):
+        params = on_policy_project(folder)
+        settings = yaml.safe_load(params.read_text())
+        settings["train"]["grpo"].update(steps=4, max_staleness=1)
+        params.write_text(yaml.safe_dump(settings))
+    run_stage(on_policy_command(whole, champion, whole / "params.yaml"))
+    log = steps_file(whole)
+    assert [int(r["step"]) for r in log] == [1, 2, 3, 4]
+    assert [int(r["staleness"]) for r in log] == [0, 1, 1, 1]
+    assert any(abs(float(r["is_ratio_mean"]) - 1.0) > 1e-4 for r in log[1:]), log
+    played = [json.loads(pq.read_schema(part).metadata[b"offseason.played"])["policy_version"]
+              for part in sorted((whole / "episodes").glob("step-*.parquet"))]
+    assert played == [0, 0, 1, 2]  # each step's episodes by the weights one update before
+    proc = subprocess.Popen(on_policy_command(killed, champion, killed / "params.yaml"), cwd=REPO,
+                            env=clean_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not list((killed / "candidate.ckpt").glob("online-*/state.pt")):
+        assert proc.poll() is None and time.time() < deadline, "no step was saved"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    run_stage(on_policy_command(killed, champion, killed / "params.yaml"))
+    metrics = json.loads((killed / "train.json").read_text())
+    assert metrics["resumed_from_step"] >= 1 and metrics["steps"] == 4
+    assert gate.weights_hash(killed / "candidate") == gate.weights_hash(whole / "candidate")
+    for part in sorted((whole / "episodes").glob("*.parquet")):
+        assert pq.read_table(killed / "episodes" / part.name).equals(pq.read_table(part))
