@@ -394,6 +394,7 @@ def history_rows(root: Path) -> list[dict]:
                      "promoted": promotion.get("promoted", False),
                      "approver": approver_of(promotion)})
     attach_rollbacks(root, rows, committed)
+    attach_erasures(root, rows)
     current = max((i for i, r in enumerate(rows) if r["promoted"]), default=None)
     if (root / "promotions.jsonl").exists():  # the promotion log knows about rollbacks
         from flows.orchestration.promotion import champion_generation
@@ -410,10 +411,42 @@ def history_rows(root: Path) -> list[dict]:
         row["serving"] = None if not replicas else sum(
             r.get("version") == row["tag"] and r.get("verified", False)
             for r in replicas.values())
+    # its canary and production gate (runtime.fleet.canary), from the promotion log
+    from flows.orchestration.promotion import log_entries
+
+    steps = [e for e in log_entries(root) if e.get("action") in ("canary", "production-gate")]
+    for row in rows:
+        row["fleet_steps"] = [
+            {"at": e["at"], "date": e["at"][:10], "action": e["action"],
+             "what": (f"{e['version']} on {e['replicas']} of {e['of']} replicas (stable "
+                      f"{e['stable']})" if e["action"] == "canary" else
+                      f"{e['outcome']} on live traffic: {e['reason']}")}
+            for e in steps if f"gen-{e.get('generation')}" == row["tag"]]
     from flows.orchestration.cost import per_dollar
 
     per_dollar(rows)
     return rows
+
+
+def attach_erasures(root: Path, rows: list[dict]) -> None:
+    """Each generation's row gets `flagged`: the erasures (erase.models: flag) of traces it
+    learned from, from erasures.jsonl (id, date, whether done): the flag history and the report
+    show until a cycle without them replaces it.
+    """
+    from flows.orchestration.erase import LOG
+
+    for row in rows:
+        row["flagged"] = []
+    path = root / LOG
+    if not path.exists():
+        return
+    for entry in map(json.loads, filter(str.strip, path.read_text().splitlines())):
+        if entry.get("policy") != "flag":
+            continue
+        for row in rows:
+            if row["tag"] in (entry.get("generations") or []):
+                row["flagged"].append({"erasure": entry["id"], "date": (entry.get("done") or
+                                       entry["received"])[:10], "done": bool(entry.get("done"))})
 
 
 def attach_rollbacks(root: Path, rows: list[dict], committed: list[str]) -> None:
@@ -1122,7 +1155,7 @@ def cmd_erase(args) -> int:
             receipt = erase.erase(root, kind, value, args.reason, configs["erase"],
                                   configs["base"].registered_model)
     print(json.dumps(receipt, indent=2) if args.json else erase.text(receipt))
-    return 0
+    return 1 if receipt["status"].startswith("open") else 0  # never reported done
 
 
 def cmd_report(args) -> int:

@@ -32,6 +32,10 @@ SALT_ENV = "OFFSEASON_ERASURE_SALT"
 SALT_FILE = Path(".offseason") / "erasure.salt"
 TOMBSTONES = Path("data") / "tombstones.jsonl"
 INDEX_PREFIX = "index-"  # data/traces/index-<inbox file>.parquet
+# each index part sorted by subject in row groups this small: a lookup of one subject reads one
+# row group per part, the others skipped by their min/max statistics (0.2 s for a person among a
+# million traces' 3 million rows, against 0.5-0.7 s reading every row: BENCHMARKS.md)
+INDEX_ROW_GROUP = 4096
 INDEX = pa.schema([("subject", pa.string()), ("kind", pa.string()), ("trace_id", pa.string()),
                    ("content_hash", pa.string()), ("source_file", pa.string()),
                    ("source_line", pa.int64()), ("format", pa.string()),
@@ -65,9 +69,34 @@ def salt(root: Path = Path(".")) -> bytes:
     return path.read_text().strip().encode()
 
 
+_KEYED: dict[bytes, hmac.HMAC] = {}  # per salt, the HMAC with the key absorbed: copied per digest
+
+
 def digest(key: bytes, kind: str, value) -> str:
     """The salted hash of one subject (`kind`: user, session, trace or field:<name>)."""
-    return hmac.new(key, f"{kind}\0{value}".encode(), hashlib.sha256).hexdigest()[:32]
+    keyed = _KEYED.get(key)
+    if keyed is None:  # (hmac.new per digest: a third of what keeping the index cost ingest)
+        keyed = _KEYED.setdefault(key, hmac.new(key, digestmod=hashlib.sha256))
+    h = keyed.copy()
+    h.update(f"{kind}\0{value}".encode())
+    return h.hexdigest()[:32]
+
+
+def hasher(key: bytes):
+    """`digest` under one salt, each user, session and field value hashed once (they repeat
+    across a file's traces; a trace id does not, and is not kept).
+    """
+    seen: dict[tuple[str, str], str] = {}
+
+    def hashed(kind: str, value) -> str:
+        if kind == "trace":
+            return digest(key, kind, value)
+        found = seen.get((kind, value))
+        if found is None:
+            found = seen[(kind, value)] = digest(key, kind, value)
+        return found
+
+    return hashed
 
 
 def lookup(record, path: str):
@@ -88,6 +117,11 @@ def _plain(value) -> str | None:
     return str(value)
 
 
+# (kind, ((key, the head of a dotted key or None), ...)): what `subjects` reads, split once
+_KIND_KEYS = tuple((kind, tuple((k, k.partition(".")[0] if "." in k else None) for k in keys))
+                   for kind, keys in (("user", USER_KEYS), ("session", SESSION_KEYS)))
+
+
 def subjects(trace: dict | None, record, fields: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """(kind, value) of every subject a trace names: its id, its user, its session, and the
     `fields` asked for, from the normalized trace and from its raw record (a line format's).
@@ -97,10 +131,14 @@ def subjects(trace: dict | None, record, fields: tuple[str, ...] = ()) -> list[t
     sources = [s for s in (trace, record if isinstance(record, dict) else None,
                            (record or {}).get("metadata") if isinstance(record, dict) else None)
                if isinstance(s, dict)]
-    for kind, keys in (("user", USER_KEYS), ("session", SESSION_KEYS)):
+    for kind, keys in _KIND_KEYS:
         for source in sources:
-            for key in keys:
-                value = _plain(lookup(source, key))
+            for key, head in keys:
+                # a plain get first: `lookup` (dotted paths) only where the path's head is there
+                value = source.get(key)
+                if value is None and head is not None and head in source:
+                    value = lookup(source, key)
+                value = _plain(value)
                 if value is not None and (kind, value) not in found:
                     found.append((kind, value))
     for name in fields:

@@ -341,10 +341,10 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> None:
     write_text(path, "".join(jsonl_line(r) for r in rows))
 
 
-def write_parquet(path: str | Path, table: pa.Table) -> None:
-    """Write a parquet table, whole."""
+def write_parquet(path: str | Path, table: pa.Table, row_group_size: int | None = None) -> None:
+    """Write a parquet table, whole (`row_group_size` rows a row group: pyarrow's default)."""
     with _whole(Path(path)) as tmp:
-        pq.write_table(table, tmp)
+        pq.write_table(table, tmp, row_group_size=row_group_size)
 
 
 def replace_dir(tmp: Path, path: Path) -> None:

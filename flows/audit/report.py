@@ -771,6 +771,7 @@ td {{ white-space: nowrap; }}
 th:first-child, td:first-child {{ text-align: left; }}
 .champion {{ font-weight: bold; background: #eef7ee; }}
 .rollback {{ color: #a33; background: #fbeeee; font-style: italic; }}
+.flagged {{ color: #850; background: #fdf5e6; font-style: italic; }}
 .box {{ overflow-x: auto; }}
 .box img {{ max-width: 100%; height: auto; }}
 .graph {{ border: 1px solid #eee; padding: 8px; }}
@@ -871,6 +872,10 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
                      f'<td>{"-" if r.get("cost_usd") is None else format(r["cost_usd"], ".4f")}'
                      f'</td><td>{"-" if r.get("points_per_usd") is None else format(r["points_per_usd"], ".0f")}'
                      f'</td><td>{_esc(r.get("approver") or "")}</td><td>{runs}</td></tr>')
+        for flag in r.get("flagged") or []:  # erase.models: flag, on the record
+            table.append(f'<tr class="flagged"><td>flagged</td><td>{flag["date"]}</td>'
+                         f'<td colspan="10">{r["tag"]} learned from traces erased by '
+                         f'{_esc(flag["erasure"])} (erase.models: flag)</td></tr>')
         for back in r.get("rollbacks") or []:  # every change of champion, on the record
             table.append(f'<tr class="rollback"><td>rollback</td><td>{back["date"]}</td>'
                          f'<td colspan="10">champion {back["from"]} &rarr; {back["to"]} (model '

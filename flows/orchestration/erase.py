@@ -41,6 +41,7 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -64,6 +65,14 @@ NOT_ROWS = ("data/inbox", "data/traces", "data/docs", "data/profiles", "data/tas
 
 class EraseError(WorkspaceError):
     """An erasure that cannot go on; the message says what to do."""
+
+
+def fault(phase: str) -> None:
+    """Tests kill an erasure midway, as `kill -9` does: OFFSEASON_FAIL_AT=erase:<phase>
+    (rewrite, commit, purge) SIGKILLs this process there.
+    """
+    if os.environ.get("OFFSEASON_FAIL_AT") == f"erase:{phase}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def now() -> str:
@@ -115,8 +124,10 @@ def subject_of(args_kind: str, value: str) -> tuple[str, str]:
     return args_kind, value
 
 
-def lookup(root: Path, subject: str) -> Found:
-    """The traces the index holds for a subject hash: one filtered read of each index part."""
+def lookup(root: Path, subject: str | set[str]) -> Found:
+    """The traces the index holds for a subject hash (or any of a set): one filtered read of
+    each index part.
+    """
     found = Found()
     folder = root / "data" / "traces"
     parts = sorted(folder.glob(f"{erasure.INDEX_PREFIX}*.parquet")) if folder.is_dir() else []
@@ -124,8 +135,10 @@ def lookup(root: Path, subject: str) -> Found:
         return found
     import pyarrow.dataset as ds
 
+    wanted = ds.field("subject") == subject if isinstance(subject, str) else \
+        ds.field("subject").isin(sorted(subject))
     table = ds.dataset([str(p) for p in parts], schema=erasure.INDEX, format="parquet").to_table(
-        filter=ds.field("subject") == subject)
+        filter=wanted)
     for row in table.to_pylist():
         found.index_rows += 1
         if row["trace_id"] is not None:
@@ -138,8 +151,8 @@ def lookup(root: Path, subject: str) -> Found:
 def widen(root: Path, key: bytes, found: Found) -> Found:
     """Every index row of the traces found (a trace's other subjects' rows, its duplicates)."""
     hashes = {erasure.digest(key, "trace", t) for t in found.traces}
-    for subject in hashes:
-        more = lookup(root, subject)
+    if hashes:  # one read of the index for all of them
+        more = lookup(root, hashes)
         found.traces |= more.traces
         found.places |= more.places
         found.files.update(more.files)
@@ -271,8 +284,14 @@ def _sha256(path: Path) -> str | None:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
-def filter_parquet(path: Path, found: Found) -> int:
-    """The Parquet file without the rows of the traces found; the number of rows removed."""
+def _nothing(path: Path) -> None:
+    pass
+
+
+def filter_parquet(path: Path, found: Found, intend=_nothing) -> int:
+    """The Parquet file without the rows of the traces found; the number of rows removed.
+    `intend(path)` is called before the file is replaced.
+    """
     schema = pq.read_schema(path)
     names = [n for n in ("trace_id", "task_id", "environment", "source_file", "source_line")
              if n in schema.names]
@@ -283,12 +302,16 @@ def filter_parquet(path: Path, found: Found) -> int:
     if all(mask):
         return 0
     table = pq.read_table(path).filter(pa.array(mask, pa.bool_()))
-    io.write_parquet(path, table.replace_schema_metadata(schema.metadata))
+    intend(path)
+    groups = erasure.INDEX_ROW_GROUP if path.name.startswith(erasure.INDEX_PREFIX) else None
+    io.write_parquet(path, table.replace_schema_metadata(schema.metadata), groups)
     return mask.count(False)
 
 
-def filter_jsonl(path: Path, found: Found) -> int:
-    """The JSONL file without the rows of the traces found; the number of rows removed."""
+def filter_jsonl(path: Path, found: Found, intend=_nothing) -> int:
+    """The JSONL file without the rows of the traces found; the number of rows removed.
+    `intend(path)` is called before the file is replaced.
+    """
     try:
         rows = io.read_jsonl(path)
     except ValueError:  # not rows of JSON: no trace of ours in it
@@ -296,18 +319,20 @@ def filter_jsonl(path: Path, found: Found) -> int:
     kept = [r for r in rows if not (isinstance(r, dict) and found.holds(r))]
     if len(kept) == len(rows):
         return 0
+    intend(path)
     io.write_jsonl(path, kept)
     return len(rows) - len(kept)
 
 
-def rewrite_traces(root: Path, found: Found, inbox_digests: dict[str, str | None]) -> dict:
+def rewrite_traces(root: Path, found: Found, inbox_digests: dict[str, str | None],
+                   intend=_nothing) -> dict:
     """data/traces/ without the rows: parts, duplicates, index; the manifest's counts and the
     rewritten inbox files' digests (ingest would warn of a file changed since it read it).
     """
     folder = root / "data" / "traces"
     removed = {}
     for path in sorted(folder.glob("*.parquet")):
-        n = filter_parquet(path, found)
+        n = filter_parquet(path, found, intend)
         if n:
             removed[str(path.relative_to(root))] = n
     manifest_path = folder / "manifest.json"
@@ -317,15 +342,17 @@ def rewrite_traces(root: Path, found: Found, inbox_digests: dict[str, str | None
             if name in inbox_digests:
                 entry["sha256"] = inbox_digests[name]
             part = folder / entry["part"]
-            if part.exists() and f"data/traces/{entry['part']}" in removed:
-                accepted = pq.read_metadata(part).num_rows
+            accepted = pq.read_metadata(part).num_rows if part.exists() else entry["accepted"]
+            if accepted < entry["accepted"]:  # the part's rows as they are now (a killed
+                # run's rewrite of it counted too)
                 entry["erased"] = entry.get("erased", 0) + entry["accepted"] - accepted
                 entry["accepted"] = accepted
+        intend(manifest_path)
         io.write_json(manifest_path, manifest)
     return removed
 
 
-def rewrite_data(root: Path, found: Found) -> dict:
+def rewrite_data(root: Path, found: Found, intend=_nothing) -> dict:
     """Every other Parquet and JSONL file under data/ without the rows (benchmarks included)."""
     removed = {}
     for path in sorted((root / "data").rglob("*")):
@@ -334,9 +361,9 @@ def rewrite_data(root: Path, found: Found) -> dict:
                 any(rel == f or rel.startswith(f + "/") for f in NOT_ROWS):
             continue
         if path.suffix == ".parquet":
-            n = filter_parquet(path, found)
+            n = filter_parquet(path, found, intend)
         elif path.suffix == ".jsonl" and rel != str(erasure.TOMBSTONES):
-            n = filter_jsonl(path, found)
+            n = filter_jsonl(path, found, intend)
         else:
             continue
         if n:
@@ -443,9 +470,10 @@ def stages_touching(root: Path, paths: set[str]) -> list[str]:
     return names
 
 
-def commit(root: Path, changed: set[str], message: str) -> list[str]:
-    """`dvc commit` of the stages and pointers holding `changed`, `dvc push`, git commit; the
-    stages committed.
+def commit(root: Path, changed: set[str], message: str) -> list[dict]:
+    """`dvc commit` of the stages and pointers holding `changed`, `dvc push`, git commit; what
+    is left: the default remote when the push failed (an unreachable remote keeps the request
+    open).
     """
     stages = stages_touching(root, changed)
     targets = list(stages)
@@ -454,14 +482,23 @@ def commit(root: Path, changed: set[str], message: str) -> list[str]:
         targets.append("data/inbox.dvc")
     if targets:
         dvc(root, "commit", "--force", "--quiet", *targets)
-    if dvc_remotes(root)[0]:
-        dvc(root, "push", "--quiet")
+    fault("commit")
+    left = []
+    default, remotes = dvc_remotes(root)
+    if default:
+        try:
+            dvc(root, "push")
+        except WorkspaceError as err:  # the new versions not there, the old ones not purged
+            url = remotes.get(default, {}).get("url", "?")
+            left.append({"what": f"the DVC remote {default} ({url})", "open": True,
+                         "why": "unreachable: " + " ".join(str(err).split())[:400],
+                         "todo": "make it reachable, then run this erase again to finish"})
     tracked = [p for p in ("dvc.lock", "data/inbox.dvc", str(erasure.TOMBSTONES), LOG)
                if (root / p).exists()]
     tracked += sorted(p for p in changed if git(root, "ls-files", "--", p))
     git(root, "add", "--", *tracked)
     git(root, "commit", "--quiet", "--allow-empty", "-m", message, "--", *tracked)
-    return stages
+    return left
 
 
 # --- purging older versions -------------------------------------------------------------------
@@ -523,13 +560,18 @@ def purge(root: Path, paths: set[str], found: Found, needles: list[bytes], erasu
         local = root / path
         if local.is_file():
             current.add(lineage.md5_of(local.read_bytes()))
-    deleted, left = [], []
+    doomed = {}
     for md5, path in sorted(_recorded(root, paths).items()):
         if md5 in current:
             continue
         data = lineage.read_object(root, md5)
-        if data is None or not _object_holds(data, path, found, needles):
-            continue
+        if data is not None and _object_holds(data, path, found, needles):
+            doomed[md5] = path
+    # tombstoned before deleted: a run killed midway leaves no object missing unexplained
+    tombstone(root, [{"object": md5, "path": path, "erasure": erasure_id, "date": now()}
+                     for md5, path in sorted(doomed.items())])
+    deleted, left = [], []
+    for md5, path in sorted(doomed.items()):
         for name, store in lineage.stores(root).items():
             obj = lineage.object_path(store, md5)
             if obj.exists():
@@ -540,6 +582,7 @@ def purge(root: Path, paths: set[str], found: Found, needles: list[bytes], erasu
                                  "why": str(err), "todo": f"delete {obj} by hand"})
                     continue
                 deleted.append({"md5": md5, "path": path, "store": name})
+                fault("purge")
     for name, store in lineage.stores(root).items():
         runs = store / "runs"
         if runs.is_dir():  # the run-cache names old outputs: a restore must not look for them
@@ -550,8 +593,6 @@ def purge(root: Path, paths: set[str], found: Found, needles: list[bytes], erasu
             left.append({"what": f"the DVC remote {name} ({settings['url']})", "why": "not a "
                          "local folder: erase purges local stores only", "todo": "delete the "
                          "objects listed in the receipt from it with its own tools"})
-    tombstone(root, [{"object": d, "path": p, "erasure": erasure_id, "date": now()}
-                     for d, p in sorted({(d["md5"], d["path"]) for d in deleted})])
     return deleted, left
 
 
@@ -570,9 +611,15 @@ def purge_mlflow(root: Path, needles: list[bytes]) -> tuple[dict, list[dict]]:
     uri = os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     db = root / "mlflow.db"
     if not uri.startswith("sqlite:///"):
-        left.append({"what": f"the MLflow server {uri}", "why": "erase searches a local "
-                     "SQLite store only", "todo": "search its runs' params, tags and artifacts "
-                     "for the traces and delete them there"})
+        problem = _unreachable(uri)
+        if problem:  # what it holds is unknown: the request stays open
+            left.append({"what": f"the MLflow server {uri}", "open": True,
+                         "why": f"unreachable: {problem}", "todo": "make it reachable, then "
+                         "run this erase again to finish"})
+        else:
+            left.append({"what": f"the MLflow server {uri}", "why": "erase searches a local "
+                         "SQLite store only", "todo": "search its runs' params, tags and "
+                         "artifacts for the traces and delete them there"})
         return done, left
     if not db.exists():
         return done, left
@@ -594,6 +641,20 @@ def purge_mlflow(root: Path, needles: list[bytes]) -> tuple[dict, list[dict]]:
                        capture_output=True)
         done["runs"] = sorted(runs)
     return done, left
+
+
+def _unreachable(uri: str) -> str | None:
+    """Why an MLflow server does not answer its /health, or None when it does."""
+    import urllib.error
+    import urllib.request
+
+    if not uri.startswith(("http://", "https://")):
+        return None
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10):
+            return None
+    except (urllib.error.URLError, OSError) as err:
+        return str(getattr(err, "reason", err))
 
 
 # --- models -----------------------------------------------------------------------------------
@@ -635,10 +696,15 @@ def apply_policy(root: Path, policy: str, models: dict, reason: str, model_name:
                               "`offseason lineage --trace`); excluded from every later cycle")
     elif models["champion_affected"]:
         from flows.orchestration import promotion
-        from flows.project.workspace import generations
 
-        clean = [g for g in generations(root) if f"gen-{g}" not in models["generations"]]
-        if not clean:
+        # the generations that were champions (a rejected one cannot serve), newest last
+        champions = sorted({e["champion_generation"] for e in promotion.log_entries(root)
+                            if e.get("action") in ("init", "promote", "rollback")})
+        clean = [g for g in champions if f"gen-{g}" not in models["generations"]]
+        now_serving = promotion.champion_generation(root)
+        if f"gen-{now_serving}" not in models["generations"]:  # a rerun: rolled back already
+            decision["action"] = f"rolled back to gen-{now_serving}"
+        elif not clean:
             decision["action"] = "rollback impossible: every generation learned from them"
         else:
             entry = promotion.rollback(root, model_name, f"erasure: {reason}", "offseason erase",
@@ -750,9 +816,22 @@ def erase(root: Path, kind: str, value: str, reason: str, config, model_name: st
         return receipt
     pending_path.parent.mkdir(parents=True, exist_ok=True)
     if not pending_path.exists():
-        io.write_json(pending_path, {"id": erasure_id, "received": received,
-                                     "found": found.to_json(), "models": models,
-                                     "needles": [n.hex() for n in needles]})
+        # the inbox files as they were: a rerun rewrites (by line number) only those still so
+        pending = {"id": erasure_id, "received": received, "found": found.to_json(),
+                   "models": models, "needles": [n.hex() for n in needles],
+                   "inbox": {name: _sha256(root / "data" / "inbox" / name)
+                             for name in sorted(found.files)}, "touched": []}
+        io.write_json(pending_path, pending)
+    touched = set(pending["touched"])
+
+    def intend(path: Path) -> None:
+        """Record a file before it is replaced: a run killed after replacing it, before its
+        `dvc commit`, leaves the rerun knowing what to commit.
+        """
+        rel = str(path.relative_to(root))
+        if rel not in touched:
+            touched.add(rel)
+            io.write_json(pending_path, {**pending, "touched": sorted(touched)})
     date = now()
     tombstone(root, [{"hash": subject, "kind": kind, "erasure": erasure_id, "reason": reason,
                       "date": date}] +
@@ -768,14 +847,17 @@ def erase(root: Path, kind: str, value: str, reason: str, config, model_name: st
     ids = id_forms(found.traces)
     for name, fmt in sorted(found.files.items()):
         path = inbox / name
-        if path.exists():
+        # by line number: only a file as it was found (a killed run may have rewritten it)
+        if path.exists() and _sha256(path) == pending["inbox"].get(name):
             lines = {n for f, n in found.places if f == name}
+            intend(path)
             n = rewrite_inbox_file(path, fmt, lines, ids)
             if n:
                 removed[f"data/inbox/{name}"] = n
         digests[name] = _sha256(path)
-    removed.update(rewrite_traces(root, found, digests))
-    removed.update(rewrite_data(root, found))
+    fault("rewrite")
+    removed.update(rewrite_traces(root, found, digests, intend))
+    removed.update(rewrite_data(root, found, intend))
     journal, journal_left = rewrite_collect_journal(root, found)
     if journal:
         removed[str(COLLECT_SPOOL / "journal")] = journal
@@ -786,7 +868,7 @@ def erase(root: Path, kind: str, value: str, reason: str, config, model_name: st
     if pulled:
         removed[".offseason/pull"] = pulled
     receipt["removed"] = removed
-    commit(root, set(removed), f"erase: {erasure_id}: {len(found.traces)} trace(s) of one "
+    receipt["left"] += commit(root, set(removed) | touched, f"erase: {erasure_id}: {len(found.traces)} trace(s) of one "
                                f"{kind.split(':')[0]} removed from every current file")
 
     # older versions: DVC objects, MLflow
@@ -805,6 +887,11 @@ def erase(root: Path, kind: str, value: str, reason: str, config, model_name: st
     receipt["left"].append({"what": "copies outside offseason", "why": "the tracing service "
                             "the traces came from, backups, models already shipped",
                             "todo": "delete them there (Langfuse, LangSmith: their delete API)"})
+    blocking = [item["what"] for item in receipt["left"] if item.get("open")]
+    if blocking:  # never reported done: the pending file stays for the rerun
+        receipt.update(status="open: " + "; ".join(blocking) + " unreachable", done=None)
+        _finish(root, receipt)
+        return receipt
     receipt.update(status="done", done=now())
     _finish(root, receipt)
     pending_path.unlink(missing_ok=True)
@@ -826,8 +913,11 @@ def _finish(root: Path, receipt: dict) -> None:
                 "generations": models.get("generations") or [],
                 "policy": models.get("policy"), "action": models.get("action"),
                 "left": [item["what"] for item in receipt["left"]]})
-    git(root, "add", "--", LOG)
-    git(root, "commit", "--quiet", "-m", f"erase: {receipt['id']} {receipt['status']}", "--", LOG)
+    # the tombstones of the objects purged since the rewrite's commit
+    tracked = [p for p in (LOG, str(erasure.TOMBSTONES)) if (root / p).exists()]
+    git(root, "add", "--", *tracked)
+    git(root, "commit", "--quiet", "-m", f"erase: {receipt['id']} {receipt['status']}", "--",
+        *tracked)
 
 
 def text(receipt: dict) -> str:
@@ -878,7 +968,9 @@ def status(root: Path, deadline_days: int) -> tuple[str, int]:
             left = (due - today).days
             lines.append(f"{row['id']}: OPEN since {row['received']}, due {due.date()} ("
                          + (f"{left} day(s) left" if left >= 0 else f"{-left} day(s) OVERDUE")
-                         + "): run the same `offseason erase` again to finish it")
+                         + ")" + (f"; {row['status']}" if row.get("status", "open") != "open"
+                                  else "")
+                         + ": run the same `offseason erase` again to finish it")
     if not rows:
         lines.append("no erasure requests recorded")
     lines.append(f"{open_count} open, {len(rows) - open_count} done (deadline "

@@ -294,6 +294,7 @@ def _trace(trace_id: str, spans: list[dict]) -> dict | None:
         "feedback": _feedback(spans, calls),
         "usage": _usage(calls),
         "conversation_id": _conversation_id(spans),
+        "user_id": _user_id(spans),
     }
 
 
@@ -311,6 +312,18 @@ def _conversation_id(spans: list[dict]) -> str | None:
         value = span["attrs"].get("gen_ai.conversation.id")
         if value is not None and value != "":
             return str(value)
+    return None
+
+
+def _user_id(spans: list[dict]) -> str | None:
+    """The first `user.id` (or the older `enduser.id`) of the spans, in start order: the user
+    the trace served, which only erasure's index keeps (as a salted hash).
+    """
+    for span in sorted(spans, key=lambda s: s["start"]):
+        for key in ("user.id", "enduser.id"):
+            value = span["attrs"].get(key)
+            if value not in (None, ""):
+                return str(value)
     return None
 
 
