@@ -62,6 +62,10 @@ def test_killed_in_each_stage_then_rerun_gives_the_uninterrupted_outputs(tmp_pat
         shutil.rmtree(killed / name, ignore_errors=True) if (killed / name).is_dir() else \
             (killed / name).unlink(missing_ok=True)
     done = offseason(reference, "run")
+    # the same project: its erasure salt (made by its first ingest, kept out of git) copied, or
+    # the two indexes in data/traces would hash the same people differently
+    (killed / ".offseason").mkdir(exist_ok=True)
+    shutil.copy(reference / ".offseason" / "erasure.salt", killed / ".offseason" / "erasure.salt")
     # the model stages were forked from the session's warm server (flows/orchestration/forkserver.py), and
     # what they wrote is what the killed runs below must reproduce
     assert "starts cold" not in done.stdout + done.stderr, done.stderr[-3000:]

@@ -28,7 +28,8 @@ from stages import remote, reward
 from stages.generation import openai_backend
 
 BOUND_S = 2.0  # OFFSEASON_PROBE_TIMEOUT in these tests
-SLACK_S = 8.0  # start-up of the command around the probe (imports, DVC), on a busy machine
+SLACK_S = 20.0  # start-up of the command around the probe (imports, DVC), on a busy machine
+# (the suite on 2 cores with 3 workers took 10-12 s in all): the bound is against minutes
 
 
 def refused() -> str:
