@@ -175,11 +175,9 @@ def saffron_level(alpha: float, p_values: list[float], lam: float = 0.5) -> floa
     """
     w0 = (1 - lam) * alpha / 2
     t = len(p_values) + 1
-    levels, rejections = [], []
+    rejections: list[int] = []
     for i, p in enumerate(p_values, start=1):  # the levels earlier decisions were held to
-        level = _saffron(alpha, lam, w0, i, p_values[:i - 1], rejections)
-        levels.append(level)
-        if p <= level:
+        if p <= _saffron(alpha, lam, w0, i, p_values[:i - 1], rejections):
             rejections.append(i)
     return _saffron(alpha, lam, w0, t, p_values, rejections)
 

@@ -594,8 +594,8 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
             else:
                 if ahead is not None and ahead[0] == step:
                     log = ahead[1].result()  # played while the step before trained
-                elif overlap and step == start and stored(step) is not None:
-                    log = stored(step)  # played ahead before a kill; its usage is counted
+                elif overlap and step == start and (kept := stored(step)) is not None:
+                    log = kept  # played ahead before a kill; its usage is counted
                 else:
                     log = produce(step, policy_now(), step)
                     usage["prompt_tokens"] += log["prompt_tokens"]

@@ -508,14 +508,7 @@ class Journal:
         acknowledged. The numbers of spans and of log records held then.
         """
         for path in self.segments():
-            data = path.read_bytes()
-            at = 0
-            while at + _HEAD.size <= len(data):
-                kind, size, crc = _HEAD.unpack_from(data, at)
-                payload = data[at + _HEAD.size: at + _HEAD.size + size]
-                if len(payload) != size or zlib.crc32(payload) != crc:
-                    break
-                at += _HEAD.size + size
+            for kind, payload in records(path.read_bytes()):
                 if kind in (SPANS, LOGS):
                     request = (ExportTraceServiceRequest if kind == SPANS
                                else ExportLogsServiceRequest)()
@@ -539,7 +532,7 @@ class Journal:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # traces hold PII
         with self.traces.lock:  # about what the snapshot holds, and where what comes after starts
             held, received_at = self.traces.held(), self.traces.received
-        data = b"".join(_record(kind, p) for kind, p in self.traces.snapshot())
+        data = b"".join(record(kind, p) for kind, p in self.traces.snapshot())
         try:
             os.write(fd, data)
             os.fsync(fd)
@@ -628,8 +621,23 @@ class Journal:
         os.close(self.fd)
 
 
-def _record(kind: bytes, payload: bytes) -> bytes:
+def record(kind: bytes, payload: bytes) -> bytes:
+    """One journal record: its head (kind, length, CRC-32) and payload."""
     return _HEAD.pack(kind, len(payload), zlib.crc32(payload)) + payload
+
+
+def records(data: bytes):
+    """A journal segment's (kind, payload) records in order; one cut short or corrupt ends the
+    segment (it was never acknowledged). The reader of `record`'s writing (and erase's).
+    """
+    at = 0
+    while at + _HEAD.size <= len(data):
+        kind, size, crc = _HEAD.unpack_from(data, at)
+        payload = data[at + _HEAD.size: at + _HEAD.size + size]
+        if len(payload) != size or zlib.crc32(payload) != crc:
+            return
+        at += _HEAD.size + size
+        yield kind, payload
 
 
 def _ids(payload: bytes, start: int, end: int) -> set[bytes]:

@@ -380,8 +380,6 @@ def rewrite_collect_journal(root: Path, found: Found) -> tuple[int, str | None]:
     if not segments:
         return 0, None
     import fcntl
-    import struct
-    import zlib
 
     lock = open(root / COLLECT_SPOOL / "lock", "a")
     try:
@@ -398,16 +396,10 @@ def rewrite_collect_journal(root: Path, found: Found) -> tuple[int, str | None]:
                 raw_ids.add(bytes.fromhex(trace))
             except ValueError:
                 pass
-        head = struct.Struct(">cII")
         changed = 0
         for path in segments:
-            data, at, out = path.read_bytes(), 0, []
-            while at + head.size <= len(data):
-                kind, size, crc = head.unpack_from(data, at)
-                payload = data[at + head.size: at + head.size + size]
-                if len(payload) != size or zlib.crc32(payload) != crc:
-                    break
-                at += head.size + size
+            out = []
+            for kind, payload in collect.records(path.read_bytes()):
                 if kind in (collect.SPANS, collect.LOGS):
                     request = (collect.ExportTraceServiceRequest if kind == collect.SPANS
                                else collect.ExportLogsServiceRequest)()
@@ -419,7 +411,7 @@ def rewrite_collect_journal(root: Path, found: Found) -> tuple[int, str | None]:
                         payload[:16] in raw_ids:
                     changed += 1
                     continue
-                out.append(head.pack(kind, len(payload), zlib.crc32(payload)) + payload)
+                out.append(collect.record(kind, payload))
             if changed:
                 io.write_lines_durably(path, out)
         return changed, None

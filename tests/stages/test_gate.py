@@ -746,13 +746,8 @@ def test_a_binary_guard_regressed_by_its_margin_is_declared_non_inferior_at_most
     of the time."""
     rng = np.random.default_rng(5)
 
-    def suite(d: float, name: str, n: int = 200, disagree: float = 0.15):
-        champion = (rng.random(n) < 0.55).astype(float)
-        candidate = champion.copy()
-        split = rng.random(n) < disagree
-        wins = rng.random(n) < 0.5 + d / (2 * disagree)
-        candidate[split], champion[split] = wins[split], 1 - wins[split]
-        return pairs(rows(candidate, name), rows(champion, name))
+    def suite(d: float, name: str):
+        return discordant(rng, d, name, 200, 0.15)
 
     quick = cfg.Gate(bootstrap_samples=100)  # the guards' test takes no resamples; the rest few
 
