@@ -24,6 +24,9 @@ import tenacity
 MAX_WAIT_S = 30.0
 # no answer, or an answer cut off: the server may be restarting or overloaded
 NETWORK_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+# of those, the ones that say the server is gone rather than slow: refused, reset, cut off
+# mid-answer (a timeout may be a long answer: the callers' stall watches judge those)
+GONE = (httpx.NetworkError, httpx.RemoteProtocolError)
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 

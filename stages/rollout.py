@@ -160,6 +160,8 @@ def run(base: cfg.Base, config: cfg.Rollout, specs: dict, champion: Path, rollou
                 by_url[url] = by_url.get(url, 0) + count
         requests = {"requests": sum(s.requests for s in stats),
                     "retries": sum(s.retries for s in stats), "requests_by_url": by_url,
+                    # servers left out mid-stage (died, or stalled while others answered), and why
+                    "urls_lost": {url: why for s in stats for url, why in s.lost.items()},
                     # what the servers processed (and bill): budget.served_tokens prices it
                     "served_usage": {"prompt_tokens": sum(s.prompt_tokens for s in stats),
                                      "completion_tokens": sum(s.completion_tokens

@@ -4,7 +4,9 @@ Any server with the completions API works (vLLM, SGLang, TGI, `stages.generation
 `chat_rollout` plays token in, token out over `/completions`, one request per model turn, the
 conversation rendered here by `stages.generation.chat`; with `runtime.rollout.api: chat` each turn
 is a `/chat/completions` request whose rendering and tool calls are checked against ours. Requests
-are async on `stages.http`'s client and retry policy, to the least-loaded URL. `serve(command,
+are async on `stages.http`'s client and retry policy, to the least-loaded URL; a URL that dies
+(refused, cut off) or, among several, answers nothing for `stall_seconds` is left out for
+DOWN_SECONDS and its requests in flight go to the others. `serve(command,
 ...)` starts a server (`runtime.rollout.server_command`) and always stops it. Reads an API key
 from the named environment variable (never logged); writes no file.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +26,9 @@ from pathlib import Path
 from stages import http
 from stages.generation.episode import Progress
 from stages.servers import ServerError, serve
+
+# a URL found dead is left out this long, then tried again (a server restarted comes back)
+DOWN_SECONDS = 30.0
 
 
 @dataclass
@@ -36,21 +42,34 @@ class Stats:
     # every turn's prompt included (a multi-turn episode sends its conversation each turn)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    lost: dict[str, str] = field(default_factory=dict)  # URLs left out mid-run, and why
 
 
 class Pool:
-    """The URLs and their requests in flight: the next request goes to the least loaded."""
+    """The URLs and their requests in flight: the next request goes to the least loaded of
+    those not left out (`leave_out`: a server that died or stalled mid-run).
+    """
 
     def __init__(self, urls: list[str]):
-        """A pool of the server URLs, none in flight."""
+        """A pool of the server URLs, none in flight, none left out."""
         self.urls = [u.rstrip("/") for u in urls]
         self.inflight = dict.fromkeys(self.urls, 0)
         self.turn = 0
+        self.out_until = dict.fromkeys(self.urls, 0.0)  # monotonic time a URL is left out until
+
+    def leave_out(self, url: str, seconds: float = DOWN_SECONDS) -> None:
+        """No new request goes to `url` for `seconds` while another URL is in."""
+        self.out_until[url] = time.monotonic() + seconds
 
     def acquire(self, avoid: str | None = None) -> str:
-        """The least-loaded URL, ties in turn; not `avoid` (the one that just failed) if possible."""
+        """The least-loaded URL, ties in turn, of those not left out (all of them when every one
+        is: the request is tried and fails as it would); not `avoid` (the one that just failed)
+        if possible.
+        """
         n = len(self.urls)
         order = [self.urls[(self.turn + k) % n] for k in range(n)]
+        now = time.monotonic()
+        order = [u for u in order if self.out_until[u] <= now] or order
         order = [u for u in order if u != avoid] or order
         url = min(order, key=self.inflight.__getitem__)
         self.turn = (self.urls.index(url) + 1) % n
@@ -71,9 +90,14 @@ class Client:
     """An async client of OpenAI-compatible completion servers, with `stages.http`'s retries."""
 
     def __init__(self, urls: list[str], *, concurrency: int, timeout: float, retries: int,
-                 backoff: float, api_key: str | None):
-        """A client of `urls` with at most `concurrency` requests in flight."""
+                 backoff: float, api_key: str | None, stall: float | None = None):
+        """A client of `urls` with at most `concurrency` requests in flight; `stall`: among
+        several URLs, one that answers nothing for that long while another answers is left out
+        and its requests go elsewhere (one URL alone: `_watched` fails the stage instead).
+        """
         self.pool = Pool(urls)
+        self.stall = stall if stall and len(self.pool.urls) > 1 else None
+        self.answered = dict.fromkeys(self.pool.urls, time.monotonic())  # per URL, the last answer
         self.limit = asyncio.Semaphore(concurrency)
         self.http = http.async_client(self.pool.urls, timeout=timeout, api_key=api_key,
                                       concurrency=concurrency)
@@ -107,13 +131,15 @@ class Client:
             base = url or self.pool.acquire(avoid=tried[-1] if tried else None)
             tried.append(base)
             try:
-                response = http.checked(await self.http.request(method, base + path,
-                                                                json=payload))
+                response = http.checked(await self._sent(method, base, path, payload))
+            except http.GONE as err:
+                self._lose(base, f"{type(err).__name__}: {err}".rstrip(": "))
+                raise
             finally:
                 if url is None:
                     self.pool.release(base)
         answer = response.json()
-        self.progress = time.monotonic()
+        self.progress = self.answered[base] = time.monotonic()
         if method == "POST":  # completions; not the GET /models lookup
             self.stats.requests += 1
             self.stats.by_url[base] = self.stats.by_url.get(base, 0) + 1
@@ -121,6 +147,40 @@ class Client:
             self.stats.prompt_tokens += int(usage.get("prompt_tokens") or 0)
             self.stats.completion_tokens += int(usage.get("completion_tokens") or 0)
         return answer
+
+    async def _sent(self, method: str, base: str, path: str, payload: dict | None):
+        """The answer to one request; with a stall bound among several URLs, a Transient error
+        once `base` has answered nothing (this request included) for `stall` seconds while
+        another URL did: the request goes to another URL, and `base` is left out.
+        """
+        sent = self.http.request(method, base + path, json=payload)
+        if not self.stall:
+            return await sent
+        task, since = asyncio.ensure_future(sent), time.monotonic()
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=min(1.0, self.stall / 4))
+            if done:
+                return task.result()
+            now = time.monotonic()
+            quiet = now - max(self.answered[base], since)
+            others = any(now - self.answered[u] < quiet for u in self.pool.urls if u != base)
+            if quiet > self.stall and others:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                why = (f"answered nothing for {quiet:.0f} s while the others answered "
+                       f"(runtime.rollout.stall_seconds={self.stall:g})")
+                self._lose(base, why)
+                raise http.Transient(why)
+
+    def _lose(self, url: str, why: str) -> None:
+        """Leave `url` out (a server gone or stalled); said once per URL on stderr."""
+        self.pool.leave_out(url)
+        if url not in self.stats.lost:
+            self.stats.lost[url] = why
+            others = [u for u in self.pool.urls if u != url]
+            if others:
+                print(f"rollout: {url} left out for {DOWN_SECONDS:g} s ({why}); its requests go "
+                      f"to {', '.join(others)}", file=sys.stderr, flush=True)
 
     def _retried(self, state) -> None:
         self.stats.retries += 1
@@ -305,7 +365,7 @@ async def _chat(play, prompts: list[list[int] | None], seeds: list[int], *, urls
                 api_key: str | None, progress: bool, api: str = "completions",
                 stall: float | None = None):
     client = Client(urls, concurrency=concurrency, timeout=timeout, retries=retries,
-                    backoff=backoff, api_key=api_key)
+                    backoff=backoff, api_key=api_key, stall=stall)
     bar = Progress(len(prompts), "rollout (openai)", progress)
     try:
         if not model:

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import socket
 import sys
 import threading
 import time
@@ -287,6 +288,62 @@ def test_several_urls_share_the_work_and_a_failing_one_is_routed_around(trained,
     again, stats = run_openai(trained, [broken.url, good.url], concurrency=4)
     assert [e.token_ids for e in again] == [e.token_ids for e in episodes]
     assert stats.retries == broken.handler.posts > 0 and stats.by_url[broken.url] == 0
+
+
+def test_a_server_that_dies_mid_run_loses_only_its_requests_in_flight(trained, serve, capsys):
+    """One of two servers shuts down after answering 10 requests (its port closed, its open
+    connections cut): its requests in flight go to the other, and no new request is sent to it
+    (before: each later request tried the dead URL first, the least loaded, then retried)."""
+    dead, cut = threading.Event(), []
+
+    def die(handler_self, n):
+        if n == 11 and not dead.is_set():
+            dead.set()
+            server = doomed[0].server
+            threading.Thread(target=lambda: (server.shutdown(), server.server_close())).start()
+        if dead.is_set():  # gone: no answer on any connection, kept-alive ones included
+            cut.append(n)
+            handler_self.close_connection = True
+            handler_self.connection.shutdown(socket.SHUT_RDWR)
+            return True
+        return False
+
+    reference, _ = run_openai(trained, [serve().url], tasks=tasks(3))
+    doomed = [serve(handler(die))]
+    a, b = doomed[0], serve()
+    episodes, stats = run_openai(trained, [a.url, b.url], tasks=tasks(3), concurrency=8)
+    assert [e.token_ids for e in episodes] == [e.token_ids for e in reference]
+    assert dead.is_set() and stats.by_url[a.url] == a.handler.posts - len(cut) >= 10
+    # at most the requests in flight when it died (concurrency 8) were sent to it in vain
+    assert 1 <= len(cut) <= stats.retries <= 8, (len(cut), stats.retries)
+    assert list(stats.lost) == [a.url]
+    assert f"rollout: {a.url} left out" in capsys.readouterr().err
+
+
+def test_a_server_that_wedges_among_several_is_left_out_within_the_stall_bound(trained, serve):
+    """One of two servers stops answering after 10 requests (up, accepting, never replying):
+    with stall_seconds its requests go to the other once it has been silent that long, and the
+    run finishes (before: each waited request_timeout, 120 s, and the run with it)."""
+    release = threading.Event()
+
+    def wedge(handler_self, n):
+        if n > 10:
+            release.wait(120)
+            return True
+        return False
+
+    reference, _ = run_openai(trained, [serve().url], tasks=tasks(3))
+    a, b = serve(handler(wedge)), serve()
+    began = time.monotonic()
+    try:
+        episodes, stats = run_openai(trained, [a.url, b.url], tasks=tasks(3), concurrency=8,
+                                     stall=2.0, timeout=120.0)
+    finally:
+        release.set()
+    assert time.monotonic() - began < 60  # the bound (2 s) with a loaded machine's slack
+    assert [e.token_ids for e in episodes] == [e.token_ids for e in reference]
+    assert list(stats.lost) == [a.url] and "answered nothing" in stats.lost[a.url]
+    assert stats.by_url[a.url] == 10
 
 
 def _validated(path: Path) -> Path:
