@@ -8,7 +8,7 @@ counted per reason).
 Each episode is scored by its environment's `reward` (or `reward_group`); a reward that raises is
 an error with its cause, never a zero. Runs in `runtime.reward.workers` processes or on a Ray
 cluster; `--validated` adds users' ratings as a `feedback` component. A budget that stops the
-stage (`stages/budget.py`, checked between batches of jobs) leaves the finished scores in
+stage (`stages/budget.py`, checked as each result comes in) leaves the finished scores in
 `data/rewards.parquet.partial`; the rerun scores only the rest, to the same table.
 
     python -m stages.reward data/rollouts.parquet data/rewards.parquet metrics/reward.json \
@@ -246,7 +246,8 @@ def scorer(envs: dict, modules: dict[str, str], root: Path, workers: int = 0,
     """`run(jobs, between=None)`: the results of scoring jobs, in their order, wherever they ran
     (module docstring, "Fan-out"). A job is `(kind, environment, task JSON, payload JSON)`
     (`contract.run_job`); `envs`: the loaded environments by name, `modules`: the module each
-    was loaded from. `between(done)` is called as results come in (a budget check may raise).
+    was loaded from. `between(done)` is called as results come in (a budget check may raise:
+    the error then carries `results`, as `Stalled` does, and the workers are ended).
     Nothing finished anywhere for `stall_seconds` (runtime.reward.stall_seconds) and `run`
     raises `Stalled`, naming where it waited: a Ray worker or a process that wedges would
     otherwise hold the stage for ever (`ray.get` has no bound of its own).
@@ -306,6 +307,14 @@ def scorer(envs: dict, modules: dict[str, str], root: Path, workers: int = 0,
         pending += judging
         results: list = [None] * len(jobs)
         done, started, last = 0, time.time(), time.time()
+
+        def progressed() -> None:
+            if between is not None:
+                try:
+                    between(done)
+                except Exception as err:  # a budget stop: what finished goes with it, to keep
+                    err.results = results
+                    raise
         waiting = {}  # handle -> the jobs' indices, for those running elsewhere
         for indices, handle in pending:
             if handle is None:  # here, in this thread, now
@@ -316,8 +325,7 @@ def scorer(envs: dict, modules: dict[str, str], root: Path, workers: int = 0,
             for i, result in zip(indices, got):
                 results[i] = result
             done += len(indices)
-            if between is not None:
-                between(done)
+            progressed()
         progress = time.monotonic()
         while waiting:
             ready = _ready(list(waiting), ray)
@@ -339,8 +347,7 @@ def scorer(envs: dict, modules: dict[str, str], root: Path, workers: int = 0,
                 for i, result in zip(indices, got):
                     results[i] = result
                 done += len(indices)
-                if between is not None:
-                    between(done)
+                progressed()
             if time.time() - last >= PROGRESS_EVERY_S:
                 last = time.time()
                 print(f"reward: {done}/{len(jobs)} scored ({done / (last - started):.0f}/s)",
@@ -350,7 +357,7 @@ def scorer(envs: dict, modules: dict[str, str], root: Path, workers: int = 0,
     stalled = False
     try:
         yield run
-    except Stalled:
+    except (Stalled, budgets.BudgetSpent):  # the work left is not wanted: ended, not awaited
         stalled = True
         raise
     finally:
@@ -388,7 +395,7 @@ def score(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = 
     tool call broke at rollout, is an error with its cause, never a zero. `feedback`: the
     traces' ratings (`trace_feedback`), added as the `feedback` component where an episode of
     a trace's task gave production's rated answer (`with_feedback`). `meter`: the cycle's
-    budget, checked between batches of jobs (the judge's tokens counted); a stop raises
+    budget, checked as each result comes in (the judge's tokens counted); a stop raises
     `BudgetSpent` whose `rows` are the finished results (`_kept` reads them back). `scoring`: a
     `scorer` already open (on-policy training scores every step with one pool of workers).
     `kept`: {job key: (result, cause)} finished by a run a budget stopped: not scored again.
@@ -405,51 +412,47 @@ def score(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = 
         if not row["error"]:
             first.setdefault((row["environment"], row["task_id"]), i)
 
-    # under a budget the jobs go out in batches, the budget checked between two: a stop keeps
-    # every finished result (`err.rows`, `run` writes them beside the output) and a rerun given
-    # them (`kept`: job key -> (result, cause)) scores only the rest. A judged environment's
-    # results are not kept here: the judge's cache has them, keyed by its model and rubric
-    batch = max(16, 8 * (config.workers or os.cpu_count() or 1)) \
-        if meter is not None and meter.limited else 0
+    # under a budget each result that comes in is followed by a check (no batches: a batch's
+    # tail would leave workers idle); a stop keeps every finished result (`err.rows`, `run`
+    # writes them beside the output) and a rerun given them (`kept`: job key -> (result,
+    # cause)) scores only the rest. A judged environment's results are not kept here: the
+    # judge's cache has them, keyed by its model and rubric
+    limited = meter is not None and meter.limited
     finished, keep = dict(kept or {}), []
 
-    def check(done: int, total: int, what: str) -> None:
-        meter.check(f"{done} of {total} {what}", f"{total - done} {what}",
-                    judge_tokens=sum(j.tokens for j in judge.used()))
-
-    def record(job: tuple, result) -> None:
-        finished[_job_key(job)] = tuple(result)
+    def record(key: str, job: tuple, result) -> None:
+        finished[key] = tuple(result)
         if not envs[job[1]].judged:
-            keep.append(_job_key(job))
+            keep.append(key)
 
-    def ran(run, part: list[tuple]) -> list:
-        try:
-            return run(part)
-        except Stalled as err:  # what finished before the stall is kept, as on a budget stop
-            for job, result in zip(part, err.results):
-                if result is not None:
-                    record(job, result)
-            raise
-
-    def batched(run, these: list[tuple], what: str) -> list:
-        if not batch and not finished:
-            return ran(run, these)
+    def scored(run, these: list[tuple], what: str) -> list:
         keys = [_job_key(job) for job in these]
-        todo = [job for job, key in zip(these, keys) if key not in finished]
-        step = batch or len(todo) or 1
-        for start in range(0, len(todo), step):
-            part = todo[start:start + step]
-            for job, result in zip(part, ran(run, part)):
-                record(job, result)
-            if batch:
-                check(sum(key in finished for key in keys), len(these), what)
+        # each job once: identical episodes (a task's samples that came out the same) share
+        # one result, in a run as in a rerun after a stop
+        todo = {key: job for job, key in zip(these, keys) if key not in finished}
+        before = len(set(keys)) - len(todo)
+
+        def check(done: int) -> None:
+            meter.check(f"{before + done} of {before + len(todo)} {what}",
+                        f"{len(todo) - done} {what}",
+                        judge_tokens=sum(j.tokens for j in judge.used()))
+
+        try:
+            got = run(list(todo.values()), check if limited else None) if todo else []
+        except (Stalled, budgets.BudgetSpent) as err:  # what finished is kept, then the stop
+            for (key, job), result in zip(todo.items(), getattr(err, "results", [])):
+                if result is not None:
+                    record(key, job, result)
+            raise
+        for (key, job), result in zip(todo.items(), got):
+            record(key, job, result)
         return [finished[key] for key in keys]
 
     try:
         with contextlib.nullcontext(scoring) if scoring is not None else \
                 scorer(envs, {name: spec.module for name, spec in specs.items()}, root,
                        config.workers, config.ray_address, config.stall_seconds) as run:
-            gold = batched(run, [("gold", name, rows[i]["task"], None)
+            gold = scored(run, [("gold", name, rows[i]["task"], None)
                                  for (name, _), i in first.items()], "gold checks")
             set_aside = {key: cause for key, (_, cause) in zip(first, gold) if cause is not None}
             # an environment with reward_group scores all samples of a task at once (a relative
@@ -464,7 +467,7 @@ def score(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = 
                     if envs[rows[m[0]]["environment"]].reward_group else
                     ("reward", rows[m[0]]["environment"], rows[m[0]]["task"],
                      rows[m[0]]["messages"]) for m in groups.values()]
-            results = batched(run, jobs, "scores")
+            results = scored(run, jobs, "scores")
     except (budgets.BudgetSpent, Stalled) as err:
         err.rows = [{"key": key, "result": _encoded(finished[key][0]),
                      "cause": finished[key][1]} for key in dict.fromkeys([*(kept or {}), *keep])]

@@ -440,9 +440,10 @@ def test_a_wedged_worker_fails_the_stage_within_its_stall_bound_and_keeps_what_f
     message = str(err.value)
     assert "runtime.reward.stall_seconds=3" in message and "runtime.reward.workers=2" in message
     assert "(6 of 7 done" in message, message  # all but the wedged one
-    assert "6 finished scores are kept in rewards.parquet.partial" in message, message
+    # the 7 gold checks and the 6 scores (the gold checks were not kept before)
+    assert "13 finished scores are kept in rewards.parquet.partial" in message, message
     (tmp_path / "wedged.flag").unlink()  # the grader's service is back
     metrics = reward.run(config, rollouts, out, specs, root=tmp_path)
-    assert metrics["resumed_scores"] == 6
+    assert metrics["resumed_scores"] == 13
     assert pq.read_table(out).equals(unstopped)
     assert not (tmp_path / "rewards.parquet.partial").exists()

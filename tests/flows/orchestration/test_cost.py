@@ -356,7 +356,9 @@ def test_a_budget_stops_the_reward_stage_mid_way_and_a_raised_one_gives_the_unli
                (2, 8, BAD), (4, 4, GOOD), (9, 1, BAD), (3, 3, BAD), (5, 5, GOOD), (1, 1, BAD)]]
     pq.write_table(pa.Table.from_pylist(episodes(champion, groups), schema=rollout.SCHEMA),
                    rollouts)
-    jobs = 12 + 48  # a gold check per task, a score per episode: 10 ms of CPU each
+    # a gold check per task, a score per distinct episode (a group's four are two answers, each
+    # twice: identical episodes share one score): 10 ms of CPU each
+    jobs = 12 + 24
     calls = tmp_path / "calls.txt"
     config = cfg.Reward(workers=1)  # in this process: its CPU is what the meter reads
     whole, stopped = tmp_path / "whole.parquet", tmp_path / "stopped.parquet"
@@ -364,21 +366,21 @@ def test_a_budget_stops_the_reward_stage_mid_way_and_a_raised_one_gives_the_unli
     assert len(calls.read_text().split()) == jobs
     calls.unlink()
     prices = cfg.Cost(cpu_hour_usd=3600.0)  # a dollar a CPU-second: max_usd counts CPU seconds
-    # half the scores' CPU: the check before the first batch passes, one after a later batch
-    # (16 jobs each, the gold checks first) stops the stage
+    # half the scores' CPU: the gold checks pass, a check after a later score (one after each
+    # result) stops the stage
     meter = budgets.Meter("reward", cfg.Budget(max_usd=jobs * 0.01 / 2), prices,
                           since_cpu=cpu_now())
     with pytest.raises(budgets.BudgetSpent) as err:
         reward.run(config, rollouts, stopped, specs, tmp_path, meter=meter)
     message = str(err.value)
     assert "budget.max_usd=" in message and "reached" in message, message
-    assert re.search(r"done: \d+ of 48 scores; left to do: \d+ scores", message), message
+    assert re.search(r"done: \d+ of 24 scores; left to do: \d+ scores", message), message
     assert not stopped.exists()  # no partial table is left as the stage's output
     partial = stopped.with_name("stopped.parquet.partial")
     kept = len(pq.read_table(partial))
     assert partial.name in message and f"{kept} finished scores are kept" in message
-    done = len(calls.read_text().split())  # an episode twice in a task: one result kept
-    assert 12 < done < jobs and 0 < kept <= done
+    done = len(calls.read_text().split())
+    assert 12 < done < jobs and kept == done
     calls.unlink()
     raised = budgets.Meter("reward", cfg.Budget(max_usd=1e6), prices, since_cpu=cpu_now())
     again = reward.run(config, rollouts, stopped, specs, tmp_path, meter=raised)
