@@ -5,15 +5,16 @@ and on a 2-node local Ray cluster.
     .venv/bin/python benchmarks/reward_scaleout.py --rollouts 1000 --repeats 1
 
 Runs itself inside a network namespace with only loopback (`unshare -n`, needs root), where Ray
-binds 127.0.0.1 only. The rollouts are the code environment's task file (data/tasks/code.jsonl,
-20 tasks) answered by each task's reference solution, `--rollouts` of them in the rollout stage's
-schema; every gold check and every reward runs the task's unit tests in the sandbox
-(stages/envs/sandbox.py). The reward stage's own command (`python -m stages.reward`, as DVC runs
-it) scores them with `runtime.reward.workers` 1 (in its own process) and 2 (local worker
-processes), and with `runtime.reward.ray_address` naming a Ray cluster of two nodes on this
-machine (`ray start --head` and a second `ray start --address`, one CPU each), each timed from
-start to exit (start-up, imports and, for Ray, connecting and shipping the work included). The
-three must give equal rewards. Prints a Markdown table and the load average before and after.
+binds 127.0.0.1 only. The rollouts are the code environment's task file (data/tasks/code.jsonl, 20
+tasks) answered by each task's reference solution (each with a comment naming its attempt, so that
+no two are identical), `--rollouts` of them in the rollout stage's schema; every gold check and
+every reward runs the task's unit tests in the sandbox (stages/envs/sandbox.py). The reward stage's
+own command (`python -m stages.reward`, as DVC runs it) scores them with `runtime.reward.workers` 1
+(in its own process) and 2 (local worker processes), and with `runtime.reward.ray_address` naming a
+Ray cluster of two nodes on this machine (`ray start --head` and a second `ray start --address`, one
+CPU each), each timed from start to exit (start-up, imports and, for Ray, connecting and shipping
+the work included). The three must give equal rewards. Prints a Markdown table and the load average
+before and after.
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ def rollouts(n: int):
     rows = []
     for i in range(n):
         task = tasks[i % len(tasks)]
-        added = coding.gold(task)
+        # a comment naming the attempt makes each rollout distinct: the stage scores identical
+        # episodes once
+        added = [{**m, "content": m["content"].replace("```python\n", f"```python\n# attempt {i}\n", 1)}
+                 for m in coding.gold(task)]
         rows.append({"task_id": f"code:{task['task_id']}", "environment": "code",
                      "sample": i // len(tasks), "task": json.dumps(task),
                      "messages": json.dumps(task["messages"] + added),
