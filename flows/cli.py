@@ -763,7 +763,7 @@ def cmd_check(args) -> int:
     """`offseason check`: params.yaml checked and printed with every default filled in;
     `--explain`: every section and key with its type, default, bounds and description instead.
     """
-    from stages.envs import contract
+    from stages.envs import contract, mcp_tools
 
     if args.explain:  # the declarations, not this project's params.yaml: docs/params.md's text
         print(settings.reference(), end="")
@@ -776,19 +776,22 @@ def cmd_check(args) -> int:
     shown["runtime"]["collect"] = settings.plain(cfg.collect(root / "params.yaml"))
     shown["runtime"]["sandbox"] = settings.plain(cfg.sandbox(root / "params.yaml"))
     shown["runtime"]["fleet"] = settings.plain(cfg.fleet(root / "params.yaml"))
+    shown["runtime"]["mcp"] = settings.plain(cfg.mcp(root / "params.yaml"))
+    for spec in shown.get("environments", {}).values():  # where its servers run: runtime.mcp
+        spec["mcp"] = {server: {key: entry[key] for key in mcp_tools.WHAT}
+                       for server, entry in spec["mcp"].items()}
     found_envs = []  # checked before the settings are printed: an error is then the last line
     sizes = {}  # each benchmark's items, for the gate's design
     for name, spec in configs["environments"].items():  # the user's modules import and comply
         env = contract.load(name, spec.module, root)
         own = set(env.tool_names)
         if spec.mcp:  # its MCP servers start and offer what `allow` names (stages start them too)
-            from stages.envs.mcp_tools import McpError
-
             try:
                 env = contract.load_spec(name, spec, root)
-            except McpError as err:
-                raise WorkspaceError(f"{err}; fix environments.{name}.mcp in params.yaml (or the "
-                                     f"server), then `offseason check` again") from None
+            except mcp_tools.McpError as err:
+                raise WorkspaceError(f"{err}; fix environments.{name}.mcp (what each server is) "
+                                     f"or runtime.mcp.servers (where it runs) in params.yaml (or "
+                                     f"the server), then `offseason check` again") from None
         counts = []
         for kind in ("tasks", "benchmark"):
             if getattr(spec, kind):

@@ -556,8 +556,10 @@ class EnvironmentSpec:
                                   "lower bound of candidate - champion on its benchmark falls "
                                   "below minus this (gate.primary must improve instead)")
     mcp: dict[str, dict] = Field(default_factory=dict, description="MCP servers whose tools the "
-                                 "environment offers: {server: {command | url, allow, timeout}} "
-                                 "(stages/envs/mcp_tools.py)")
+                                 "environment offers, by what they are: {server: {allow, "
+                                 "version}} ({}: all its tools; `version`: the serverInfo.version "
+                                 "it must report); where each runs is runtime.mcp.servers."
+                                 "<server> (stages/envs/mcp_tools.py)")
     network: bool = Field(False, description="whether its tools may reach the network: an MCP url "
                           "server is refused without it, and its stdio servers run in the "
                           "sandbox with no network unless it is true")
@@ -609,14 +611,30 @@ class Sandbox:
 
 @section("runtime.mcp")
 class Mcp:
-    """`runtime.mcp`: how long the environments' MCP tool servers (stages/envs/mcp_tools.py) may
-    go silent. Where work runs, never what it computes: in `runtime:`.
+    """`runtime.mcp`: where the environments' MCP tool servers (stages/envs/mcp_tools.py) run and
+    how long they may go silent. Where work runs, never what it computes: in `runtime:`; what a
+    server is (its allowed tools, its version) stays in `environments.<name>.mcp.<server>`.
     """
 
     stall_seconds: Float = Field(300.0, gt=0, description="no answer from an MCP server for this "
                                  "long (across its calls in flight, and calls that timed out one "
                                  "by one): the stage fails, naming the server and the calls it "
                                  "answered, instead of every episode's call waiting its timeout")
+    servers: dict[str, dict] = Field(default_factory=dict, description="where each server an "
+                                     "environment names runs: {server: {command | url, timeout, "
+                                     "memory_mb}}; command: a stdio server started in the project "
+                                     "(in the sandbox's limits), url: a Streamable HTTP one "
+                                     "already running, timeout: seconds per request (default 30), "
+                                     "memory_mb: a stdio server's address space (default 2048)")
+
+    def __post_init__(self):
+        """Refuse a server without a command or url, or with a key it has not."""
+        from stages.envs import mcp_tools
+
+        try:
+            mcp_tools.check_servers(self.servers)
+        except ValueError as err:
+            raise ParamsError(str(err)) from None
 
 
 @section("runtime.fleet")
@@ -742,6 +760,9 @@ def _runtime(raw: dict, section: str, where: str) -> dict:
             hint = (f" ('{section}.{key}' says what is computed: it stays in the '{section}:' "
                     f"section)" if section in SECTIONS and
                     key in {f.name for f in dataclasses.fields(SECTIONS[section])} else "")
+            near = difflib.get_close_matches(str(key), RUNTIME[section], n=1)
+            if near and not hint:
+                hint = f" (did you mean 'runtime.{section}.{near[0]}'?)"
             _fail(where, f"unknown key 'runtime.{section}.{key}'{hint}; valid keys: "
                          f"{', '.join(RUNTIME[section])}")
     return values
@@ -751,11 +772,15 @@ def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]
     """The `environments:` section, {name: EnvironmentSpec}, in params.yaml order; a missing or
     empty one is an error (every stage that plays, scores or trains needs one). Also applies
     `runtime.sandbox.allow_unisolated` to this process and those it starts, since every process
-    that loads environments reads them here (stages/envs/sandbox.py: `allow_unisolated`).
+    that loads environments reads them here (stages/envs/sandbox.py: `allow_unisolated`). An
+    environment's `mcp` comes back joined with where its servers run (runtime.mcp.servers,
+    `mcp_tools.join`), as `load` merges runtime.<stage> into a stage's config: the stages read
+    spec.mcp whole, and params.yaml keeps where apart from what.
     """
     from stages.envs import sandbox as code_sandbox
 
     code_sandbox.allow_unisolated(sandbox(path).allow_unisolated)
+    tool_servers = mcp(path)  # checked even where no environment names its servers yet
     raw = read_params(path).get("environments")
     if raw is None or raw == {}:
         _fail(str(path), f"environments: {'empty' if raw == {} else 'missing'}; name the "
@@ -780,15 +805,17 @@ def environments(path: str | Path = "params.yaml") -> dict[str, EnvironmentSpec]
         if spec.mcp:
             from stages.envs import mcp_tools
 
-            mcp_tools.STALL_SECONDS[0] = mcp(path).stall_seconds  # this process's servers'
+            mcp_tools.STALL_SECONDS[0] = tool_servers.stall_seconds  # this process's servers'
             try:
-                servers = mcp_tools.check(f"environments.{name}.mcp", spec.mcp)
+                servers = mcp_tools.join(name, spec.mcp, tool_servers.servers)
             except ValueError as err:
                 _fail(str(path), str(err))
+            spec = out[name] = dataclasses.replace(spec, mcp=servers)
             remote = [server for server, entry in servers.items() if entry["url"]]
             if remote and not spec.network:
                 _fail(str(path), f"environments.{name}.mcp.{remote[0]}: url "
-                                 f"{servers[remote[0]]['url']} reaches a server over the network, "
+                                 f"{servers[remote[0]]['url']} reaches a server over the network "
+                                 f"(runtime.mcp.servers.{remote[0]}.url), "
                                  f"which tools may not by default (a loopback url too: offseason "
                                  f"cannot see where that server reaches); add `network: true` to "
                                  f"environments.{name} in params.yaml to allow this environment's "

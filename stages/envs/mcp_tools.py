@@ -1,10 +1,14 @@
 """MCP tools: an environment offers the tools of MCP servers, through the official `mcp` SDK.
 
-An environment's `mcp:` entry in params.yaml names its servers: a stdio `command` (started inside
-the code sandbox's limits, no network unless `network: true`) or a Streamable HTTP `url` (needs
-`network: true`), each with `allow`, `timeout` and `memory_mb`. Their `tools/list` join the
-module's TOOLS and calls go to `tools/call`, one session per server per process. An `is_error`
-result is a `ToolError` the agent sees; a timeout or a dead server is an `McpError`, an
+Where a server runs and how fast it must answer is `runtime.mcp.servers.<server>` in params.yaml:
+a stdio `command` (started inside the code sandbox's limits, no network unless the environment's
+`network: true`) or a Streamable HTTP `url` (needs `network: true`), with `timeout` and
+`memory_mb`; no stage lists `runtime:` as a DVC param, so moving a server reruns nothing. What it
+is stays in the environment's `mcp:` entry, `environments.<name>.mcp.<server>`: `allow` (its tools
+the agent may call) and `version` (the serverInfo.version it must report), DVC params of the
+stages that use it. `join` puts the two together. Their `tools/list` join the module's TOOLS and
+calls go to `tools/call`, one session per server per process. An `is_error` result is a
+`ToolError` the agent sees; a timeout, a dead server or another version is an `McpError`, an
 infrastructure failure, never a zero. A server that answers nothing for
 `runtime.mcp.stall_seconds` (its calls in flight, or timing out one by one) is `McpStalled`: the
 stage stops, naming it and the calls it answered. Writes nothing.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import difflib
 import json
 import shlex
 import sys
@@ -28,13 +33,20 @@ from concurrent.futures import CancelledError, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
+import yaml
+
 from stages.envs import sandbox
 from stages.envs.errors import ToolError, VerifierError
 from stages.remote import RemoteDown
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MEMORY_MB = 2048  # RLIMIT_AS of a stdio server: Python and the SDK take ~300 MB of it
-KEYS = {"command", "url", "allow", "timeout", "memory_mb"}
+# runtime.mcp.servers.<server>: where a server runs and how fast it must answer, which changes
+# no result (no stage lists runtime: as a DVC param: moving a server reruns nothing)
+WHERE = ("command", "url", "timeout", "memory_mb")
+# environments.<name>.mcp.<server>: what it is, which the stages' results depend on
+WHAT = ("allow", "version")
+KEYS = {*WHERE, *WHAT}  # a server as `check` takes it: the two joined
 # runtime.mcp.stall_seconds, set for this process by `config.environments` (where the
 # environments, and so their servers, are read)
 STALL_SECONDS = [300.0]
@@ -51,7 +63,9 @@ class McpStalled(RemoteDown):
 
 
 def check(where: str, servers) -> dict[str, dict]:
-    """The `mcp:` entry of an environment, checked: {server: {command | url, allow, timeout}}."""
+    """Servers as the stages use them (`join`'s result: where each runs and what it is), checked:
+    {server: {command | url, timeout, memory_mb, allow, version}}.
+    """
     if not isinstance(servers, dict):
         raise ValueError(f"{where}: expected a mapping of server names to {{command or url, "
                          f"allow, timeout}}, got {servers!r}")
@@ -70,6 +84,10 @@ def check(where: str, servers) -> dict[str, dict]:
         allow = spec.get("allow") or []
         if not isinstance(allow, list) or not all(isinstance(a, str) for a in allow):
             raise ValueError(f"{at}.allow: a list of tool names, got {allow!r}")
+        version = spec.get("version", "")
+        if not isinstance(version, str):  # YAML reads 1.10 as the number 1.1
+            raise ValueError(f"{at}.version: the version the server reports, as a string (quote "
+                             f"it: version: \"{version}\"), got {version!r}")
         timeout = spec.get("timeout", DEFAULT_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"{at}.timeout: seconds > 0, got {timeout!r}")
@@ -77,8 +95,83 @@ def check(where: str, servers) -> dict[str, dict]:
         if isinstance(memory, bool) or not isinstance(memory, int) or memory < 64:
             raise ValueError(f"{at}.memory_mb: a whole number of MB >= 64, got {memory!r}")
         out[name] = {"command": spec.get("command") or "", "url": spec.get("url") or "",
-                     "allow": allow, "timeout": float(timeout), "memory_mb": memory}
+                     "allow": allow, "version": version, "timeout": float(timeout),
+                     "memory_mb": memory}
     return out
+
+
+def _unknown(at: str, key: str, valid: tuple[str, ...]) -> str:
+    near = difflib.get_close_matches(str(key), valid, n=1)
+    hint = f" (did you mean '{at}.{near[0]}'?)" if near else ""
+    return f"unknown key '{at}.{key}'{hint}; valid keys: {', '.join(valid)}"
+
+
+def check_servers(servers) -> dict[str, dict]:
+    """`runtime.mcp.servers`, checked: {server: {command | url, timeout, memory_mb}}, where each
+    server runs; what it is (`allow`, `version`) is refused here, naming where it goes.
+    """
+    if not isinstance(servers, dict):
+        raise ValueError(f"runtime.mcp.servers: expected a mapping of server names to {{command "
+                         f"or url, timeout, memory_mb}}, got {servers!r}")
+    for name, spec in servers.items():
+        at = f"runtime.mcp.servers.{name}"
+        if not isinstance(spec, dict):
+            raise ValueError(f"{at}: expected {{command or url, timeout, memory_mb}}, got {spec!r}")
+        for key in spec:
+            if key in WHAT:
+                raise ValueError(f"{at}.{key} says what the server is, not where it runs: it goes "
+                                 f"under environments.<name>.mcp.{name}.{key} of each environment "
+                                 f"that uses the server (a DVC param of its stages)")
+            if key not in WHERE:
+                raise ValueError(_unknown(at, key, WHERE))
+    return check("runtime.mcp.servers", servers)
+
+
+def join(env_name: str, entries: dict, servers: dict) -> dict[str, dict]:
+    """Environment `env_name`'s `mcp:` entry ({server: {allow, version}}, `{}`: all its tools),
+    checked, each server with where it runs (`servers`: runtime.mcp.servers), as `check` returns
+    them. An entry in the old form (command, url, ... under the environment) is refused with the
+    YAML to write instead.
+    """
+    where = f"environments.{env_name}.mcp"
+    if not isinstance(entries, dict):
+        raise ValueError(f"{where}: expected a mapping of server names (of runtime.mcp.servers) "
+                         f"to {{allow, version}}, got {entries!r}")
+    for name, spec in entries.items():
+        if not isinstance(spec, dict):
+            raise ValueError(f"{where}.{name}: expected {{allow, version}} ({{}}: all its tools), "
+                             f"got {spec!r}")
+    moved = {name: {key: spec[key] for key in WHERE if key in spec}
+             for name, spec in entries.items()}
+    moved = {name: keys for name, keys in moved.items() if keys}
+    if moved:
+        name = next(iter(moved))
+        write = yaml.safe_dump({"runtime": {"mcp": {"servers": moved}}},
+                               default_flow_style=None, sort_keys=False, width=1000)
+        kept = {server: {key: spec[key] for key in spec if key in WHAT}
+                for server, spec in entries.items()}
+        keep = yaml.safe_dump(kept, default_flow_style=True, sort_keys=False, width=1000).strip()
+        raise ValueError(
+            f"{where}.{name}.{next(iter(moved[name]))}: where a tool server runs moved to "
+            f"runtime.mcp.servers, which no stage lists as a DVC param (moving a server reruns "
+            f"nothing); write in params.yaml (beside runtime.mcp.stall_seconds, if set)\n"
+            f"{write}and keep under {where} only what each server is: {keep}")
+    out = {}
+    for name, spec in entries.items():
+        for key in spec:
+            if key not in WHAT:
+                raise ValueError(_unknown(f"{where}.{name}", key, WHAT))
+        if name not in servers:
+            near = difflib.get_close_matches(str(name), [str(s) for s in servers], n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            raise ValueError(
+                f"{where}.{name}: runtime.mcp.servers.{name} is missing{hint}: say where the "
+                f"server runs there, e.g. `runtime: {{mcp: {{servers: {{{name}: {{command: "
+                f"python tools/{name}_server.py}}}}}}}}` (or {{url: ...}} for one already "
+                f"running); runtime.mcp.servers has "
+                f"{', '.join(map(str, servers)) or 'no servers'}")
+        out[name] = {**servers[name], **spec}
+    return check(where, out)
 
 
 class Servers:
@@ -171,6 +264,16 @@ class Servers:
         else:
             target = spec["url"]
         async with Client(target, read_timeout_seconds=spec["timeout"]) as client:
+            if spec["version"]:  # what the stages' results were computed with: that server only
+                info = client.server_info  # its initialize result's serverInfo
+                reported = info.version if info is not None else ""
+                if reported != spec["version"]:
+                    key = f"environments.{self.env_name}.mcp.{name}.version"
+                    raise McpError(
+                        f"{self._where(name)}: reports version {reported or '(none)'}, but {key} "
+                        f"is {spec['version']}; point runtime.mcp.servers.{name} at a server of "
+                        f"version {spec['version']}, or write {key}: \"{reported}\" if that "
+                        f"version is the one to use (the stages that use it then rerun)")
             listed = await client.list_tools()
             for tool in listed.tools:
                 if spec["allow"] and tool.name not in spec["allow"]:
@@ -294,7 +397,9 @@ _OPEN: dict[tuple, Servers] = {}
 
 
 def servers_of(env_name: str, servers: dict, root: Path, network: bool = False) -> Servers:
-    """The (one per process) Servers of an environment's `mcp:` entry."""
+    """The (one per process) Servers of an environment: its `spec.mcp` as `config.environments`
+    gives it (`join`: where each server runs and what it is).
+    """
     key = (env_name, json.dumps(servers, sort_keys=True), str(root), network)
     if key not in _OPEN:
         _OPEN[key] = Servers(env_name, check(f"environments.{env_name}.mcp", servers), root,

@@ -349,20 +349,28 @@ def test_check_starts_an_environments_mcp_servers_and_checks_allow(workspace):
     (workspace / "tools").mkdir()
     shutil.copy(REPO / "tests/fixtures/mcp/shop_server.py", workspace / "tools/shop.py")
     params = yaml.safe_load((workspace / "params.yaml").read_text())
-    params["environments"]["greeter"]["mcp"] = {
-        "shop": {"command": "python tools/shop.py", "allow": ["lookup_order"]}}
+    params["environments"]["greeter"]["mcp"] = {"shop": {"allow": ["lookup_order"]}}
+    params.setdefault("runtime", {}).setdefault("mcp", {})["servers"] = {
+        "shop": {"command": "python tools/shop.py"}}
     (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     result = check(workspace)
     assert result.returncode == 0, result.stderr
     assert "tools: lookup_order (MCP); 4 tasks" in result.stdout
+    # shown where each is written: what the server is in the environment, where it runs in runtime
+    shown = yaml.safe_load(result.stdout[:result.stdout.index("\nenvironment '")])
+    assert shown["environments"]["greeter"]["mcp"] == {"shop": {"allow": ["lookup_order"],
+                                                                "version": ""}}
+    assert shown["runtime"]["mcp"]["servers"] == {"shop": {"command": "python tools/shop.py"}}
     # a name the server lacks was "params.yaml is valid" until a stage started the server
     params["environments"]["greeter"]["mcp"]["shop"]["allow"] = ["lookup_ordr"]
     (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     result = check(workspace)
     assert result.returncode == 2 and "allow names ['lookup_ordr'], which the server does not " \
-        "offer" in result.stderr and "fix environments.greeter.mcp in params.yaml" in result.stderr
+        "offer" in result.stderr and "fix environments.greeter.mcp (what each server is) or " \
+        "runtime.mcp.servers (where it runs) in params.yaml" in result.stderr
     # a script that is not there: said, not the SDK's "Connection closed"
-    params["environments"]["greeter"]["mcp"]["shop"] = {"command": "python tools/shopp.py"}
+    params["environments"]["greeter"]["mcp"]["shop"] = {}
+    params["runtime"]["mcp"]["servers"]["shop"] = {"command": "python tools/shopp.py"}
     (workspace / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     result = check(workspace)
     assert result.returncode == 2 and "tools/shopp.py is not a file in" in result.stderr

@@ -185,6 +185,48 @@ def test_where_work_runs_lives_in_runtime_and_is_merged_into_its_stage(tmp_path)
             r"runtime.rollout.api: 'grpc' is not an endpoint; use 'completions'")
 
 
+def test_moving_an_mcp_server_reruns_no_stage_and_changing_what_it_is_does(tmp_path):
+    """Where a tool server runs (runtime.mcp.servers) is no DVC param of any stage: `dvc status`,
+    over the stages' own params lists (dvc.yaml), sees nothing change when only its command
+    becomes a url; what it is (environments.<name>.mcp, its version) reruns the stages that play
+    or score the environment."""
+    import json
+    import subprocess
+    import sys
+
+    repo = cfg.Path(__file__).parents[2]
+    dvc = str(cfg.Path(sys.executable).parent / "dvc")
+    stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {
+        name: {"cmd": "true", "params": stage["params"]} for name, stage in stages.items()}}))
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    # network: what its tools may reach, a DVC param: set before, so the url below may be used
+    params["environments"]["arith"].update(network=True, mcp={"shop": {"allow": ["lookup"]}})
+    params["runtime"].setdefault("mcp", {})["servers"] = {
+        "shop": {"command": "python tools/shop_server.py"}}
+    path = tmp_path / "params.yaml"
+
+    def status(**server) -> dict:
+        if server:
+            params["runtime"]["mcp"]["servers"]["shop"] = server
+        path.write_text(yaml.safe_dump(params, sort_keys=False))
+        return json.loads(subprocess.run([dvc, "status", "--json"], cwd=tmp_path, check=True,
+                                         capture_output=True, text=True).stdout)
+
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    for cmd in ([dvc, "init", "--no-scm", "-q"], [dvc, "repro", "-q"]):
+        subprocess.run(cmd, cwd=tmp_path, check=True, capture_output=True)
+    assert status() == {}
+    assert status(url="http://10.0.0.5:9000/mcp", timeout=5, memory_mb=512) == {}
+    # the stages use the moved server
+    assert cfg.environments(path)["arith"].mcp["shop"]["url"] == "http://10.0.0.5:9000/mcp"
+    params["environments"]["arith"]["mcp"]["shop"]["version"] = "1.4.0"
+    changed = status()
+    assert set(changed) == {name for name, stage in stages.items()
+                            if "environments" in stage["params"]}
+    assert "ingest" not in changed
+
+
 def test_a_section_that_is_not_a_mapping_names_itself(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"reward": 5, "runtime": {"reward": {"workers": 1}}}))

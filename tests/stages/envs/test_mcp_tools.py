@@ -43,6 +43,8 @@ def project(tmp_path):
 
 
 def spec(project, **server):
+    """An environment with the shop server, as `cfg.environments` gives it: where the server runs
+    (runtime.mcp.servers) joined with what it is (environments.<name>.mcp)."""
     return cfg.EnvironmentSpec(module=f"shop_env_{project.name}",
                                mcp={"shop": {**SERVER, **server}})
 
@@ -108,14 +110,112 @@ def test_bad_mcp_settings_name_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"timeout: seconds > 0"):
         mcp_tools.check("environments.x.mcp", {"shop": {"url": "http://h/mcp", "timeout": 0}})
     params = tmp_path / "params.yaml"
-    params.write_text("environments:\n  x:\n    module: m\n    mcp: {shop: {command: a, url: b}}\n")
-    with pytest.raises(cfg.ParamsError, match="give one of command"):
+    params.write_text("environments:\n  x:\n    module: m\n    mcp: {shop: {}}\nruntime:\n  mcp:\n"
+                      "    servers: {shop: {command: a, url: b}}\n")
+    with pytest.raises(cfg.ParamsError, match=r"runtime.mcp.servers.shop: give one of command"):
         cfg.environments(params)
 
 
 def test_an_allow_list_naming_a_missing_tool_fails_at_load(project):
     with pytest.raises(mcp_tools.McpError, match=r"allow names \['delete_everything'\]"):
         contract.load_spec("bad", spec(project, allow=["delete_everything"]), project)
+
+
+def test_an_mcp_server_in_the_old_form_is_refused_with_the_yaml_to_write(tmp_path):
+    """command, url, timeout and memory_mb under environments.<name>.mcp.<server> (before issue
+    51) would make moving a server a DVC param change: refused, naming the key, with the YAML of
+    runtime.mcp.servers to write, which then loads as the same servers."""
+    params = tmp_path / "params.yaml"
+    old = {"shop": {"command": "python tools/shop_server.py", "allow": ["lookup_order"],
+                    "timeout": 10},
+           "docs": {"url": "http://127.0.0.1:9000/mcp"}}
+    written = {"environments": {"support": {"module": "m", "network": True, "mcp": old}},
+               "runtime": {"mcp": {"stall_seconds": 60.0}}}
+    params.write_text(yaml.safe_dump(written, sort_keys=False))
+    with pytest.raises(cfg.ParamsError) as err:
+        cfg.environments(params)
+    message = str(err.value)
+    assert message.startswith(f"{params}: environments.support.mcp.shop.command: where a tool "
+                              f"server runs moved to runtime.mcp.servers")
+    assert ("runtime:\n  mcp:\n    servers:\n      shop: {command: python tools/shop_server.py, "
+            "timeout: 10}\n      docs: {url: 'http://127.0.0.1:9000/mcp'}\n") in message
+    assert message.endswith("keep under environments.support.mcp only what each server is: "
+                            "{shop: {allow: [lookup_order]}, docs: {}}")
+    # what it says to write loads, as the same servers
+    fix = yaml.safe_load(message[message.index("runtime:"):message.index("and keep")])
+    keep = yaml.safe_load(message.rsplit("what each server is: ", 1)[1])
+    written["runtime"]["mcp"].update(fix["runtime"]["mcp"])
+    written["environments"]["support"]["mcp"] = keep
+    params.write_text(yaml.safe_dump(written, sort_keys=False))
+    servers = cfg.environments(params)["support"].mcp
+    assert servers == mcp_tools.check("m", old)
+
+
+def test_a_server_an_environment_names_must_be_in_runtime_and_keys_are_checked(tmp_path):
+    params = tmp_path / "params.yaml"
+
+    def refused(environment: dict, runtime: dict, message: str):
+        params.write_text(yaml.safe_dump({
+            "environments": {"support": {"module": "m", "mcp": environment}},
+            "runtime": {"mcp": {"servers": runtime}}}))
+        with pytest.raises(cfg.ParamsError, match=message):
+            cfg.environments(params)
+
+    # named by the environment, missing where servers run: both keys, and what to write
+    refused({"shop": {}}, {}, r"environments\.support\.mcp\.shop: runtime\.mcp\.servers\.shop "
+                             r"is missing: say where the server runs there, e.g. `runtime: "
+                             r"\{mcp: \{servers: \{shop: \{command: .*runtime\.mcp\.servers has "
+                             r"no servers")
+    refused({"shpo": {}}, {"shop": SERVER}, r"environments\.support\.mcp\.shpo: "
+                                            r"runtime\.mcp\.servers\.shpo is missing \(did you "
+                                            r"mean 'shop'\?\).*runtime\.mcp\.servers has shop")
+    # unknown keys in either place, with the nearest; a key of the other place says where it goes
+    refused({"shop": {"alow": []}}, {"shop": SERVER},
+            r"unknown key 'environments\.support\.mcp\.shop\.alow' \(did you mean "
+            r"'environments\.support\.mcp\.shop\.allow'\?\); valid keys: allow, version")
+    refused({"shop": {}}, {"shop": {"comand": "python x.py"}},
+            r"unknown key 'runtime\.mcp\.servers\.shop\.comand' \(did you mean "
+            r"'runtime\.mcp\.servers\.shop\.command'\?\); valid keys: command, url, timeout, "
+            r"memory_mb")
+    refused({"shop": {}}, {"shop": {**SERVER, "allow": ["refund"]}},
+            r"runtime\.mcp\.servers\.shop\.allow says what the server is, not where it runs: it "
+            r"goes under environments\.<name>\.mcp\.shop\.allow")
+    refused({"shop": {"version": 1.4}}, {"shop": SERVER},
+            r"environments\.support\.mcp\.shop\.version: .*as a string \(quote it")
+    params.write_text(yaml.safe_dump({"environments": {"support": {"module": "m"}},
+                                      "runtime": {"mcp": {"server": {"shop": SERVER}}}}))
+    with pytest.raises(cfg.ParamsError, match=r"unknown key 'runtime\.mcp\.server' \(did you "
+                                              r"mean 'runtime\.mcp\.servers'\?\)"):
+        cfg.environments(params)  # checked even where no environment names a server
+
+
+def test_a_server_of_another_version_than_declared_is_refused_naming_both(project):
+    """environments.<name>.mcp.<server>.version pins what the server is: a server that reports
+    another serverInfo.version (the fixture reports 1.4.0) fails the stage when it starts it,
+    naming the server, both versions and the key to change."""
+    params = project / "params.yaml"
+
+    def environment(pinned: dict):
+        params.write_text(yaml.safe_dump({
+            "environments": {"pinned": {"module": f"shop_env_{project.name}",
+                                        "mcp": {"shop": pinned}}},
+            "runtime": {"mcp": {"servers": {"shop": {**SERVER, "timeout": 5}}}}}))
+        return cfg.environments(params)["pinned"]
+
+    with pytest.raises(mcp_tools.McpError, match=r"MCP server 'shop' of environment 'pinned' "
+                       r"\(python tests/fixtures/mcp/shop_server.py\): reports version 1\.4\.0, "
+                       r"but environments\.pinned\.mcp\.shop\.version is 2\.0\.0; point "
+                       r"runtime\.mcp\.servers\.shop at a server of version 2\.0\.0, or write "
+                       r"environments\.pinned\.mcp\.shop\.version: \"1\.4\.0\""):
+        contract.load_spec("pinned", environment({"version": "2.0.0"}), project)
+    env = contract.load_spec("pinned", environment({"version": "1.4.0", "allow": ["refund"]}),
+                             project)
+    try:
+        assert [t["function"]["name"] for t in env.tools] == ["greet", "refund"]
+    finally:
+        for servers in mcp_tools._OPEN.values():
+            servers.close()
+        mcp_tools._OPEN.clear()
 
 
 @pytest.mark.parametrize("fault", ["refused", "black hole"])
@@ -198,18 +298,20 @@ def test_a_stdio_server_past_its_memory_limit_fails_by_name():
 
 def test_a_url_server_needs_the_network_named_in_params(tmp_path):
     params = tmp_path / "params.yaml"
-    entry = {"module": "m", "mcp": {"docs": {"url": "http://127.0.0.1:9000/mcp"}}}
-    params.write_text(yaml.safe_dump({"environments": {"support": entry}}))
+    entry = {"module": "m", "mcp": {"docs": {}}}
+    runtime = {"mcp": {"servers": {"docs": {"url": "http://127.0.0.1:9000/mcp"}, "shop": SERVER}}}
+    params.write_text(yaml.safe_dump({"environments": {"support": entry}, "runtime": runtime}))
     with pytest.raises(cfg.ParamsError, match=r"environments\.support\.mcp\.docs: url "
                                               r"http://127.0.0.1:9000/mcp reaches a server over "
-                                              r"the network.*add `network: true` to "
-                                              r"environments\.support"):
+                                              r"the network \(runtime.mcp.servers.docs.url\).*"
+                                              r"add `network: true` to environments\.support"):
         cfg.environments(params)
-    params.write_text(yaml.safe_dump({"environments": {"support": {**entry, "network": True}}}))
+    params.write_text(yaml.safe_dump({"environments": {"support": {**entry, "network": True}},
+                                      "runtime": runtime}))
     assert cfg.environments(params)["support"].network is True
     # a stdio server is local: no network asked
     params.write_text(yaml.safe_dump({"environments": {"support": {
-        "module": "m", "mcp": {"shop": SERVER}}}}))
+        "module": "m", "mcp": {"shop": {}}}}, "runtime": runtime}))
     assert cfg.environments(params)["support"].network is False
 
 
@@ -223,8 +325,8 @@ def test_an_mcp_server_that_stalls_mid_stage_stops_it_by_name_within_the_stall_b
     server = {"flaky": {"command": f"{MISBEHAVING} stall 3", "timeout": timeout}}
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({
-        "environments": {"wedged": {"module": "wedged_env", "mcp": server}},
-        "runtime": {"mcp": {"stall_seconds": 1.0}}}))
+        "environments": {"wedged": {"module": "wedged_env", "mcp": {"flaky": {}}}},
+        "runtime": {"mcp": {"stall_seconds": 1.0, "servers": server}}}))
     cfg.environments(params)  # where a stage reads runtime.mcp for its process
     stalling = mcp_tools.Servers("wedged", mcp_tools.check("m", server), REPO)
     mcp_tools.STALL_SECONDS[0] = cfg.Mcp().stall_seconds  # the other tests' default again
