@@ -32,7 +32,30 @@ from stages import config as cfg  # noqa: E402
 from stages import gate  # noqa: E402
 
 ITEMS, DISAGREE, WEEKS = 200, 0.15, 52
-METHODS = ("none", "lord", "saffron", "addis")
+METHODS = ("none", "lord", "saffron", "addis", "alpha-investing")  # the last: compared only
+
+
+class AlphaInvesting:
+    """Foster and Stine's alpha-investing (2008), compared here and not a gate.sequential choice:
+    wealth alpha / 2 at the start; each decision bets `wealth / (1 + decisions since the last
+    promotion)`, pays `level / (1 - level)` when it promotes nothing and earns alpha / 2 back on a
+    promotion (mFDR at most alpha: wealth and payout within alpha times eta = 1/2).
+    """
+
+    def __init__(self, alpha: float):
+        """A year's start: no decision yet."""
+        self.alpha, self.wealth, self.since = alpha, alpha / 2, 0
+
+    def level(self) -> float:
+        """The next decision's level."""
+        return self.wealth / (2 + self.since)
+
+    def after(self, level: float, promoted: bool) -> None:
+        """Pay for a decision made at `level`, or earn on a promotion."""
+        if promoted:
+            self.wealth, self.since = self.wealth + self.alpha / 2, 0
+        else:
+            self.wealth, self.since = self.wealth - level / (1 - level), self.since + 1
 
 
 def truths(rng, null: float) -> list[float]:
@@ -49,12 +72,15 @@ def p_value(rng, d: float) -> float:
 
 def year(rng, method: str, truth: list[float], alpha: float = 0.05) -> list[tuple[float, bool]]:
     """A year of decisions under `method`: (true improvement, promoted) per week."""
-    config = cfg.Gate(sequential=method, alpha=alpha)
+    investing = AlphaInvesting(alpha) if method == "alpha-investing" else None
+    config = cfg.Gate(sequential="none" if investing else method, alpha=alpha)
     history: list[dict] = []
     for d in truth:
-        level = gate.sequential_level(config, history)
+        level = investing.level() if investing else gate.sequential_level(config, history)
         p = p_value(rng, d)
         history.append({"p_value": p, "passed": p < level})
+        if investing:
+            investing.after(level, p < level)
     return [(d, h["passed"]) for d, h in zip(truth, history)]
 
 
@@ -123,7 +149,7 @@ def main() -> None:
               f"{mixed['promotions']:.1f} |  ({time.monotonic() - started:.0f} s)")
     if args.decide:
         print(f"\nthrough gate.decide, {args.decide} years each:")
-        for method in METHODS:
+        for method in METHODS[:-1]:  # gate.sequential's own
             got = through_decide(np.random.default_rng(2), method, args.decide, args.null)
             print(f"| {method} | FDR {got['fdr']:.3f} | power {got['power']:.3f} | first quarter "
                   f"{got['power_first_quarter']:.3f} | last quarter "
