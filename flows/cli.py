@@ -1140,7 +1140,15 @@ def cmd_erase(args) -> int:
     from flows.orchestration import erase
 
     if args.status:
-        text, _ = erase.status(root, configs["erase"].deadline_days)
+        recheck = erase.awaiting_upstream(root)
+        with contextlib.ExitStack() as stack:
+            if recheck:  # what the services confirm is recorded and committed: not mid-cycle
+                try:
+                    stack.enter_context(cycle_lock(root, "offseason erase --status"))
+                except WorkspaceError as err:
+                    recheck = False
+                    print(f"upstream deletions not asked again: {err}", file=sys.stderr)
+            text, _ = erase.status(root, configs["erase"].deadline_days, recheck=recheck)
         print(text)
         return 0
     asked = [(kind, value) for kind, value in (("user", args.user), ("session", args.session),
@@ -1156,7 +1164,7 @@ def cmd_erase(args) -> int:
     else:
         with cycle_lock(root, "offseason erase"):
             receipt = erase.erase(root, kind, value, args.reason, configs["erase"],
-                                  configs["base"].registered_model)
+                                  configs["base"].registered_model, upstream=args.upstream)
     print(json.dumps(receipt, indent=2) if args.json else erase.text(receipt))
     return 1 if receipt["status"].startswith("open") else 0  # never reported done
 
@@ -1329,9 +1337,10 @@ def audit_commands(sub) -> None:
                        "erase.subject_fields field) from the inbox, every stage's files, the DVC "
                        "cache and local remote, MLflow, the collect journal and pull's state; "
                        "tombstone them so no later cycle reads them; apply erase.models to the "
-                       "generations that learned from them; write a receipt "
-                       "(.offseason/erasures/) and a line in erasures.jsonl. README, \"Deletion "
-                       "requests\".")
+                       "generations that learned from them; with --upstream, delete the traces "
+                       "`offseason pull` brought in from Langfuse or LangSmith there; write a "
+                       "receipt (.offseason/erasures/) and a line in erasures.jsonl. README, "
+                       "\"Deletion requests\".")
     s.add_argument("--user", metavar="ID", help="the user id the traces carry")
     s.add_argument("--session", metavar="ID", help="the session (conversation) id")
     s.add_argument("--trace", metavar="ID", help="one trace id")
@@ -1339,8 +1348,15 @@ def audit_commands(sub) -> None:
     s.add_argument("--reason", default="", help="why (recorded; write no personal data here)")
     s.add_argument("--dry-run", action="store_true", help="say what would be erased; change "
                    "nothing")
+    s.add_argument("--upstream", action="store_true", help="also delete the traces `offseason "
+                   "pull` brought in from Langfuse or LangSmith there, through the vendor's API "
+                   "and the credentials pull uses; both delete asynchronously: the receipt "
+                   "records the request and --status asks again until they are gone. A service "
+                   "unreachable or refusing keeps the request open. offseason keeps no id of an "
+                   "erased trace: give it with the erasure (--dry-run lists pulled traces)")
     s.add_argument("--status", action="store_true", help="the requests so far, open ones "
-                   "against erase.deadline_days")
+                   "against erase.deadline_days; deletions asked upstream are checked again "
+                   "(pending, confirmed)")
     s.add_argument("--json", action="store_true", help="print the receipt as JSON")
     s.set_defaults(func=cmd_erase)
     s = sub.add_parser("report", help="a static HTML report of every generation",

@@ -19,6 +19,20 @@ from (the installed wheels of the pinned versions, constraints.txt):
   `GET /sessions?name=` answers a list of `TracerSessionResult` (client.py `read_project`,
   schemas.py), `POST /runs/query` answers `{runs: [Run], cursors: {next}}` (client.py
   `list_runs`, `_get_cursor_paginated_list`; schemas.py `RunBase`/`Run`). Key in `x-api-key`.
+
+The deletes `offseason erase --upstream` sends (flows/orchestration/upstream.py):
+- Langfuse: `DELETE /api/public/traces` with `{traceIds: [...]}` (trace/raw_client.py
+  `delete_multiple`) and `DELETE /api/public/traces/{traceId}` (`delete`) answer
+  `DeleteTraceResponse` `{message}` (trace/types/delete_trace_response.py).
+- LangSmith: `POST /runs/delete` with `{trace_ids: [...], session_id: <project id>}` (the
+  documented `/api/v1/runs/delete`, under the SDK client's api_url as its `/runs/query` is; sent
+  through `Client.request_with_retries`, which reads only the status; LangSmith documents no
+  answer body, so this server's 202 `{}` is a choice no test relies on beyond "2xx"); 404 for a
+  project this server does not have.
+Both vendors delete asynchronously, and so does this server: a trace asked to be deleted
+(`Service.deleting`) is still answered by the next read that finds it, and gone
+(`Service.gone`) from every read after that; so `offseason erase --status` first says pending,
+then confirmed. Tests reset both sets.
 """
 
 from __future__ import annotations
@@ -177,6 +191,14 @@ class Service(BaseHTTPRequestHandler):
     """Langfuse's and LangSmith's public API, as far as the SDKs call it."""
 
     calls: list = []  # (method, path) of every request, for the tests to read
+    deleting: set = set()  # trace ids asked to be deleted, still answered by the next read
+    gone: set = set()  # trace ids deleted: no read answers them
+
+    @classmethod
+    def settle(cls, traces: set) -> None:
+        """A read answered these traces: those being deleted are gone from the next one."""
+        cls.gone |= cls.deleting & traces
+        cls.deleting -= traces
 
     def log_message(self, *args):
         pass
@@ -199,15 +221,17 @@ class Service(BaseHTTPRequestHandler):
                 return self.answer(401, {"message": "Invalid credentials. Confirm that you've "
                                          "configured the correct host."})
             if url.path == "/api/public/v2/observations":
-                found = [o for o in LF_OBS
-                         if query.get("traceId") in (None, o["traceId"])
+                found = [o for o in LF_OBS if o["traceId"] not in Service.gone
+                         and query.get("traceId") in (None, o["traceId"])
                          and (query.get("isRootObservation") != "true" or o["isRootObservation"])
                          and after(o["startTime"], query.get("fromStartTime"))]
                 found.sort(key=lambda o: o["startTime"], reverse=True)  # newest first
+                Service.settle({o["traceId"] for o in found})
                 return self.page(found, query, {})
             if url.path == "/api/public/v3/scores":
                 found = [s for s in LF_SCORES if query.get("traceId") in (
-                    s["subject"]["id"], s["subject"].get("traceId"))]
+                    s["subject"]["id"], s["subject"].get("traceId"))
+                    and query.get("traceId") not in Service.gone]
                 return self.page(found, query, {"limit": int(query.get("limit", 50))})
         if url.path == "/sessions":
             if self.headers.get("x-api-key") != "lsv2_pt_test":
@@ -233,15 +257,44 @@ class Service(BaseHTTPRequestHandler):
         if url.path == "/runs/query":
             if self.headers.get("x-api-key") != "lsv2_pt_test":
                 return self.answer(401, {"detail": "Invalid token"})
-            runs = [r for r in LS_RUNS if body.get("session") == [LS_SESSION]
+            runs = [r for r in LS_RUNS if r["trace_id"] not in Service.gone
+                    and body.get("session") == [LS_SESSION]
                     and body.get("trace") in (None, r["trace_id"])
                     and (not body.get("is_root") or r["parent_run_id"] is None)
                     and after(r["start_time"], body.get("start_time"))]
             runs.sort(key=lambda r: r["start_time"], reverse=True)
+            Service.settle({r["trace_id"] for r in runs})
             if body.get("select"):
                 runs = [{k: r[k] for k in body["select"] if k in r} for r in runs]
             return self.answer(200, {"runs": runs, "cursors": {"next": None}})
+        if url.path == "/runs/delete":
+            if self.headers.get("x-api-key") != "lsv2_pt_test":
+                return self.answer(401, {"detail": "Invalid token"})
+            if body.get("session_id") != LS_SESSION:
+                return self.answer(404, {"detail": "Session not found"})
+            if not isinstance(body.get("trace_ids"), list) or len(body["trace_ids"]) > 1000:
+                return self.answer(422, {"detail": "trace_ids: a list of at most 1000 ids"})
+            Service.deleting |= {str(t) for t in body["trace_ids"]} - Service.gone
+            return self.answer(202, {})
         return self.answer(404, {"detail": "Not Found"})
+
+    def do_DELETE(self):
+        url = urlparse(self.path)
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        Service.calls.append(("DELETE", url.path, body))
+        expected = "Basic " + base64.b64encode(b"pk-lf-test:sk-lf-test").decode()
+        if self.headers.get("Authorization") != expected:
+            return self.answer(401, {"message": "Invalid credentials. Confirm that you've "
+                                     "configured the correct host."})
+        if url.path == "/api/public/traces":
+            if not isinstance(body.get("traceIds"), list):
+                return self.answer(400, {"message": "traceIds: an array of trace ids"})
+            Service.deleting |= {str(t) for t in body["traceIds"]} - Service.gone
+            return self.answer(200, {"message": "Traces deleted"})
+        if url.path.startswith("/api/public/traces/"):
+            Service.deleting |= {url.path.rsplit("/", 1)[1]} - Service.gone
+            return self.answer(200, {"message": "Trace deleted"})
+        return self.answer(404, {"message": "Not Found"})
 
 
 def serve(port: int) -> None:

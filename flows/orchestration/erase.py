@@ -23,14 +23,21 @@ salted hashes: stages/erasure.py), then, under the cycle lock (never while a cyc
    keep (serve on, excluded from the next cycle), flag (named in the receipt, erasures.jsonl
    and `lineage --trace`),
    or rollback (the champion goes back to the newest generation that never saw them).
-5. **Receipt**: `.offseason/erasures/<id>.json` and `.txt`, and a line in `erasures.jsonl`
-   (git-tracked, no personal data: received and done dates). A kill at any point and the same
-   command again finishes the same erasure (`.offseason/erasures/<subject>.pending.json` holds
-   what was found until it is done).
+5. **Upstream** (flows/orchestration/upstream.py): the traces `offseason pull` brought in,
+   found (service, project) before anything is rewritten; with `--upstream` deleted in
+   Langfuse or LangSmith through the vendor's SDK, the request and answer recorded; both delete
+   asynchronously, so `--status` asks again until each is confirmed gone. Without it, the
+   receipt lists them as left. A service unreachable or refusing keeps the request open.
+6. **Receipt**: `.offseason/erasures/<id>.json` and `.txt`, and a line in `erasures.jsonl`
+   (git-tracked, no personal data: received and done dates, per service asked: when, the
+   answer, when confirmed); `<id>.upstream.json` keeps the trace ids asked about until then.
+   A kill at any point and the same command again finishes the same erasure
+   (`.offseason/erasures/<subject>.pending.json` holds what was found until it is done).
 
     offseason erase --user ID [--reason TEXT] [--dry-run]
-    offseason erase --trace ID | --session ID | --field NAME=VALUE
-    offseason erase --status             # open requests against erase.deadline_days
+    offseason erase --trace ID | --session ID | --field NAME=VALUE [--upstream]
+    offseason erase --status             # open requests against erase.deadline_days; asks the
+                                         # services again about deletions asked upstream
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from flows.audit import lineage
+from flows.orchestration import upstream as vendors
 from flows.project.workspace import COLLECT_SPOOL, WorkspaceError, dvc, dvc_remotes, git
 from stages import erasure, io
 
@@ -764,8 +772,10 @@ def needles_of(root: Path, found: Found, value: str) -> list[bytes]:
 
 
 def erase(root: Path, kind: str, value: str, reason: str, config, model_name: str,
-          dry_run: bool = False) -> dict:
-    """Erase one subject's traces (see the module's docstring); returns the receipt."""
+          dry_run: bool = False, upstream: bool = False) -> dict:
+    """Erase one subject's traces (see the module's docstring); returns the receipt. With
+    `upstream`, the traces `offseason pull` brought in are deleted in their service too.
+    """
     key = erasure.salt(root)
     kind, value = subject_of(kind, value)
     subject = erasure.digest(key, kind, value)
@@ -775,6 +785,7 @@ def erase(root: Path, kind: str, value: str, reason: str, config, model_name: st
         found, models = Found.from_json(pending["found"]), pending["models"]
         erasure_id, received = pending["id"], pending["received"]
         needles = [bytes.fromhex(n) for n in pending["needles"]]
+        groups = pending.get("upstream") or []
     else:
         found = widen(root, key, lookup(root, subject))
         if kind == "trace" and not found.traces:
@@ -784,6 +795,8 @@ def erase(root: Path, kind: str, value: str, reason: str, config, model_name: st
         received = now()
         erasure_id = f"erasure-{received[:19].replace(':', '').replace('-', '')}-{subject[:8]}"
         needles = needles_of(root, found, value) if found.traces or found.places else []
+        # where pull brought them from: read before the inbox files and pull's state lose them
+        groups = vendors.origins(root, found.traces, set(found.files))
     receipt = {"id": erasure_id, "subject": {"kind": kind.split(":")[0] if ":" not in kind
                                              else kind, "hash": subject},
                "reason": reason, "received": received, "dry_run": dry_run,
@@ -791,7 +804,8 @@ def erase(root: Path, kind: str, value: str, reason: str, config, model_name: st
                          "inbox_files": sorted(found.files),
                          "trace_hashes": sorted(erasure.digest(key, "trace", t)
                                                 for t in found.traces)},
-               "models": models, "removed": {}, "purged": [], "mlflow": {}, "left": []}
+               "models": models, "removed": {}, "purged": [], "mlflow": {}, "left": [],
+               "upstream": [_summary(g) for g in groups]}
     if dry_run:
         receipt["status"] = "dry run: nothing changed"
         return receipt
@@ -810,7 +824,7 @@ def erase(root: Path, kind: str, value: str, reason: str, config, model_name: st
     if not pending_path.exists():
         # the inbox files as they were: a rerun rewrites (by line number) only those still so
         pending = {"id": erasure_id, "received": received, "found": found.to_json(),
-                   "models": models, "needles": [n.hex() for n in needles],
+                   "models": models, "needles": [n.hex() for n in needles], "upstream": groups,
                    "inbox": {name: _sha256(root / "data" / "inbox" / name)
                              for name in sorted(found.files)}, "touched": []}
         io.write_json(pending_path, pending)
@@ -876,26 +890,172 @@ def erase(root: Path, kind: str, value: str, reason: str, config, model_name: st
                 "traces; erase.models is " + config.models, "todo": "the next cycle trains "
                 "without them; `offseason rollback` or erase.models: rollback takes it out of "
                 "service at once"})
-    receipt["left"].append({"what": "copies outside offseason", "why": "the tracing service "
-                            "the traces came from, backups, models already shipped",
+    receipt["upstream"], left = ask_upstream(root, erasure_id, groups, upstream)
+    receipt["left"] += left
+    receipt["left"].append({"what": "copies outside offseason", "why": "a tracing service "
+                            "offseason did not pull them from, backups, models already shipped",
                             "todo": "delete them there (Langfuse, LangSmith: their delete API)"})
-    blocking = [item["what"] for item in receipt["left"] if item.get("open")]
-    if blocking:  # never reported done: the pending file stays for the rerun
-        receipt.update(status="open: " + "; ".join(blocking) + " unreachable", done=None)
-        _finish(root, receipt)
-        return receipt
-    receipt.update(status="done", done=now())
-    _finish(root, receipt)
-    pending_path.unlink(missing_ok=True)
+    if _conclude(root, receipt):
+        _forget(root, erasure_id)
+        pending_path.unlink(missing_ok=True)
     return receipt
+
+
+def _conclude(root: Path, receipt: dict) -> bool:
+    """The receipt's status from what is left, written and committed; whether it is done. An
+    item left `open` (unreachable, or refusing) keeps the request open, never reported done.
+    """
+    blocking = [f"{item['what']} " + (item["open"] if isinstance(item["open"], str)
+                                      else "unreachable")
+                for item in receipt["left"] if item.get("open")]
+    if blocking:  # the pending file stays for the rerun
+        receipt.update(status="open: " + "; ".join(blocking), done=None)
+    else:
+        receipt.update(status="done", done=receipt.get("done") or now())
+    _finish(root, receipt)
+    return not blocking
+
+
+# --- the services pull brought the traces from (flows/orchestration/upstream.py) ---------------
+
+def _upstream_path(root: Path, erasure_id: str) -> Path:
+    """The upstream groups of a request, trace ids and all: local, never committed; the ids go
+    once the service confirms them gone.
+    """
+    return root / RECEIPTS / f"{erasure_id}.upstream.json"
+
+
+def _waiting(group: dict) -> bool:
+    """Whether a group's deletion was asked and is not yet confirmed."""
+    return bool(group.get("asked")) and not group.get("confirmed")
+
+
+def _forget(root: Path, erasure_id: str) -> None:
+    """The trace ids of a request done: kept only for the groups whose deletion is still to be
+    confirmed (`--status` asks about them); the file goes when none is.
+    """
+    path = _upstream_path(root, erasure_id)
+    if not path.exists():
+        return
+    groups = json.loads(path.read_text())["groups"]
+    if not any(_waiting(g) for g in groups):
+        path.unlink()
+        return
+    io.write_json(path, {"id": erasure_id, "groups": [
+        g if _waiting(g) else {**g, "traces": []} for g in groups]})
+
+
+def _summary(group: dict) -> dict:
+    """A group as the receipt and erasures.jsonl record it: counts, no ids."""
+    return {"service": group["service"], "project": group.get("project") or None,
+            "project_id": group.get("project_id"), "traces": group["count"],
+            "host": group.get("host"), "request": group.get("request"),
+            "asked": group.get("asked"), "answer": group.get("answer"),
+            "asynchronous": vendors.ASYNC[group["service"]], "refused": group.get("refused"),
+            "checked": group.get("checked"), "still_there": group.get("still_there"),
+            "confirmed": group.get("confirmed")}
+
+
+def ask_upstream(root: Path, erasure_id: str, groups: list[dict], ask: bool
+                 ) -> tuple[list[dict], list[dict]]:
+    """With `ask`, each group's service is asked to delete its traces (once: a rerun keeps what
+    was asked); (the groups as the receipt records them, what is left). Without it, what is left
+    says they are still there and how to delete them.
+    """
+    path = _upstream_path(root, erasure_id)
+    if path.exists():  # a rerun: what was asked and answered stays as it was
+        groups = json.loads(path.read_text())["groups"]
+    left = []
+    for group in groups:
+        what = f"{vendors.label(group)} ({group['count']} trace(s) offseason pulled from there)"
+        if group.get("asked"):
+            if not group.get("confirmed"):
+                left.append({"what": what, "service": group["service"],
+                             "why": f"deletion asked {group['asked']} ({group['answer']}); "
+                             f"{vendors.ASYNC[group['service']]}",
+                             "todo": "`offseason erase --status` asks again until it confirms "
+                             "them gone"})
+            continue
+        if not ask:  # once done, offseason keeps no id of them: say so while it still can
+            left.append({"what": what, "service": group["service"], "why": "still there: "
+                         "offseason deleted only its own copies and keeps no id of them",
+                         "todo": f"delete them in {vendors.NAMES[group['service']]} (by the "
+                         "person's user or session id); --upstream deletes them through the "
+                         "vendor's API: on a rerun while this request is open, or on the next "
+                         "request (`--dry-run` lists the pulled traces first)"})
+            continue
+        try:
+            group.update(vendors.delete(group), asked=now(), refused=None)
+        except vendors.Refused as err:
+            group["refused"] = err.why
+            left.append({"what": what, "service": group["service"], "open": "not deleted",
+                         "why": err.why, "todo": err.todo})
+            continue
+        left.append({"what": what, "service": group["service"],
+                     "why": f"deletion asked {group['asked']} ({group['answer']}); "
+                     f"{vendors.ASYNC[group['service']]}",
+                     "todo": "`offseason erase --status` asks again until it confirms them gone"})
+    if groups:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        io.write_json(path, {"id": erasure_id, "groups": groups})
+    return [_summary(g) for g in groups], left
+
+
+def awaiting_upstream(root: Path) -> bool:
+    """Whether a deletion asked upstream is not yet confirmed."""
+    return any(_waiting(g) for row in _log_rows(root) for g in row.get("upstream") or [])
+
+
+def recheck_upstream(root: Path) -> list[str]:
+    """Every request whose upstream deletion was asked and not yet confirmed: the service asked
+    again; a group confirmed gone is recorded (its ids forgotten; the receipt, and erasures.jsonl
+    committed). One line per group asked again.
+    """
+    lines = []
+    for row in _log_rows(root):
+        path, receipt_path = _upstream_path(root, row["id"]), root / RECEIPTS / f"{row['id']}.json"
+        if not path.exists() or not receipt_path.exists():
+            continue
+        groups = json.loads(path.read_text())["groups"]
+        waiting = [g for g in groups if _waiting(g)]
+        if not waiting:
+            continue
+        confirmed_now = False
+        for group in waiting:
+            try:
+                still = vendors.confirm(group)
+            except vendors.Refused as err:
+                lines.append(f"{row['id']}: {vendors.label(group)} not asked again: {err.why}; "
+                             f"fix that, then run `offseason erase --status` again")
+                continue
+            group.update(checked=now(), still_there=len(still))
+            if still:
+                lines.append(f"{row['id']}: {vendors.label(group)}: {len(still)} of "
+                             f"{group['count']} trace(s) still there, deletion pending (asked "
+                             f"{group['asked']})")
+            else:
+                group.update(confirmed=group["checked"], traces=[])
+                confirmed_now = True
+                lines.append(f"{row['id']}: {vendors.label(group)}: confirmed gone "
+                             f"({group['count']} trace(s))")
+        io.write_json(path, {"id": row["id"], "groups": groups})
+        if not any(_waiting(g) for g in groups):  # every deletion confirmed: no id kept
+            path.unlink()
+        receipt = json.loads(receipt_path.read_text())
+        receipt["upstream"] = [_summary(g) for g in groups]
+        confirmed = {vendors.label(g) for g in groups if g.get("confirmed")}
+        receipt["left"] = [i for i in receipt["left"] if not (
+            i.get("service") and i["what"].split(" (")[0] in confirmed)]
+        if confirmed_now:  # erasures.jsonl records it, committed
+            _conclude(root, receipt)
+        else:  # the receipt says when it was asked again; the log's line is as it was
+            _write_receipt(root, receipt)
+    return lines
 
 
 def _finish(root: Path, receipt: dict) -> None:
     """The receipt (JSON and text) and its line in erasures.jsonl, committed."""
-    folder = root / RECEIPTS
-    folder.mkdir(parents=True, exist_ok=True)
-    io.write_json(folder / f"{receipt['id']}.json", receipt)
-    io.write_text(folder / f"{receipt['id']}.txt", text(receipt) + "\n")
+    _write_receipt(root, receipt)
     models = receipt.get("models") or {}
     _log(root, {"id": receipt["id"], "subject_hash": receipt["subject"]["hash"],
                 "kind": receipt["subject"]["kind"], "received": receipt["received"],
@@ -904,12 +1064,24 @@ def _finish(root: Path, receipt: dict) -> None:
                 "trace_hashes": receipt["found"]["trace_hashes"],
                 "generations": models.get("generations") or [],
                 "policy": models.get("policy"), "action": models.get("action"),
+                "upstream": [{k: g.get(k) for k in ("service", "project", "project_id",
+                                                    "traces", "asked", "answer", "refused",
+                                                    "confirmed")}
+                             for g in receipt.get("upstream") or []],
                 "left": [item["what"] for item in receipt["left"]]})
     # the tombstones of the objects purged since the rewrite's commit
     tracked = [p for p in (LOG, str(erasure.TOMBSTONES)) if (root / p).exists()]
     git(root, "add", "--", *tracked)
     git(root, "commit", "--quiet", "-m", f"erase: {receipt['id']} {receipt['status']}", "--",
         *tracked)
+
+
+def _write_receipt(root: Path, receipt: dict) -> None:
+    """The receipt, JSON and text (local: .offseason/erasures/)."""
+    folder = root / RECEIPTS
+    folder.mkdir(parents=True, exist_ok=True)
+    io.write_json(folder / f"{receipt['id']}.json", receipt)
+    io.write_text(folder / f"{receipt['id']}.txt", text(receipt) + "\n")
 
 
 def text(receipt: dict) -> str:
@@ -939,16 +1111,29 @@ def text(receipt: dict) -> str:
                      f"policy {models.get('policy')}: {models.get('action')}")
     elif models.get("action"):
         lines.append(f"  models         {models['action']}")
+    for group in receipt.get("upstream") or []:
+        lines.append(f"  upstream       {vendors.label(group)}: {group['traces']} trace(s) "
+                     + (f"asked {group['asked']} ({group['request']} at {group['host']}: "
+                        f"{group['answer']}); " + (f"confirmed gone {group['confirmed']}"
+                                                    if group.get("confirmed") else
+                                                    "deletes asynchronously: pending")
+                        if group.get("asked") else
+                        f"not deleted: {group['refused']}" if group.get("refused") else
+                        "not asked (--upstream)"))
     for item in receipt.get("left") or []:
         lines.append(f"  left           {item['what']}: {item['why']}; to do: {item['todo']}")
     return "\n".join(lines)
 
 
-def status(root: Path, deadline_days: int) -> tuple[str, int]:
-    """The requests of erasures.jsonl, open ones against the deadline; (text, open count)."""
+def status(root: Path, deadline_days: int, recheck: bool = False) -> tuple[str, int]:
+    """The requests of erasures.jsonl, open ones against the deadline, and the deletions asked
+    upstream (with `recheck`, the services asked again first: `recheck_upstream`); (text, open
+    count).
+    """
+    lines = recheck_upstream(root) if recheck else []
     rows = _log_rows(root)
     today = dt.datetime.now(dt.timezone.utc)
-    lines, open_count = [], 0
+    open_count, waiting = 0, 0
     for row in rows:
         received = dt.datetime.fromisoformat(row["received"])
         due = received + dt.timedelta(days=deadline_days)
@@ -963,10 +1148,26 @@ def status(root: Path, deadline_days: int) -> tuple[str, int]:
                          + ")" + (f"; {row['status']}" if row.get("status", "open") != "open"
                                   else "")
                          + ": run the same `offseason erase` again to finish it")
+        for group in row.get("upstream") or []:
+            name = f"  upstream {vendors.label(group)}: {group['traces']} trace(s) "
+            if group.get("confirmed"):
+                lines.append(name + f"confirmed gone {group['confirmed']}")
+            elif group.get("asked"):
+                waiting += 1
+                lines.append(name + f"deletion PENDING (asked {group['asked']}; "
+                             f"{vendors.ASYNC[group['service']]}): `offseason erase --status` "
+                             f"asks again")
+            else:
+                lines.append(name + (f"NOT deleted ({group['refused']})" if group.get("refused")
+                                     else "still there (erased without --upstream)") +
+                             (": run the same `offseason erase` with --upstream" if not
+                              row.get("done") else f": delete them in "
+                              f"{vendors.NAMES[group['service']]}"))
     if not rows:
         lines.append("no erasure requests recorded")
     lines.append(f"{open_count} open, {len(rows) - open_count} done (deadline "
-                 f"{deadline_days} days: erase.deadline_days)")
+                 f"{deadline_days} days: erase.deadline_days)"
+                 + (f"; {waiting} upstream deletion(s) pending" if waiting else ""))
     return "\n".join(lines), open_count
 
 
