@@ -352,11 +352,9 @@ def run_flow(root: Path, start, prefect_ready) -> dict:
         with heartbeats:
             return cycle()
     except MlflowException as err:  # MLflow's client retried with backoff before this
-        raise WorkspaceError(
-            f"MLflow at {os.environ['MLFLOW_TRACKING_URI']} did not answer ({str(err)[:300]}); "
-            f"the cycle stopped (a cycle counts once it is committed and tagged gen-N). "
-            f"Start that server (or unset MLFLOW_TRACKING_URI for the embedded default) and "
-            f"run `offseason run` again: finished stages are not redone") from None
+        from flows.project import tracking
+
+        raise WorkspaceError(tracking.not_answering(root, err)) from None
     finally:
         pipeline.adopt(root)  # not adopted (the flow failed to start): start.close() stops it
 
@@ -777,6 +775,8 @@ def cmd_check(args) -> int:
     shown["runtime"]["sandbox"] = settings.plain(cfg.sandbox(root / "params.yaml"))
     shown["runtime"]["fleet"] = settings.plain(cfg.fleet(root / "params.yaml"))
     shown["runtime"]["mcp"] = settings.plain(cfg.mcp(root / "params.yaml"))
+    shown["runtime"]["mlflow"] = settings.plain(cfg.mlflow(root / "params.yaml"))
+    shown["runtime"]["dvc"] = settings.plain(cfg.dvc(root / "params.yaml"))
     for spec in shown.get("environments", {}).values():  # where its servers run: runtime.mcp
         spec["mcp"] = {server: {key: entry[key] for key in mcp_tools.WHAT}
                        for server, entry in spec["mcp"].items()}
@@ -1050,7 +1050,7 @@ def cmd_pull(args) -> int:
     if limit < 0:
         raise pull.PullError(f"--limit: must be >= 0 (0: no limit), got {limit}")
     result = pull.pull(root, inbox_path(root), args.service, args.since, limit,
-                       args.project or config.project)
+                       args.project or config.project, config.stall_seconds)
     print(json.dumps(result, indent=2) if args.json else result["message"])
     return 0
 

@@ -716,6 +716,42 @@ def collect(path: str | Path = "params.yaml") -> Collect:
                   str(path))
 
 
+@section("runtime.mlflow")
+class Mlflow:
+    """`runtime.mlflow`: how long an MLflow tracking server (`MLFLOW_TRACKING_URI=http...`) may
+    go silent mid-cycle (flows/project/workspace.py: `mlflow_requests`). Where work runs, never
+    what it computes: in `runtime:`.
+    """
+
+    stall_seconds: Float = Field(300.0, ge=2, description="no answer from the MLflow server for "
+                                 "this long (over MLflow's own tries, whose timeout, retries and "
+                                 "backoff offseason fits inside it): the cycle fails, naming the "
+                                 "server and the stages it finished")
+
+
+@section("runtime.dvc")
+class Dvc:
+    """`runtime.dvc`: how long `dvc push`, `pull` and `fetch` (promotion, init, rollback, erase)
+    may move no bytes before they are stopped (flows/project/stall.py). Where work runs, never
+    what it computes: in `runtime:`.
+    """
+
+    stall_seconds: Float = Field(300.0, gt=0, description="the DVC command moved no bytes (to "
+                                 "or from the network or the disk) for this long: it is stopped "
+                                 "and fails, naming the remote; what it sent stays there")
+
+
+def mlflow(path: str | Path = "params.yaml") -> Mlflow:
+    """`runtime.mlflow` of params.yaml, checked (defaults when absent)."""
+    return _build(Mlflow, "runtime.mlflow", _runtime(read_params(path), "mlflow", str(path)),
+                  str(path))
+
+
+def dvc(path: str | Path = "params.yaml") -> Dvc:
+    """`runtime.dvc` of params.yaml, checked (defaults when absent)."""
+    return _build(Dvc, "runtime.dvc", _runtime(read_params(path), "dvc", str(path)), str(path))
+
+
 # sections a params.yaml may leave out (`pull:` is the flow's: flows/intake/pull.py); `environments:`
 # may not, but `environments()` says so with what to write
 OPTIONAL = {"environments", "runtime", "judge", "cost", "budget", "pull", "erase"}
@@ -733,7 +769,10 @@ RUNTIME = {"rollout": ("urls", "server_command", "server_timeout", "concurrency"
            "collect": tuple(f.name for f in dataclasses.fields(Collect)),
            "sandbox": tuple(f.name for f in dataclasses.fields(Sandbox)),
            "mcp": tuple(f.name for f in dataclasses.fields(Mcp)),
-           "fleet": tuple(f.name for f in dataclasses.fields(Fleet))}
+           "fleet": tuple(f.name for f in dataclasses.fields(Fleet)),
+           "mlflow": tuple(f.name for f in dataclasses.fields(Mlflow)),
+           "dvc": tuple(f.name for f in dataclasses.fields(Dvc)),
+           "pull": ("stall_seconds",)}  # `pull:`'s (flows/project/params.py)
 
 
 def runtime_of(config) -> dict:

@@ -5,7 +5,10 @@ credentials from the vendor's usual environment variables) the traces of a windo
 last-cycle` by default). Writes one new JSONL file into the inbox per pull
 (`langfuse-<UTC time>.jsonl`), in the shape `stages/traces/sources/` reads, and remembers the
 trace ids pulled (`.offseason/pull/<service>[-<project>].json`), so no trace is written twice.
-Failures raise `PullError` (exit 2). With params.yaml's `pull:` every cycle pulls first.
+Failures raise `PullError` (exit 2). With params.yaml's `pull:` every cycle pulls first. A service
+that answers nothing for `runtime.pull.stall_seconds` (a request is never retried after that)
+fails the pull; the traces fetched whole before are written and remembered all the same, and the
+next pull goes on from there.
 
     offseason pull langfuse                          # new traces since the last cycle
     offseason pull langsmith --project support-bot --since 2026-03-01T00:00:00Z --limit 500
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -28,12 +32,28 @@ from stages import config as cfg
 from stages import erasure, io
 
 OVERLAP = timedelta(minutes=15)  # Langfuse's v1 read endpoints may lag ingestion by ~10 minutes
-TIMEOUT = 30  # seconds a request may take before the service counts as down
+# seconds a request may take where no setting says (`offseason erase --upstream`,
+# flows/orchestration/upstream.py); a pull's is `runtime.pull.stall_seconds`
+TIMEOUT = 30
 PAGE = 100  # items a page: the v3 scores endpoint's maximum
 
 
 class PullError(WorkspaceError):
     """A pull that cannot go on (SDK, credentials, the service): the message says what to do."""
+
+
+@dataclass
+class Pulled:
+    """What a pull has fetched so far, trace by trace: kept when the service stops midway."""
+
+    records: list[dict] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    cut: bool = False  # the limit cut the listing short: the window does not move
+
+    def add(self, trace_id: str, records: list[dict]) -> None:
+        """One trace fetched whole."""
+        self.ids.append(trace_id)
+        self.records.extend(records)
 
 
 # --- the window ---------------------------------------------------------------------------------
@@ -136,9 +156,9 @@ def _need(names: list[str], extra: str) -> dict[str, str]:
 OBSERVATION_FIELDS = "core,basic,time,io,model,usage,trace_context"
 
 
-def langfuse_traces(since: datetime | None, limit: int, seen: set[str],
-                    project: str = "") -> tuple[list[dict], list[str], bool]:
-    """New traces from Langfuse: (records, trace ids, whether the limit cut the listing)."""
+def langfuse_traces(since: datetime | None, limit: int, seen: set[str], project: str,
+                    got: Pulled, stall: float) -> None:
+    """New traces from Langfuse, into `got`; a request unanswered for `stall` seconds fails."""
     try:
         import httpx
         from langfuse._version import __version__
@@ -155,9 +175,9 @@ def langfuse_traces(since: datetime | None, limit: int, seen: set[str],
     api = LangfuseAPI(base_url=host, username=keys["LANGFUSE_PUBLIC_KEY"],
                       password=keys["LANGFUSE_SECRET_KEY"], x_langfuse_sdk_name="python",
                       x_langfuse_sdk_version=__version__,
-                      x_langfuse_public_key=keys["LANGFUSE_PUBLIC_KEY"], timeout=TIMEOUT)
-    try:
-        return _langfuse_pull(api, since, limit, seen)
+                      x_langfuse_public_key=keys["LANGFUSE_PUBLIC_KEY"], timeout=stall)
+    try:  # (its client retries answers of 429 and 5xx, never a timeout)
+        _langfuse_pull(api, since, limit, seen, got)
     except ApiError as err:
         if err.status_code in (401, 403):
             raise PullError(f"Langfuse at {host} refused the key (HTTP {err.status_code}): check "
@@ -165,6 +185,10 @@ def langfuse_traces(since: datetime | None, limit: int, seen: set[str],
                             f"keys)") from None
         raise PullError(f"Langfuse at {host} answered HTTP {err.status_code} ({err.body!r:.200}); "
                         f"try again later") from None
+    except httpx.TimeoutException as err:
+        raise PullError(f"Langfuse at {host} did not answer within runtime.pull.stall_seconds="
+                        f"{stall:g} ({type(err).__name__}); is the service up, or wedged? (raise "
+                        f"the setting for one that is slow, not stuck)") from None
     except httpx.HTTPError as err:
         raise PullError(f"Langfuse at {host} did not answer ({type(err).__name__}: {err}); is "
                         f"LANGFUSE_HOST right and the service up?") from None
@@ -195,21 +219,18 @@ def _new_ids(trace_ids, seen, limit: int) -> tuple[list[str], bool]:
     return ids, False
 
 
-def _langfuse_pull(api, since, limit, seen) -> tuple[list[dict], list[str], bool]:
-    ids, cut = _new_ids((root.trace_id for root in _pages(
+def _langfuse_pull(api, since, limit, seen, got: Pulled) -> None:
+    ids, got.cut = _new_ids((root.trace_id for root in _pages(
         api.observations.get_many, is_root_observation=True, from_start_time=since,
         fields="core")), seen, limit)
-    records = []
     for trace_id in ids:
         observations = [_observation(o) for o in
                         _pages(api.observations.get_many, trace_id=trace_id,
                                fields=OBSERVATION_FIELDS)]
         scores = [_score(s) for s in _pages(api.scores.get_many, trace_id=trace_id,
                                             fields="details,subject")]
-        records.append(_trace_record(trace_id, observations, scores))
-        records.extend(observations)
-        records.extend(s for s in scores if s["traceId"] == trace_id)
-    return records, ids, cut
+        got.add(trace_id, [_trace_record(trace_id, observations, scores), *observations,
+                           *(s for s in scores if s["traceId"] == trace_id)])
 
 
 def _observation(item) -> dict:
@@ -256,22 +277,28 @@ def _trace_record(trace_id: str, observations: list[dict], scores: list[dict]) -
 
 # --- LangSmith ----------------------------------------------------------------------------------
 
-def langsmith_traces(since: datetime | None, limit: int, seen: set[str],
-                     project: str = "") -> tuple[list[dict], list[str], bool]:
-    """New traces from LangSmith: (run records, trace ids, whether the limit cut the listing)."""
+def langsmith_traces(since: datetime | None, limit: int, seen: set[str], project: str,
+                     got: Pulled, stall: float) -> None:
+    """New traces from LangSmith, into `got`; a request unanswered for `stall` seconds fails."""
     try:
         import langsmith
         from langsmith import utils as ls_utils
+        from urllib3.util.retry import Retry
     except ImportError:
         raise PullError("the LangSmith SDK is not installed: pip install "
                         "'offseason[langsmith]'") from None
     key = _need(["LANGSMITH_API_KEY"], "LangSmith")["LANGSMITH_API_KEY"]
     endpoint = os.environ.get("LANGSMITH_ENDPOINT") or "https://api.smith.langchain.com"
     project = project or os.environ.get("LANGSMITH_PROJECT") or "default"
-    client = langsmith.Client(api_url=endpoint, api_key=key, timeout_ms=TIMEOUT * 1000,
-                              auto_batch_tracing=False)
+    # the SDK's own retries (langsmith/client.py `_default_retry_config`), but none after a read
+    # timeout: that request had no answer for the whole bound already
+    retry = Retry(total=3, read=0, status_forcelist=[429, 500, 502, 503, 504, 408, 425],
+                  backoff_factor=0.5, raise_on_redirect=False, raise_on_status=False,
+                  respect_retry_after_header=True, allowed_methods=None)
+    client = langsmith.Client(api_url=endpoint, api_key=key, timeout_ms=int(stall * 1000),
+                              auto_batch_tracing=False, retry_config=retry)
     try:
-        return _langsmith_pull(client, project, since, limit, seen)
+        _langsmith_pull(client, project, since, limit, seen, got)
     except ls_utils.LangSmithAuthError:
         raise PullError(f"LangSmith at {endpoint} refused the key: check LANGSMITH_API_KEY "
                         f"(and, for a self-hosted one, LANGSMITH_ENDPOINT)") from None
@@ -279,6 +306,11 @@ def langsmith_traces(since: datetime | None, limit: int, seen: set[str],
         raise PullError(f"LangSmith at {endpoint} has no project {project!r}: name yours with "
                         f"--project, pull.project or LANGSMITH_PROJECT") from None
     except ls_utils.LangSmithConnectionError as err:
+        if "Read timed out" in str(err):
+            raise PullError(f"LangSmith at {endpoint} did not answer within runtime.pull."
+                            f"stall_seconds={stall:g} (read timed out); is the service up, or "
+                            f"wedged? (raise the setting for one that is slow, not stuck)"
+                            ) from None
         raise PullError(f"LangSmith at {endpoint} did not answer ({str(err)[:200]}); is "
                         f"LANGSMITH_ENDPOINT right and the service up?") from None
     except ls_utils.LangSmithError as err:
@@ -286,21 +318,19 @@ def langsmith_traces(since: datetime | None, limit: int, seen: set[str],
                         f"again later") from None
 
 
-def _langsmith_pull(client, project, since, limit, seen) -> tuple[list[dict], list[str], bool]:
+def _langsmith_pull(client, project, since, limit, seen, got: Pulled) -> None:
     project_id = client.read_project(project_name=project).id
     with warnings.catch_warnings():
         # list_runs (POST /runs/query) is deprecated in 0.15 for client.runs.query, which needs
         # a LangSmith backend >= 0.16 and returns another shape; it stays until 2027
         warnings.simplefilter("ignore", DeprecationWarning)
-        ids, cut = _new_ids((str(run.trace_id or run.id) for run in client.list_runs(
+        ids, got.cut = _new_ids((str(run.trace_id or run.id) for run in client.list_runs(
             project_id=project_id, is_root=True, start_time=since,
             select=["id", "trace_id", "start_time", "name", "run_type"])), seen, limit)
-        records = []
         for trace_id in ids:
             runs = [_json(run.model_dump(exclude={"attachments"}))
                     for run in client.list_runs(project_id=project_id, trace_id=trace_id)]
-            records.extend(sorted(runs, key=lambda r: str(r.get("dotted_order") or "")))
-    return records, ids, cut
+            got.add(trace_id, sorted(runs, key=lambda r: str(r.get("dotted_order") or "")))
 
 
 FETCH = {"langfuse": langfuse_traces, "langsmith": langsmith_traces}
@@ -326,26 +356,50 @@ def not_erased(root: Path, records: list[dict], ids: list[str]) -> tuple[list[di
 
 
 def pull(root: Path, inbox: Path, service: str, since: str = "last-cycle", limit: int = 0,
-         project: str = "") -> dict:
-    """Pull the new traces of `service` into `inbox`; returns what was done (`message` says it)."""
+         project: str = "", stall: float | None = None) -> dict:
+    """Pull the new traces of `service` into `inbox`; returns what was done (`message` says it).
+    `stall`: runtime.pull.stall_seconds (None: its default). A service that stops answering
+    midway raises PullError once the traces fetched before are written and remembered.
+    """
     if service not in FETCH:
         raise PullError(f"unknown service {service!r}; one of {', '.join(SERVICES)}")
     if service == "langsmith":
         project = project or os.environ.get("LANGSMITH_PROJECT") or "default"
+    stall = Pull().stall_seconds if stall is None else stall
     path = state_path(root, service, project if service == "langsmith" else "")
     state = read_state(path)
     began = datetime.now(timezone.utc)
     start = window_start(root, since, state)
     pulled: dict[str, str] = dict(state.get("ids") or {})
-    records, ids, cut = FETCH[service](start, limit, set(pulled), project)
-    records, ids = not_erased(root, records, ids)
+    got = Pulled()
+    try:
+        FETCH[service](start, limit, set(pulled), project, got, stall)
+    except PullError as err:
+        if not got.ids:
+            raise
+        # the window does not move: what the service did not send yet is still to pull
+        done = _save(root, inbox, service, project, path, state, pulled, got, began, start, limit,
+                     stopped=True)
+        raise PullError(f"{err}. Kept: {done['message'].removeprefix('pull: ')}; the next "
+                        f"pull goes on from there") from None
+    return _save(root, inbox, service, project, path, state, pulled, got, began, start, limit)
+
+
+def _save(root: Path, inbox: Path, service: str, project: str, path: Path, state: dict,
+          pulled: dict[str, str], got: Pulled, began: datetime, start: datetime | None,
+          limit: int, stopped: bool = False) -> dict:
+    """Write what a pull fetched (an inbox file) and remember it (the state); what was done.
+    `stopped`: the service stopped answering midway (the window does not move, as for a limit).
+    """
+    records, ids = not_erased(root, got.records, got.ids)
+    cut = got.cut
     written = write_inbox(inbox, service, records, began) if records else None
     for trace_id in ids:
         pulled[trace_id] = began.isoformat()
     # ids older than a week before the window stay out of the file: it does not grow forever
     keep = (start or began) - timedelta(days=7)
     pulled = {i: t for i, t in pulled.items() if datetime.fromisoformat(t) >= keep}
-    complete_from = state.get("complete_from") if cut else began.isoformat()
+    complete_from = state.get("complete_from") if cut or stopped else began.isoformat()
     io.write_json(path, {"service": service, "project": project, "complete_from": complete_from,
                          "ids": pulled})
     window = f"since {start.isoformat()}" if start else "everything"
@@ -371,4 +425,5 @@ def before_cycle(root: Path, inbox: Path, params: Path) -> str | None:
     config = cfg.load("pull", params, {"pull": Pull})
     if not config.service:
         return None
-    return pull(root, inbox, config.service, "last-cycle", config.limit, config.project)["message"]
+    return pull(root, inbox, config.service, "last-cycle", config.limit, config.project,
+                config.stall_seconds)["message"]

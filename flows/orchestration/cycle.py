@@ -354,8 +354,13 @@ def follow(root: Path, start: pipeline.Start, configs: dict, changes: dict,
             {"gate": verdict, "cost": {**spent["total"], **spent["gain"]}})
         client.set_terminated(run_id)
     except BaseException as err:
+        from mlflow.exceptions import MlflowException
         from prefect.exceptions import Pause
 
+        if isinstance(err, MlflowException) and tracking.unanswered(err):
+            # the server stopped answering: ending the run would wait out the bound again
+            raise WorkspaceError(tracking.not_answering(
+                root, err, [name for name in reran if name in metrics], run_id)) from None
         # suspended for approval in a deployment: the run resumes later as a new MLflow run
         client.set_terminated(run_id, status="KILLED" if isinstance(err, Pause) else "FAILED")
         raise

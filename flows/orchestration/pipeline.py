@@ -14,6 +14,7 @@ Details: docs/cycle.md, "How a cycle's DVC work runs (flows/orchestration/pipeli
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -68,12 +69,17 @@ class Session:
         workspace.note_children(root, self.proc.pid, self.marker)
 
     def run(self, args: list[str], on_line=None, check: bool = True,
-            on_end=None) -> tuple[int, str]:
+            on_end=None, stall: float | None = None) -> tuple[int, str]:
         """Run `dvc ARGS` in the session; returns the exit code and the output. `on_line` gets
         each line as it comes; `on_end` gets the exit code (None: the process ended first) as the
-        command ends, before another command can run.
+        command ends, before another command can run. `stall`: when the session moves no bytes
+        for that many seconds (a push to a wedged remote), it is ended and DvcStalled says so.
         """
+        from flows.project.stall import Watch
+
         command = f"`dvc {' '.join(args)}`"
+        watch = Watch(self.proc.pid, stall, lambda: workspace.kill_below(self.proc.pid),
+                      workspace.processes_below) if stall else None
         with self.lock:
             lines, code = [], None
             try:
@@ -82,18 +88,21 @@ class Session:
             except (BrokenPipeError, ValueError):  # ended (killed) or closed
                 pass
             else:
-                for raw in self.proc.stdout:
-                    text, found, rest = raw.rstrip("\n").partition(self.marker)
-                    if found:
-                        code = int(rest)
-                        break
-                    lines.append(text)
-                    if on_line is not None:
-                        on_line(text)
+                with watch or contextlib.nullcontext():
+                    for raw in self.proc.stdout:
+                        text, found, rest = raw.rstrip("\n").partition(self.marker)
+                        if found:
+                            code = int(rest)
+                            break
+                        lines.append(text)
+                        if on_line is not None:
+                            on_line(text)
             if on_end is not None:
                 on_end(code)
         while lines and not lines[-1].strip():  # the session's own newline before its marker
             lines.pop()
+        if watch is not None and watch.stalled is not None:
+            raise workspace.DvcStalled(workspace.dvc_stalled(self.root, args, watch, lines))
         if code is None:
             raise WorkspaceError(f"{command} did not finish: the DVC process ended (exit "
                                  f"{self.proc.wait()})" + "".join(f"\n{x}" for x in lines[-15:]))

@@ -33,6 +33,10 @@ class Pull:
                                          "else \"default\")")
     limit: int = Field(0, ge=0, description="at most this many new traces a pull; 0 = every one "
                                             "in the window")
+    stall_seconds: cfg.Float = Field(30.0, gt=0, description="no answer from the service for "
+                                     "this long (a request, never retried after a timeout): the "
+                                     "pull fails, naming it; the traces pulled before are "
+                                     "written and the next pull goes on from there")
 
     def __post_init__(self):
         """Refuse an unknown service."""
@@ -169,6 +173,8 @@ def reference() -> str:
     table("runtime.sandbox", cfg.Sandbox, list(cfg.RUNTIME["sandbox"]))
     table("runtime.mcp", cfg.Mcp, list(cfg.RUNTIME["mcp"]))
     table("runtime.fleet", cfg.Fleet, list(cfg.RUNTIME["fleet"]))
+    table("runtime.mlflow", cfg.Mlflow, list(cfg.RUNTIME["mlflow"]))
+    table("runtime.dvc", cfg.Dvc, list(cfg.RUNTIME["dvc"]))
     return "\n".join(lines) + "\n"
 
 

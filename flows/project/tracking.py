@@ -2,12 +2,15 @@
 
 The tracking URI comes from the environment (`MLFLOW_TRACKING_URI`, set by `configure_env` to the
 repo's SQLite file by default). Artifacts go to `<repo>/mlartifacts`, always as an absolute URI:
-MLflow's own default follows the working directory.
+MLflow's own default follows the working directory. A tracking server's requests are bounded by
+`runtime.mlflow.stall_seconds` (`workspace.mlflow_requests` fits MLflow's timeout and retries
+inside it); one it did not answer ends the cycle (`not_answering` says what it had finished).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -187,11 +190,44 @@ def set_champion(name: str, version: str) -> None:
     MlflowClient().set_registered_model_alias(name, ALIAS, version)
 
 
+def unanswered(err: Exception) -> bool:
+    """An MLflow error that is no answer from its tracking server (a timeout, a refused or reset
+    connection, after MLflow's tries), not one the server (or the local store) answered with.
+    """
+    from mlflow.exceptions import RestException
+
+    remote = os.environ.get("MLFLOW_TRACKING_URI", "").startswith(("http://", "https://"))
+    return remote and not isinstance(err, RestException)
+
+
+def not_answering(root: Path, err: Exception, done: list[str] | None = None,
+                  run_id: str = "") -> str:
+    """What a cycle stopped by a tracking server that did not answer says: the server, the
+    bound, MLflow's error, the stages `done` (kept in DVC's cache) and its run, what to do.
+    """
+    from stages import config as cfg
+
+    stall = cfg.mlflow(root / "params.yaml").stall_seconds
+    finished = ""
+    if done is not None:
+        finished = (f" after its stages {', '.join(done)} (kept in DVC's cache)" if done else
+                    " before any of its stages finished") + (
+            f", its MLflow run {run_id} left marked running" if run_id else "")
+    return (f"MLflow at {os.environ.get('MLFLOW_TRACKING_URI')} did not answer within "
+            f"runtime.mlflow.stall_seconds={stall:g}, MLflow's tries included "
+            f"({str(err)[:300]}). The cycle stopped{finished}; a cycle counts once it is "
+            f"committed and tagged gen-N. Start that server (or unset MLFLOW_TRACKING_URI for "
+            f"the embedded default; raise runtime.mlflow.stall_seconds for a server that is slow, "
+            f"not stuck) and run `offseason run` again: finished stages are not redone")
+
+
 def champion_version(name: str) -> str | None:
     """The registered model's champion version, or None when it has none."""
     try:
         return MlflowClient().get_model_version_by_alias(name, ALIAS).version
-    except mlflow.exceptions.MlflowException:
+    except mlflow.exceptions.MlflowException as err:
+        if unanswered(err):  # not "no such alias": the server is not answering
+            raise
         return None
 
 
@@ -200,7 +236,9 @@ def version_exists(name: str, version: str) -> bool:
     try:
         MlflowClient().get_model_version(name, version)
         return True
-    except mlflow.exceptions.MlflowException:
+    except mlflow.exceptions.MlflowException as err:
+        if unanswered(err):
+            raise
         return False
 
 

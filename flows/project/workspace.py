@@ -8,6 +8,7 @@ remote in `<repo>/.dvcstore`. Each is one environment variable away from a real 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import fcntl
 import hashlib
@@ -65,6 +66,11 @@ def configure_env(root: Path) -> None:
         # serves the same runs here
         os.environ.setdefault("PREFECT_UI_URL", PREFECT_UI)
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    if os.environ["MLFLOW_TRACKING_URI"].startswith(("http://", "https://")):
+        from stages import config as cfg
+
+        os.environ.update(mlflow_requests(cfg.mlflow(root / "params.yaml").stall_seconds,
+                                          os.environ))
     os.environ.setdefault("PREFECT_HOME", str(root / ".prefect"))
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     # the temporary local server migrates its database on first start: slow on 2 busy cores
@@ -78,19 +84,66 @@ def configure_env(root: Path) -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
-def run(cmd: list[str], root: Path, check: bool = True, on_line: Callable[[str], None] | None = None
-        ) -> subprocess.CompletedProcess:
-    """Run a command in the repo root; stream its output line by line to `on_line` if given."""
-    if on_line is None:
+# MLflow's HTTP settings (mlflow/environment_variables.py; read at each request,
+# mlflow/utils/rest_utils.py `http_request`) and MLflow's defaults: 120 s a try, 7 retries,
+# backoff factor 2 and 1 s of jitter: about 4 minutes of backoff, and a black hole some 20 minutes
+MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_TIMEOUT": 120, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": 7,
+               "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": 2, "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": 1.0}
+
+
+def mlflow_requests(stall: float, env) -> dict[str, str]:
+    """MLflow's HTTP settings fitted inside `runtime.mlflow.stall_seconds`, so that a server that
+    accepts and never answers fails a request within it, all of MLflow's tries included: at most
+    4 tries, the backoff between them (MLflow's, lowered to fit) within a quarter of the bound,
+    each try waiting an equal share of the rest (whole seconds, at least 1: fewer tries where
+    that would not fit). A value `env` sets already is kept where it is lower.
+    """
+    timeout, retries, factor, jitter = (type(default)(env.get(key, default))
+                                        for key, default in MLFLOW_HTTP.items())
+    retries, jitter = min(retries, 3), min(jitter, stall / 16)
+
+    def backoff(tries_after: int, factor: int) -> float:  # urllib3's: the first retry at once
+        return sum(factor * 2 ** (n - 1) + jitter for n in range(2, tries_after + 1))
+
+    while factor > 0 and backoff(retries, factor) > stall / 4:
+        factor -= 1
+    while True:
+        share = max(1, int((stall - backoff(retries, factor)) // (retries + 1)))
+        if retries == 0 or (retries + 1) * min(timeout, share) + backoff(retries, factor) <= stall:
+            break
+        retries -= 1
+    return dict(zip(MLFLOW_HTTP, (str(min(timeout, share)), str(retries), str(factor),
+                                  f"{jitter:g}")))
+
+
+def run(cmd: list[str], root: Path, check: bool = True, on_line: Callable[[str], None] | None = None,
+        stall: float | None = None) -> subprocess.CompletedProcess:
+    """Run a command in the repo root; stream its output line by line to `on_line` if given.
+    `stall`: a DVC command talking to a remote (`dvc`), stopped when it moves no bytes for that
+    many seconds (flows/project/stall.py); DvcStalled then says so.
+    """
+    if on_line is None and stall is None:
         result = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
     else:
+        from flows.project.stall import Watch
+
         lines = []
         with subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, bufsize=1) as proc:
-            for line in proc.stdout:
-                line = line.rstrip("\n")
-                lines.append(line)
-                on_line(line)
+            watch = Watch(proc.pid, stall, lambda: kill_below(proc.pid),
+                          processes_below) if stall else None
+            try:
+                with watch or contextlib.nullcontext():
+                    for line in proc.stdout:
+                        line = line.rstrip("\n")
+                        lines.append(line)
+                        if on_line is not None:
+                            on_line(line)
+            except BaseException:  # Ctrl-C, or on_line failed: DVC does not go on alone
+                kill_below(proc.pid)
+                raise
+        if watch is not None and watch.stalled is not None:
+            raise DvcStalled(dvc_stalled(root, cmd[1:], watch, lines))
         result = subprocess.CompletedProcess(cmd, proc.returncode, "\n".join(lines), "")
     if check and result.returncode != 0:
         output = (result.stdout + result.stderr).strip().splitlines()[-15:]
@@ -121,14 +174,57 @@ def git(root: Path, *args: str, check: bool = True) -> str:
 SESSIONS: dict[Path, object] = {}  # repo root -> its open flows.orchestration.pipeline.Session (a cycle's)
 
 
+# DVC's commands that move objects to or from a remote: each runs under a stall watch
+NETWORK = ("push", "pull", "fetch")
+
+
+class DvcStalled(WorkspaceError):
+    """A DVC command moved no bytes for `runtime.dvc.stall_seconds`: it was stopped."""
+
+
 def dvc(root: Path, *args: str, on_line=None) -> str:
     """`dvc ARGS` in the repo root: in the cycle's DVC session while one is open (flows/orchestration/pipeline.py),
-    else as a process of its own.
+    else as a process of its own. A push, pull or fetch that moves no bytes for
+    `runtime.dvc.stall_seconds` is stopped and raises DvcStalled naming the remote.
     """
+    stall = None
+    if args and args[0] in NETWORK:
+        from stages import config as cfg
+
+        stall = cfg.dvc(root / "params.yaml").stall_seconds
     session = SESSIONS.get(root)
     if session is not None:
-        return session.run(list(args), on_line=on_line)[1]
-    return run([str(Path(sys.executable).parent / "dvc"), *args], root, on_line=on_line).stdout
+        return session.run(list(args), on_line=on_line, stall=stall)[1]
+    return run([str(Path(sys.executable).parent / "dvc"), *args], root, on_line=on_line,
+               stall=stall).stdout
+
+
+def kill_below(pid: int) -> None:
+    """SIGKILL a process and every process below it, deepest first (a stalled DVC command: one
+    blocked on a socket may not heed SIGTERM).
+    """
+    signal_all(processes_below(pid), signal.SIGKILL)
+
+
+def dvc_stalled(root: Path, args: list[str], watch, lines: list[str]) -> str:
+    """What DvcStalled says: the command, the remote it talked to (`-r NAME`, else the default)
+    and its URL, the bound, what it had moved and said, what was kept, what to do.
+    """
+    default, remotes = dvc_remotes(root)
+    name = next((args[i + 1] for i, arg in enumerate(args[:-1]) if arg in ("-r", "--remote")),
+                default)
+    url = remotes.get(name or "", {}).get("url", "?")
+    said = [line.strip() for line in lines if line.strip()]
+    kept = ("what it had sent stays in the remote, and the next push sends only what the remote "
+            "lacks" if args[0] == "push" else "what it had fetched stays in the cache "
+            "(.dvc/cache), and the next try fetches only what the cache lacks")
+    return (f"`dvc {' '.join(args)}` moved no bytes for {watch.stalled:.1f} s "
+            f"(runtime.dvc.stall_seconds={watch.seconds:g}) talking to the DVC remote {name!r} "
+            f"({url}), after {watch.sent} bytes to and from the network: the remote is up but "
+            f"not answering (wedged, or overloaded), so DVC was stopped"
+            f"{'; DVC said: ' + ' | '.join(said[-5:]) if said else ''}. Nothing is lost: {kept}. Check "
+            f"that server (or raise runtime.dvc.stall_seconds in params.yaml for a remote that is "
+            f"slow, not stuck), then run the command again")
 
 
 def dvc_remotes(root: Path) -> tuple[str | None, dict[str, dict[str, str]]]:

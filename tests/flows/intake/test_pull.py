@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from datetime import datetime, timedelta
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -238,3 +239,84 @@ def test_pull_section_is_optional_and_checked(workspace, service, monkeypatch):
     params.write_text("pull: {servce: langfuse}\n")
     with pytest.raises(cfg.ParamsError, match="did you mean 'pull.service'"):
         cfg.load("pull", params, settings.SECTIONS)
+
+
+# --- a service that wedges midway (issue 51.4) --------------------------------------------------
+
+@pytest.mark.parametrize("vendor", ["langfuse", "langsmith"])
+def test_a_service_that_wedges_midway_fails_within_the_bound_keeping_what_was_pulled(
+        vendor, workspace, monkeypatch):
+    """Four new traces; the service answers the listing and two traces' requests, then accepts
+    and reads every request and never replies. The pull fails within `runtime.pull.stall_seconds`
+    (LangSmith's SDK had retried a read timeout 3 times, 30 s each), naming the service and the
+    setting; the two traces are written and remembered, and the next pull takes only the rest.
+    """
+    import trace_services
+    from trace_services import NEW, langfuse_data, lf_trace, ls_trace
+
+    extra = [f"{n}b0c8a52-4b7e-4c1d-9a3e-2b6d5f8e7a1{n}" for n in range(3)]
+    for n, trace_id in enumerate(extra):  # three more new traces beside LF_NEW / LS_NEW
+        if vendor == "langfuse":
+            observations, scores = lf_trace(trace_id, NEW + timedelta(seconds=10 + n), f"C{n}",
+                                            "Done.")
+            trace_services.LF_OBS.extend(observations)
+            trace_services.LF_SCORES.extend(scores)
+        else:
+            trace_services.LS_RUNS.extend(ls_trace(trace_id, NEW + timedelta(seconds=10 + n),
+                                                   f"do thing {n}"))
+    # the listing, then 2 requests a trace for Langfuse (observations, scores), 1 for LangSmith
+    # after its project lookup
+    answer = 1 + 2 * 2 if vendor == "langfuse" else 2 + 2
+    freed, answered = threading.Event(), []
+
+    class Wedging(Service):
+        def handle_one_request(self):
+            if len(answered) >= answer:  # read the request, never reply
+                self.raw_requestline = self.rfile.readline(65537)
+                freed.wait()
+                self.close_connection = True
+                return
+            answered.append(1)
+            super().handle_one_request()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Wedging)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    (set_langfuse if vendor == "langfuse" else set_langsmith)(monkeypatch, url)
+    project = "support-bot" if vendor == "langsmith" else ""
+    inbox = workspace / "data" / "inbox"
+    try:
+        started = time.monotonic()
+        with pytest.raises(pull.PullError) as err:
+            pull.pull(workspace, inbox, vendor, project=project, stall=1.0)
+        took = time.monotonic() - started
+    finally:
+        freed.set()
+        server.shutdown()
+        server.server_close()
+    message = str(err.value)
+    name = {"langfuse": "Langfuse", "langsmith": "LangSmith"}[vendor]
+    assert took < 30, took
+    assert f"{name} at {url} did not answer within runtime.pull.stall_seconds=1" in message, message
+    assert "Kept: 2 new trace(s)" in message and "the next pull goes on" in message, message
+    [kept] = inbox.glob(f"{vendor}-*.jsonl")
+    state = json.loads(pull.state_path(workspace, vendor, project).read_text())
+    assert len(state["ids"]) == 2 and state["complete_from"] is None
+    # the service back: only the two traces left, none written twice
+    service = ThreadingHTTPServer(("127.0.0.1", 0), Service)
+    threading.Thread(target=service.serve_forever, daemon=True).start()
+    (set_langfuse if vendor == "langfuse" else set_langsmith)(
+        monkeypatch, f"http://127.0.0.1:{service.server_address[1]}")
+    try:
+        rest = pull.pull(workspace, inbox, vendor, project=project)
+    finally:
+        service.shutdown()
+        service.server_close()
+        if vendor == "langfuse":
+            langfuse_data(NEW)
+        else:
+            del trace_services.LS_RUNS[-12:]
+    assert rest["traces"] == 2
+    metrics, rows = ingest_inbox(workspace)
+    assert len(rows) == 4 and metrics["duplicates"] == 0, metrics
