@@ -19,7 +19,8 @@ The rollout stage's served path: `stages.generation.openai_backend.chat_rollout`
 `stages.generation.serve_tiny` server processes (a warm-started tiny chat model that calls the
 calculator), 64 requests in flight; with `stall_seconds` the global watch and, with two URLs, the
 per-URL watch of every request; a budget check per batch (`rollout.batch_size`) as the stage
-makes. Prints a Markdown table for BENCHMARKS.md.
+makes. The DVC commands' stall watch (flows/project/stall.py), counted only: one sample of a
+process tree, as often as the default bound has it sampled. Prints a Markdown table for BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -241,6 +242,24 @@ def served_rollout(episodes: int, repeats: int) -> dict:
             "counted": counted, "share": counted / wall}
 
 
+def dvc_watch() -> dict:
+    """The DVC commands' stall watch (flows/project/stall.py), counted: one sample of a process
+    tree (the /proc walk, each process's I/O and sockets, the kernel's TCP counters over
+    netlink) as often as the default bound has it sampled while `dvc push`, `pull` or `fetch`
+    runs.
+    """
+    from flows.project import stall, workspace
+
+    one = per_call(lambda: stall.sample(workspace.processes_below(os.getpid())), 200)
+    every = stall.Watch(os.getpid(), cfg.Dvc().stall_seconds, lambda: None, list).every
+    return {"what": "dvc push / pull / fetch: the stall watch's samples (this process's tree, "
+                    f"{len(list(Path('/proc').glob('[0-9]*')))} processes on the machine)",
+            "off": None, "on": None, "checks": f"a sample every {every:g} s (runtime.dvc."
+                                               f"stall_seconds {cfg.Dvc().stall_seconds:g}), "
+                                               f"{one * 1000:.1f} ms each",
+            "counted": one / every, "share": one / every}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -252,13 +271,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     load = os.getloadavg()[0]
     rows = [reward_stage(args.rollouts, args.repeats),
-            served_rollout(args.episodes, args.repeats)]
+            served_rollout(args.episodes, args.repeats), dvc_watch()]
     print(f"{os.cpu_count()} cores, load average {load:.1f} before, {os.getloadavg()[0]:.1f} "
           f"after; medians of {args.repeats} alternating rounds")
     print("\n| stage | without the checks, s | with, s | difference | the checks made | "
           "counted cost | share of the stage |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
+        if row["off"] is None:  # counted only: a second of the command's time
+            print(f"| {row['what']} | - | - | - | {row['checks']} | "
+                  f"{row['counted'] * 1000:.2f} ms a second | {row['share']:.3%} |")
+            continue
         diff = (row["on"] - row["off"]) / row["off"]
         print(f"| {row['what']} | {row['off']:.2f} | {row['on']:.2f} | {diff:+.1%} | "
               f"{row['checks']} | {row['counted'] * 1000:.2f} ms | {row['share']:.3%} |")

@@ -4,7 +4,9 @@
 HTTP and WebDAV, asyncssh, aiobotocore), each with its read timeout and retries: a remote that
 accepts connections and never answers holds them for minutes. What they do while they work is
 move bytes, so `Watch` samples the process and everything below it (the `tree` it is given:
-`workspace.processes_below`) twice a second and calls the command stalled when, for `seconds`, none of these moved:
+`workspace.processes_below`) ten times within its bound (every 5 s at most: a sample costs a few
+milliseconds, mostly the kernel's walk of its TCP table) and calls the command stalled when, for
+`seconds`, none of these moved:
 
 - the bytes its TCP sockets sent and had acknowledged, and received (the kernel's `tcp_info`
   `bytes_acked` and `bytes_received`, asked over netlink's sock_diag for every TCP socket, kept
@@ -27,7 +29,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-POLL_S = 0.5
+# samples: ten within the bound, so that a stall is seen within a tenth of it, and at most
+# every 5 s (the default bound, 300 s: 0.1 % of a core while a DVC command runs)
+SAMPLES_PER_BOUND, MAX_EVERY_S = 10, 5.0
 
 # netlink sock_diag (linux/sock_diag.h, linux/inet_diag.h): dump every TCP socket with its tcp_info
 _NETLINK_SOCK_DIAG, _SOCK_DIAG_BY_FAMILY, _NLMSG_ERROR, _NLMSG_DONE = 4, 20, 2, 3
@@ -114,6 +118,7 @@ class Watch:
         stops them.
         """
         self.pid, self.seconds, self.on_stall, self.tree = pid, seconds, on_stall, tree
+        self.every = min(MAX_EVERY_S, seconds / SAMPLES_PER_BOUND)
         self.stalled: float | None = None
         self.sent = 0
         self._stop = threading.Event()
@@ -134,7 +139,7 @@ class Watch:
         seen = dict(network)  # each socket's last count, sockets since closed included
         first = dict(network)
         still_since = time.monotonic()
-        while not self._stop.wait(POLL_S):
+        while not self._stop.wait(self.every):
             now_files, now_network = sample(self.tree(self.pid))
             if now_files != files or now_network != network:
                 still_since = time.monotonic()
