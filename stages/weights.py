@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -267,10 +268,12 @@ def verify(replica: Replica, version: str, prompts: list[list[int]],
 
 
 def push_verified(replicas: list[Replica], folder: Path, version: str, model,
-                  prompts: list[list[int]], max_tokens: int = 8) -> list[Pushed]:
+                  prompts: list[list[int]], max_tokens: int = 8,
+                  on_each: Callable[[Pushed], None] | None = None) -> list[Pushed]:
     """Push `folder` as `version` to every replica, one at a time, verifying each against
     `model` (the same weights, loaded here); the first failure stops the push, named, with the
-    replicas already done listed in the error.
+    replicas already done listed in the error. `on_each(pushed)` is called as each replica is
+    verified (the fleet records it at once: a push killed midway leaves its state true).
     """
     expected = greedy_ids(model, prompts, max_tokens)
     done = []
@@ -279,6 +282,8 @@ def push_verified(replicas: list[Replica], folder: Path, version: str, model,
             seconds = push(replica, folder, version)
             done.append(Pushed(replica, version, seconds,
                                verify(replica, version, prompts, expected)))
+            if on_each is not None:
+                on_each(done[-1])
         except PushFailed as err:
             ok = ", ".join(p.replica.url for p in done) or "none"
             raise PushFailed(replica, f"{str(err).split(': ', 1)[1]} (version {version}; "

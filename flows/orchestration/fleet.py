@@ -114,21 +114,20 @@ def push(root: Path, config: cfg.Fleet, reason: str = "", urls: list[str] | None
     state = read_state(root)
     started = time.monotonic()
     entry = {"at": promotion.now(), "version": version, "reason": reason, "replicas": {}}
-    expected = weights.greedy_ids(model, prompts, PROBE_TOKENS)
     moved = []
+
+    def record(pushed: weights.Pushed) -> None:  # each replica as it is verified
+        url = pushed.replica.url
+        moved.append((pushed.replica, state["replicas"].get(url, {}).get("version")))
+        state["replicas"][url] = entry["replicas"][url] = {
+            "version": version, "since": promotion.now(), "verified": True,
+            "update_seconds": round(pushed.update_seconds, 3),
+            "verify_seconds": round(pushed.verify_seconds, 3)}
+        io.write_json(root / STATE, state)
+
     try:
-        for replica in replicas(config):
-            if urls is not None and replica.url not in urls:
-                continue
-            before = state["replicas"].get(replica.url, {}).get("version")
-            update = weights.push(replica, folder, version)
-            check = weights.verify(replica, version, prompts, expected)
-            moved.append((replica, before))
-            state["replicas"][replica.url] = {
-                "version": version, "since": promotion.now(), "verified": True,
-                "update_seconds": round(update, 3), "verify_seconds": round(check, 3)}
-            entry["replicas"][replica.url] = state["replicas"][replica.url]
-            io.write_json(root / STATE, state)
+        weights.push_verified([r for r in replicas(config) if urls is None or r.url in urls],
+                              folder, version, model, prompts, PROBE_TOKENS, on_each=record)
     except weights.PushFailed as err:
         failed = err.replica
         entry.update(failed=failed.url, error=str(err))
