@@ -14,7 +14,10 @@ rows. Reads and writes no file but the salt.
 
 The salt is a secret: `OFFSEASON_ERASURE_SALT` in the environment, else `.offseason/erasure.salt`
 (git-ignored; made on first use). Lose it and the index and tombstones can no longer be matched
-against new records: back it up with the project's other secrets.
+against new records: back it up with the project's other secrets. Each index part carries a check
+value of the salt that wrote it (an HMAC of a fixed text: it reveals nothing), so a checkout with
+another salt (a fresh clone, where a new one would be made) is refused by ingest and erase
+(`same_salt`) instead of indexing under a second salt and finding none of the earlier traces.
 """
 
 from __future__ import annotations
@@ -48,6 +51,40 @@ USER_KEYS = ("user", "user_id", "userId", "metadata.user_id", "metadata.userId",
 SESSION_KEYS = ("session_id", "sessionId", "conversation_id", "thread_id", "metadata.session_id",
                 "metadata.sessionId", "session.id")
 KINDS = ("user", "session", "trace")  # and field:<name>, one per erase.subject_fields entry
+
+
+SALT_CHECK = b"offseason.salt_check"  # an index part's schema metadata: `salt_check` of its salt
+
+
+class SaltMismatch(RuntimeError):
+    """The index was written under another salt than this checkout's; the message says what to do."""
+
+
+def salt_check(key: bytes) -> str:
+    """A check value of the salt `key`: equal for equal salts, and no help to find the salt."""
+    return hmac.new(key, b"offseason: the erasure salt's check value", hashlib.sha256
+                    ).hexdigest()[:16]
+
+
+def same_salt(traces: Path, key: bytes) -> None:
+    """Raise SaltMismatch when an index part in `traces` (data/traces/) was written under another
+    salt than `key`: a checkout whose salt file is missing (a fresh clone) made a new one, and
+    would index under it and find no earlier trace, while the tombstones stop matching. Parts
+    written before the check value was kept are not checked. Reads the parts' footers only.
+    """
+    import pyarrow.parquet as pq
+
+    mine = salt_check(key)
+    for part in sorted(traces.glob(f"{INDEX_PREFIX}*.parquet")) if traces.is_dir() else []:
+        theirs = (pq.read_schema(part).metadata or {}).get(SALT_CHECK)
+        if theirs is not None and theirs.decode() != mine:
+            raise SaltMismatch(
+                f"{part} was indexed under another erasure salt than this checkout's (check "
+                f"value {theirs.decode()} there, {mine} here): .offseason/erasure.salt is not the "
+                f"one the earlier cycles used (a fresh clone makes a new one). Copy "
+                f".offseason/erasure.salt from the machine that ran them, or set {SALT_ENV} to "
+                f"its value, then run again; under another salt, erase would find none of the "
+                f"earlier traces and erased people's new traces would pass the tombstones")
 
 
 def salt(root: Path = Path(".")) -> bytes:

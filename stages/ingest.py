@@ -541,6 +541,8 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
         column = pq.read_table(traces / entry["part"], columns=["content_hash"]).column(0)
         seen.update(bytes.fromhex(h) for h in column.to_pylist())
     repeats: dict[str, list[dict]] = {}  # inbox file -> its duplicates (`duplicates_of`)
+    if key is not None:  # the salt that wrote the index so far, or a refusal saying what to do
+        erasure.same_salt(traces, key)
     hashed = None if key is None else erasure.hasher(key)  # the index's salted subjects
 
     kinds = {kind for kind in KINDS if getattr(config, f"scrub_{kind}s")}
@@ -646,7 +648,9 @@ def run(config: cfg.Ingest, inbox: Path, traces: Path, ingested: Path, quarantin
             if key is not None:
                 manifest[path.name]["index_part"] = f"{erasure.INDEX_PREFIX}{path.name}.parquet"
                 io.write_parquet(traces / manifest[path.name]["index_part"],
-                                 pa.table(index, schema=erasure.INDEX).sort_by("subject"),
+                                 pa.table(index, schema=erasure.INDEX.with_metadata(
+                                     {erasure.SALT_CHECK: erasure.salt_check(key)})
+                                     ).sort_by("subject"),
                                  row_group_size=erasure.INDEX_ROW_GROUP)
             for name, value in counts.items():
                 totals[name] += value

@@ -777,6 +777,10 @@ def erase(root: Path, kind: str, value: str, reason: str, config, model_name: st
     `upstream`, the traces `offseason pull` brought in are deleted in their service too.
     """
     key = erasure.salt(root)
+    try:  # another salt than the index's would find nothing and report the person erased
+        erasure.same_salt(root / "data" / "traces", key)
+    except erasure.SaltMismatch as err:
+        raise EraseError(str(err)) from None
     kind, value = subject_of(kind, value)
     subject = erasure.digest(key, kind, value)
     pending_path = root / RECEIPTS / f"{subject}.pending.json"

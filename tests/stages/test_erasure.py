@@ -73,3 +73,35 @@ def test_stages_drop_tombstoned_traces_by_trace_and_by_task(tmp_path, monkeypatc
                                                            "arith"}]
     assert tombstones.keep_rows(rows) == rows[3:]
     assert not erasure.Tombstones(tmp_path / "elsewhere")  # no tombstones: nothing is hashed
+
+
+def test_a_checkout_with_another_salt_is_refused_by_ingest_and_erase(tmp_path, monkeypatch):
+    """A fresh clone has no .offseason/erasure.salt and would make a new one: indexing under it
+    would split the index between two salts, and `erase` would find none of the earlier traces
+    and report the person erased (the tombstones would stop matching too). Both refuse, saying
+    which salt to bring back; the project's own salt goes on."""
+    import pytest
+
+    from flows.orchestration import erase
+
+    inbox, traces = tmp_path / "inbox", tmp_path / "data" / "traces"
+    inbox.mkdir()
+    (inbox / "a.jsonl").write_text(line(1, "ann") + "\n")
+
+    def ingested(key: bytes) -> dict:
+        return ingest.run(cfg.Ingest(), inbox, traces, tmp_path / "ingested.parquet",
+                          tmp_path / "q.jsonl", key)
+
+    assert ingested(KEY)["accepted"] == 1
+    check = pq.read_schema(traces / "index-a.jsonl.parquet").metadata[erasure.SALT_CHECK]
+    assert check.decode() == erasure.salt_check(KEY) != erasure.salt_check(b"another")
+    assert KEY not in check  # a check value, not the salt
+    (inbox / "b.jsonl").write_text(line(2, "bob") + "\n")
+    with pytest.raises(erasure.SaltMismatch, match=r"index-a\.jsonl\.parquet was indexed under "
+                       r"another erasure salt .*Copy \.offseason/erasure\.salt from the machine"):
+        ingested(b"another")
+    assert not (traces / "index-b.jsonl.parquet").exists()  # nothing indexed under it
+    monkeypatch.setenv(erasure.SALT_ENV, "another")
+    with pytest.raises(erase.EraseError, match=f"{erasure.SALT_ENV} to its value"):
+        erase.erase(tmp_path, "user", "ann", "", cfg.Erase(), "m")
+    assert ingested(KEY)["accepted"] == 1  # the project's own salt: b.jsonl indexed
