@@ -730,9 +730,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Ingest the inbox (the DVC stage's command line)."""
     args = parser().parse_args(argv)
-    metrics = run(cfg.load("ingest", args.params), args.inbox, args.traces, args.ingested,
-                  args.quarantine, erasure.salt(),
-                  tuple(cfg.load("erase", args.params).subject_fields), erasure.Tombstones())
+    try:
+        metrics = run(cfg.load("ingest", args.params), args.inbox, args.traces, args.ingested,
+                      args.quarantine, erasure.salt(),
+                      tuple(cfg.load("erase", args.params).subject_fields),
+                      erasure.Tombstones())
+    except erasure.SaltMismatch as err:  # what to do, not a traceback (as io.explained does)
+        print(f"ingest: error: {err}", file=sys.stderr)
+        sys.exit(1)
     io.write_metrics(args.metrics, metrics)
     print(f"ingest: {metrics['rows_read']} rows read from {metrics['new_files']} new file(s): "
           f"{metrics['accepted']} accepted, {metrics['quarantined']} quarantined, "

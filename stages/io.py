@@ -283,11 +283,9 @@ def explained(stage: str):
         from stages.config import ParamsError
         from stages.envs.contract import ContractError
         from stages.envs.errors import TaskFileError
-        from stages.erasure import SaltMismatch
         from stages.modelfiles import ModelFolderError
 
-        if not isinstance(err, (ParamsError, ContractError, TaskFileError, ModelFolderError,
-                                SaltMismatch)):
+        if not isinstance(err, (ParamsError, ContractError, TaskFileError, ModelFolderError)):
             raise
         print(f"{stage}: error: {err}", file=sys.stderr)
         sys.exit(1)
