@@ -399,6 +399,8 @@ def score(specs: dict, table: pa.Table, root: Path, config: cfg.Reward | None = 
     `BudgetSpent` whose `rows` are the finished results (`_kept` reads them back). `scoring`: a
     `scorer` already open (on-policy training scores every step with one pool of workers).
     `kept`: {job key: (result, cause)} finished by a run a budget stopped: not scored again.
+    Identical episodes of a task (the same messages, as samples of an easy task often are) are
+    scored once and share the result.
     """
     config = config or cfg.Reward()
     envs = {name: contract.load(name, spec.module, root) for name, spec in specs.items()}
