@@ -834,12 +834,23 @@ def next_design(root: Path, configs: dict, sizes: dict[str, int]) -> dict:
 
 
 def design_line(root: Path, configs: dict, sizes: dict[str, int]) -> str:
-    """`next_design` in a line, with a warning when its power is below gate.power."""
+    """`next_design` in a line, with a warning when its power is below gate.power, and the
+    discordance the last decision saw on the primary (metrics/gate.json) where it is well above
+    gate.discordance: the design assumed fewer items answered differently, so it overstates
+    its power.
+    """
     config, plan = configs["gate"], next_design(root, configs, sizes)
+    last = root / "metrics" / "gate.json"
+    seen = (((json.loads(last.read_text()).get("design") or {}).get("suites") or {})
+            .get(config.primary) or {}).get("observed_discordance") if last.exists() else None
     return (f"gate design: {plan['summary']}"
             + ("" if plan["decision_power"] >= config.power else
                "; WARNING: below gate.power: add items to the suites that need them, widen "
-               "their margins or raise gate.min_detectable"))
+               "their margins or raise gate.min_detectable")
+            + ("" if seen is None or seen <= 1.25 * config.discordance else
+               f"; WARNING: the last decision saw a discordance of {seen:g} on the primary "
+               f"'{config.primary}', above gate.discordance={config.discordance:g}: the power "
+               f"stated is too high; set gate.discordance: {seen:g} in params.yaml"))
 
 
 def power_lines(root: Path) -> list[str]:

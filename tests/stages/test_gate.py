@@ -879,6 +879,16 @@ def test_check_init_pending_and_the_report_state_the_decision_s_design(tmp_path)
     assert verdict["design"]["suites"]["arith"]["observed_discordance"] > 0.2
     assert promotion.gate_summary(verdict).endswith("; " + verdict["design"]["summary"])
     assert f"  - design: {verdict['design']['summary']}" in report.gate_lines(verdict)
+    # `check` then says the design assumed too few items answered differently, and what to set
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "gate.json").write_text(json.dumps(verdict))
+    seen = verdict["design"]["suites"]["arith"]["observed_discordance"]
+    warned = design_line(tmp_path, configs, {"arith": 400, "code": 300})
+    assert warned.endswith(f"WARNING: the last decision saw a discordance of {seen:g} on the "
+                           f"primary 'arith', above gate.discordance=0.15: the power stated is "
+                           f"too high; set gate.discordance: {seen:g} in params.yaml")
+    assert "discordance" not in design_line(
+        tmp_path, {**configs, "gate": cfg.Gate(discordance=seen)}, {"arith": 400, "code": 300})
 
 
 def test_a_design_no_candidate_can_meet_is_refused_naming_the_keys(tmp_path):
