@@ -349,7 +349,8 @@ class GRPO:
                        "loop, backend and environments), scoring them with the reward stage's "
                        "code and updating once")
     tasks_per_step: int = Field(32, gt=0, description="on-policy steps: tasks drawn per step "
-                                                      "from the cycle's tasks")
+                                                      "from the cycle's tasks and the replay's "
+                                                      "(train.replay_fraction)")
     samples_per_task: int = Field(8, ge=2, description="on-policy steps: episodes per task (the "
                                                        "group its advantages are relative to)")
     max_staleness: int = Field(0, ge=0, le=1, description="on-policy steps: 0 = each step plays "
@@ -395,7 +396,9 @@ class Train:
     min_examples: int = Field(8, ge=0, description="fewer SFT examples / DPO pairs / GRPO groups: "
                                                    "the champion is kept")
     replay_fraction: Float = Field(1.0, ge=0, le=1, description="share of earlier cycles' "
-                                                                "examples trained on again")
+                                   "examples (data/replay/) trained on again; on-policy GRPO "
+                                   "(grpo.steps > 1): earlier cycles' tasks added to those the "
+                                   "steps draw from, this share of the cycle's task count")
     lora_r: int = Field(0, ge=0, description="LoRA rank through PEFT, merged into the candidate; "
                                              "0 = full fine-tuning")
     deepspeed: int | str = Field(0, description="DeepSpeed: 0 = off, 1 / 2 / 3 = that ZeRO stage, "

@@ -4,7 +4,8 @@ Reads `data/rewards.parquet`, `models/champion` and (with `--validated`) `data/v
 writes `models/candidate`, this cycle's scored rollouts into `data/replay/` (a persistent output),
 `metrics/train.json` and `metrics/train_steps.csv`. `train.algorithm` is `sft`, `dpo` or `grpo`,
 every loss on the model's own tokens only; earlier cycles' examples are mixed in
-(`train.replay_fraction`). Below `train.min_examples` the champion is written unchanged.
+(`train.replay_fraction`; on-policy GRPO plays earlier cycles' tasks again). Below
+`train.min_examples` the champion is written unchanged.
 Checkpoints go to `models/candidate.ckpt` (not a DVC output; resumed only by the same run).
 
     python -m stages.train data/rewards.parquet models/champion models/candidate data/replay \
@@ -42,10 +43,14 @@ from stages import config as cfg
 from stages import erasure, io, tinylm
 from stages.training import trainers
 
+# `task`: the task played, as the rollout row keeps it (JSON; null for a trace conversation), so
+# that on-policy GRPO can play an earlier cycle's task again (`replay_tasks`); parts written
+# before it was kept have no such column
 REPLAY = pa.schema([("task_id", pa.string()), ("completion", pa.string()),
                     ("token_ids", pa.list_(pa.int32())), ("model_mask", pa.list_(pa.int8())),
                     ("logprobs", pa.list_(pa.float32())), ("correct", pa.float64()),
-                    ("reward", pa.float64()), ("environment", pa.string())])
+                    ("reward", pa.float64()), ("environment", pa.string()),
+                    ("task", pa.string())])
 STEP_COLUMNS = ["step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "epoch"]
 
 
@@ -190,7 +195,7 @@ def examples_from(rewards: Path) -> list[dict]:
 def _read(rewards: Path) -> list[dict]:
     names = pq.read_schema(rewards).names
     columns = [c for c in ("task_id", "completion", "correct", "reward", "token_ids",
-                           "model_mask", "logprobs", "environment") if c in names]
+                           "model_mask", "logprobs", "environment", "task") if c in names]
     return pq.read_table(rewards, columns=columns).to_pylist()
 
 
@@ -209,7 +214,8 @@ def store_and_replay(rows: list[dict], replay: Path, name: str, fraction: float,
     stored = [{"task_id": r["task_id"], "completion": r["completion"], "token_ids": r["token_ids"],
                "model_mask": r["model_mask"], "logprobs": r.get("logprobs"),
                "correct": r["correct"], "reward": r["reward"],
-               "environment": r.get("environment")} for r in rows + (traced or [])]
+               "environment": r.get("environment"), "task": r.get("task")}
+              for r in rows + (traced or [])]
     part = replay / f"part-{_rows_digest(stored)[:16]}.parquet"
     mine = _rows_digest(stored[:len(rows)]) if rows else None
     earlier = []
@@ -229,6 +235,34 @@ def store_and_replay(rows: list[dict], replay: Path, name: str, fraction: float,
     earlier = [e for e in earlier if (e["task_id"], e["completion"]) not in seen]
     chosen = random.Random(seed).sample(earlier, round(fraction * len(earlier)))
     return chosen, len(earlier)
+
+
+def replay_tasks(replay: Path, specs: dict, cycle: list[tuple[str, dict]], fraction: float,
+                 seed: int, erased: erasure.Tombstones) -> tuple[list[tuple[str, dict]], int]:
+    """On-policy GRPO's tasks from earlier cycles, [(environment, task)]: a seeded sample of
+    round(`fraction` x the number of this cycle's tasks, `cycle`) of the replay's distinct tasks
+    of the environments `specs` still lists, not among this cycle's and not made from an erased
+    trace; and how many there were to sample from. A part written before the replay kept tasks
+    gives none.
+    """
+    mine = {f"{name}:{task['task_id']}" for name, task in cycle}
+    found: dict[str, tuple[str, str]] = {}  # task id -> (environment, task JSON)
+    for path in sorted(replay.glob("part-*.parquet")) if replay.exists() else []:
+        if "task" not in pq.read_schema(path).names:
+            continue
+        rows = pq.read_table(path, columns=["task_id", "environment", "task"]).to_pylist()
+        for row in erased.keep_rows(rows):  # the task id names the trace a task was made of
+            if row["task"] is None or row["environment"] not in specs or row["task_id"] in mine:
+                continue
+            # a task stored with different contents by different cycles (its file edited):
+            # the same one whichever parts there are, this cycle's own (stored at the end, by a
+            # run killed before it cleaned up) included
+            kept = found.get(row["task_id"])
+            if kept is None or row["task"] < kept[1]:
+                found[row["task_id"]] = (row["environment"], row["task"])
+    chosen = random.Random(f"{seed}/replay").sample(
+        sorted(found), min(len(found), round(fraction * len(cycle))))
+    return [(found[key][0], json.loads(found[key][1])) for key in sorted(chosen)], len(found)
 
 
 def _rows_digest(rows: list[dict]) -> str:
@@ -472,7 +506,8 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
            episodes: Path | None, meter: budgets.Meter | None = None) -> dict:
     """On-policy GRPO (`train.grpo.steps` > 1). Step 1 learns from `rewards`, the rollout
     stage's scored episodes (the champion's own); each later step draws `tasks_per_step` of the
-    cycle's tasks, plays each `samples_per_task` times with the current policy through the rollout
+    cycle's tasks and the replay's (`replay_tasks`: earlier cycles', `train.replay_fraction` of
+    as many), plays each `samples_per_task` times with the current policy through the rollout
     stage's own loop (`stages.rollout.play`: its backend, chat templates, tool parsers, sandbox,
     judge and MCP tools), scores them with the reward stage's own code (`stages.reward.score`),
     and updates once (`grpo.update`); then the new weights reach the generation servers
@@ -493,9 +528,15 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
     settings = config.grpo
     model, tokenizer = tinylm.load(champion)
     envs, jobs = rollouts.chat_jobs(specs, rollout, root, validated)
-    tasks = [(name, task) for name, task, sample in jobs if sample == 0]
+    cycle = [(name, task) for name, task, sample in jobs if sample == 0]
+    # the steps draw from the cycle's tasks and earlier cycles' (train.replay_fraction of as many)
+    replayed, available = replay_tasks(replay, specs, cycle, config.replay_fraction, base.seed,
+                                       erasure.Tombstones(root))
+    tasks, from_replay = cycle + replayed, {f"{n}:{t['task_id']}" for n, t in replayed}
+    # the pool in the work folder's name: a rerun resumes only a run that drew from the same
     work = checkpoints / ("online-" + _fingerprint(
-        [{"task": f"{n}:{t['task_id']}"} for n, t in tasks], champion, config, base.seed))
+        [{"task": f"{n}:{t['task_id']}", "replayed": f"{n}:{t['task_id']}" in from_replay}
+         for n, t in tasks], champion, config, base.seed))
     episodes = episodes or work / "episodes"
     if checkpoints.exists():  # an earlier training's state can never be resumed
         for stale in checkpoints.iterdir():
@@ -560,6 +601,7 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
                 tasks, min(settings.tasks_per_step, len(tasks)))
             step_jobs = [(name, task, sample) for name, task in chosen
                          for sample in range(settings.samples_per_task)]
+            again = sum(f"{name}:{task['task_id']}" in from_replay for name, task in chosen)
             played = rollouts.play(base, rollout, envs, step_jobs, policy,
                                    salt=f"/step{step}", progress=False)
             generated = time.monotonic() - began
@@ -568,7 +610,7 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
             scored = scored.append_column("step", pa.array([step + 1] * len(scored), pa.int32()))
             log = {"generate_seconds": round(generated, 2), "episodes": len(played.rows),
                    "generated_tokens": rollouts.token_counts(played.rows)["generated_tokens"],
-                   "policy_version": version,
+                   "policy_version": version, "replay_tasks": again,
                    "prompt_tokens": sum(stat.prompt_tokens for stat in played.stats),
                    "completion_tokens": sum(stat.completion_tokens for stat in played.stats)}
             io.write_parquet(episodes / f"step-{step + 1:05d}.parquet", scored.replace_schema_metadata(
@@ -590,7 +632,8 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
             if step == 0 and first is not None:
                 # the rollout stage's episodes are the champion's own: step 1 learns from them
                 rows, log = first, {"generate_seconds": 0.0, "episodes": len(first),
-                                    "generated_tokens": 0, "policy_version": 0}
+                                    "generated_tokens": 0, "policy_version": 0,
+                                    "replay_tasks": 0}
             else:
                 if ahead is not None and ahead[0] == step:
                     log = ahead[1].result()  # played while the step before trained
@@ -624,7 +667,8 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
             mean = sum(rewards_now) / max(1, len(rewards_now))
             history.append({
                 "step": step + 1, **stats, "learning_rate": settings.lr,
-                "episodes": log["episodes"], "reward_mean": round(mean, 4),
+                "episodes": log["episodes"], "replay_tasks": log["replay_tasks"],
+                "reward_mean": round(mean, 4),
                 "reward_std": round((sum((r - mean) ** 2 for r in rewards_now)
                                      / max(1, len(rewards_now))) ** 0.5, 4),
                 "correct_rate": round(sum(r["correct"] or 0 for r in rows) / max(1, len(rows)), 4),
@@ -636,8 +680,8 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
                 "generated_tokens": made,
                 "tokens_per_second": round(made / generated) if generated else None})
             print(f"train: step {step + 1}/{settings.steps}: reward {mean:.3f}, "
-                  f"{len(groups)} groups with spread, loss {stats['loss']:.4f}", file=sys.stderr,
-                  flush=True)
+                  f"{len(groups)} groups with spread ({log['replay_tasks']} tasks from the "
+                  f"replay), loss {stats['loss']:.4f}", file=sys.stderr, flush=True)
             tmp = state.with_suffix(".tmp")
             work.mkdir(parents=True, exist_ok=True)
             spent = {"cpu_seconds": round(carried.get("cpu_seconds", 0.0)
@@ -672,6 +716,10 @@ def online(base: cfg.Base, config: cfg.Train, specs: dict, root: Path, rewards: 
             "optimizer_steps": sum(h.get("optimizer_steps", 0) for h in history),
             "examples": sum(h["groups"] for h in history),
             "episodes": sum(h["episodes"] for h in history),
+            # the tasks the steps drew from: the cycle's and the replay's (of those available)
+            "cycle_tasks": len(cycle), "replay_tasks_in_pool": len(replayed),
+            "replay_tasks_available": available,
+            "replay_tasks_drawn": sum(h["replay_tasks"] for h in history),
             "groups_without_spread": sum(h.get("groups_without_spread", 0) for h in history),
             "reward_first_step": history[0]["reward_mean"] if history else None,
             "reward_last_step": history[-1]["reward_mean"] if history else None,

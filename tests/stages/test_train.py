@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from conftest import REPO, train_config
 from tiny_arith import BAD, GOOD, SPECS, build_champion, encoded, said, scored
 
 from stages import config as cfg
-from stages import gate, tinylm, train
+from stages import erasure, gate, io, tinylm, train
 from stages.envs import arith, contract
 from stages.training import dpo, grpo
 
@@ -489,3 +490,168 @@ def test_on_policy_grpo_overlapped_plays_one_step_ahead_and_resumes_to_the_same_
     assert gate.weights_hash(killed / "candidate") == gate.weights_hash(whole / "candidate")
     for part in sorted((whole / "episodes").glob("*.parquet")):
         assert pq.read_table(killed / "episodes" / part.name).equals(pq.read_table(part))
+
+
+# On-policy GRPO's tasks from the replay (train.replay_fraction): the replay keeps each episode's
+# task, so an earlier cycle's task is played again by the steps.
+def replay_row(task_id, environment, task):
+    """A scored episode as the replay keeps it (`task`: the task played, or None)."""
+    return {"task_id": task_id, "completion": "[]", "token_ids": [1, 2, 3],
+            "model_mask": [0, 1, 1], "logprobs": [0.0, -1.0, -1.0], "correct": 0.0,
+            "reward": 0.5, "environment": environment,
+            "task": None if task is None else json.dumps(task)}
+
+
+OLD_REPLAY = pa.schema([f for f in train.REPLAY if f.name != "task"])  # before it kept tasks
+
+
+def earlier_replay(folder, monkeypatch):
+    """An earlier cycle's replay part holding a task this cycle lacks (`spread:old1`), one of an
+    erased trace, one of an environment params.yaml no longer lists and another version of one
+    of this cycle's own tasks; and a part in the old schema (no task column).
+    """
+    monkeypatch.setenv(erasure.SALT_ENV, "test-salt")
+    io.write_jsonl(folder / erasure.TOMBSTONES, [
+        {"hash": erasure.digest(b"test-salt", "trace", "gone1"), "kind": "trace"}])
+    replay = folder / "replay"
+    replay.mkdir(parents=True)
+    rows = [replay_row("spread:old1", "spread", {"task_id": "old1", **arith.chat_task("7+7")}),
+            replay_row("spread:trace:gone1", "spread",
+                       {"task_id": "trace:gone1", **arith.chat_task("8+8")}),
+            replay_row("dropped:x", "dropped", {"task_id": "x", **arith.chat_task("1+1")}),
+            replay_row("spread:t0", "spread", {"task_id": "t0", **arith.chat_task("9+9")})]
+    pq.write_table(pa.Table.from_pylist(rows, schema=train.REPLAY), replay / "part-a.parquet")
+    old = [{k: v for k, v in replay_row("spread:old2", "spread", None).items() if k != "task"}]
+    pq.write_table(pa.Table.from_pylist(old, schema=OLD_REPLAY), replay / "part-b.parquet")
+
+
+def replay_project(folder):
+    """The on-policy project, small: 3 tasks a cycle, 4 drawn a step, 2 samples, 2 steps."""
+    params = on_policy_project(folder)
+    settings = yaml.safe_load(params.read_text())
+    settings["rollout"]["max_tasks"] = 3
+    settings["train"]["grpo"].update(steps=2, tasks_per_step=4, samples_per_task=2)
+    params.write_text(yaml.safe_dump(settings))
+    return params
+
+
+def run_on_policy(folder, champion, meter=None):
+    params = folder / "params.yaml"
+    return train.run(cfg.load("base", params), cfg.load("train", params), folder / "none.parquet",
+                     champion, folder / "candidate", folder / "replay", folder / "candidate.ckpt",
+                     folder / "steps.csv", specs=cfg.environments(params), root=folder,
+                     meter=meter, rollout=cfg.load("rollout", params),
+                     reward=cfg.load("reward", params), episodes=folder / "episodes")
+
+
+def test_on_policy_steps_play_an_earlier_cycles_task_from_the_replay(tmp_path, champion,
+                                                                     monkeypatch):
+    replay_project(tmp_path)
+    earlier_replay(tmp_path, monkeypatch)
+    metrics = run_on_policy(tmp_path, champion)
+    # the pool: the cycle's 3 tasks and the replay's one playable task (the erased trace's, the
+    # dropped environment's, the cycle's own t0 and the old part's give none)
+    assert (metrics["cycle_tasks"], metrics["replay_tasks_in_pool"],
+            metrics["replay_tasks_available"], metrics["replay_tasks_drawn"]) == (3, 1, 1, 2)
+    for part in sorted((tmp_path / "episodes").glob("step-*.parquet")):
+        rows = pq.read_table(part).to_pylist()
+        ids = {r["task_id"] for r in rows}
+        assert "spread:old1" in ids and not {"spread:trace:gone1", "dropped:x"} & ids
+        old1 = [r for r in rows if r["task_id"] == "spread:old1"]
+        # played and scored as the earlier cycle stored it: its question and its answer
+        assert len(old1) == 2 and all(r["reward"] is not None for r in old1)
+        assert json.loads(old1[0]["task"])["messages"][0]["content"] == "7+7"
+        t0 = json.loads(next(r["task"] for r in rows if r["task_id"] == "spread:t0"))
+        assert t0["messages"][0]["content"] != "9+9"  # the cycle's own version of its task
+    assert [int(r["replay_tasks"]) for r in steps_file(tmp_path)] == [1, 1]
+    # this cycle's part keeps the tasks it played, the replayed one too: a later cycle's pool
+    mine = [p for p in (tmp_path / "replay").glob("part-*.parquet")
+            if p.name not in ("part-a.parquet", "part-b.parquet")]
+    stored = pq.read_table(mine[0]).to_pylist()
+    assert len(mine) == 1 and all(r["task"] for r in stored)
+    assert {r["task_id"] for r in stored} >= {"spread:old1", "spread:t0"}
+
+
+def test_replay_reads_parts_without_tasks_and_keeps_tasks_in_new_ones(tmp_path, monkeypatch):
+    """Parts written before the replay kept tasks: SFT replays their examples as before, and
+    they give on-policy GRPO no task; an erased trace's task is never offered."""
+    monkeypatch.chdir(tmp_path)  # store_and_replay checks the project's tombstones (none here)
+    old = [{k: v for k, v in {**replay_row("spread:old2", "spread", None), "correct": 1.0}
+            .items() if k != "task"}]
+    replay = tmp_path / "replay"
+    replay.mkdir()
+    pq.write_table(pa.Table.from_pylist(old, schema=OLD_REPLAY), replay / "part-b.parquet")
+    task = {"task_id": "t5", **arith.chat_task("2+5")}
+    now = [{**replay_row("spread:t5", "spread", task), "correct": 1.0}]
+    chosen, available = train.store_and_replay(now, replay, "sft", 1.0, 0, [])
+    assert available == 1 and chosen[0]["task_id"] == "spread:old2"
+    new = next(p for p in replay.glob("part-*.parquet") if p.name != "part-b.parquet")
+    assert json.loads(pq.read_table(new).column("task")[0].as_py()) == task
+    specs = {"spread": None}
+    assert train.replay_tasks(replay, specs, [], 1.0, 0, erasure.Tombstones(tmp_path)) == ([], 1)
+    assert train.replay_tasks(replay, specs, [("spread", {"task_id": "t0"})], 1.0, 0,
+                              erasure.Tombstones(tmp_path)) == ([("spread", task)], 1)
+    new.unlink()
+    assert train.replay_tasks(replay, specs, [("spread", {"task_id": "t0"})], 1.0, 0,
+                              erasure.Tombstones(tmp_path)) == ([], 0)
+    # a trace erased since: its task is neither offered nor counted
+    earlier_replay(tmp_path / "erased", monkeypatch)
+    tombstones = erasure.Tombstones(tmp_path / "erased")
+    many = [("spread", {"task_id": f"c{i}"}) for i in range(10)]
+    chosen, available = train.replay_tasks(tmp_path / "erased" / "replay", specs, many, 1.0, 0,
+                                           tombstones)
+    assert [t["task_id"] for _, t in chosen] == ["old1", "t0"] and available == 2
+    assert not erasure.Tombstones(tmp_path)  # (the check above is the tombstones' doing)
+    chosen, _ = train.replay_tasks(tmp_path / "erased" / "replay", specs, many, 1.0, 0,
+                                   erasure.Tombstones(tmp_path))
+    assert "trace:gone1" in [t["task_id"] for _, t in chosen]
+
+
+def test_erase_removes_a_replayed_task_with_its_row(tmp_path):
+    """`offseason erase` rewrites replay parts row by row: the erased trace's task goes with its
+    row, the other rows keep theirs."""
+    from flows.orchestration import erase
+
+    part = tmp_path / "part-a.parquet"
+    rows = [replay_row("spread:trace:gone1", "spread",
+                       {"task_id": "trace:gone1", **arith.chat_task("8+8")}),
+            replay_row("spread:old1", "spread", {"task_id": "old1", **arith.chat_task("7+7")})]
+    pq.write_table(pa.Table.from_pylist(rows, schema=train.REPLAY), part)
+    assert erase.filter_parquet(part, erase.Found(traces={"gone1"})) == 1
+    kept = pq.read_table(part)
+    assert kept.schema.equals(train.REPLAY) and b"gone1" not in part.read_bytes()
+    assert kept.to_pylist() == rows[1:]
+
+
+def test_on_policy_replayed_draws_resume_after_a_stop(tmp_path, champion, monkeypatch):
+    """A stop after step 1 and a rerun: the rerun draws from the same pool (the replay's task
+    included) and gives the uninterrupted run's episodes and weights."""
+    from stages import budget as budgets
+
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    for folder in (whole, stopped):
+        replay_project(folder)
+        earlier_replay(folder, monkeypatch)
+    before = train.replay_tasks(whole / "replay", {"spread": None},
+                                [("spread", {"task_id": f"t{i}"}) for i in (0, 1, 10)], 1.0,
+                                0, erasure.Tombstones(whole))
+    assert run_on_policy(whole, champion)["replay_tasks_drawn"] == 2
+    meter = budgets.Meter("train", cfg.Budget(max_usd=1e-9), cfg.Cost(cpu_hour_usd=0.05))
+    with pytest.raises(budgets.BudgetSpent):
+        run_on_policy(stopped, champion, meter)
+    # the pool is in the saved state's name: a replay that changed meanwhile starts afresh
+    changed = tmp_path / "changed"
+    shutil.copytree(stopped, changed)
+    (changed / "replay" / "part-a.parquet").unlink()
+    fresh = run_on_policy(changed, champion)
+    assert fresh["resumed_from_step"] == 0 and fresh["replay_tasks_drawn"] == 0
+    again = run_on_policy(stopped, champion)
+    assert again["resumed_from_step"] == 1 and again["replay_tasks_drawn"] == 2
+    assert gate.weights_hash(stopped / "candidate") == gate.weights_hash(whole / "candidate")
+    for part in sorted((whole / "episodes").glob("*.parquet")):
+        assert pq.read_table(stopped / "episodes" / part.name).equals(pq.read_table(part))
+    # this cycle's own part, stored at the end, changes nothing in the pool: a run killed
+    # after storing it and rerun resumes the same draws
+    assert train.replay_tasks(whole / "replay", {"spread": None},
+                              [("spread", {"task_id": f"t{i}"}) for i in (0, 1, 10)], 1.0, 0,
+                              erasure.Tombstones(whole)) == before
