@@ -401,14 +401,18 @@ def history_rows(root: Path) -> list[dict]:
         current = next((i for i, r in enumerate(rows) if r["tag"] == tag), current)
     for i, row in enumerate(rows):
         row["champion"] = i == current
-    # the fleet (.offseason/fleet.json): the replicas serving each generation, verified
-    from flows.orchestration.fleet import read_state
+    # the fleet: where each generation serves now, or why it left (flows/orchestration/fleet.py
+    # `history`: its pushes and production gate verdicts); nothing at all without a fleet
+    from flows.orchestration import fleet
 
-    replicas = read_state(root)["replicas"]
+    served = fleet.history(root)
     for row in rows:
-        row["serving"] = None if not replicas else sum(
-            r.get("version") == row["tag"] and r.get("verified", False)
-            for r in replicas.values())
+        row["fleet"] = served.get(row["tag"])
+        row["serving"] = row["fleet"]["serving"] if row["fleet"] else None
+        if served and row["champion"] and not row["fleet"]:  # the champion users do not get
+            row["fleet"] = {"serving": "never", "line": "never pushed: `offseason fleet push` "
+                            "puts the champion on every replica", "pushes": [], "gates": []}
+            row["serving"] = "never"
     # its canary and production gate (runtime.fleet.canary), from the promotion log
     from flows.orchestration.promotion import log_entries
 
@@ -476,10 +480,15 @@ def attach_rollbacks(root: Path, rows: list[dict], committed: list[str]) -> None
 
 
 def print_history(rows: list[dict]) -> None:
-    """The generations as a table on stdout, with the champion's gain over generation 0."""
+    """The generations as a table on stdout, with the champion's gain over generation 0; with a
+    fleet, what each serves (a `serving` column and, under it, its pushes, canary, production
+    gate and where it is now).
+    """
+    fleet = any(r.get("fleet") for r in rows)  # no fleet: no column, nothing new
     header = f"{'generation':<11}{'date':<12}{'traces':>7}{'pass@1':>8}{'vs champ':>10}" \
              f"{'interval of difference':>26}  {'verdict':<10}{'version':>8}{'cost $':>10}" \
-             f"{'pts/$':>9}  {'approver':<12}{'serving':<9}champion"
+             f"{'pts/$':>9}  {'approver':<12}" + \
+             (f"{'serving':<13}" if fleet else "") + "champion"
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -492,11 +501,15 @@ def print_history(rows: list[dict]) -> None:
               f"{'-' if r.get('cost_usd') is None else format(r['cost_usd'], '.4f'):>10}"
               f"{'-' if r.get('points_per_usd') is None else format(r['points_per_usd'], '.0f'):>9}"
               f"  {r.get('approver') or '':<12}"
-              f"{'-' if r.get('serving') is None else str(r['serving']):<9}"
-              f"{'*' if r['champion'] else ''}")
-        for step in r.get("fleet_steps") or []:  # its canary, then the production gate
-            print(f"{step['action'].replace('production-gate', 'prod gate'):<11}"
-                  f"{step['date']:<12}{step['what']}")
+              + (f"{r.get('serving') or '-':<13}" if fleet else "")
+              + f"{'*' if r['champion'] else ''}")
+        steps = [(s["at"], s["action"].replace("production-gate", "prod gate"), s["what"])
+                 for s in r.get("fleet_steps") or []]
+        steps += [(p["at"], "push", pushed(p)) for p in (r.get("fleet") or {}).get("pushes", [])]
+        for at, what, said in sorted(steps):  # its pushes, canary and production gate in order
+            print(f"{what:<11}{at[:10]:<12}{said}")
+        if r.get("fleet"):
+            print(f"{'serving':<11}{'now':<12}{r['fleet']['line']}")
         for flag in r.get("flagged") or []:  # erase.models: flag
             print(f"{'flagged':<11}{flag['date']:<12}{r['tag']} learned from traces erased by "
                   f"{flag['erasure']} (erase.models: flag)")
@@ -504,6 +517,22 @@ def print_history(rows: list[dict]) -> None:
             print(f"{'rollback':<11}{back['date']:<12}champion {back['from']} -> {back['to']} "
                   f"(model version {back['model_version']}) by {back['approver'] or 'unknown'}: "
                   f"{back['reason']}")
+
+
+def pushed(entry: dict) -> str:
+    """One push of `.offseason/fleet.jsonl` (flows/orchestration/fleet.py `push`) in a line."""
+    why = f": {entry['reason'][:100]}" if entry.get("reason") else ""
+    if entry.get("failed"):
+        error = entry["error"].split(": ", 1)[-1]
+        return (f"{entry['version']} FAILED on {entry['failed']}: "
+                f"{error if len(error) <= 160 else error[:159] + '…'}{why}")
+    done = entry["replicas"]
+    if len(done) == 1:
+        url, times = next(iter(done.items()))
+        return (f"{entry['version']} to {url}, verified (update {times['update_seconds']:.2f} s, "
+                f"verify {times['verify_seconds']:.2f} s){why}")
+    return (f"{entry['version']} to {len(done)} replicas, verified, in "
+            f"{entry.get('seconds', 0):.1f} s{why}")
 
 
 def cmd_history(args) -> int:

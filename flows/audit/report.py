@@ -9,7 +9,9 @@ any tagged generation.
 
 `html_report()` (`offseason report`) reads the committed metrics of every gen-N tag (the ledgers
 `metrics/cost.json`, `metrics/train_steps.csv`, the DVC-cached rewards), the MLflow runs of the
-cycles, and `data/docs/`; it writes `reports/index.html` and copies the Data Docs beside it
+cycles, `data/docs/`, and what the fleet did (promotions.jsonl's canary and production gate
+lines, `.offseason/fleet.json` and `.offseason/fleet.jsonl`: the Serving section); it writes
+`reports/index.html` and copies the Data Docs beside it
 (`reports/data-docs/`, linked relatively, so the link works from disk and over http alike). The
 lineage graph is laid out by Graphviz's `dot` when it is installed, else by hand (the page says so).
 
@@ -764,7 +766,7 @@ PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>offseason report</title>
 <style>
 body {{ font-family: sans-serif; margin: 2em auto; max-width: 1100px; padding: 0 1em; color: #222; }}
-h1 {{ font-size: 1.6em; }} h2 {{ font-size: 1.2em; margin-top: 2em; }}
+h1 {{ font-size: 1.6em; }} h2 {{ font-size: 1.2em; margin-top: 2em; }} h3 {{ font-size: 1em; }}
 table {{ border-collapse: collapse; font-size: 0.85em; }}
 td, th {{ border-bottom: 1px solid #ddd; padding: 4px 7px; text-align: right; }}
 td {{ white-space: nowrap; }}
@@ -783,11 +785,13 @@ th:first-child, td:first-child {{ text-align: left; }}
 <h2>Generations</h2>
 <div class="box"><table id="history"><tr><th>generation</th><th>date</th><th>traces</th>
 <th>pass@1</th><th>vs champion</th><th>interval of difference</th><th>verdict</th>
-<th>version</th><th>cost $</th><th>pts/$</th><th>approver</th><th>runs</th></tr>
+<th>version</th><th>cost $</th><th>pts/$</th><th>approver</th>{serving_th}<th>runs</th></tr>
 {rows}
 </table></div>
 <p class="note">{run_note}</p>
 <p class="note" id="collect">{collect}</p>
+<h2>Serving</h2>
+{serving}
 <h2>Benchmark score per generation</h2>
 <div class="box"><img id="plot-scores" alt="pass@1 per generation with the gate's intervals"
 src="{scores}"></div>
@@ -808,6 +812,95 @@ src="{scores}"></div>
 {at}.</p>
 </body></html>
 """
+
+
+def _measures_table(gate: dict) -> str:
+    """A production gate verdict's measures (stages/live_gate.py `compare`): canary vs stable,
+    the difference, the counts, the test and p-value against the level, and what it decided.
+    """
+    cells = []
+    for name, m in (gate.get("measures") or {}).items():
+        if "p_value" in m:
+            said = "worse" if m["worse"] else "not worse"
+        else:
+            said = m.get("skipped") or "reported, not decided on"
+        n = m.get("n") or ["-", "-"]
+        cells.append(f'<tr><td>{_esc(name)}</td><td>{_num(m.get("canary"))}</td>'
+                     f'<td>{_num(m.get("stable"))}</td><td>{_num(m.get("difference"), "+.3f")}'
+                     f'</td><td>{n[0]}</td><td>{n[1]}</td><td>{_esc(m.get("test") or "-")}</td>'
+                     f'<td>{_num(m.get("p_value"), ".4g")}</td><td>{_num(m.get("level"), ".4g")}'
+                     f'</td><td>{_esc(said)}</td></tr>')
+    if not cells:
+        return '<p class="note">No per-measure figures on record for this verdict.</p>'
+    return ('<table class="measures"><tr><th>measure</th><th>canary</th><th>stable</th>'
+            '<th>difference</th><th>n canary</th><th>n stable</th><th>test</th>'
+            '<th>p-value</th><th>level</th><th>verdict</th></tr>' + "".join(cells) + "</table>")
+
+
+def serving_section(rows: list[dict]) -> str:
+    """The report's Serving section: per generation the fleet touched (`history_rows`' `fleet`,
+    flows/orchestration/fleet.py `history`), newest first: where it serves now or why it left,
+    each production gate verdict with its figures, each push with its times per replica, and
+    the changes of champion away from it. Without a fleet, one line saying so.
+    """
+    touched = [r for r in reversed(rows) if r.get("fleet")]
+    if not touched:
+        return ('<p class="note" id="serving">No fleet: <code>runtime.fleet.urls</code> names no '
+                'server, so no generation was pushed to one (README, "The fleet").</p>')
+    backs = [b for r in rows for b in r.get("rollbacks") or []]
+    parts = []
+    for r in touched:
+        fleet = r["fleet"]
+        parts.append(f'<div class="serving" id="serving-{r["tag"]}"><h3>{r["tag"]}: '
+                     f'{_esc(fleet["serving"])}</h3><p>{_esc(fleet["line"])}</p>')
+        for gate in fleet["gates"]:
+            counts = gate.get("traces") or {}
+            left = gate.get("left_out")
+            parts.append(
+                f'<p class="gate">Production gate {_esc(gate["at"])}: <b>{_esc(gate["status"])}'
+                f'</b> ({_esc(gate["version"])} canary vs {_esc(gate["stable"])} stable, live '
+                f'traces {counts.get("canary", "-")} and {counts.get("stable", "-")}'
+                + (f'; left out: {_esc(", ".join(f"{k} {v}" for k, v in left.items()))}'
+                   if left else "")
+                + (f'; alpha {gate["alpha"]} split over the measures decided'
+                   if gate.get("alpha") is not None else "")
+                + f'). {_esc(gate["reason"])}</p>' + _measures_table(gate))
+            after = []
+            if gate.get("pushed"):
+                after.append(f"the rest of the fleet took {gate['version']}: "
+                             f"{', '.join(gate['pushed'])}")
+            if gate.get("restored"):
+                after.append("the canary's replicas: " + "; ".join(
+                    f"{url}: {what}" for url, what in gate["restored"].items()))
+            if gate.get("champion"):
+                after.append(f"champion: {gate['champion']}")
+            if after:
+                parts.append(f'<p class="note">Then: {_esc("; ".join(after))}.</p>')
+        pushes = []
+        for push in fleet["pushes"]:
+            for url, done in push["replicas"].items():
+                pushes.append(f'<tr><td>{_esc(push["at"])}</td><td>{_esc(url)}</td>'
+                              f'<td>{_esc(done["since"])}</td><td>{done["update_seconds"]:.2f}'
+                              f'</td><td>{done["verify_seconds"]:.2f}</td><td>verified</td>'
+                              f'<td>{_esc(push.get("reason") or "")}</td></tr>')
+            if push.get("failed"):
+                restored = "; ".join(f"{u}: {w}" for u, w in (push.get("restored") or {}).items())
+                pushes.append(f'<tr class="rollback"><td>{_esc(push["at"])}</td>'
+                              f'<td>{_esc(push["failed"])}</td><td>-</td><td>-</td><td>-</td>'
+                              f'<td>FAILED: {_esc(push["error"])}'
+                              f'{"; restored: " + _esc(restored) if restored else ""}</td>'
+                              f'<td>{_esc(push.get("reason") or "")}</td></tr>')
+        if pushes:
+            parts.append('<table class="pushes"><tr><th>pushed</th><th>replica</th>'
+                         '<th>serving since</th><th>update s</th><th>verify s</th><th>result</th>'
+                         '<th>why</th></tr>' + "".join(pushes) + "</table>")
+        for back in (b for b in backs if b["from"] == r["tag"]):
+            parts.append(f'<p class="rollback">Rollback {_esc(back["at"])}: champion '
+                         f'{back["from"]} &rarr; {back["to"]} (model version '
+                         f'{_esc(str(back["model_version"]))}) by '
+                         f'{_esc(back["approver"] or "unknown")}: {_esc(back["reason"] or "")}</p>')
+        parts.append("</div>")
+    return "\n".join(parts)
 
 
 def _img(element_id: str, alt: str, src: str | None, missing: str) -> str:
@@ -857,6 +950,8 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
     chain = lineage.lineage(root, tag, with_mlflow=False)
     links = run_links(root, rows)
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    fleet = any(r.get("fleet") for r in rows)  # no fleet: the table as it was
+    span = 11 if fleet else 10
     table = []
     for r in rows:
         interval = _interval(r["difference_interval"])
@@ -871,14 +966,18 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
                      f'<td>{interval}</td><td>{r["verdict"]}</td><td>{r["model_version"]}</td>'
                      f'<td>{"-" if r.get("cost_usd") is None else format(r["cost_usd"], ".4f")}'
                      f'</td><td>{"-" if r.get("points_per_usd") is None else format(r["points_per_usd"], ".0f")}'
-                     f'</td><td>{_esc(r.get("approver") or "")}</td><td>{runs}</td></tr>')
+                     f'</td><td>{_esc(r.get("approver") or "")}</td>'
+                     + (f'<td class="serving" title="{_esc(r["fleet"]["line"])}">'
+                        f'{_esc(r["serving"])}</td>' if r.get("fleet") else
+                        "<td>-</td>" if fleet else "")
+                     + f'<td>{runs}</td></tr>')
         for flag in r.get("flagged") or []:  # erase.models: flag, on the record
             table.append(f'<tr class="flagged"><td>flagged</td><td>{flag["date"]}</td>'
-                         f'<td colspan="10">{r["tag"]} learned from traces erased by '
+                         f'<td colspan="{span}">{r["tag"]} learned from traces erased by '
                          f'{_esc(flag["erasure"])} (erase.models: flag)</td></tr>')
         for back in r.get("rollbacks") or []:  # every change of champion, on the record
             table.append(f'<tr class="rollback"><td>rollback</td><td>{back["date"]}</td>'
-                         f'<td colspan="10">champion {back["from"]} &rarr; {back["to"]} (model '
+                         f'<td colspan="{span}">champion {back["from"]} &rarr; {back["to"]} (model '
                          f'version {_esc(str(back["model_version"]))}) by '
                          f'{_esc(back["approver"] or "unknown")}: {_esc(back["reason"] or "")}'
                          f'</td></tr>')
@@ -913,7 +1012,8 @@ def html_report(root: Path, rows: list[dict], generation: str | None, out: Path)
     svg, layout = lineage_svg(chain)
     page = PAGE.format(
         workspace=_esc(root.name), summary=_esc(summary), links=" · ".join(top),
-        rows="\n".join(table), run_note=run_note, collect=_esc(collect_note(root)),
+        rows="\n".join(table), run_note=run_note,
+        serving_th="<th>serving</th>" if fleet else "", serving=serving_section(rows), collect=_esc(collect_note(root)),
         scores=score_plot(rows),
         gain=_img("plot-gain", "cumulative gain against cumulative spend per generation",
                   gain_plot(rows), "No cycle has a cost ledger (metrics/cost.json) yet."),

@@ -17,9 +17,10 @@ every cycle (flows/orchestration/pipeline.py `begin`).
 
 Writes `.offseason/fleet.json` (what each replica serves, since when, verified; the canary and
 the last verdict) and appends each push and verdict to `.offseason/fleet.jsonl`; canary steps
-also go to promotions.jsonl (committed) and the MLflow model version. `offseason fleet status`,
-`offseason fleet push` and `offseason fleet judge` are its commands (docs/operations.md, "The
-fleet's canary and production gate").
+also go to promotions.jsonl (committed) and the MLflow model version. `history` reads them all
+back per generation for `offseason history` and the report's Serving section. `offseason fleet
+status`, `offseason fleet push` and `offseason fleet judge` are its commands (docs/operations.md,
+"The fleet's canary and production gate").
 """
 
 from __future__ import annotations
@@ -264,7 +265,10 @@ def judge(root: Path, config: cfg.Fleet) -> dict:
     _record(root, {"action": "production-gate", "generation": pending["generation"],
                    "version": pending["version"], "stable": pending["stable"],
                    "outcome": verdict["status"], "reason": verdict["reason"],
-                   "traces": verdict["traces"]},
+                   "traces": verdict["traces"],
+                   # its figures, committed: a clone without .offseason/ still shows them
+                   "alpha": verdict["alpha"], "measures": verdict["measures"],
+                   "restored": verdict.get("restored"), "pushed": verdict.get("pushed")},
             f"production gate: {pending['version']} {verdict['status']} on live traffic "
             f"({verdict['reason'][:200]})")
     return verdict
@@ -429,3 +433,99 @@ def status(root: Path, config: cfg.Fleet) -> list[dict]:
                      "live": live, "error": record.get("error"),
                      "paused": weights.paused(replica)})
     return rows
+
+
+def history(root: Path) -> dict[str, dict]:
+    """What the fleet did with each generation, for `offseason history` and the report:
+    {"gen-N": {"serving": a short label, "line": the same said in full, "pushes": its push
+    entries, "gates": its production gate verdicts (with each measure's figures)}}, only for the
+    generations the records name; {} for a project that never had a fleet. Reads
+    `.offseason/fleet.json`, `.offseason/fleet.jsonl` and promotions.jsonl; writes nothing.
+    """
+    # the records speak for themselves; params.yaml adds the replicas never pushed to
+    urls = cfg.fleet(root / "params.yaml").url_list if (root / "params.yaml").is_file() else []
+    state = read_state(root)
+    logged = io.read_jsonl(root / LOG) if (root / LOG).is_file() else []
+    recorded = [e for e in promotion.log_entries(root)
+                if e.get("action") in ("canary", "production-gate")]
+    if not (urls or state["replicas"] or logged or recorded):
+        return {}
+    every = len(urls) or len(state["replicas"])
+    pushes = [e for e in logged if "step" not in e]
+    gates = [e for e in logged if e.get("step") == "production-gate"]
+    # the committed record is the one a fresh clone has: its verdicts this checkout never logged
+    for entry in recorded:
+        if entry["action"] == "production-gate" and not any(
+                g["version"] == entry["version"] and g["status"] == entry["outcome"]
+                and g["at"] <= entry["at"] for g in gates):
+            gates.append({**entry, "status": entry["outcome"]})
+    gates.sort(key=lambda g: g["at"])
+    versions = ({e["version"] for e in pushes + gates + recorded}
+                | {r.get("version") for r in state["replicas"].values()}) - {None}
+    out = {}
+    for version in versions:
+        mine = [p for p in pushes if p["version"] == version]
+        judged = [g for g in gates if g["version"] == version]
+        started = [e for e in recorded if e["action"] == "canary" and e["version"] == version]
+        out[version] = {"pushes": mine, "gates": judged,
+                        **_serving(version, state, every, mine, judged, pushes, started)}
+    return out
+
+
+def _serving(version: str, state: dict, every: int, mine: list[dict], judged: list[dict],
+             pushes: list[dict], started: list[dict]) -> dict:
+    """`history`'s label and line for one generation: where it is now, else why it left."""
+    replicas = state["replicas"]
+    on = sorted(url for url, r in replicas.items()
+                if r.get("version") == version and r.get("verified"))
+    broken = [f"{url} NOT verified ({_cut((r.get('error') or '-').removeprefix(url + ': '))})"
+              for url, r in replicas.items() if r.get("version") == version
+              and not r.get("verified")]
+    canary = state.get("canary") or {}
+    last = judged[-1] if judged else None
+    if canary.get("version") == version:
+        counts = canary.get("traces") or {}
+        label = f"canary {len(on)}/{every}"
+        line = (f"canary on {len(on)} of {every} since {canary['since']} (stable "
+                f"{canary['stable']}); production gate: live traces {counts.get('canary', 0)} "
+                f"and {counts.get('stable', 0)} of {canary['bake']} each so far")
+    elif on:
+        label = f"all {every}" if len(on) == every else f"{len(on)}/{every}"
+        line = (f"all {every} replicas, verified" if len(on) == every else
+                f"{len(on)} of {every} replicas, verified ({', '.join(on)})")
+        line += f", since {max(replicas[url]['since'] for url in on)}"
+        if last and last["status"] == "passed":
+            line += f"; production gate passed {last['at']}"
+    elif last and last["status"] == "failed":
+        label = "put back"
+        back = last.get("restored") or {}
+        line = f"put back: production gate failed {last['at']} ({last['reason']})"
+        if back and all(what.endswith(" verified") for what in back.values()):
+            line += f"; {last['stable']} again on the canary ({', '.join(back)}), verified"
+        elif back:  # the verdict stands; the replica's state is unknown until a push
+            line += f"; the canary NOT put back ({_cut(_said(back))})"
+    elif any(not p.get("failed") for p in mine):
+        served = max(p["at"] for p in mine if not p.get("failed"))
+        after = next((p for p in pushes if p["at"] >= served and p["version"] != version
+                      and not p.get("failed")), None)
+        label = "replaced"
+        line = (f"replaced by {after['version']} from {after['at']}" if after else
+                f"on no replica now (last pushed {served})")
+    elif mine:
+        label = "push failed"
+        line = (f"push failed {mine[-1]['at']} ({_cut(mine[-1]['error'])}); the fleet stayed "
+                f"on its earlier weights")
+    elif started:  # committed, while this checkout has no .offseason/ to say where it is now
+        label = "canary"
+        line = (f"canary on {started[-1]['replicas']} of {started[-1]['of']} "
+                f"{started[-1]['at']} (stable {started[-1]['stable']}); no record here "
+                f"(.offseason/fleet.json) of where it serves now")
+    else:
+        label, line = "-", "never pushed"
+    if broken:
+        line += "; " + "; ".join(broken)
+    return {"serving": label, "line": line}
+
+
+def _cut(text: str, most: int = 160) -> str:
+    return text if len(text) <= most else text[:most - 1] + "…"

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from html.parser import HTMLParser
 from pathlib import Path
 
 import httpx
@@ -306,3 +308,240 @@ def test_the_folders_a_failed_canary_needs_are_never_pruned(tmp_path):
         os.utime(folder, (1_000_000 + n, 1_000_000 + n))  # written in this order
     kept = sorted(p.name for p in (tmp_path / fleet.FOLDERS).iterdir())
     assert kept == ["gen-1", "gen-2", "gen-4", "gen-5"]
+
+
+class _Tables(HTMLParser):
+    """The cells of each table of a page, by the table's class: {class: [[cell text]]}."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self.current, self.cell = {}, None, None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.current = self.tables.setdefault(dict(attrs).get("class") or "", [])
+        elif tag == "tr" and self.current is not None:
+            self.current.append([])
+        elif tag in ("td", "th") and self.current is not None:
+            self.cell = ""
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self.cell is not None:
+            self.current[-1].append(self.cell.strip())
+            self.cell = None
+        elif tag == "table":
+            self.current = None
+
+    def handle_data(self, data):
+        if self.cell is not None:
+            self.cell += data
+
+
+def _section(page: str, element_id: str) -> str:
+    start = page.index(f'id="{element_id}"')
+    return page[start:page.index("</div>", start)]
+
+
+def test_history_and_the_report_say_what_the_fleet_did_with_each_generation(
+        initialised, monkeypatch):
+    """`offseason history` and the HTML report on a project after `offseason init` and a real
+    promotion of gen-1: first without a fleet (no serving column, one plain line in the
+    report); then a fleet of three replicas (servers that are down: no vLLM here) whose
+    verified pushes are recorded as `fleet.push` records them (gen-0 everywhere, gen-1 on the
+    canary), and whose real production gate (`fleet.judge` on ingested traces) and real failed
+    push are what the fleet itself writes. Each generation then says where it serves or why
+    it left, the report holds the gate's figures per measure and each push's times, and a
+    clone without `.offseason/` still shows the verdict from the committed promotion log.
+    """
+    import mlflow
+    import torch
+
+    from flows.audit import report
+    from flows.cli import history_rows
+    from flows.orchestration import fleet, promotion
+    from flows.project import tracking
+    from stages import io, tinylm
+
+    root = initialised
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
+    # no fleet: history as it was, the report one line
+    assert "serving" not in offseason(root, "history").stdout
+    page = report.html_report(root, history_rows(root), None, root / "reports" / "index.html"
+                              ).read_text()
+    assert 'id="serving">No fleet' in page and "<th>serving</th>" not in page
+
+    client, name = mlflow.MlflowClient(), "offseason-agent"
+    run_id = client.create_run(tracking.experiment(root), run_name="gen-1").info.run_id
+    model, tokenizer = tinylm.load(root / "models" / "champion")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.01)
+    tinylm.save(model, tokenizer, root / "models" / "candidate")
+    passed = {"passed": True, "candidate_score": 0.5, "champion_score": 0.1, "difference": 0.4,
+              "interval": [0.3, 0.5], "confidence": 0.9, "primary": "arith", "failures": [],
+              "reason": "lower bound +0.300 > 0.0; every guard held"}
+    promotion.promote(root, 1, passed, {"decision": "not-required", "approver": None,
+                                        "reason": "-"}, run_id, name)
+    down = [f"http://127.0.0.1:{servers.free_port()}/v1" for _ in range(3)]
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params.setdefault("runtime", {})["fleet"] = {"urls": ",".join(down), "canary": 1,
+                                                 "bake": BAKE}
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    config = cfg.fleet(root / "params.yaml")
+
+    def pushed(urls: list[str], version: str, reason: str) -> None:
+        # as `fleet.push` keeps each replica once verified, and logs the push (needs vLLM)
+        state = fleet.read_state(root)
+        entry = {"at": promotion.now(), "version": version, "reason": reason, "replicas": {}}
+        for url in urls:
+            state["replicas"][url] = entry["replicas"][url] = {
+                "version": version, "since": promotion.now(), "verified": True,
+                "update_seconds": 1.25, "verify_seconds": 0.5}
+            io.write_json(root / fleet.STATE, state)
+        fleet._log(root, {**entry, "seconds": 1.75 * len(urls)})
+
+    pushed(down, "gen-0", "offseason fleet push")
+    pushed(down[:1], "gen-1", "promoted")  # the canary, as `start_canary` records it
+    state = fleet.read_state(root)
+    state["canary"] = {"version": "gen-1", "generation": 1, "stable": "gen-0",
+                       "replicas": down[:1], "of": 3, "since": promotion.now(), "bake": BAKE,
+                       "names": {"canary": ["agent-a"], "stable": ["agent-b"]}}
+    io.write_json(root / fleet.STATE, state)
+    fleet._record(root, {"action": "canary", "generation": 1, "version": "gen-1",
+                         "stable": "gen-0", "replicas": 1, "of": 3, "reason": "promoted"},
+                  "canary: gen-1 on 1 of 3 replicas (stable gen-0)")
+    rows = {row["tag"]: row for row in history_rows(root)}
+    assert (rows["gen-0"]["serving"], rows["gen-1"]["serving"]) == ("2/3", "canary 1/3")
+    assert rows["gen-1"]["fleet"]["line"].startswith("canary on 1 of 3 since ")
+    assert rows["gen-1"]["fleet"]["line"].endswith(
+        f"(stable gen-0); production gate: live traces 0 and 0 of {BAKE} each so far")
+
+    # live traffic: the canary's users rate it down; the real production gate fails it
+    time.sleep(1)
+    at = promotion.now()
+    lines = [{"id": f"{arm}-{n}", "model": f"agent-{arm}", "created_at": at,
+              "feedback": {"thumbs_up": arm == "b"},
+              "messages": [{"role": "user", "content": f"what is {n}+{ord(arm)}?"},
+                           {"role": "assistant", "content": "answer:0"}]}
+             for arm in "ab" for n in range(BAKE)]
+    inbox = root / "data" / "live-inbox"
+    inbox.mkdir()
+    (inbox / "live.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    ingest.run(cfg.Ingest(), inbox, root / "data" / "traces", root / "data" / "live.parquet",
+               root / "live-q.jsonl")
+    assert fleet.judge(root, config)["status"] == "failed"
+    with pytest.raises(weights.PushFailed):  # gen-0 (the champion again) to a fleet that is down
+        fleet.push(root, config, "offseason fleet push")
+
+    rows = {row["tag"]: row for row in history_rows(root)}
+    assert (rows["gen-0"]["serving"], rows["gen-1"]["serving"]) == ("2/3", "put back")
+    line = rows["gen-1"]["fleet"]["line"]
+    assert line.startswith("put back: production gate failed ")
+    assert "(thumbs: canary 0.000 vs stable 1.000" in line
+    # its canary replica is down: the verdict stands, the put-back is said as not done
+    assert f"; the canary NOT put back ({down[0]}: not restored" in line
+    history = offseason(root, "history").stdout
+    assert "serving" in history.splitlines()[0]
+    said = {line.split()[0]: line for line in history.splitlines()[2:]}
+    assert said["gen-1"].split()[-1] == "back" and said["gen-0"].split()[-1] == "*"
+    assert f"gen-1 to {down[0]}, verified (update 1.25 s, verify 0.50 s): promoted" in history
+    assert f"gen-0 FAILED on {down[0]}: " in history
+    assert "serving    now         put back: production gate failed" in history
+    assert "prod gate" in history and "failed on live traffic: thumbs" in history
+
+    page = report.html_report(root, history_rows(root), None, root / "reports" / "index.html"
+                              ).read_text()
+    tables = _Tables()
+    tables.feed(page)
+    served = {row[0].rstrip(" *"): row[-2] for row in tables.tables[""][1:] if len(row) == 13}
+    assert served == {"gen-0": "2/3", "gen-1": "put back"}
+    gate = _section(page, "serving-gen-1")
+    assert "<h3>gen-1: put back</h3>" in gate and "<b>failed</b>" in gate
+    assert "champion gen-1 &rarr; gen-0" in gate and "by production gate" in gate
+    measures = {row[0]: row[1:] for row in tables.tables["measures"][1:]}
+    assert measures["thumbs"][:5] == ["0.000", "1.000", "-1.000", str(BAKE), str(BAKE)]
+    assert measures["thumbs"][5] == "Welch's t-test, one-sided"
+    assert float(measures["thumbs"][6]) < float(measures["thumbs"][7])  # p below its level
+    assert measures["thumbs"][8] == "worse" and measures["length"][-1].startswith("reported")
+    pushes = tables.tables["pushes"]
+    # newest generation first: gen-1's canary push, then gen-0's three and its failed one
+    assert [row[1] for row in pushes if row[5] == "verified"] == down[:1] + down
+    assert [row[3:5] for row in pushes if row[5] == "verified"] == [["1.25", "0.50"]] * 4
+    assert [row[1] for row in pushes if row[5].startswith("FAILED")] == [down[0]]
+
+    # a clone without `.offseason/`: the committed promotion log still holds the verdict
+    shutil.rmtree(root / ".offseason")
+    rows = {row["tag"]: row for row in history_rows(root)}
+    assert rows["gen-1"]["serving"] == "put back"
+    assert rows["gen-1"]["fleet"]["gates"][0]["measures"]["thumbs"]["worse"] is True
+
+
+def test_a_canary_that_passed_is_said_as_the_whole_fleet_and_the_one_before_as_replaced(
+        tmp_path):
+    """`fleet.history` and the report's Serving section on the path a failed gate does not
+    take (the records as the fleet writes them: its own `_log` and `_record`, the verdict from
+    `live_gate.compare` on literal measures; the pushes need vLLM, so are logged as `push` logs
+    them): gen-1 on all three replicas, gen-2's canary on one, the gate passes, the rest follows.
+    """
+    from flows.audit import report
+    from flows.orchestration import fleet
+    from flows.project.workspace import git
+    from stages import io, live_gate
+
+    root = tmp_path
+    urls = ["http://a:8000/v1", "http://b:8000/v1", "http://c:8000/v1"]
+    (root / "params.yaml").write_text(yaml.safe_dump({"runtime": {}}))
+    git(root, "init", "--quiet")
+    assert fleet.history(root) == {}  # no fleet: nothing to say
+    assert "No fleet" in report.serving_section([{"tag": "gen-0", "fleet": None}])
+    (root / "params.yaml").write_text(yaml.safe_dump(
+        {"runtime": {"fleet": {"urls": ",".join(urls), "canary": 1, "bake": 4}}}))
+    git(root, "add", "-A")
+    git(root, "commit", "--quiet", "-m", "project")
+
+    def pushed(to: list[str], version: str, reason: str, at: str) -> None:
+        state = fleet.read_state(root)
+        entry = {"at": at, "version": version, "reason": reason, "replicas": {}}
+        for n, url in enumerate(to):
+            state["replicas"][url] = entry["replicas"][url] = {
+                "version": version, "since": at, "verified": True,
+                "update_seconds": 2.0 + n, "verify_seconds": 0.25}
+        (root / fleet.STATE).parent.mkdir(exist_ok=True)
+        io.write_json(root / fleet.STATE, state)
+        fleet._log(root, {**entry, "seconds": 9.0})
+
+    pushed(urls, "gen-1", "promoted", "2026-12-01T10:00:00+00:00")
+    pushed(urls[:1], "gen-2", "promoted", "2026-12-02T10:00:00+00:00")
+    fleet._record(root, {"action": "canary", "generation": 2, "version": "gen-2",
+                         "stable": "gen-1", "replicas": 1, "of": 3, "reason": "promoted"},
+                  "canary: gen-2 on 1 of 3 replicas (stable gen-1)")
+    arm = {"reward": [1.0, 0.0, 1.0, 1.0], "thumbs": [1.0, 1.0, 0.0], "errors": [0.0] * 4,
+           "length": [10.0, 12.0, 8.0, 9.0], "unjudged": 0, "verifier_errors": 0}
+    verdict = {**live_gate.compare({"canary": arm, "stable": arm}, 0.05), "status": "passed",
+               "traces": {"canary": 4, "stable": 4}, "bake": 4, "version": "gen-2",
+               "stable": "gen-1", "at": "2026-12-03T10:00:00+00:00"}
+    pushed(urls[1:], "gen-2", f"production gate passed: {verdict['reason']}",
+           "2026-12-03T10:00:05+00:00")
+    verdict["pushed"] = urls[1:]
+    fleet._log(root, {"at": verdict["at"], "step": "production-gate", **verdict})
+
+    said = fleet.history(root)
+    assert said["gen-2"]["serving"] == "all 3"
+    assert said["gen-2"]["line"] == ("all 3 replicas, verified, since 2026-12-03T10:00:05+00:00; "
+                                     "production gate passed 2026-12-03T10:00:00+00:00")
+    assert (said["gen-1"]["serving"], said["gen-1"]["line"]) == (
+        "replaced", "replaced by gen-2 from 2026-12-02T10:00:00+00:00")
+    section = report.serving_section([{"tag": t, "fleet": said[t], "rollbacks": []}
+                                      for t in ("gen-1", "gen-2")])
+    assert section.index('id="serving-gen-2"') < section.index('id="serving-gen-1"')
+    assert "<b>passed</b>" in section and "no measure shows the canary worse" in section
+    assert f"the rest of the fleet took gen-2: {urls[1]}, {urls[2]}" in section
+    tables = _Tables()
+    tables.feed(section)
+    measures = {row[0]: row for row in tables.tables["measures"][1:]}
+    assert measures["reward"][-1] == "not worse" and measures["reward"][1:3] == ["0.750"] * 2
+    pushes = [row for row in tables.tables["pushes"] if row[0] != "pushed"]
+    assert [(row[1], row[3]) for row in pushes] == [
+        (urls[0], "2.00"), (urls[1], "2.00"), (urls[2], "3.00"),  # gen-2
+        (urls[0], "2.00"), (urls[1], "3.00"), (urls[2], "4.00")]  # gen-1
