@@ -94,9 +94,10 @@ MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_TIMEOUT": 120, "MLFLOW_HTTP_REQUEST_MAX_RETR
 def mlflow_requests(stall: float, env) -> dict[str, str]:
     """MLflow's HTTP settings fitted inside `runtime.mlflow.stall_seconds`, so that a server that
     accepts and never answers fails a request within it, all of MLflow's tries included: at most
-    4 tries, the backoff between them (MLflow's, lowered to fit) within a quarter of the bound,
-    each try waiting an equal share of the rest (whole seconds, at least 1: fewer tries where
-    that would not fit). A value `env` sets already is kept where it is lower.
+    4 tries, the backoff between them as much as a quarter of the bound holds (a server that
+    restarts, refusing connections meanwhile, is waited for that long: at 300 s, 74 s), each try
+    waiting an equal share of the rest (whole seconds, at least 1: fewer tries where that would
+    not fit). A value `env` sets already is kept where it is lower.
     """
     timeout, retries, factor, jitter = (type(default)(env.get(key, default))
                                         for key, default in MLFLOW_HTTP.items())
@@ -107,6 +108,11 @@ def mlflow_requests(stall: float, env) -> dict[str, str]:
 
     while factor > 0 and backoff(retries, factor) > stall / 4:
         factor -= 1
+    # MLflow's own factor (2) would give up on a restarting server within 14 s: raised as far
+    # as the quarter holds, unless the user set one
+    while "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR" not in env and \
+            backoff(retries, factor + 1) <= stall / 4:
+        factor += 1
     while True:
         share = max(1, int((stall - backoff(retries, factor)) // (retries + 1)))
         if retries == 0 or (retries + 1) * min(timeout, share) + backoff(retries, factor) <= stall:
