@@ -101,7 +101,7 @@ class Init:
     n_embd: int = Field(128, gt=0, description="width; a multiple of n_head")
     n_head: int = Field(4, gt=0, description="attention heads")
     n_positions: int = Field(80, gt=0, description="longest sequence, in tokens")
-    warmup_steps: int = Field(500, gt=0, description="optimizer steps of the warm start")
+    warmup_steps: int = Field(1000, gt=0, description="optimizer steps of the warm start")
     batch_size: int = Field(64, gt=0, description="sequences per optimizer step")
     lr: Float = Field(3e-3, gt=0, description="learning rate of the warm start")
     tool_fraction: Float = Field(0.2, ge=0, le=1, description="share of demonstrations that "
