@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.request
 
+import mlflow
 import pytest
 from conftest import BIN
 from wedging_server import Proxy
@@ -90,6 +91,9 @@ def test_a_tracking_server_that_wedges_mid_cycle_fails_the_next_request_within_t
     root = tmp_path / "project"
     root.mkdir()
     (root / "params.yaml").write_text(f"runtime:\n  mlflow:\n    stall_seconds: {BOUND_S}\n")
+    # another test in this worker may have pinned MLflow's process-wide URI (set_tracking_uri),
+    # which wins over the environment: unpinned, as a fresh `offseason run` process is
+    mlflow.set_tracking_uri(None)
     os.environ["MLFLOW_TRACKING_URI"] = proxy.url
     for key in workspace.MLFLOW_HTTP:
         os.environ.pop(key, None)
