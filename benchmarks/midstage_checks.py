@@ -42,6 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from reward_scaleout import rollouts  # noqa: E402  (distinct code rollouts, its own)
+
 from stages import budget as budgets  # noqa: E402
 from stages import config as cfg  # noqa: E402
 
@@ -68,33 +70,11 @@ def per_call(fn, calls: int = 2000) -> float:
     return best
 
 
-def reward_rows(n: int):
-    """`n` distinct rollouts of the code tasks, each a reference solution (see reward_scaleout)."""
-    import pyarrow as pa
-
-    from stages import rollout
-    from stages.envs import coding, contract
-
-    tasks = contract.load_tasks(ROOT / "data/tasks/code.jsonl", "code")
-    rows = []
-    for i in range(n):
-        task = tasks[i % len(tasks)]
-        added = [{**m, "content": m["content"].replace("```python\n", f"```python\n# attempt {i}\n", 1)}
-                 for m in coding.gold(task)]
-        rows.append({"task_id": f"code:{task['task_id']}", "environment": "code",
-                     "sample": i // len(tasks), "task": json.dumps(task),
-                     "messages": json.dumps(task["messages"] + added),
-                     "completion": json.dumps(added), "token_ids": [], "model_mask": [],
-                     "logprobs": [], "finish": "eos", "tool_calls": 0, "tool_errors": 0,
-                     "error": None, "turns": []})
-    return pa.Table.from_pylist(rows, schema=rollout.SCHEMA)
-
-
 def reward_stage(n: int, repeats: int) -> dict:
     """The reward stage with and without its budget checks; the counted cost."""
     from stages import reward
 
-    table, specs = reward_rows(n), {"code": cfg.EnvironmentSpec(module="stages.envs.coding")}
+    table, specs = rollouts(n), {"code": cfg.EnvironmentSpec(module="stages.envs.coding")}
     config = cfg.Reward(workers=2)
     times: dict[str, list[float]] = {"on": [], "off": []}
     checks = [0]
@@ -105,7 +85,7 @@ def reward_stage(n: int, repeats: int) -> dict:
             return super().check(*args, **kwargs)
 
     outputs = {}
-    reward.score(specs, reward_rows(8), ROOT, config)  # warm-up: imports, the first sandbox runs
+    reward.score(specs, rollouts(8), ROOT, config)  # warm-up: imports, the first sandbox runs
     for round_ in range(repeats):
         for arm in (("on", "off") if round_ % 2 == 0 else ("off", "on")):
             meter = None
