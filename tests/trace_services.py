@@ -187,6 +187,19 @@ def after(start: str, since: str | None) -> bool:
     return since is None or parse(start) >= parse(since)
 
 
+def set_langfuse(monkeypatch, url, secret="sk-lf-test"):
+    """The environment `offseason pull` (and erase --upstream) reads for Langfuse at `url`."""
+    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-test")
+    monkeypatch.setenv("LANGFUSE_SECRET_KEY", secret)
+    monkeypatch.setenv("LANGFUSE_HOST", url)
+
+
+def set_langsmith(monkeypatch, url, key="lsv2_pt_test"):
+    """The same for LangSmith at `url`."""
+    monkeypatch.setenv("LANGSMITH_API_KEY", key)
+    monkeypatch.setenv("LANGSMITH_ENDPOINT", url)
+
+
 class Service(BaseHTTPRequestHandler):
     """Langfuse's and LangSmith's public API, as far as the SDKs call it."""
 

@@ -156,11 +156,12 @@ def _need(names: list[str], extra: str) -> dict[str, str]:
 OBSERVATION_FIELDS = "core,basic,time,io,model,usage,trace_context"
 
 
-def langfuse_traces(since: datetime | None, limit: int, seen: set[str], project: str,
-                    got: Pulled, stall: float) -> None:
-    """New traces from Langfuse, into `got`; a request unanswered for `stall` seconds fails."""
+def langfuse_api(timeout: float):
+    """The Langfuse SDK's API client (requests unanswered for `timeout` seconds fail), its host,
+    and the SDK's error type; PullError when the SDK or the keys are missing. Also erase's
+    (`flows/orchestration/upstream.py`).
+    """
     try:
-        import httpx
         from langfuse._version import __version__
         from langfuse.api import LangfuseAPI
         from langfuse.api.core.api_error import ApiError
@@ -175,7 +176,16 @@ def langfuse_traces(since: datetime | None, limit: int, seen: set[str], project:
     api = LangfuseAPI(base_url=host, username=keys["LANGFUSE_PUBLIC_KEY"],
                       password=keys["LANGFUSE_SECRET_KEY"], x_langfuse_sdk_name="python",
                       x_langfuse_sdk_version=__version__,
-                      x_langfuse_public_key=keys["LANGFUSE_PUBLIC_KEY"], timeout=stall)
+                      x_langfuse_public_key=keys["LANGFUSE_PUBLIC_KEY"], timeout=timeout)
+    return api, host, ApiError
+
+
+def langfuse_traces(since: datetime | None, limit: int, seen: set[str], project: str,
+                    got: Pulled, stall: float) -> None:
+    """New traces from Langfuse, into `got`; a request unanswered for `stall` seconds fails."""
+    import httpx
+
+    api, host, ApiError = langfuse_api(stall)
     try:  # (its client retries answers of 429 and 5xx, never a timeout)
         _langfuse_pull(api, since, limit, seen, got)
     except ApiError as err:

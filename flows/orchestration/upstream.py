@@ -34,7 +34,7 @@ import re
 import warnings
 from pathlib import Path
 
-from flows.intake.pull import TIMEOUT, PullError, _need
+from flows.intake.pull import TIMEOUT, PullError, _need, langfuse_api
 
 SERVICES = ("langfuse", "langsmith")
 # the names `write_inbox` gives pull's files: <service>-<%Y%m%dT%H%M%S%f>Z[-n].jsonl
@@ -121,26 +121,18 @@ def origins(root: Path, traces: set[str], files: set[str]) -> list[dict]:
 # --- the vendors --------------------------------------------------------------------------------
 
 def _langfuse():
-    """The Langfuse SDK's API client as pull builds it, its host, and the SDK's error types."""
+    """The Langfuse SDK's API client as pull builds it (`pull.langfuse_api`), its host, and the
+    SDK's error types; Refused, saying what to do, when the SDK or the keys are missing.
+    """
+    import httpx
+
     try:
-        import httpx
-        from langfuse._version import __version__
-        from langfuse.api import LangfuseAPI
-        from langfuse.api.core.api_error import ApiError
-    except ImportError:
-        raise Refused("the Langfuse SDK is not installed", "pip install 'offseason[langfuse]', "
-                      "then run the same erase with --upstream again") from None
-    try:
-        keys = _need(["LANGFUSE_PUBLIC_KEY", "LANGFUSE_SECRET_KEY"], "Langfuse")
+        api, host, ApiError = langfuse_api(TIMEOUT)
     except PullError as err:
-        raise Refused(str(err).split(":")[0], "put the Langfuse project's keys in the "
-                      "environment, then run the same erase with --upstream again") from None
-    host = (os.environ.get("LANGFUSE_BASE_URL") or os.environ.get("LANGFUSE_HOST")
-            or "https://cloud.langfuse.com")
-    api = LangfuseAPI(base_url=host, username=keys["LANGFUSE_PUBLIC_KEY"],
-                      password=keys["LANGFUSE_SECRET_KEY"], x_langfuse_sdk_name="python",
-                      x_langfuse_sdk_version=__version__,
-                      x_langfuse_public_key=keys["LANGFUSE_PUBLIC_KEY"], timeout=TIMEOUT)
+        todo = ("pip install 'offseason[langfuse]'" if "not installed" in str(err) else
+                "put the Langfuse project's keys in the environment")
+        raise Refused(str(err).split(":")[0], f"{todo}, then run the same erase with "
+                                               f"--upstream again") from None
     return api, host, ApiError, httpx.HTTPError
 
 

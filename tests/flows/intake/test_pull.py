@@ -16,7 +16,18 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from trace_services import LAST_CYCLE, LF_NEW, LF_OLD, LS_NEW, LS_OLD, OLD, Service, iso
+from trace_services import (
+    LAST_CYCLE,
+    LF_NEW,
+    LF_OLD,
+    LS_NEW,
+    LS_OLD,
+    OLD,
+    Service,
+    iso,
+    set_langfuse,
+    set_langsmith,
+)
 
 from flows.intake import pull
 from stages import config as cfg
@@ -49,17 +60,6 @@ def workspace(tmp_path, monkeypatch):
                                   "--allow-empty", "-m", "gen-1"], ["tag", "gen-1"]):
         subprocess.run(["git", *args], cwd=tmp_path, check=True, env=env)
     return tmp_path
-
-
-def set_langfuse(monkeypatch, url, secret="sk-lf-test"):
-    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-test")
-    monkeypatch.setenv("LANGFUSE_SECRET_KEY", secret)
-    monkeypatch.setenv("LANGFUSE_HOST", url)
-
-
-def set_langsmith(monkeypatch, url, key="lsv2_pt_test"):
-    monkeypatch.setenv("LANGSMITH_API_KEY", key)
-    monkeypatch.setenv("LANGSMITH_ENDPOINT", url)
 
 
 def ingest_inbox(root: Path) -> tuple[dict, list[dict]]:

@@ -12,7 +12,7 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from trace_services import LF_NEW, LF_OLD, LS_NEW, LS_SESSION, Service
+from trace_services import LF_NEW, LF_OLD, LS_NEW, LS_SESSION, Service, set_langfuse, set_langsmith
 
 from flows.intake import pull
 from flows.orchestration import erase
@@ -33,17 +33,6 @@ def service():
     server.shutdown()
     server.server_close()
     Service.deleting, Service.gone = set(), set()  # the traces back for the next test
-
-
-def set_langfuse(monkeypatch, url, secret="sk-lf-test"):
-    monkeypatch.setenv("LANGFUSE_PUBLIC_KEY", "pk-lf-test")
-    monkeypatch.setenv("LANGFUSE_SECRET_KEY", secret)
-    monkeypatch.setenv("LANGFUSE_HOST", url)
-
-
-def set_langsmith(monkeypatch, url, key="lsv2_pt_test"):
-    monkeypatch.setenv("LANGSMITH_API_KEY", key)
-    monkeypatch.setenv("LANGSMITH_ENDPOINT", url)
 
 
 def git(root: Path, *args: str) -> str:

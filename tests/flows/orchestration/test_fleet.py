@@ -103,6 +103,25 @@ def live_conversations(url: str, count: int, offset: int) -> list[dict]:
     return lines
 
 
+def live_traffic(root: Path) -> None:
+    """BAKE live traces per arm, ingested: the canary's (agent-a) users rate it down, the
+    stable's (agent-b) up.
+    """
+    from flows.orchestration import promotion
+
+    at = promotion.now()
+    lines = [{"id": f"{arm}-{n}", "model": f"agent-{arm}", "created_at": at,
+              "feedback": {"thumbs_up": arm == "b"},
+              "messages": [{"role": "user", "content": f"what is {n}+{ord(arm)}?"},
+                           {"role": "assistant", "content": "answer:0"}]}
+             for arm in "ab" for n in range(BAKE)]
+    inbox = root / "data" / "live-inbox"
+    inbox.mkdir()
+    (inbox / "live.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    ingest.run(cfg.Ingest(), inbox, root / "data" / "traces", root / "data" / "live.parquet",
+               root / "live-q.jsonl")
+
+
 @pytest.mark.vllm
 def test_a_canary_worse_on_live_traffic_is_put_back_on_the_stable_generation(
         two_replicas, tmp_path):
@@ -248,17 +267,7 @@ def test_a_failed_production_gate_puts_the_champion_back_and_says_so_everywhere(
         f"live traces 0 and 0 of {BAKE} each: baking")
     # live traces: the canary's users rate it down, the stable's up
     time.sleep(1)
-    at = promotion.now()
-    lines = [{"id": f"{arm}-{n}", "model": f"agent-{arm}", "created_at": at,
-              "feedback": {"thumbs_up": arm == "b"},
-              "messages": [{"role": "user", "content": f"what is {n}+{ord(arm)}?"},
-                           {"role": "assistant", "content": "answer:0"}]}
-             for arm in "ab" for n in range(BAKE)]
-    inbox = root / "data" / "live-inbox"
-    inbox.mkdir()
-    (inbox / "live.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    ingest.run(cfg.Ingest(), inbox, root / "data" / "traces", root / "data" / "live.parquet",
-               root / "live-q.jsonl")
+    live_traffic(root)
 
     judged = offseason(root, "fleet", "judge", check=False)  # as a person decides at once
     assert judged.returncode == 1, judged.stderr[-2000:]
@@ -419,17 +428,7 @@ def test_history_and_the_report_say_what_the_fleet_did_with_each_generation(
 
     # live traffic: the canary's users rate it down; the real production gate fails it
     time.sleep(1)
-    at = promotion.now()
-    lines = [{"id": f"{arm}-{n}", "model": f"agent-{arm}", "created_at": at,
-              "feedback": {"thumbs_up": arm == "b"},
-              "messages": [{"role": "user", "content": f"what is {n}+{ord(arm)}?"},
-                           {"role": "assistant", "content": "answer:0"}]}
-             for arm in "ab" for n in range(BAKE)]
-    inbox = root / "data" / "live-inbox"
-    inbox.mkdir()
-    (inbox / "live.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    ingest.run(cfg.Ingest(), inbox, root / "data" / "traces", root / "data" / "live.parquet",
-               root / "live-q.jsonl")
+    live_traffic(root)
     assert fleet.judge(root, config)["status"] == "failed"
     with pytest.raises(weights.PushFailed):  # gen-0 (the champion again) to a fleet that is down
         fleet.push(root, config, "offseason fleet push")
